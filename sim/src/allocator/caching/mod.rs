@@ -1,0 +1,1 @@
+//! PyTorch's CUDA caching allocator (SKELETON: being written).

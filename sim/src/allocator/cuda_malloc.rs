@@ -1,0 +1,1 @@
+//! No caching: every allocation is its own device allocation (SKELETON: being written).

@@ -1,0 +1,189 @@
+//! The `Allocator` trait and the allocator models behind it.
+//!
+//! An allocator model receives the `malloc`/`free`/`record_stream`/`empty_cache` calls a replay makes, keeps
+//! its own view of device memory and its statistics in PyTorch's vocabulary, and answers `malloc` with a
+//! block or an out-of-memory error carrying PyTorch's message. Models are deterministic: the same calls with
+//! the same settings give the same bytes, every time.
+
+pub mod caching;
+pub mod cuda_malloc;
+
+use vramsim_traces::StreamId;
+
+use crate::device::Device;
+use crate::rounding::PoolKind;
+use crate::stats::MemoryStats;
+use crate::timeline::Timeline;
+
+/// A live block handed out by an allocator; valid until it is freed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BlockRef(pub u32);
+
+/// Why a `malloc` failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutOfMemory {
+    /// PyTorch's `OutOfMemoryError` text.
+    pub message: String,
+    /// The requested (unrounded) size.
+    pub requested: u64,
+    /// The size the allocator tried to obtain from the device (§1.4), 0 for the "more than 1EB" case.
+    pub alloc_size: u64,
+    /// `cudaMemGetInfo` free bytes at the failure.
+    pub device_free: u64,
+}
+
+/// One entry of the allocator's history, as PyTorch's `_record_memory_history` records it (§10.2).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HistoryEntry {
+    /// What happened.
+    pub action: Action,
+    /// Block or segment address (for `Oom`, the device's free bytes).
+    pub addr: u64,
+    /// Size as §10.2 defines it per action (requested size for block actions).
+    pub size: u64,
+    /// The stream of the block or segment.
+    pub stream: StreamId,
+    /// Host time in nanoseconds.
+    pub time_ns: u64,
+}
+
+/// The trace actions of §10.2.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// A block handed out.
+    Alloc,
+    /// The user freed a block.
+    FreeRequested,
+    /// The block returned to the cache.
+    FreeCompleted,
+    /// `cudaMalloc` of a segment.
+    SegmentAlloc,
+    /// `cudaFree` of a segment.
+    SegmentFree,
+    /// Pages of an expandable segment mapped.
+    SegmentMap,
+    /// Pages of an expandable segment unmapped.
+    SegmentUnmap,
+    /// An out-of-memory error.
+    Oom,
+}
+
+impl Action {
+    /// The action string of PyTorch snapshots (`free_requested`, `segment_map`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Action::Alloc => "alloc",
+            Action::FreeRequested => "free_requested",
+            Action::FreeCompleted => "free_completed",
+            Action::SegmentAlloc => "segment_alloc",
+            Action::SegmentFree => "segment_free",
+            Action::SegmentMap => "segment_map",
+            Action::SegmentUnmap => "segment_unmap",
+            Action::Oom => "oom",
+        }
+    }
+}
+
+/// The state of a block in a snapshot (§10.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BlockState {
+    /// Handed out.
+    ActiveAllocated,
+    /// Freed by the user, waiting for stream events.
+    ActivePendingFree,
+    /// Cached.
+    Inactive,
+}
+
+impl BlockState {
+    /// The state string of PyTorch snapshots.
+    pub fn name(self) -> &'static str {
+        match self {
+            BlockState::ActiveAllocated => "active_allocated",
+            BlockState::ActivePendingFree => "active_pending_free",
+            BlockState::Inactive => "inactive",
+        }
+    }
+}
+
+/// One block of a segment in a snapshot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockInfo {
+    /// Device address.
+    pub address: u64,
+    /// Block size (rounded).
+    pub size: u64,
+    /// Requested size of an active block (0 for inactive ones).
+    pub requested_size: u64,
+    /// Its state.
+    pub state: BlockState,
+}
+
+/// One segment (a cudaMalloc, or one contiguous mapped range of an expandable segment) in a snapshot,
+/// with the fields of `torch.cuda.memory_snapshot()`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentInfo {
+    /// Device address of the first byte.
+    pub address: u64,
+    /// Bytes reserved from the device.
+    pub total_size: u64,
+    /// Σ size of allocated blocks.
+    pub allocated_size: u64,
+    /// Σ size of active blocks.
+    pub active_size: u64,
+    /// Σ requested size of active blocks.
+    pub requested_size: u64,
+    /// Allocation stream.
+    pub stream: StreamId,
+    /// Small or large pool.
+    pub pool: PoolKind,
+    /// Part of an expandable segment.
+    pub is_expandable: bool,
+    /// Blocks in address order.
+    pub blocks: Vec<BlockInfo>,
+}
+
+/// A simulated device allocator.
+pub trait Allocator {
+    /// `malloc(size, stream)`: a block of at least `size` bytes (size > 0; the engine answers size 0 with a
+    /// null pointer as PyTorch does), or PyTorch's out-of-memory error. May advance the host clock when the
+    /// allocator waits on CUDA events (§3 step 4e).
+    fn malloc(
+        &mut self,
+        size: u64,
+        stream: StreamId,
+        timeline: &mut Timeline,
+    ) -> Result<BlockRef, OutOfMemory>;
+
+    /// `free(block)`: immediate, or deferred until the streams recorded on the block pass this point.
+    fn free(&mut self, block: BlockRef, timeline: &mut Timeline);
+
+    /// `record_stream(block, stream)`.
+    fn record_stream(&mut self, block: BlockRef, stream: StreamId);
+
+    /// `empty_cache()`: waits for pending frees and returns every whole free segment to the device.
+    fn empty_cache(&mut self, timeline: &mut Timeline);
+
+    /// Statistics in `torch.cuda.memory_stats()` form.
+    fn stats(&self) -> &MemoryStats;
+
+    /// `reset_peak_memory_stats()`.
+    fn reset_peak_stats(&mut self);
+
+    /// The device this allocator lives on.
+    fn device(&self) -> &Device;
+
+    /// Bytes this process holds on the device: reserved memory plus the CUDA context.
+    fn device_used(&self) -> u64 {
+        self.stats().reserved_bytes.all.current as u64 + self.device().context_bytes
+    }
+
+    /// The segments and their blocks, sorted by address (`torch.cuda.memory_snapshot()`).
+    fn segments(&self) -> Vec<SegmentInfo>;
+
+    /// Starts or stops recording history (`_record_memory_history`).
+    fn set_record_history(&mut self, enabled: bool);
+
+    /// Takes the history recorded since the last call.
+    fn take_history(&mut self) -> Vec<HistoryEntry>;
+}

@@ -1,0 +1,2 @@
+//! The `vramsim` command line.
+fn main() {}

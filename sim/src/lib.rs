@@ -1,0 +1,14 @@
+//! # vramsim-sim
+//!
+//! Replays allocation traces against simulated GPU allocators, first among them a faithful model of
+//! PyTorch's CUDA caching allocator, and reports peaks, statistics, fragmentation and out-of-memory errors
+//! in PyTorch's own words.
+
+pub mod allocator;
+pub mod config;
+pub mod device;
+pub mod format;
+pub mod oom;
+pub mod rounding;
+pub mod stats;
+pub mod timeline;
