@@ -11,9 +11,40 @@
 //! assert_eq!(alloc.op(), "alloc");
 //! ```
 //!
+//! Reading and writing a trace file takes one call each; the format (whole-document JSON or JSON
+//! Lines, gzip-compressed or not) is detected from the content on the way in and chosen by the file
+//! name on the way out:
+//!
+//! ```no_run
+//! let trace = vramsim_traces::read_trace("step.json")?;
+//! vramsim_traces::write_trace("step.jsonl.gz", &trace)?;
+//! for event in vramsim_traces::open_events("step.jsonl.gz")? {
+//!     let event = event?; // streamed: memory for one line, not the whole file
+//! #   let _ = event;
+//! }
+//! # Ok::<(), vramsim_traces::TraceError>(())
+//! ```
+//!
+//! The formats are documented in `docs/trace-format.md`. Modules: [`event`] (the contract),
+//! [`trace`] ([`Trace`], [`Meta`]), [`json`] and [`jsonl`] (the two formats), [`file`](mod@file) (detection,
+//! gzip), [`error`] ([`TraceError`]: every error names its file, line, column and event index).
+//!
 //! This crate deliberately knows nothing of models or allocators: it only says what happened, in which
 //! order, and checks that the text it reads says it well.
 
+mod codec;
+pub mod error;
 pub mod event;
+pub mod file;
+pub mod json;
+pub mod jsonl;
+pub mod trace;
 
+pub use error::{EventProblem, HeaderProblem, Location, TraceError};
 pub use event::{AllocId, Category, Event, StreamId, OPS};
+pub use file::{
+    open_events, open_events_from, read_trace, read_trace_from, write_trace, EventStream, Format,
+};
+pub use json::{parse_json, read_json, write_json};
+pub use jsonl::{read_jsonl, write_jsonl, JsonlReader, JsonlWriter};
+pub use trace::{Meta, Trace, FORMAT_NAME, FORMAT_VERSION};
