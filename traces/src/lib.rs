@@ -38,6 +38,8 @@ pub mod event;
 pub mod file;
 pub mod json;
 pub mod jsonl;
+pub mod pickle;
+pub mod snapshot;
 pub mod trace;
 
 pub use error::{EventProblem, HeaderProblem, Location, TraceError};
