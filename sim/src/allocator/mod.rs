@@ -187,3 +187,44 @@ pub trait Allocator {
     /// Takes the history recorded since the last call.
     fn take_history(&mut self) -> Vec<HistoryEntry>;
 }
+
+impl<T: Allocator + ?Sized> Allocator for Box<T> {
+    fn malloc(
+        &mut self,
+        size: u64,
+        stream: StreamId,
+        timeline: &mut Timeline,
+    ) -> Result<BlockRef, OutOfMemory> {
+        (**self).malloc(size, stream, timeline)
+    }
+    fn free(&mut self, block: BlockRef, timeline: &mut Timeline) {
+        (**self).free(block, timeline)
+    }
+    fn record_stream(&mut self, block: BlockRef, stream: StreamId) {
+        (**self).record_stream(block, stream)
+    }
+    fn empty_cache(&mut self, timeline: &mut Timeline) {
+        (**self).empty_cache(timeline)
+    }
+    fn stats(&self) -> &MemoryStats {
+        (**self).stats()
+    }
+    fn reset_peak_stats(&mut self) {
+        (**self).reset_peak_stats()
+    }
+    fn device(&self) -> &Device {
+        (**self).device()
+    }
+    fn device_used(&self) -> u64 {
+        (**self).device_used()
+    }
+    fn segments(&self) -> Vec<SegmentInfo> {
+        (**self).segments()
+    }
+    fn set_record_history(&mut self, enabled: bool) {
+        (**self).set_record_history(enabled)
+    }
+    fn take_history(&mut self) -> Vec<HistoryEntry> {
+        (**self).take_history()
+    }
+}
