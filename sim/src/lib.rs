@@ -7,8 +7,12 @@
 pub mod allocator;
 pub mod config;
 pub mod device;
+pub mod engine;
 pub mod format;
 pub mod oom;
+pub mod plot;
+pub mod report;
 pub mod rounding;
 pub mod stats;
+pub mod summary;
 pub mod timeline;

@@ -1,2 +1,0 @@
-//! The `vramsim` command line.
-fn main() {}

@@ -1,0 +1,138 @@
+//! The options that describe the simulated machine: GPU, capacity, context, allocator and its settings.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use vramsim_sim::allocator::caching::CachingAllocator;
+use vramsim_sim::allocator::cuda_malloc::CudaMallocAllocator;
+use vramsim_sim::allocator::Allocator;
+use vramsim_sim::config::AllocatorConfig;
+use vramsim_sim::device::{parse_size, Device, DEFAULT_GPU, PRESETS};
+use vramsim_sim::format::format_size;
+
+/// The allocator models.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AllocatorKind {
+    /// PyTorch's CUDA caching allocator (the default native backend).
+    Pytorch,
+    /// No caching: every tensor is its own cudaMalloc (PYTORCH_NO_CUDA_MEMORY_CACHING=1).
+    CudaMalloc,
+}
+
+impl AllocatorKind {
+    /// The name used on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            AllocatorKind::Pytorch => "pytorch",
+            AllocatorKind::CudaMalloc => "cuda-malloc",
+        }
+    }
+}
+
+/// Machine options shared by every command that simulates a device.
+#[derive(Args, Clone, Debug)]
+pub struct MachineArgs {
+    /// Allocator model.
+    #[arg(long, value_enum, default_value_t = AllocatorKind::Pytorch)]
+    pub allocator: AllocatorKind,
+    /// PYTORCH_CUDA_ALLOC_CONF settings, e.g. "expandable_segments:True" or
+    /// "max_split_size_mb:128,garbage_collection_threshold:0.6".
+    #[arg(long, default_value = "")]
+    pub alloc_conf: String,
+    /// GPU preset (see `vramsim gpus`); the default is an 80 GB H100.
+    #[arg(long, conflicts_with = "capacity")]
+    pub gpu: Option<String>,
+    /// Device capacity instead of a preset, e.g. 24GiB, 80GB, 17179869184.
+    #[arg(long)]
+    pub capacity: Option<String>,
+    /// CUDA context size of this process (default: the preset's figure), e.g. 500MiB.
+    #[arg(long)]
+    pub context: Option<String>,
+    /// Memory held on the GPU by other processes, e.g. 2GiB.
+    #[arg(long)]
+    pub other_processes: Option<String>,
+    /// torch.cuda.set_per_process_memory_fraction(F), F in [0, 1].
+    #[arg(long)]
+    pub memory_fraction: Option<f64>,
+}
+
+/// A configured allocator with what describes it in reports.
+pub struct Machine {
+    /// The allocator, ready to replay.
+    pub allocator: Box<dyn Allocator>,
+    /// The settings string in force.
+    pub alloc_conf: String,
+    /// The memory fraction in force.
+    pub memory_fraction: Option<f64>,
+}
+
+impl MachineArgs {
+    /// The device these options describe.
+    pub fn device(&self) -> Result<Device> {
+        let mut device = match (&self.gpu, &self.capacity) {
+            (_, Some(capacity)) => {
+                Device::with_capacity(parse_size(capacity).context("invalid --capacity")?)
+            }
+            (gpu, None) => Device::preset(gpu.as_deref().unwrap_or(DEFAULT_GPU))?,
+        };
+        if let Some(context) = &self.context {
+            device.context_bytes = parse_size(context).context("invalid --context")?;
+        }
+        if let Some(others) = &self.other_processes {
+            device.other_processes = vec![vramsim_sim::device::OtherProcess {
+                pid: 0,
+                bytes: parse_size(others).context("invalid --other-processes")?,
+            }];
+        }
+        if device.non_allocator_bytes() > device.total_memory {
+            bail!(
+                "the CUDA context and other processes ({}) exceed the device's {}",
+                format_size(device.non_allocator_bytes()),
+                format_size(device.total_memory)
+            );
+        }
+        Ok(device)
+    }
+
+    /// Builds the allocator these options describe.
+    pub fn build(&self) -> Result<Machine> {
+        let device = self.device()?;
+        let mut config = AllocatorConfig::parse(&self.alloc_conf)
+            .map_err(|e| anyhow::anyhow!("invalid --alloc-conf {:?}: {e}", self.alloc_conf))?;
+        if let Some(fraction) = self.memory_fraction {
+            // torch.cuda.set_per_process_memory_fraction's own check (§12.3).
+            if !(0.0..=1.0).contains(&fraction) {
+                bail!("invalid --memory-fraction: Invalid fraction value: {fraction}. Allowed range: 0~1");
+            }
+            config.per_process_memory_fraction = Some(fraction);
+        }
+        let memory_fraction = config.per_process_memory_fraction;
+        let allocator: Box<dyn Allocator> = match self.allocator {
+            AllocatorKind::Pytorch => Box::new(CachingAllocator::new(config, device)),
+            AllocatorKind::CudaMalloc => Box::new(CudaMallocAllocator::new(device)),
+        };
+        Ok(Machine {
+            allocator,
+            alloc_conf: self.alloc_conf.clone(),
+            memory_fraction,
+        })
+    }
+}
+
+/// `vramsim gpus`.
+pub fn list_gpus() -> Result<()> {
+    println!(
+        "{:<14} {:<34} {:>18} {:>12}",
+        "name", "device", "total_memory", ""
+    );
+    for preset in PRESETS {
+        println!(
+            "{:<14} {:<34} {:>18} {:>12}",
+            preset.name,
+            preset.device_name,
+            preset.total_memory,
+            format_size(preset.total_memory)
+        );
+    }
+    println!("\ndefault: {DEFAULT_GPU}; sources: `vramsim gpus --json` is not needed, see sim/src/device.rs");
+    Ok(())
+}

@@ -1,0 +1,480 @@
+//! The discrete-event replay engine: feeds a trace's events to an allocator model, keeps the clocks, and
+//! measures what a report needs.
+//!
+//! Each event is applied in order. `alloc`/`free`/`record_stream`/`empty_cache` become the allocator's
+//! `malloc`/`free`/`record_stream`/`empty_cache`; `compute` queues work on a stream and `sync` makes the host
+//! wait (see [`Timeline`]), which is what decides when a `record_stream`-deferred free completes. The engine
+//! maps the trace's allocation ids to the allocator's blocks and holds nothing per event: its memory is
+//! O(live allocations + distinct phase names), so a JSON Lines trace of any length streams through it.
+//! A failed `malloc` ends the replay at that event, as the `OutOfMemoryError` would end the program.
+
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap;
+use vramsim_traces::{AllocId, Category, Event, TraceError};
+
+use crate::allocator::{Allocator, BlockRef};
+use crate::stats::MemoryStats;
+use crate::timeline::Timeline;
+
+/// A trace that cannot be replayed: it says which event and why.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// The trace could not be read.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// An `alloc` reuses an id that is still live.
+    #[error("event {index}: alloc of id {id}, which is already live (allocated at event {live_since}); ids must be unique among live allocations")]
+    DuplicateId {
+        /// Index of the offending event (0-based over the trace's events).
+        index: u64,
+        /// The id.
+        id: AllocId,
+        /// Index of the event that allocated it.
+        live_since: u64,
+    },
+    /// A `free` or `record_stream` names an id that is not live.
+    #[error("event {index}: {op} of id {id}, which is not a live allocation (never allocated, or already freed)")]
+    UnknownId {
+        /// Index of the offending event.
+        index: u64,
+        /// `free` or `record_stream`.
+        op: &'static str,
+        /// The id.
+        id: AllocId,
+    },
+}
+
+/// What to measure besides the statistics.
+#[derive(Clone, Debug, Default)]
+pub struct ReplayOptions {
+    /// Keep an allocated/reserved timeline of at most this many points for plots (0: none).
+    pub timeline_points: usize,
+}
+
+/// Whether the replay goes on after an event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    /// Next event, please.
+    Continue,
+    /// The allocator raised out-of-memory: the program would have stopped here.
+    Stopped,
+}
+
+/// The out-of-memory error that ended a replay.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OomEvent {
+    /// Index of the failing `alloc` event.
+    pub event_index: u64,
+    /// PyTorch's message.
+    pub message: String,
+    /// The requested bytes.
+    pub requested_bytes: u64,
+    /// The id of the failing allocation.
+    pub id: AllocId,
+}
+
+/// Peak figures of one phase (all phases of the same name are merged).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PhasePeak {
+    /// The phase name.
+    pub name: String,
+    /// How many times the phase started.
+    pub occurrences: u64,
+    /// Highest allocated bytes while in the phase.
+    pub peak_allocated: u64,
+    /// Highest reserved bytes while in the phase.
+    pub peak_reserved: u64,
+}
+
+/// One point of the memory timeline: the maxima over a run of events starting at `event_index`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TimelinePoint {
+    /// First event index of the bucket.
+    pub event_index: u64,
+    /// Highest allocated bytes in the bucket.
+    pub allocated: u64,
+    /// Highest reserved bytes in the bucket.
+    pub reserved: u64,
+}
+
+/// Everything a replay measured.
+#[derive(Clone, Debug)]
+pub struct ReplayOutcome {
+    /// The allocator's statistics at the end (or at the OOM).
+    pub stats: MemoryStats,
+    /// Events applied (the failing one included).
+    pub events: u64,
+    /// `alloc` events applied.
+    pub allocs: u64,
+    /// `free` events applied.
+    pub frees: u64,
+    /// Highest `reserved + context` of this process.
+    pub peak_device_used: u64,
+    /// Allocated bytes at the moment of peak allocated, by category (requested sizes).
+    pub categories_at_peak: [u64; Category::ALL.len()],
+    /// Event index at which allocated memory peaked.
+    pub peak_allocated_event: u64,
+    /// The highest allocated bytes seen while reserved memory stood at its peak.
+    pub allocated_at_reserved_peak: u64,
+    /// Peaks by phase, in order of first appearance.
+    pub phases: Vec<PhasePeak>,
+    /// Phase starts (event index, name) for plots, at most [`MAX_PHASE_MARKS`].
+    pub phase_marks: Vec<(u64, String)>,
+    /// The downsampled timeline, when asked for.
+    pub timeline: Vec<TimelinePoint>,
+    /// The OOM that ended the replay, if any.
+    pub oom: Option<OomEvent>,
+    /// Host time at the end, in nanoseconds.
+    pub host_time_ns: u64,
+}
+
+/// Phase starts kept for plotting; later ones are still counted in [`ReplayOutcome::phases`].
+pub const MAX_PHASE_MARKS: usize = 1000;
+
+struct Live {
+    block: Option<BlockRef>,
+    size: u64,
+    category: Category,
+    since: u64,
+}
+
+/// A replay in progress: an allocator, the clocks and the live allocations.
+pub struct Replay<A: Allocator> {
+    allocator: A,
+    timeline: Timeline,
+    live: FxHashMap<AllocId, Live>,
+    next_index: u64,
+    allocs: u64,
+    frees: u64,
+    categories: [u64; Category::ALL.len()],
+    categories_at_peak: [u64; Category::ALL.len()],
+    peak_allocated: u64,
+    peak_allocated_event: u64,
+    peak_reserved: u64,
+    allocated_at_reserved_peak: u64,
+    peak_device_used: u64,
+    phases: Vec<PhasePeak>,
+    phase_index: BTreeMap<String, usize>,
+    current_phase: Option<usize>,
+    phase_marks: Vec<(u64, String)>,
+    sampler: Sampler,
+    oom: Option<OomEvent>,
+}
+
+impl<A: Allocator> Replay<A> {
+    /// Starts a replay on `allocator` at host time zero.
+    pub fn new(allocator: A, options: &ReplayOptions) -> Self {
+        Replay {
+            allocator,
+            timeline: Timeline::new(),
+            live: FxHashMap::default(),
+            next_index: 0,
+            allocs: 0,
+            frees: 0,
+            categories: [0; Category::ALL.len()],
+            categories_at_peak: [0; Category::ALL.len()],
+            peak_allocated: 0,
+            peak_allocated_event: 0,
+            peak_reserved: 0,
+            allocated_at_reserved_peak: 0,
+            peak_device_used: 0,
+            phases: Vec::new(),
+            phase_index: BTreeMap::new(),
+            current_phase: None,
+            phase_marks: Vec::new(),
+            sampler: Sampler::new(options.timeline_points),
+            oom: None,
+        }
+    }
+
+    /// The allocator, as the replay left it so far.
+    pub fn allocator(&self) -> &A {
+        &self.allocator
+    }
+
+    /// The clocks.
+    pub fn timeline(&self) -> &Timeline {
+        &self.timeline
+    }
+
+    /// Applies the next event of the trace.
+    pub fn apply(&mut self, event: Event) -> Result<Flow, ReplayError> {
+        let index = self.next_index;
+        self.next_index += 1;
+        match event {
+            Event::Alloc {
+                id,
+                size,
+                stream,
+                category,
+                ..
+            } => return self.alloc(index, id, size, stream, category),
+            Event::Free { id } => {
+                let live = self.live.remove(&id).ok_or(ReplayError::UnknownId {
+                    index,
+                    op: "free",
+                    id,
+                })?;
+                self.frees += 1;
+                self.categories[live.category.index()] -= live.size;
+                if let Some(block) = live.block {
+                    self.allocator.free(block, &mut self.timeline);
+                }
+            }
+            Event::RecordStream { id, stream } => {
+                let live = self.live.get(&id).ok_or(ReplayError::UnknownId {
+                    index,
+                    op: "record_stream",
+                    id,
+                })?;
+                if let Some(block) = live.block {
+                    self.allocator.record_stream(block, stream);
+                }
+                return Ok(Flow::Continue);
+            }
+            Event::EmptyCache => self.allocator.empty_cache(&mut self.timeline),
+            Event::Compute { stream, us } => {
+                self.timeline.enqueue(stream, (us * 1000.0).round() as u64);
+                return Ok(Flow::Continue);
+            }
+            Event::Sync { stream: None } => {
+                self.timeline.synchronize();
+                return Ok(Flow::Continue);
+            }
+            Event::Sync {
+                stream: Some(stream),
+            } => {
+                self.timeline.synchronize_stream(stream);
+                return Ok(Flow::Continue);
+            }
+            Event::Phase { name } => {
+                self.start_phase(index, &name);
+                return Ok(Flow::Continue);
+            }
+        }
+        self.observe(index);
+        Ok(Flow::Continue)
+    }
+
+    fn alloc(
+        &mut self,
+        index: u64,
+        id: AllocId,
+        size: u64,
+        stream: u64,
+        category: Category,
+    ) -> Result<Flow, ReplayError> {
+        if let Some(live) = self.live.get(&id) {
+            return Err(ReplayError::DuplicateId {
+                index,
+                id,
+                live_since: live.since,
+            });
+        }
+        self.allocs += 1;
+        // PyTorch returns a null pointer for 0 bytes without involving the allocator (§3).
+        let block = if size == 0 {
+            None
+        } else {
+            match self.allocator.malloc(size, stream, &mut self.timeline) {
+                Ok(block) => Some(block),
+                Err(oom) => {
+                    self.oom = Some(OomEvent {
+                        event_index: index,
+                        message: oom.message,
+                        requested_bytes: size,
+                        id,
+                    });
+                    self.observe(index);
+                    return Ok(Flow::Stopped);
+                }
+            }
+        };
+        self.categories[category.index()] += size;
+        self.live.insert(
+            id,
+            Live {
+                block,
+                size,
+                category,
+                since: index,
+            },
+        );
+        self.observe(index);
+        Ok(Flow::Continue)
+    }
+
+    fn start_phase(&mut self, index: u64, name: &str) {
+        let slot = match self.phase_index.get(name) {
+            Some(&slot) => slot,
+            None => {
+                self.phases.push(PhasePeak {
+                    name: name.to_string(),
+                    occurrences: 0,
+                    peak_allocated: 0,
+                    peak_reserved: 0,
+                });
+                self.phase_index
+                    .insert(name.to_string(), self.phases.len() - 1);
+                self.phases.len() - 1
+            }
+        };
+        self.phases[slot].occurrences += 1;
+        self.current_phase = Some(slot);
+        if self.phase_marks.len() < MAX_PHASE_MARKS {
+            self.phase_marks.push((index, name.to_string()));
+        }
+        self.observe(index);
+    }
+
+    /// Folds the allocator's current figures into the peaks (called after every memory event).
+    #[inline]
+    fn observe(&mut self, index: u64) {
+        let stats = self.allocator.stats();
+        let allocated = stats.allocated_bytes.all.current as u64;
+        let reserved = stats.reserved_bytes.all.current as u64;
+        if allocated > self.peak_allocated {
+            self.peak_allocated = allocated;
+            self.peak_allocated_event = index;
+            self.categories_at_peak = self.categories;
+        }
+        if reserved > self.peak_reserved {
+            self.peak_reserved = reserved;
+            self.allocated_at_reserved_peak = allocated;
+        } else if reserved == self.peak_reserved {
+            self.allocated_at_reserved_peak = self.allocated_at_reserved_peak.max(allocated);
+        }
+        self.peak_device_used = self.peak_device_used.max(self.allocator.device_used());
+        if let Some(slot) = self.current_phase {
+            let phase = &mut self.phases[slot];
+            phase.peak_allocated = phase.peak_allocated.max(allocated);
+            phase.peak_reserved = phase.peak_reserved.max(reserved);
+        }
+        self.sampler.push(index, allocated, reserved);
+    }
+
+    /// Applies every event until the trace ends or an allocation fails, then reports.
+    pub fn run<I>(mut self, events: I) -> Result<ReplayOutcome, ReplayError>
+    where
+        I: IntoIterator<Item = Result<Event, TraceError>>,
+    {
+        for event in events {
+            if self.apply(event?)? == Flow::Stopped {
+                break;
+            }
+        }
+        Ok(self.finish())
+    }
+
+    /// Ends the replay and hands back what it measured.
+    pub fn finish(self) -> ReplayOutcome {
+        self.into_parts().0
+    }
+
+    /// Ends the replay, handing back what it measured and the allocator in its final state.
+    pub fn into_parts(self) -> (ReplayOutcome, A) {
+        let outcome = ReplayOutcome {
+            stats: self.allocator.stats().clone(),
+            events: self.next_index,
+            allocs: self.allocs,
+            frees: self.frees,
+            peak_device_used: self.peak_device_used,
+            categories_at_peak: self.categories_at_peak,
+            peak_allocated_event: self.peak_allocated_event,
+            allocated_at_reserved_peak: self.allocated_at_reserved_peak,
+            phases: self.phases,
+            phase_marks: self.phase_marks,
+            timeline: self.sampler.finish(),
+            oom: self.oom,
+            host_time_ns: self.timeline.now(),
+        };
+        (outcome, self.allocator)
+    }
+}
+
+/// Keeps at most `capacity` timeline points in bounded memory: each point holds the maxima of a bucket of
+/// events, and when the buffer fills, neighbouring buckets merge and the bucket width doubles, so the
+/// peaks survive any trace length.
+struct Sampler {
+    capacity: usize,
+    width: u64,
+    points: Vec<TimelinePoint>,
+}
+
+impl Sampler {
+    fn new(capacity: usize) -> Self {
+        Sampler {
+            capacity,
+            width: 1,
+            points: Vec::with_capacity(capacity),
+        }
+    }
+
+    #[inline]
+    fn push(&mut self, index: u64, allocated: u64, reserved: u64) {
+        if self.capacity == 0 {
+            return;
+        }
+        let start = index - index % self.width;
+        if let Some(last) = self.points.last_mut() {
+            if last.event_index == start {
+                last.allocated = last.allocated.max(allocated);
+                last.reserved = last.reserved.max(reserved);
+                return;
+            }
+        }
+        if self.points.len() == self.capacity {
+            self.halve();
+            return self.push(index, allocated, reserved);
+        }
+        self.points.push(TimelinePoint {
+            event_index: start,
+            allocated,
+            reserved,
+        });
+    }
+
+    fn halve(&mut self) {
+        self.width *= 2;
+        let mut merged: Vec<TimelinePoint> = Vec::with_capacity(self.capacity);
+        for point in self.points.drain(..) {
+            let start = point.event_index - point.event_index % self.width;
+            match merged.last_mut() {
+                Some(last) if last.event_index == start => {
+                    last.allocated = last.allocated.max(point.allocated);
+                    last.reserved = last.reserved.max(point.reserved);
+                }
+                _ => merged.push(TimelinePoint {
+                    event_index: start,
+                    ..point
+                }),
+            }
+        }
+        self.points = merged;
+    }
+
+    fn finish(self) -> Vec<TimelinePoint> {
+        self.points
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampler_keeps_the_peak_within_its_capacity() {
+        let mut sampler = Sampler::new(8);
+        for i in 0..1000u64 {
+            let value = if i == 777 { 1 << 30 } else { i };
+            sampler.push(i, value, value);
+        }
+        let points = sampler.finish();
+        assert!(points.len() <= 8);
+        assert_eq!(points.iter().map(|p| p.allocated).max(), Some(1 << 30));
+        assert!(points
+            .windows(2)
+            .all(|w| w[0].event_index < w[1].event_index));
+    }
+}
