@@ -118,21 +118,31 @@ impl MachineArgs {
     }
 }
 
-/// `vramsim gpus`.
-pub fn list_gpus() -> Result<()> {
+/// `vramsim gpus`: the presets, with where each capacity comes from when `sources` is set.
+pub fn list_gpus(sources: bool) -> Result<()> {
     println!(
-        "{:<14} {:<34} {:>18} {:>12}",
+        "{:<14} {:<28} {:>16} {:>11}",
         "name", "device", "total_memory", ""
     );
     for preset in PRESETS {
+        let default = if preset.name == DEFAULT_GPU {
+            "  (default)"
+        } else {
+            ""
+        };
         println!(
-            "{:<14} {:<34} {:>18} {:>12}",
+            "{:<14} {:<28} {:>16} {:>11}{default}",
             preset.name,
             preset.device_name,
             preset.total_memory,
             format_size(preset.total_memory)
         );
+        if sources {
+            println!("    source: {}", preset.source);
+        }
     }
-    println!("\ndefault: {DEFAULT_GPU}; sources: `vramsim gpus --json` is not needed, see sim/src/device.rs");
+    if !sources {
+        println!("\ntotal_memory is what torch.cuda.get_device_properties().total_memory reports; --sources says where each figure comes from.");
+    }
     Ok(())
 }

@@ -22,8 +22,12 @@ enum Command {
     /// Replay an allocation trace (JSON or JSON Lines, optionally gzipped) and report peaks, statistics,
     /// fragmentation and out-of-memory errors.
     Replay(replay::ReplayArgs),
-    /// List the GPU presets accepted by --gpu, with their capacities and sources.
-    Gpus,
+    /// List the GPU presets accepted by --gpu, with their capacities.
+    Gpus {
+        /// Also say where each capacity figure comes from.
+        #[arg(long)]
+        sources: bool,
+    },
     /// Measure replay and parsing speed and streaming memory on synthetic traces.
     Bench(bench::BenchArgs),
 }
@@ -32,7 +36,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Replay(args) => replay::run(args),
-        Command::Gpus => machine::list_gpus(),
+        Command::Gpus { sources } => machine::list_gpus(sources),
         Command::Bench(args) => bench::run(args),
     };
     match result {
