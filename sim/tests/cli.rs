@@ -207,3 +207,28 @@ fn bad_options_say_what_is_valid() {
     assert_eq!(output.status.code(), Some(2));
     assert!(stderr(&output).contains("pytorch") && stderr(&output).contains("cuda-malloc"));
 }
+
+#[test]
+fn other_processes_are_named_in_the_oom_message() {
+    // 1 GiB device, 512 MiB held by process 4242: a 600 MiB request cannot fit.
+    let path = trace_file(
+        "others.jsonl",
+        "{\"op\":\"alloc\",\"id\":1,\"size\":629145600}\n",
+    );
+    let json = replay_json(
+        &path,
+        &[
+            "--capacity",
+            "1GiB",
+            "--context",
+            "0",
+            "--other-processes",
+            "4242=512MiB",
+        ],
+    );
+    let message = json["oom"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("of which 512.00 MiB is free. Including non-PyTorch memory, this process has 0 bytes memory in use. Process 4242 has 512.00 MiB memory in use."),
+        "{message}"
+    );
+}

@@ -6,7 +6,7 @@ use vramsim_sim::allocator::caching::CachingAllocator;
 use vramsim_sim::allocator::cuda_malloc::CudaMallocAllocator;
 use vramsim_sim::allocator::Allocator;
 use vramsim_sim::config::AllocatorConfig;
-use vramsim_sim::device::{parse_size, Device, DEFAULT_GPU, PRESETS};
+use vramsim_sim::device::{parse_size, Device, OtherProcess, DEFAULT_GPU, PRESETS};
 use vramsim_sim::format::format_size;
 
 /// The allocator models.
@@ -47,7 +47,8 @@ pub struct MachineArgs {
     /// CUDA context size of this process (default: the preset's figure), e.g. 500MiB.
     #[arg(long)]
     pub context: Option<String>,
-    /// Memory held on the GPU by other processes, e.g. 2GiB.
+    /// Memory held on the GPU by other processes: sizes, optionally with the process id that OOM messages
+    /// name, e.g. "2GiB" or "4242=2GiB,4243=512MiB" (ids default to 1, 2, ...).
     #[arg(long)]
     pub other_processes: Option<String>,
     /// torch.cuda.set_per_process_memory_fraction(F), F in [0, 1].
@@ -78,10 +79,7 @@ impl MachineArgs {
             device.context_bytes = parse_size(context).context("invalid --context")?;
         }
         if let Some(others) = &self.other_processes {
-            device.other_processes = vec![vramsim_sim::device::OtherProcess {
-                pid: 0,
-                bytes: parse_size(others).context("invalid --other-processes")?,
-            }];
+            device.other_processes = parse_other_processes(others)?;
         }
         if device.non_allocator_bytes() > device.total_memory {
             bail!(
@@ -116,6 +114,26 @@ impl MachineArgs {
             memory_fraction,
         })
     }
+}
+
+/// Parses `--other-processes`: comma-separated `[PID=]SIZE` items.
+fn parse_other_processes(text: &str) -> Result<Vec<OtherProcess>> {
+    text.split(',')
+        .enumerate()
+        .map(|(i, item)| {
+            let (pid, size) = match item.split_once('=') {
+                Some((pid, size)) => (
+                    pid.trim().parse().with_context(|| {
+                        format!("invalid --other-processes: {pid:?} is not a process id")
+                    })?,
+                    size,
+                ),
+                None => (i as u32 + 1, item),
+            };
+            let bytes = parse_size(size).context("invalid --other-processes")?;
+            Ok(OtherProcess { pid, bytes })
+        })
+        .collect()
 }
 
 /// `vramsim gpus`: the presets, with where each capacity comes from when `sources` is set.
