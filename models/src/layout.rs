@@ -1,0 +1,323 @@
+//! Shapes and strides: which view ops can share storage and which must copy.
+//!
+//! PyTorch decides at run time whether `view`/`reshape` can alias the input (`computeStride` in
+//! `aten/src/ATen/TensorUtils.cpp`) and which strides an elementwise result gets (TensorIterator's
+//! `reorder_dimensions`). Both decide whether bytes are allocated, so the lowering tracks strides
+//! exactly as PyTorch does; storage offsets never change a size and are not tracked.
+
+/// The sizes and element strides of a tensor (no storage offset: it never changes a byte count).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Sizes, outermost first.
+    pub shape: Vec<u64>,
+    /// Strides in elements, one per dimension.
+    pub strides: Vec<u64>,
+}
+
+/// The row-major strides of `shape` (`c10::contiguous_strides`).
+pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
+    let mut strides = vec![1u64; shape.len()];
+    let mut acc = 1u64;
+    for d in (0..shape.len()).rev() {
+        strides[d] = acc;
+        acc = acc.saturating_mul(shape[d].max(1));
+    }
+    strides
+}
+
+/// The number of elements of `shape` (saturating; the lowering checks overflow separately).
+pub fn numel(shape: &[u64]) -> u64 {
+    shape.iter().fold(1u64, |a, &d| a.saturating_mul(d))
+}
+
+impl Layout {
+    /// A contiguous (row-major) layout of `shape`.
+    pub fn contiguous(shape: &[u64]) -> Layout {
+        Layout {
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+        }
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> u64 {
+        numel(&self.shape)
+    }
+
+    /// Number of dimensions.
+    pub fn dim(&self) -> usize {
+        self.shape.len()
+    }
+
+    /// `Tensor.is_contiguous()`: size-1 dimensions may have any stride.
+    pub fn is_contiguous(&self) -> bool {
+        let mut expected = 1u64;
+        for d in (0..self.shape.len()).rev() {
+            let s = self.shape[d];
+            if s == 0 {
+                return true;
+            }
+            if s != 1 {
+                if self.strides[d] != expected {
+                    return false;
+                }
+                expected *= s;
+            }
+        }
+        true
+    }
+
+    /// `is_non_overlapping_and_dense`: some permutation of the dimensions is contiguous.
+    pub fn is_non_overlapping_and_dense(&self) -> bool {
+        let mut perm: Vec<usize> = (0..self.dim()).collect();
+        perm.sort_by(|&a, &b| {
+            // size-1 dims sort last (they never matter)
+            (self.shape[a] == 1)
+                .cmp(&(self.shape[b] == 1))
+                .then(self.strides[a].cmp(&self.strides[b]))
+        });
+        let mut expected = 1u64;
+        for &d in &perm {
+            let s = self.shape[d];
+            if s == 1 {
+                continue;
+            }
+            if self.strides[d] != expected {
+                return false;
+            }
+            expected *= s;
+        }
+        true
+    }
+
+    /// `view(shape)`: the strides of the aliasing view, or `None` when the memory cannot be viewed
+    /// that way (ATen `computeStride`; `reshape` then copies).
+    pub fn view_strides(&self, new_shape: &[u64]) -> Option<Vec<u64>> {
+        let old_shape = &self.shape;
+        let old_stride = &self.strides;
+        let mut new_stride = vec![0u64; new_shape.len()];
+        if old_shape.is_empty() {
+            return Some(vec![1; new_shape.len()]);
+        }
+        if self.numel() == 0 {
+            return Some(contiguous_strides(new_shape));
+        }
+        let mut view_d = new_shape.len() as isize - 1;
+        let mut chunk_base_stride = *old_stride.last().unwrap();
+        let mut tensor_numel = 1u64;
+        let mut view_numel = 1u64;
+        for tensor_d in (0..old_shape.len()).rev() {
+            tensor_numel *= old_shape[tensor_d];
+            if tensor_d == 0
+                || (old_shape[tensor_d - 1] != 1
+                    && old_stride[tensor_d - 1] != tensor_numel * chunk_base_stride)
+            {
+                while view_d >= 0 && (view_numel < tensor_numel || new_shape[view_d as usize] == 1)
+                {
+                    new_stride[view_d as usize] = view_numel * chunk_base_stride;
+                    view_numel *= new_shape[view_d as usize];
+                    view_d -= 1;
+                }
+                if view_numel != tensor_numel {
+                    return None;
+                }
+                if tensor_d > 0 {
+                    chunk_base_stride = old_stride[tensor_d - 1];
+                    tensor_numel = 1;
+                    view_numel = 1;
+                }
+            }
+        }
+        if view_d != -1 {
+            return None;
+        }
+        Some(new_stride)
+    }
+
+    /// `transpose(d0, d1)` (a view).
+    pub fn transpose(&self, d0: usize, d1: usize) -> Layout {
+        let mut l = self.clone();
+        l.shape.swap(d0, d1);
+        l.strides.swap(d0, d1);
+        l
+    }
+
+    /// `permute(perm)` (a view).
+    pub fn permute(&self, perm: &[usize]) -> Layout {
+        Layout {
+            shape: perm.iter().map(|&p| self.shape[p]).collect(),
+            strides: perm.iter().map(|&p| self.strides[p]).collect(),
+        }
+    }
+
+    /// `expand(shape)` (a view: broadcast dimensions get stride 0).
+    pub fn expand(&self, shape: &[u64]) -> Layout {
+        let extra = shape.len() - self.dim();
+        let mut strides = vec![0u64; shape.len()];
+        for (d, &s) in shape.iter().enumerate() {
+            if d >= extra {
+                let od = d - extra;
+                strides[d] = if self.shape[od] == s {
+                    self.strides[od]
+                } else {
+                    0
+                };
+            }
+        }
+        Layout {
+            shape: shape.to_vec(),
+            strides,
+        }
+    }
+
+    /// `narrow`/`slice` along `dim` to `len` elements (a view: strides unchanged).
+    pub fn narrow(&self, dim: usize, len: u64) -> Layout {
+        let mut l = self.clone();
+        l.shape[dim] = len;
+        l
+    }
+
+    /// `unsqueeze(dim)` (a view).
+    pub fn unsqueeze(&self, dim: usize) -> Layout {
+        let mut l = self.clone();
+        let stride = if dim < l.dim() {
+            l.shape[dim] * l.strides[dim]
+        } else {
+            1
+        };
+        l.shape.insert(dim, 1);
+        l.strides.insert(dim, stride);
+        l
+    }
+
+    /// The layout `empty_like(self)` gives with `preserve_format`: the same dimension order when
+    /// the tensor is non-overlapping and dense, else contiguous.
+    pub fn empty_like(&self) -> Layout {
+        if self.is_non_overlapping_and_dense() {
+            let mut perm: Vec<usize> = (0..self.dim()).collect();
+            perm.sort_by(|&a, &b| self.strides[b].cmp(&self.strides[a]));
+            dense_in_order(&self.shape, &perm)
+        } else {
+            Layout::contiguous(&self.shape)
+        }
+    }
+}
+
+/// A dense layout of `shape` whose dimensions, from outermost to innermost, are `order`.
+pub fn dense_in_order(shape: &[u64], order: &[usize]) -> Layout {
+    let mut strides = vec![0u64; shape.len()];
+    let mut acc = 1u64;
+    for &d in order.iter().rev() {
+        strides[d] = acc;
+        acc *= shape[d].max(1);
+    }
+    Layout {
+        shape: shape.to_vec(),
+        strides,
+    }
+}
+
+/// The layout of an elementwise result over `inputs` broadcast to `shape`: TensorIterator's
+/// `reorder_dimensions` (the first operand whose strides tell two dimensions apart decides their
+/// order), then dense strides in that order.
+pub fn elementwise_layout(shape: &[u64], inputs: &[&Layout]) -> Layout {
+    let n = shape.len();
+    let ops: Vec<Layout> = inputs
+        .iter()
+        .map(|l| {
+            if l.shape.as_slice() == shape {
+                (*l).clone()
+            } else {
+                l.expand(shape)
+            }
+        })
+        .collect();
+    // perm[0] is the innermost (fastest) dimension, as in TensorIterator.
+    let mut perm: Vec<usize> = (0..n).rev().collect();
+    let should_swap = |d0: usize, d1: usize| -> i32 {
+        for op in &ops {
+            let (s0, s1) = (op.strides[d0], op.strides[d1]);
+            if s0 == 0 || s1 == 0 {
+                continue;
+            }
+            if s0 < s1 {
+                return -1;
+            }
+            if s0 > s1 {
+                return 1;
+            }
+            if shape[d0] > shape[d1] {
+                return 1;
+            }
+        }
+        0
+    };
+    for i in 1..n {
+        let mut dim1 = i;
+        for dim0 in (0..i).rev() {
+            let c = should_swap(perm[dim0], perm[dim1]);
+            if c > 0 {
+                perm.swap(dim0, dim1);
+                dim1 = dim0;
+            } else if c < 0 {
+                break;
+            }
+        }
+    }
+    let order: Vec<usize> = perm.into_iter().rev().collect();
+    dense_in_order(shape, &order)
+}
+
+/// Broadcast two shapes (`infer_size`), or `None` when they do not broadcast.
+pub fn broadcast(a: &[u64], b: &[u64]) -> Option<Vec<u64>> {
+    let n = a.len().max(b.len());
+    let mut out = vec![0u64; n];
+    for i in 0..n {
+        let da = if i + a.len() >= n {
+            a[i + a.len() - n]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= n {
+            b[i + b.len() - n]
+        } else {
+            1
+        };
+        out[i] = if da == db {
+            da
+        } else if da == 1 {
+            db
+        } else if db == 1 {
+            da
+        } else {
+            return None;
+        };
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn view_of_transposed_heads_needs_a_copy() {
+        // [B,S,H,D] -> transpose(1,2) -> [B,H,S,D]: merging B and H is impossible.
+        let l = Layout::contiguous(&[2, 128, 12, 64]).transpose(1, 2);
+        assert!(l.view_strides(&[24, 128, 64]).is_none());
+        // ... but [B,H,D,S] transposed back from a contiguous [B,H,S,D] merges H and D.
+        let g = Layout::contiguous(&[2, 12, 64, 128])
+            .transpose(2, 3)
+            .transpose(1, 2);
+        assert!(g.view_strides(&[2, 128, 768]).is_some());
+    }
+
+    #[test]
+    fn elementwise_follows_first_operand() {
+        let q = Layout::contiguous(&[2, 128, 32, 64]).transpose(1, 2);
+        let cos = Layout::contiguous(&[1, 1, 128, 64]);
+        let out = elementwise_layout(&[2, 32, 128, 64], &[&q, &cos]);
+        assert_eq!(out.strides, q.strides);
+        assert!(!out.is_contiguous());
+    }
+}

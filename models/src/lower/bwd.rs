@@ -1,0 +1,718 @@
+//! The backward pass: the autograd engine's scheduling (`torch/csrc/autograd/engine.cpp`) and each
+//! node's gradient formula (`tools/autograd/derivatives.yaml`, `FunctionsManual.cpp`) as
+//! allocations.
+
+use super::{Edge, Kind, Lowering, Meta, NodeKind, Rt};
+use crate::dtype::DType;
+use crate::graph::ModuleId;
+use crate::layout::{elementwise_layout, Layout};
+use crate::ops::{OpKind, SdpaBackend};
+use crate::recipe::Fidelity;
+use std::collections::{BinaryHeap, HashMap};
+
+fn round_up(x: u64, m: u64) -> u64 {
+    x.div_ceil(m) * m
+}
+
+impl<'g> Lowering<'g> {
+    /// `loss.backward()`: seeds `ones_like(loss)` and runs the engine to completion.
+    pub(super) fn backward(&mut self, loss: &Rt) {
+        self.kind_now = Kind::Temporary;
+        let Some(root) = loss.edge else { return };
+        // torch.autograd.backward: grad_tensors = ones_like(loss), held until backward returns.
+        let seed = self.alloc(
+            Layout::contiguous(loss.shape()),
+            loss.dtype,
+            ModuleId(0),
+            "aten.ones_like",
+        );
+        // Dependencies: how many edges reach each node from the root (compute_dependencies).
+        let mut deps: HashMap<u32, u32> = HashMap::new();
+        let mut stack = vec![root.node];
+        let mut seen = std::collections::HashSet::new();
+        seen.insert(root.node);
+        while let Some(n) = stack.pop() {
+            for e in self.nodes[n as usize].next.iter().flatten() {
+                *deps.entry(e.node).or_insert(0) += 1;
+                if seen.insert(e.node) {
+                    stack.push(e.node);
+                }
+            }
+        }
+        let mut buffers: HashMap<u32, Vec<Option<Rt>>> = HashMap::new();
+        let mut ready: BinaryHeap<(u64, u32)> = BinaryHeap::new();
+        let s = self.dup(&seed);
+        self.buffer_add(&mut buffers, root, s);
+        if deps.get(&root.node).copied().unwrap_or(0) == 0 {
+            ready.push((self.nodes[root.node as usize].seq, root.node));
+        }
+        while let Some((_, n)) = ready.pop() {
+            let inputs = buffers.remove(&n).unwrap_or_default();
+            let outputs = self.evaluate(n, inputs);
+            let next = self.nodes[n as usize].next.clone();
+            for (i, out) in outputs.into_iter().enumerate() {
+                let Some(out) = out else { continue };
+                match next.get(i).copied().flatten() {
+                    Some(e) => {
+                        self.buffer_add(&mut buffers, e, out);
+                        let d = deps.get_mut(&e.node).expect("dependency counted");
+                        *d -= 1;
+                        if *d == 0 {
+                            ready.push((self.nodes[e.node as usize].seq, e.node));
+                        }
+                    }
+                    None => self.drop_rt(out),
+                }
+            }
+        }
+        // Anything left in buffers (nodes never made ready) dies with the graph task.
+        for (_, b) in buffers {
+            for t in b.into_iter().flatten() {
+                self.drop_rt(t);
+            }
+        }
+        self.drop_rt(seed);
+        // The graph is freed: only the AccumulateGrad nodes stay.
+        let keep = self
+            .acc_nodes
+            .iter()
+            .flatten()
+            .map(|&n| n + 1)
+            .max()
+            .unwrap_or(0) as usize;
+        let rest: Vec<_> = self.nodes.drain(keep..).collect();
+        for mut node in rest {
+            for t in std::mem::take(&mut node.saved) {
+                self.drop_rt(t);
+            }
+        }
+        self.seq = 0;
+        // Frames whose nodes never ran.
+        for f in 0..self.frames.len() {
+            let saved: Vec<Rt> = self.frames[f].saved.drain().flat_map(|(_, v)| v).collect();
+            for t in saved {
+                self.drop_rt(t);
+            }
+            if !self.frames[f].inputs.is_empty() {
+                self.free_frame(f as u32);
+            }
+        }
+        self.frames.clear();
+    }
+
+    /// `InputBuffer::add`: the first gradient is stored, later ones are summed
+    /// (`InputBuffer::accumulate`, in place on CUDA when the engine holds the last reference).
+    fn buffer_add(&mut self, buffers: &mut HashMap<u32, Vec<Option<Rt>>>, e: Edge, g: Rt) {
+        let n_in = self.nodes[e.node as usize]
+            .outs
+            .len()
+            .max(self.nodes[e.node as usize].ins.len())
+            .max(e.nr as usize + 1);
+        let buf = buffers.entry(e.node).or_insert_with(|| vec![None; n_in]);
+        if buf.len() <= e.nr as usize {
+            buf.resize(e.nr as usize + 1, None);
+        }
+        let old = buf[e.nr as usize].take();
+        let new = match old {
+            None => g,
+            Some(old) => self.accumulate(old, g, self.nodes[e.node as usize].module),
+        };
+        buffers.get_mut(&e.node).expect("inserted")[e.nr as usize] = Some(new);
+    }
+
+    fn accumulate(&mut self, old: Rt, new: Rt, m: ModuleId) -> Rt {
+        if self.r.fidelity == Fidelity::Cuda {
+            // can_accumulate_inplace: dense, and the buffer holds the only reference.
+            if self.refs(&old) == 1
+                && old.layout.is_non_overlapping_and_dense()
+                && old.layout.shape == new.layout.shape
+            {
+                self.drop_rt(new);
+                return old;
+            }
+            if self.refs(&new) == 1
+                && new.layout.is_non_overlapping_and_dense()
+                && old.layout.shape == new.layout.shape
+            {
+                self.drop_rt(old);
+                return new;
+            }
+        }
+        let l = elementwise_layout(old.shape(), &[&old.layout, &new.layout]);
+        let out = self.alloc(l, old.dtype.promote(new.dtype), m, "aten.add");
+        let edge = old.edge;
+        self.drop_rt(old);
+        self.drop_rt(new);
+        Rt { edge, ..out }
+    }
+
+    /// `Engine::evaluate_function` for node `n`: recompute if checkpointed, apply the formula,
+    /// `validate_outputs`, release the incoming gradients, then the saved tensors.
+    fn evaluate(&mut self, n: u32, inputs: Vec<Option<Rt>>) -> Vec<Option<Rt>> {
+        if let Some(f) = self.nodes[n as usize].ckpt {
+            if !self.frames[f as usize].recomputed {
+                self.recompute(f);
+            }
+        }
+        if let NodeKind::Accumulate(p) = self.nodes[n as usize].kind {
+            // AccumulateGrad takes the buffer's gradient itself (std::move(grads[0])).
+            let mut inputs = inputs;
+            if let Some(g) = inputs.first_mut().and_then(|g| g.take()) {
+                self.accumulate_grad(p, g);
+            }
+            return vec![];
+        }
+        let mut outs = self.apply(n, &inputs);
+        // validate_outputs: reduce broadcast gradients (sum_to) and cast to the input's dtype.
+        let m = self.nodes[n as usize].module;
+        for (i, slot) in outs.iter_mut().enumerate() {
+            let Some(g) = slot.take() else { continue };
+            let meta = self.nodes[n as usize].ins.get(i).cloned().flatten();
+            let has_edge = self.nodes[n as usize]
+                .next
+                .get(i)
+                .copied()
+                .flatten()
+                .is_some();
+            let g = match (meta, has_edge) {
+                (Some(meta), true) => self.conform(g, &meta, m),
+                (_, true) => g,
+                (_, false) => {
+                    self.drop_rt(g);
+                    continue;
+                }
+            };
+            *slot = Some(g);
+        }
+        for t in inputs.into_iter().flatten() {
+            self.drop_rt(t);
+        }
+        let saved = std::mem::take(&mut self.nodes[n as usize].saved);
+        for t in saved {
+            self.drop_rt(t);
+        }
+        if let Some(f) = self.nodes[n as usize].ckpt.take() {
+            let kept = self.frames[f as usize].saved.remove(&n).unwrap_or_default();
+            for t in kept {
+                self.drop_rt(t);
+            }
+            let fr = &mut self.frames[f as usize];
+            fr.pending = fr.pending.saturating_sub(1);
+            if fr.pending == 0 {
+                self.free_frame(f);
+            }
+        }
+        outs
+    }
+
+    fn conform(&mut self, g: Rt, meta: &Meta, m: ModuleId) -> Rt {
+        let mut g = g;
+        if g.layout.shape != meta.layout.shape {
+            // at::sum_to(grad, shape)
+            let o = self.alloc(
+                Layout::contiguous(&meta.layout.shape),
+                g.dtype,
+                m,
+                "aten.sum",
+            );
+            self.drop_rt(g);
+            g = o;
+        }
+        if g.dtype != meta.dtype {
+            let o = self.alloc(g.layout.empty_like(), meta.dtype, m, "aten._to_copy");
+            self.drop_rt(g);
+            g = o;
+        }
+        g
+    }
+
+    /// `grad.reshape(shape)`: a view when the strides allow, else a contiguous copy.
+    fn reshape_grad(&mut self, g: &Rt, shape: &[u64], m: ModuleId) -> Rt {
+        match g.layout.view_strides(shape) {
+            Some(strides) => self.view(
+                g,
+                Layout {
+                    shape: shape.to_vec(),
+                    strides,
+                },
+            ),
+            None => self.alloc(Layout::contiguous(shape), g.dtype, m, "aten.clone"),
+        }
+    }
+
+    /// The layout `mm_mat1_backward`/`mm_mat2_backward` give: column-major when the input was.
+    fn mm_grad_layout(meta: &Meta) -> Layout {
+        let l = &meta.layout;
+        if l.dim() == 2 && l.strides[0] == 1 && l.strides[1] == l.shape[0] && l.shape[1] > 1 {
+            Layout::contiguous(&[l.shape[1], l.shape[0]]).transpose(0, 1)
+        } else {
+            Layout::contiguous(&l.shape)
+        }
+    }
+
+    /// One node's gradient formula. Returns one gradient per forward input (owned handles).
+    fn apply(&mut self, n: u32, grads: &[Option<Rt>]) -> Vec<Option<Rt>> {
+        let node = &self.nodes[n as usize];
+        let m = node.module;
+        let ins: Vec<Option<Meta>> = node.ins.clone();
+        let needs: Vec<bool> = node.next.iter().map(|e| e.is_some()).collect();
+        let kind = node.kind.clone();
+        let k = ins.len();
+        let mut out: Vec<Option<Rt>> = vec![None; k];
+        let need = |i: usize| needs.get(i).copied().unwrap_or(false);
+        let meta = |i: usize| ins[i].clone().expect("float input");
+        match kind {
+            NodeKind::Accumulate(_) => return vec![],
+            NodeKind::Cast => {
+                if let Some(g) = grads[0].as_ref() {
+                    out[0] = Some(self.cast_grad(g, meta(0).dtype, m));
+                }
+                return out;
+            }
+            NodeKind::ReshapeCopy => {
+                if let Some(g) = grads[0].as_ref() {
+                    // CloneBackward0 passes through; UnsafeViewBackward0: grad.reshape(sizes).
+                    out[0] = Some(self.reshape_grad(g, &meta(0).layout.shape, m));
+                }
+                return out;
+            }
+            NodeKind::Op(_) => {}
+        }
+        let NodeKind::Op(op) = kind else {
+            unreachable!()
+        };
+        // Split: undefined gradients are zero-filled before the cat.
+        if let OpKind::Split { dim } = op {
+            if grads.iter().all(|g| g.is_none()) {
+                return out;
+            }
+            let outs_meta = self.nodes[n as usize].outs.clone();
+            let mut zeros = Vec::new();
+            for (i, g) in grads.iter().enumerate() {
+                if g.is_none() {
+                    let z = self.alloc(
+                        Layout::contiguous(&outs_meta[i].layout.shape),
+                        outs_meta[i].dtype,
+                        m,
+                        "aten.zeros",
+                    );
+                    zeros.push(z);
+                }
+            }
+            // split_backward -> at::cat(grads, dim)
+            let _ = dim;
+            let c = self.alloc(
+                Layout::contiguous(&meta(0).layout.shape),
+                outs_meta[0].dtype,
+                m,
+                "aten.cat",
+            );
+            for z in zeros {
+                self.drop_rt(z);
+            }
+            out[0] = Some(c);
+            return out;
+        }
+        let Some(g) = grads.first().cloned().flatten() else {
+            return out;
+        };
+        use OpKind::*;
+        match op {
+            // derivatives.yaml view / _unsafe_view / _reshape_alias: grad.reshape(self.sizes()).
+            View | UnsafeView | Reshape => {
+                out[0] = Some(self.reshape_grad(&g, &meta(0).layout.shape, m))
+            }
+            // derivatives.yaml transpose.int: grad.transpose(dim0, dim1) (a view).
+            Transpose(a, b) => out[0] = Some(self.view(&g, g.layout.transpose(a, b))),
+            // derivatives.yaml t: grad.t() (a view).
+            T => {
+                let l = if g.layout.dim() == 2 {
+                    g.layout.transpose(0, 1)
+                } else {
+                    g.layout.clone()
+                };
+                out[0] = Some(self.view(&g, l));
+            }
+            // derivatives.yaml permute: permute_backwards, the inverse permutation (a view).
+            Permute(p) => {
+                let mut inv = vec![0; p.len()];
+                for (i, &d) in p.iter().enumerate() {
+                    inv[d] = i;
+                }
+                out[0] = Some(self.view(&g, g.layout.permute(&inv)));
+            }
+            // derivatives.yaml unsqueeze: grad.squeeze(dim) (a view).
+            Unsqueeze(d) => {
+                let mut l = g.layout.clone();
+                l.shape.remove(d);
+                l.strides.remove(d);
+                out[0] = Some(self.view(&g, l));
+            }
+            Expand => {
+                // at::sum_to(grad, self.sizes())
+                let s = meta(0).layout.shape;
+                out[0] = Some(if s == g.layout.shape {
+                    self.dup(&g)
+                } else {
+                    self.alloc(Layout::contiguous(&s), g.dtype, m, "aten.sum")
+                });
+            }
+            Slice { .. } => {
+                let s = meta(0).layout.shape;
+                out[0] = Some(if s == g.layout.shape {
+                    self.dup(&g)
+                } else {
+                    // slice_backward: zeros(input_sizes) then copy the slice in.
+                    self.alloc(Layout::contiguous(&s), g.dtype, m, "aten.slice_backward")
+                });
+            }
+            Split { .. } => unreachable!(),
+            // derivatives.yaml clone: grad, passed through.
+            Clone { .. } | AutocastLower => out[0] = Some(self.dup(&g)),
+            // derivatives.yaml _to_copy: _to_copy_backward = grad.to(self's dtype).
+            ToDtype(_) | ToDtypeOf => out[0] = Some(self.cast_grad(&g, meta(0).dtype, m)),
+            Add => {
+                // AddBackward0: both inputs get `grad` itself (alpha = 1).
+                for (i, o) in out.iter_mut().enumerate().take(2) {
+                    if need(i) {
+                        *o = Some(self.dup(&g));
+                    }
+                }
+            }
+            // derivatives.yaml add.Scalar: grad.
+            AddScalar => out[0] = Some(self.dup(&g)),
+            // derivatives.yaml sub.Tensor: grad, and -grad for other.
+            Sub => {
+                if need(0) {
+                    out[0] = Some(self.dup(&g));
+                }
+                if need(1) {
+                    out[1] = Some(self.alloc(g.layout.empty_like(), g.dtype, m, "aten.neg"));
+                }
+            }
+            Mul => {
+                // MulBackward0 computes `other` first, then `self` (each `grad * the other input`).
+                let s = g.layout.shape.clone();
+                if need(1) {
+                    let l = elementwise_layout(&s, &[&g.layout, &meta(0).layout]);
+                    out[1] = Some(self.alloc(l, g.dtype.promote(meta(0).dtype), m, "aten.mul"));
+                }
+                if need(0) {
+                    let l = elementwise_layout(&s, &[&g.layout, &meta(1).layout]);
+                    out[0] = Some(self.alloc(l, g.dtype.promote(meta(1).dtype), m, "aten.mul"));
+                }
+            }
+            // derivatives.yaml div.Tensor: div_tensor_self_backward, div_tensor_other_backward.
+            Div => {
+                let s = g.layout.shape.clone();
+                if need(0) {
+                    out[0] = Some(self.alloc(Layout::contiguous(&s), g.dtype, m, "aten.div"));
+                }
+                if need(1) {
+                    // -grad * ((self / other) / other)
+                    let t1 = self.alloc(Layout::contiguous(&s), g.dtype, m, "aten.neg");
+                    let t2 = self.alloc(Layout::contiguous(&s), g.dtype, m, "aten.div");
+                    let t3 = self.alloc(Layout::contiguous(&s), g.dtype, m, "aten.div");
+                    self.drop_rt(t2);
+                    out[1] = Some(self.alloc(Layout::contiguous(&s), g.dtype, m, "aten.mul"));
+                    self.drop_rt(t3);
+                    self.drop_rt(t1);
+                }
+            }
+            // derivatives.yaml mul.Tensor with a wrapped number: grad * other.
+            MulScalar => out[0] = Some(self.alloc(g.layout.empty_like(), g.dtype, m, "aten.mul")),
+            // derivatives.yaml div.Tensor with a wrapped number: grad / other.
+            DivScalar => out[0] = Some(self.alloc(g.layout.empty_like(), g.dtype, m, "aten.div")),
+            // derivatives.yaml neg: grad.neg().
+            Neg => out[0] = Some(self.alloc(g.layout.empty_like(), g.dtype, m, "aten.neg")),
+            PowScalar(e) => {
+                let x = meta(0);
+                if e == 0.0 {
+                    out[0] = Some(self.alloc(
+                        Layout::contiguous(&x.layout.shape),
+                        x.dtype,
+                        m,
+                        "aten.zeros_like",
+                    ));
+                } else {
+                    // pow_backward: grad * (exponent * self.pow(exponent - 1))
+                    let t1 = self.alloc(x.layout.empty_like(), x.dtype, m, "aten.pow");
+                    let t2 = self.alloc(x.layout.empty_like(), x.dtype, m, "aten.mul");
+                    let l = elementwise_layout(&g.layout.shape, &[&g.layout, &t2.layout]);
+                    out[0] = Some(self.alloc(l, g.dtype.promote(x.dtype), m, "aten.mul"));
+                    self.drop_rt(t2);
+                    self.drop_rt(t1);
+                }
+            }
+            Rsqrt => {
+                // -0.5 * grad * result.pow(3)
+                let r = self.nodes[n as usize].outs[0].clone();
+                let t1 = self.alloc(r.layout.empty_like(), r.dtype, m, "aten.pow");
+                let t2 = self.alloc(g.layout.empty_like(), g.dtype, m, "aten.mul");
+                out[0] = Some(self.alloc(g.layout.empty_like(), g.dtype, m, "aten.mul"));
+                self.drop_rt(t2);
+                self.drop_rt(t1);
+            }
+            // derivatives.yaml tanh/relu/gelu/silu: tanh_backward(grad, result), threshold_backward(grad, result, 0),
+            // gelu_backward(grad, self), silu_backward(grad, self).
+            Tanh | Relu | Gelu { .. } | Silu => {
+                let name = match op {
+                    Tanh => "aten.tanh_backward",
+                    Relu => "aten.threshold_backward",
+                    Gelu { .. } => "aten.gelu_backward",
+                    _ => "aten.silu_backward",
+                };
+                let l = elementwise_layout(&g.layout.shape, &[&g.layout, &meta(0).layout]);
+                out[0] = Some(self.alloc(l, g.dtype, m, name));
+            }
+            MeanDim { .. } => {
+                // mean_backward: grad.expand(sizes) / n
+                let x = meta(0);
+                out[0] =
+                    Some(self.alloc(Layout::contiguous(&x.layout.shape), g.dtype, m, "aten.div"));
+            }
+            Mm => {
+                // MmBackward0 computes mat2's gradient first, then self's.
+                if need(1) {
+                    let l = Self::mm_grad_layout(&meta(1));
+                    out[1] = Some(self.alloc(l, g.dtype, m, "aten.mm"));
+                }
+                if need(0) {
+                    let l = Self::mm_grad_layout(&meta(0));
+                    out[0] = Some(self.alloc(l, g.dtype, m, "aten.mm"));
+                }
+            }
+            Addmm => {
+                // AddmmBackward0: mat1, mat2, then self = grad (reduced by validate_outputs).
+                if need(1) {
+                    let l = Self::mm_grad_layout(&meta(1));
+                    out[1] = Some(self.alloc(l, g.dtype, m, "aten.mm"));
+                }
+                if need(2) {
+                    let l = Self::mm_grad_layout(&meta(2));
+                    out[2] = Some(self.alloc(l, g.dtype, m, "aten.mm"));
+                }
+                if need(0) {
+                    out[0] = Some(self.dup(&g));
+                }
+            }
+            Bmm => {
+                // BmmBackward0: mat2 first (self^T @ grad), then self (grad @ mat2^T).
+                if need(1) {
+                    out[1] = Some(self.alloc(
+                        Layout::contiguous(&meta(1).layout.shape),
+                        g.dtype,
+                        m,
+                        "aten.bmm",
+                    ));
+                }
+                if need(0) {
+                    out[0] = Some(self.alloc(
+                        Layout::contiguous(&meta(0).layout.shape),
+                        g.dtype,
+                        m,
+                        "aten.bmm",
+                    ));
+                }
+            }
+            // derivatives.yaml _softmax: _softmax_backward_data(grad, result, dim, self's dtype).
+            Softmax { .. } => {
+                let x = meta(0);
+                out[0] = Some(self.alloc(
+                    Layout::contiguous(&x.layout.shape),
+                    x.dtype,
+                    m,
+                    "aten._softmax_backward_data",
+                ));
+            }
+            // derivatives.yaml _log_softmax: _log_softmax_backward_data(grad, result, dim, self's dtype).
+            LogSoftmax { .. } => {
+                let x = meta(0);
+                out[0] = Some(self.alloc(
+                    Layout::contiguous(&x.layout.shape),
+                    x.dtype,
+                    m,
+                    "aten._log_softmax_backward_data",
+                ));
+            }
+            // derivatives.yaml nll_loss_forward: nll_loss_backward (zeros of self's shape, scattered).
+            NllLoss => {
+                let x = meta(0);
+                out[0] = Some(self.alloc(
+                    Layout::contiguous(&x.layout.shape),
+                    x.dtype,
+                    m,
+                    "aten.nll_loss_backward",
+                ));
+            }
+            LayerNorm => {
+                // native_layer_norm_backward: grad_input, grad_weight, grad_bias.
+                for (i, o) in out.iter_mut().enumerate().take(3) {
+                    if need(i) {
+                        let x = meta(i);
+                        *o = Some(self.alloc(
+                            Layout::contiguous(&x.layout.shape),
+                            x.dtype,
+                            m,
+                            "aten.native_layer_norm_backward",
+                        ));
+                    }
+                }
+            }
+            // derivatives.yaml native_dropout: native_dropout_backward(grad, mask, scale).
+            Dropout { .. } => {
+                out[0] = Some(self.alloc(
+                    g.layout.empty_like(),
+                    g.dtype,
+                    m,
+                    "aten.native_dropout_backward",
+                ))
+            }
+            // derivatives.yaml embedding: embedding_dense_backward, [num_weights, h] in grad's dtype.
+            Embedding => {
+                let w = meta(0);
+                out[0] = Some(self.alloc(
+                    Layout::contiguous(&w.layout.shape),
+                    g.dtype,
+                    m,
+                    "aten.embedding_dense_backward",
+                ));
+            }
+            Cat { dim } => {
+                // cat_tensors_backward: narrow views of grad.
+                for (i, o) in out.iter_mut().enumerate() {
+                    if need(i) {
+                        let len = ins[i].as_ref().map(|x| x.layout.shape[dim]).unwrap_or(0);
+                        let l = g.layout.narrow(dim, len);
+                        self.storages[g.st as usize].refs += 1;
+                        *o = Some(Rt {
+                            layout: l,
+                            dtype: g.dtype,
+                            st: g.st,
+                            edge: None,
+                        });
+                    }
+                }
+            }
+            // derivatives.yaml _scaled_dot_product_{flash,efficient}_attention: the fused backward
+            // (grad_q/k/v plus the kernel's float32 workspaces).
+            Sdpa { backend } => {
+                let q = meta(0);
+                let kk = meta(1);
+                let v = meta(2);
+                let (b, h, s, d) = (
+                    q.layout.shape[0],
+                    q.layout.shape[1],
+                    q.layout.shape[2],
+                    q.layout.shape[3],
+                );
+                let name = match backend {
+                    SdpaBackend::Flash => "aten._scaled_dot_product_flash_attention_backward",
+                    SdpaBackend::MemEfficient => {
+                        "aten._scaled_dot_product_efficient_attention_backward"
+                    }
+                };
+                let dq = self.alloc(
+                    Layout::contiguous(&[b, s, h, d]).transpose(1, 2),
+                    q.dtype,
+                    m,
+                    name,
+                );
+                let kv_layout = |x: &Meta| {
+                    let sh = &x.layout.shape;
+                    Layout::contiguous(&[sh[0], sh[2], sh[1], sh[3]]).transpose(1, 2)
+                };
+                let dk = self.alloc(kv_layout(&kk), kk.dtype, m, name);
+                let dv = self.alloc(kv_layout(&v), v.dtype, m, name);
+                let mut ws = Vec::new();
+                match backend {
+                    SdpaBackend::Flash => {
+                        // mha_bwd: softmax_d [B, H, round(S, 128)] and dq_accum
+                        // [B, round(S, 128), H, round(D, 32)] in float32; dk/dv expanded to H heads
+                        // for grouped-query attention.
+                        let sr = round_up(s, 128);
+                        let dr = if d <= 192 { round_up(d, 32) } else { 256 };
+                        ws.push(self.alloc(Layout::contiguous(&[b, h, sr]), DType::F32, m, name));
+                        ws.push(self.alloc(
+                            Layout::contiguous(&[b, sr, h, dr]),
+                            DType::F32,
+                            m,
+                            name,
+                        ));
+                        if kk.layout.shape[1] != h {
+                            ws.push(self.alloc(
+                                Layout::contiguous(&[b, s, h, d]),
+                                kk.dtype,
+                                m,
+                                name,
+                            ));
+                            ws.push(self.alloc(
+                                Layout::contiguous(&[b, s, h, d]),
+                                v.dtype,
+                                m,
+                                name,
+                            ));
+                        }
+                    }
+                    SdpaBackend::MemEfficient => {
+                        // _efficient_attention_backward: delta [B, H, S] float32.
+                        ws.push(self.alloc(Layout::contiguous(&[b, h, s]), DType::F32, m, name));
+                    }
+                }
+                for w in ws.into_iter().rev() {
+                    self.drop_rt(w);
+                }
+                out[0] = Some(dq);
+                out[1] = Some(dk);
+                out[2] = Some(dv);
+            }
+            // Not differentiable: no node is ever made.
+            Factory { .. } => {}
+        }
+        out
+    }
+
+    fn cast_grad(&mut self, g: &Rt, to: DType, m: ModuleId) -> Rt {
+        if g.dtype == to {
+            self.dup(g)
+        } else {
+            self.alloc(g.layout.empty_like(), to, m, "aten._to_copy")
+        }
+    }
+
+    /// `AccumulateGrad::accumulateGrad`: steal a gradient the engine holds the only reference to
+    /// and that obeys the layout contract, else clone it; add later ones in place.
+    fn accumulate_grad(&mut self, p: usize, g: Rt) {
+        if self.param_grads[p].is_some() {
+            // variable_grad += new_grad (grad mode off): in place.
+            self.drop_rt(g);
+            return;
+        }
+        let param = self.params[p].layout.clone();
+        let obeys = g.layout.shape == param.shape
+            && (0..param.dim()).all(|d| {
+                if param.shape[d] != 1 {
+                    g.layout.strides[d] == param.strides[d]
+                } else {
+                    g.layout.strides[d] != 0
+                }
+            });
+        let pd = self.params[p].dtype;
+        let grad = if self.refs(&g) == 1 && obeys && g.dtype == pd {
+            g
+        } else {
+            let c = self.alloc(
+                Layout::contiguous(&param.shape),
+                g.dtype,
+                ModuleId(0),
+                "aten.clone",
+            );
+            self.drop_rt(g);
+            c
+        };
+        self.mark_grad(&grad);
+        let name = self.g.params[p].name.clone();
+        self.retag(&grad, format!("grad:{name}"));
+        self.param_grads[p] = Some(Rt { edge: None, ..grad });
+    }
+}

@@ -1,0 +1,779 @@
+//! The forward pass: op execution, autocast, autograd node creation, checkpoint frames and
+//! recomputation.
+
+use super::{Edge, Frame, Kind, LowerError, Lowering, Meta, NodeKind, Rt};
+use crate::autocast::{policy, Policy};
+use crate::dtype::DType;
+use crate::graph::{DTypeSpec, ModuleId, ValueId};
+use crate::layout::{elementwise_layout, Layout};
+use crate::ops::{OpKind, SdpaBackend};
+use std::collections::HashMap;
+
+/// A tensor an autograd node saves: input `j` or output `k` of its op.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Save {
+    In(usize),
+    Out(usize),
+}
+
+/// What an op's forward rule produced.
+pub(crate) enum Fwd {
+    /// The op returned its input (`contiguous()` of a contiguous tensor, `.to()` to the same
+    /// dtype): no allocation, no autograd node.
+    Alias(Rt),
+    /// New outputs (allocated or views), the backward node's kind and what it saves.
+    New(Vec<Rt>, NodeKind, Vec<Save>),
+}
+
+fn ceil_to(x: u64, m: u64) -> u64 {
+    x.div_ceil(m) * m
+}
+
+impl<'g> Lowering<'g> {
+    /// Runs the graph's forward; returns the output's handle (its Python reference).
+    pub(super) fn forward(&mut self) -> Result<Rt, LowerError> {
+        let g = self.g;
+        self.kind_now = Kind::Pending;
+        let start = self.storages.len();
+        for i in 0..g.ops.len() {
+            let region = self.op_region[i];
+            if let Some(f) = self.active_frame {
+                if region != Some(self.frames[f as usize].range) {
+                    self.end_frame(f);
+                }
+            }
+            if let Some(r) = region {
+                if self.active_frame.is_none() {
+                    self.begin_frame(r);
+                }
+            }
+            self.exec_graph_op(i);
+        }
+        if let Some(f) = self.active_frame {
+            self.end_frame(f);
+        }
+        self.clear_autocast_cache();
+        self.settle_pending(start);
+        let out = g.output.expect("checked");
+        let rt = self.vals[out.0 as usize]
+            .take()
+            .expect("the output is alive");
+        self.kind_now = Kind::Temporary;
+        Ok(rt)
+    }
+
+    fn exec_graph_op(&mut self, i: usize) {
+        let g = self.g;
+        let op = &g.ops[i];
+        let ins: Vec<Rt> = op
+            .inputs
+            .iter()
+            .map(|v| {
+                self.vals[v.0 as usize].clone().unwrap_or_else(|| {
+                    panic!("value {} of op {i} ({:?}) is not alive", v.0, op.kind)
+                })
+            })
+            .collect();
+        let outs = self.exec(&op.kind, &ins, &op.outputs, op.module, Some(i));
+        let mut it = outs.into_iter();
+        for &v in &op.outputs {
+            if let Some(rt) = it.next() {
+                self.vals[v.0 as usize] = Some(rt);
+            }
+        }
+        // Outputs the graph does not name die with the op's returned tuple.
+        for rt in it {
+            self.drop_rt(rt);
+        }
+        let rel = std::mem::take(&mut self.release_after[i]);
+        for &v in &rel {
+            if let Some(rt) = self.vals[v.0 as usize].take() {
+                self.drop_rt(rt);
+            }
+        }
+        self.release_after[i] = rel;
+    }
+
+    /// Runs one op on `ins` (borrowed handles); returns owned output handles.
+    pub(crate) fn exec(
+        &mut self,
+        kind: &OpKind,
+        ins: &[Rt],
+        outs: &[ValueId],
+        m: ModuleId,
+        gop: Option<usize>,
+    ) -> Vec<Rt> {
+        // Softmax/log_softmax with dtype=float32 on a bfloat16 input: `input.toType(float)` first
+        // (`aten/src/ATen/native/SoftMax.cpp`); CUDA's half_to_float path only exists for float16.
+        let ac_f32 = self.autocast.is_some()
+            && matches!(kind, OpKind::Softmax { .. } | OpKind::LogSoftmax { .. });
+        if let OpKind::Softmax { dim, to_f32 } = *kind {
+            if (to_f32 || ac_f32) && ins[0].dtype == DType::BF16 {
+                let conv = self.exec(&OpKind::ToDtype(DType::F32), &ins[..1], &[], m, None);
+                let out = self.exec(&OpKind::Softmax { dim, to_f32: false }, &conv, outs, m, gop);
+                for c in conv {
+                    self.drop_rt(c);
+                }
+                return out;
+            }
+            if ac_f32 && !to_f32 && ins[0].dtype == DType::F16 {
+                return self.exec(&OpKind::Softmax { dim, to_f32: true }, ins, outs, m, gop);
+            }
+        }
+        if let OpKind::LogSoftmax { dim } = *kind {
+            if ac_f32 && ins[0].dtype != DType::F32 {
+                let conv = self.exec(&OpKind::ToDtype(DType::F32), &ins[..1], &[], m, None);
+                let out = self.exec(&OpKind::LogSoftmax { dim }, &conv, outs, m, gop);
+                for c in conv {
+                    self.drop_rt(c);
+                }
+                return out;
+            }
+        }
+        // Autocast: cast float inputs as the op's list says.
+        let pol = match (self.autocast, kind) {
+            (None, _) => Policy::None,
+            (Some(_), OpKind::AutocastLower) => Policy::Lower,
+            (Some(_), k) if ac_f32 => {
+                let _ = k;
+                Policy::None
+            }
+            (Some(_), k) => policy(k),
+        };
+        let promote_to = if pol == Policy::Promote {
+            ins.iter()
+                .filter(|x| x.dtype.is_float())
+                .map(|x| x.dtype)
+                .reduce(|a, b| a.promote(b))
+        } else {
+            None
+        };
+        let mut casted: Vec<Rt> = Vec::with_capacity(ins.len());
+        for x in ins {
+            let target = match pol {
+                Policy::Lower => self
+                    .autocast
+                    .filter(|&d| x.dtype.is_float() && x.dtype != d),
+                Policy::Fp32 => {
+                    Some(DType::F32).filter(|_| matches!(x.dtype, DType::F16 | DType::BF16))
+                }
+                Policy::Promote => promote_to.filter(|&d| x.dtype.is_float() && x.dtype != d),
+                Policy::None => None,
+            };
+            let c = match target {
+                Some(d) => self.autocast_cast(x, d, m),
+                None => self.dup(x),
+            };
+            casted.push(c);
+        }
+        let out_specs: Vec<(Vec<u64>, DTypeSpec)> = outs
+            .iter()
+            .map(|v| {
+                let val = &self.g.values[v.0 as usize];
+                (val.shape.clone(), val.dtype)
+            })
+            .collect();
+        let result = self.fwd_rule(kind, &casted, &out_specs, m);
+        let outs = match result {
+            Fwd::Alias(rt) => vec![rt],
+            Fwd::New(mut outs, nk, saves) => {
+                let needs_grad = self.grad_mode
+                    && casted.iter().enumerate().any(|(j, x)| {
+                        x.requires_grad() && !(matches!(kind, OpKind::ToDtypeOf) && j == 1)
+                    });
+                if needs_grad && !matches!(kind, OpKind::Factory { .. }) {
+                    let dtype_only_arg1 = matches!(kind, OpKind::ToDtypeOf);
+                    self.record_node(nk, &casted, &mut outs, &saves, m, gop, dtype_only_arg1);
+                }
+                outs
+            }
+        };
+        for c in casted {
+            self.drop_rt(c);
+        }
+        outs
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn record_node(
+        &mut self,
+        nk: NodeKind,
+        ins: &[Rt],
+        outs: &mut [Rt],
+        saves: &[Save],
+        m: ModuleId,
+        gop: Option<usize>,
+        dtype_only_arg1: bool,
+    ) {
+        let pick = |s: &Save, outs: &[Rt]| -> Rt {
+            match *s {
+                Save::In(j) => ins[j].clone(),
+                Save::Out(k) => outs[k].clone(),
+            }
+        };
+        if let Some(map) = self.recompute_saved.as_mut() {
+            // Recomputation: the node itself is thrown away; what it saves is kept for the
+            // original node (`frame.recomputed`).
+            let _ = map;
+            let orig =
+                gop.and_then(|i| self.recompute_ops.as_ref().and_then(|o| o.get(&i).copied()));
+            if let Some(node) = orig {
+                let mut kept = Vec::new();
+                for s in saves {
+                    let t = pick(s, outs);
+                    kept.push(self.dup(&t));
+                }
+                self.recompute_saved
+                    .as_mut()
+                    .unwrap()
+                    .entry(node)
+                    .or_default()
+                    .extend(kept);
+            }
+            for (k, o) in outs.iter_mut().enumerate() {
+                if o.dtype.is_float() {
+                    o.edge = Some(Edge {
+                        node: u32::MAX,
+                        nr: k as u32,
+                    });
+                }
+            }
+            return;
+        }
+        self.seq += 1;
+        let seq = self.seq;
+        let node = self.new_node(nk, seq, m);
+        let n = &mut self.nodes[node as usize];
+        // `x.to(other.dtype)` takes a dtype, not a tensor: no edge to `other`.
+        let diff = |j: usize| !(dtype_only_arg1 && j == 1);
+        n.ins = ins
+            .iter()
+            .enumerate()
+            .map(|(j, x)| {
+                if x.dtype.is_float() && diff(j) {
+                    Some(Meta {
+                        layout: x.layout.clone(),
+                        dtype: x.dtype,
+                    })
+                } else {
+                    None
+                }
+            })
+            .collect();
+        n.next = ins
+            .iter()
+            .enumerate()
+            .map(|(j, x)| if diff(j) { x.edge } else { None })
+            .collect();
+        n.outs = outs
+            .iter()
+            .map(|o| Meta {
+                layout: o.layout.clone(),
+                dtype: o.dtype,
+            })
+            .collect();
+        for (k, o) in outs.iter_mut().enumerate() {
+            if o.dtype.is_float() {
+                o.edge = Some(Edge { node, nr: k as u32 });
+            }
+        }
+        if saves.is_empty() {
+            return;
+        }
+        if let Some(f) = self.active_frame {
+            // Inside torch.utils.checkpoint: the pack hook keeps nothing but a handle.
+            self.nodes[node as usize].ckpt = Some(f);
+            let fr = &mut self.frames[f as usize];
+            fr.pending += 1;
+            if let Some(i) = gop {
+                fr.op_nodes.insert(i, node);
+                fr.last_saving_op = Some(fr.last_saving_op.map_or(i, |x| x.max(i)));
+            }
+            return;
+        }
+        let mut saved = Vec::with_capacity(saves.len());
+        for s in saves {
+            let t = pick(s, outs);
+            saved.push(self.dup(&t));
+        }
+        self.nodes[node as usize].saved = saved;
+    }
+
+    /// Autocast's `cached_cast`: a cast of a leaf that requires grad (a parameter) is cached
+    /// until autocast exits.
+    fn autocast_cast(&mut self, x: &Rt, d: DType, m: ModuleId) -> Rt {
+        let leaf_param = self.param_index(x);
+        if let Some(p) = leaf_param {
+            if let Some(c) = self.autocast_cache.get(&p).cloned() {
+                return self.dup(&c);
+            }
+        }
+        let out = self
+            .exec(&OpKind::ToDtype(d), std::slice::from_ref(x), &[], m, None)
+            .pop()
+            .expect("one output");
+        let out = match &self
+            .nodes
+            .get(out.edge.map_or(usize::MAX, |e| e.node as usize))
+        {
+            Some(_) => {
+                if let Some(e) = out.edge {
+                    self.nodes[e.node as usize].kind = NodeKind::Cast;
+                }
+                out
+            }
+            None => out,
+        };
+        if let Some(p) = leaf_param {
+            let c = self.dup(&out);
+            self.autocast_cache.insert(p, c);
+        }
+        out
+    }
+
+    fn param_index(&self, x: &Rt) -> Option<usize> {
+        let e = x.edge?;
+        match self.nodes.get(e.node as usize)?.kind {
+            NodeKind::Accumulate(p)
+                if self.params[p].st == x.st && x.layout == self.params[p].layout =>
+            {
+                Some(p)
+            }
+            _ => None,
+        }
+    }
+
+    pub(super) fn clear_autocast_cache(&mut self) {
+        let cache: Vec<Rt> = self.autocast_cache.drain().map(|(_, v)| v).collect();
+        for c in cache {
+            self.drop_rt(c);
+        }
+    }
+
+    // ------------------------------------------------------------------ checkpoint frames
+
+    fn begin_frame(&mut self, range: u32) {
+        let ids: Vec<ValueId> = self.ck_ranges[range as usize].inputs.clone();
+        let mut inputs = Vec::with_capacity(ids.len());
+        for v in ids {
+            if let Some(rt) = self.vals[v.0 as usize].clone() {
+                let d = self.dup(&rt);
+                inputs.push((v, d));
+            }
+        }
+        self.frames.push(Frame {
+            range,
+            inputs,
+            pending: 0,
+            recomputed: false,
+            saved: HashMap::new(),
+            op_nodes: HashMap::new(),
+            last_saving_op: None,
+        });
+        self.active_frame = Some((self.frames.len() - 1) as u32);
+    }
+
+    fn end_frame(&mut self, f: u32) {
+        self.active_frame = None;
+        if self.frames[f as usize].pending == 0 {
+            self.free_frame(f);
+        }
+    }
+
+    pub(super) fn free_frame(&mut self, f: u32) {
+        let inputs = std::mem::take(&mut self.frames[f as usize].inputs);
+        for (_, rt) in inputs {
+            self.drop_rt(rt);
+        }
+    }
+
+    /// Reruns a checkpointed region's forward (non-reentrant `torch.utils.checkpoint`), keeping what
+    /// its nodes save, and stops after the last op that saves something (early stop).
+    pub(super) fn recompute(&mut self, f: u32) {
+        let g = self.g;
+        let range = self.frames[f as usize].range as usize;
+        let (start, _end) = (self.ck_ranges[range].start, self.ck_ranges[range].end);
+        let Some(stop) = self.frames[f as usize].last_saving_op else {
+            self.frames[f as usize].recomputed = true;
+            return;
+        };
+        let saved_kind = self.kind_now;
+        self.kind_now = Kind::Pending;
+        let st_start = self.storages.len();
+        let inputs: Vec<(ValueId, Rt)> = self.frames[f as usize]
+            .inputs
+            .iter()
+            .map(|(v, r)| (*v, r.clone()))
+            .collect();
+        // The region function's arguments (values Python still holds, like the inputs, stay as
+        // they are).
+        let mut placed = Vec::new();
+        for (v, rt) in &inputs {
+            if self.vals[v.0 as usize].is_none() {
+                let d = self.dup(rt);
+                self.vals[v.0 as usize] = Some(d);
+                placed.push(*v);
+            }
+        }
+        self.recompute_saved = Some(HashMap::new());
+        self.recompute_ops = Some(std::mem::take(&mut self.frames[f as usize].op_nodes));
+        let saved_grad = self.grad_mode;
+        self.grad_mode = true;
+        for i in start..=stop {
+            self.exec_graph_op(i);
+        }
+        self.grad_mode = saved_grad;
+        // _StopRecomputationError: the region function's locals die.
+        for i in start..=stop {
+            for &v in &g.ops[i].outputs {
+                if let Some(rt) = self.vals[v.0 as usize].take() {
+                    self.drop_rt(rt);
+                }
+            }
+        }
+        for v in placed {
+            if let Some(rt) = self.vals[v.0 as usize].take() {
+                self.drop_rt(rt);
+            }
+        }
+        self.clear_autocast_cache();
+        let saved = self.recompute_saved.take().unwrap_or_default();
+        let ops = self.recompute_ops.take().unwrap_or_default();
+        let fr = &mut self.frames[f as usize];
+        fr.saved = saved;
+        fr.op_nodes = ops;
+        fr.recomputed = true;
+        self.settle_pending(st_start);
+        self.kind_now = saved_kind;
+    }
+
+    // ------------------------------------------------------------------ forward rules
+
+    /// Outputs of one op: layouts and dtypes as PyTorch's kernels make them, allocated or viewed.
+    fn fwd_rule(
+        &mut self,
+        kind: &OpKind,
+        x: &[Rt],
+        outs: &[(Vec<u64>, DTypeSpec)],
+        m: ModuleId,
+    ) -> Fwd {
+        use OpKind::*;
+        let name = kind.aten_name();
+        let op_kind = NodeKind::Op(kind.clone());
+        let shape0 = || outs.first().map(|o| o.0.clone()).unwrap_or_default();
+        match kind {
+            AutocastLower => Fwd::Alias(self.dup(&x[0])),
+            // aten reshape (TensorShape.cpp): a view when computeStride allows, else
+            // `_unsafe_view(clone(contiguous))`; views save nothing.
+            View | UnsafeView | Reshape => {
+                let s = shape0();
+                match x[0].layout.view_strides(&s) {
+                    Some(strides) => {
+                        let v = self.view(&x[0], Layout { shape: s, strides });
+                        Fwd::New(vec![v], NodeKind::Op(View), vec![])
+                    }
+                    None => {
+                        // reshape: `_unsafe_view(self.clone(at::MemoryFormat::Contiguous), shape)`
+                        let c = self.alloc(Layout::contiguous(&s), x[0].dtype, m, "aten.clone");
+                        Fwd::New(vec![c], NodeKind::ReshapeCopy, vec![])
+                    }
+                }
+            }
+            Transpose(a, b) => {
+                let l = x[0].layout.transpose(*a, *b);
+                Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
+            }
+            T => {
+                let l = if x[0].layout.dim() == 2 {
+                    x[0].layout.transpose(0, 1)
+                } else {
+                    x[0].layout.clone()
+                };
+                Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
+            }
+            Permute(p) => {
+                let l = x[0].layout.permute(p);
+                Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
+            }
+            Expand => {
+                let l = x[0].layout.expand(&shape0());
+                Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
+            }
+            Unsqueeze(d) => {
+                let l = x[0].layout.unsqueeze(*d);
+                Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
+            }
+            Slice { dim, .. } => {
+                let len = shape0()[*dim];
+                let l = x[0].layout.narrow(*dim, len);
+                Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
+            }
+            Split { dim } => {
+                let mut vs = Vec::new();
+                for (s, _) in outs {
+                    let l = x[0].layout.narrow(*dim, s[*dim]);
+                    vs.push(self.view(&x[0], l));
+                }
+                Fwd::New(vs, op_kind, vec![])
+            }
+            Clone { contiguous } => {
+                if *contiguous && x[0].layout.is_contiguous() {
+                    return Fwd::Alias(self.dup(&x[0]));
+                }
+                let l = if *contiguous {
+                    Layout::contiguous(x[0].shape())
+                } else {
+                    x[0].layout.empty_like()
+                };
+                Fwd::New(vec![self.alloc(l, x[0].dtype, m, name)], op_kind, vec![])
+            }
+            ToDtype(d) => self.copy_to_dtype(&x[0], *d, m),
+            ToDtypeOf => {
+                let d = x[1].dtype;
+                self.copy_to_dtype(&x[0], d, m)
+            }
+            Add | Sub | Mul | Div => {
+                let s = shape0();
+                let dt = x[0].dtype.promote(x[1].dtype);
+                let l = elementwise_layout(&s, &[&x[0].layout, &x[1].layout]);
+                let o = self.alloc(l, dt, m, name);
+                // derivatives.yaml mul.Tensor saves other if self needs grad and self if other does;
+                // div.Tensor saves other (and self for other's grad); add/sub save nothing.
+                let saves = match kind {
+                    Mul => {
+                        let mut v = Vec::new();
+                        if x[0].requires_grad() {
+                            v.push(Save::In(1));
+                        }
+                        if x[1].requires_grad() {
+                            v.push(Save::In(0));
+                        }
+                        v
+                    }
+                    Div => {
+                        let mut v = Vec::new();
+                        if x[0].requires_grad() || x[1].requires_grad() {
+                            v.push(Save::In(1));
+                        }
+                        if x[1].requires_grad() {
+                            v.push(Save::In(0));
+                        }
+                        v
+                    }
+                    _ => vec![],
+                };
+                Fwd::New(vec![o], op_kind, saves)
+            }
+            AddScalar
+            | MulScalar
+            | DivScalar
+            | Neg
+            | PowScalar(_)
+            | Rsqrt
+            | Tanh
+            | Relu
+            | Gelu { .. }
+            | Silu => {
+                let l = elementwise_layout(x[0].shape(), &[&x[0].layout]);
+                let o = self.alloc(l, x[0].dtype, m, name);
+                // derivatives.yaml: pow.Tensor_Scalar, gelu, silu save self; rsqrt, tanh, relu save
+                // result; add/mul/div by a scalar and neg save nothing on the device.
+                let saves = match kind {
+                    PowScalar(_) | Gelu { .. } | Silu => vec![Save::In(0)],
+                    Rsqrt | Tanh | Relu => vec![Save::Out(0)],
+                    _ => vec![],
+                };
+                Fwd::New(vec![o], op_kind, saves)
+            }
+            // derivatives.yaml mean.dim: only sizes are saved.
+            MeanDim { .. } => {
+                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                Fwd::New(vec![o], op_kind, vec![])
+            }
+            // derivatives.yaml mm/bmm/addmm: mat2 saved for mat1's grad and mat1 for mat2's.
+            Mm | Bmm | Addmm => {
+                let (a, b) = if matches!(kind, Addmm) {
+                    (1, 2)
+                } else {
+                    (0, 1)
+                };
+                let dt = x[a].dtype.promote(x[b].dtype);
+                let o = self.alloc(Layout::contiguous(&shape0()), dt, m, name);
+                let mut saves = Vec::new();
+                if x[a].requires_grad() {
+                    saves.push(Save::In(b));
+                }
+                if x[b].requires_grad() {
+                    saves.push(Save::In(a));
+                }
+                Fwd::New(vec![o], op_kind, saves)
+            }
+            // derivatives.yaml _softmax / _log_softmax: result saved.
+            Softmax { to_f32, .. } => {
+                let dt = if *to_f32 { DType::F32 } else { x[0].dtype };
+                let o = self.alloc(Layout::contiguous(x[0].shape()), dt, m, name);
+                Fwd::New(vec![o], op_kind, vec![Save::Out(0)])
+            }
+            LogSoftmax { .. } => {
+                let o = self.alloc(Layout::contiguous(x[0].shape()), x[0].dtype, m, name);
+                Fwd::New(vec![o], op_kind, vec![Save::Out(0)])
+            }
+            // derivatives.yaml nll_loss_forward: self, target and total_weight saved.
+            NllLoss => {
+                let o = self.alloc(Layout::contiguous(&[]), x[0].dtype, m, name);
+                let w = self.alloc(Layout::contiguous(&[]), x[0].dtype, m, name);
+                Fwd::New(
+                    vec![o, w],
+                    op_kind,
+                    vec![Save::In(0), Save::In(1), Save::Out(1)],
+                )
+            }
+            // derivatives.yaml native_layer_norm: input, weight, bias, mean and rstd saved (mean/rstd
+            // float32 for 16-bit input, `acc_type` on CUDA).
+            LayerNorm => {
+                let o = self.alloc(Layout::contiguous(x[0].shape()), x[0].dtype, m, name);
+                let stat_dt = if matches!(x[0].dtype, DType::F16 | DType::BF16) {
+                    DType::F32
+                } else {
+                    x[0].dtype
+                };
+                let mut stat = x[0].shape().to_vec();
+                if let Some(l) = stat.last_mut() {
+                    *l = 1;
+                }
+                let mean = self.alloc(Layout::contiguous(&stat), stat_dt, m, name);
+                let rstd = self.alloc(Layout::contiguous(&stat), stat_dt, m, name);
+                Fwd::New(
+                    vec![o, mean, rstd],
+                    op_kind,
+                    vec![
+                        Save::In(0),
+                        Save::In(1),
+                        Save::In(2),
+                        Save::Out(1),
+                        Save::Out(2),
+                    ],
+                )
+            }
+            // derivatives.yaml native_dropout: the bool mask (result1) saved; output new.
+            Dropout { .. } => {
+                let l = x[0].layout.empty_like();
+                let o = self.alloc(l.clone(), x[0].dtype, m, name);
+                let mask = self.alloc(l, DType::Bool, m, name);
+                Fwd::New(vec![o, mask], op_kind, vec![Save::Out(1)])
+            }
+            // derivatives.yaml embedding: indices saved (and weight's size).
+            Embedding => {
+                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                Fwd::New(vec![o], op_kind, vec![Save::In(1)])
+            }
+            // derivatives.yaml cat: only sizes and dtypes saved.
+            Cat { .. } => {
+                let dt = x
+                    .iter()
+                    .map(|t| t.dtype)
+                    .reduce(|a, b| a.promote(b))
+                    .unwrap_or(DType::F32);
+                let o = self.alloc(Layout::contiguous(&shape0()), dt, m, name);
+                Fwd::New(vec![o], op_kind, vec![])
+            }
+            // derivatives.yaml _scaled_dot_product_{flash,efficient}_attention: q, k, v, output and
+            // logsumexp saved.
+            Sdpa { backend } => {
+                // Output in [B, S, H, D] memory, returned as its [B, H, S, D] transpose; logsumexp
+                // float32 [B, H, S] (flash) or [B, H, ceil(S/32)*32] (memory-efficient).
+                let s = x[0].shape().to_vec();
+                let (b, h, sq, d) = (s[0], s[1], s[2], s[3]);
+                let o = self.alloc(
+                    Layout::contiguous(&[b, sq, h, d]).transpose(1, 2),
+                    x[0].dtype,
+                    m,
+                    name,
+                );
+                let lse_len = match backend {
+                    SdpaBackend::Flash => sq,
+                    SdpaBackend::MemEfficient => ceil_to(sq, 32),
+                };
+                let lse = self.alloc(Layout::contiguous(&[b, h, lse_len]), DType::F32, m, name);
+                Fwd::New(
+                    vec![o, lse],
+                    op_kind,
+                    vec![
+                        Save::In(0),
+                        Save::In(1),
+                        Save::In(2),
+                        Save::Out(0),
+                        Save::Out(1),
+                    ],
+                )
+            }
+            Factory { temps, .. } => {
+                for (s, d) in temps {
+                    let t = self.alloc(Layout::contiguous(s), *d, m, name);
+                    self.drop_rt(t);
+                }
+                let mut vs = Vec::new();
+                for (s, d) in outs {
+                    let dt = self.resolve(*d);
+                    vs.push(self.alloc(Layout::contiguous(s), dt, m, name));
+                }
+                Fwd::New(vs, op_kind, vec![])
+            }
+        }
+    }
+
+    fn copy_to_dtype(&mut self, x: &Rt, d: DType, m: ModuleId) -> Fwd {
+        if x.dtype == d {
+            return Fwd::Alias(self.dup(x));
+        }
+        let o = self.alloc(x.layout.empty_like(), d, m, "aten._to_copy");
+        Fwd::New(vec![o], NodeKind::Op(OpKind::ToDtype(d)), vec![])
+    }
+
+    /// `loss / accum` for gradient accumulation, and `scaler.scale(loss)` for float16 autocast.
+    pub(super) fn finish_loss(&mut self, loss: Rt) -> Rt {
+        let mut loss = loss;
+        if self.r.accum > 1 {
+            let out = self
+                .exec(
+                    &OpKind::DivScalar,
+                    std::slice::from_ref(&loss),
+                    &[],
+                    ModuleId(0),
+                    None,
+                )
+                .pop()
+                .expect("one output");
+            self.drop_rt(loss);
+            loss = out;
+        }
+        if self.r.precision == crate::recipe::Precision::AmpFp16 {
+            if self.scaler.is_empty() {
+                // GradScaler._lazy_init_scale_growth_tracker: float32 scale, int32 growth tracker.
+                self.kind_now = Kind::Other;
+                let s = self.alloc(
+                    Layout::contiguous(&[]),
+                    DType::F32,
+                    ModuleId(0),
+                    "GradScaler._scale",
+                );
+                let t = self.alloc(
+                    Layout::contiguous(&[]),
+                    DType::I32,
+                    ModuleId(0),
+                    "GradScaler._growth_tracker",
+                );
+                self.scaler = vec![s, t];
+                self.kind_now = Kind::Temporary;
+            }
+            let scale = self.scaler[0].clone();
+            let out = self
+                .exec(&OpKind::Mul, &[loss.clone(), scale], &[], ModuleId(0), None)
+                .pop()
+                .expect("one output");
+            self.drop_rt(loss);
+            loss = out;
+        }
+        loss
+    }
+}

@@ -1,0 +1,715 @@
+//! `lower(graph, recipe) -> Trace`: a training step as eager PyTorch runs it, allocation by
+//! allocation.
+//!
+//! # How
+//!
+//! The lowering *executes* the graph symbolically, keeping what PyTorch keeps:
+//!
+//! * **Storages with reference counts.** Every tensor handle (a Python variable, a tensor saved for
+//!   backward, a gradient waiting in the autograd engine's input buffer, `.grad`, the autocast cache,
+//!   optimizer state) holds one reference on its storage; views share the storage of their base.
+//!   An `alloc` event is written when a storage is created and a `free` when its last reference
+//!   goes, which is when `c10::StorageImpl` dies and the caching allocator's `free` runs.
+//! * **Forward.** Ops run in program order. A value's Python reference goes after its last use
+//!   (or at the end of the module whose local holds it); what autograd saves stays.
+//! * **Backward** runs the autograd engine's algorithm (`torch/csrc/autograd/engine.cpp`): one node
+//!   per differentiable op, with the op's sequence number; a ready queue that always runs the ready
+//!   node with the highest sequence number (`AccumulateGrad` first); per node, the formula of
+//!   `derivatives.yaml` allocates its gradients (`bwd.rs`), `validate_outputs` reduces broadcast
+//!   gradients and casts dtypes, then the node's incoming gradients and saved tensors are released,
+//!   and its outputs go to the next nodes' input buffers, where several gradients for one input are
+//!   summed (`InputBuffer::accumulate`). `AccumulateGrad` steals a gradient it holds the only
+//!   reference to and that has the parameter's layout, else clones it; later gradients are added in
+//!   place.
+//! * **Checkpointing** is `torch.utils.checkpoint(use_reentrant=False)`: inside a checkpointed
+//!   region nothing is saved but the region's inputs; the first backward node of the region that
+//!   unpacks a saved tensor reruns the region's forward, keeping what it saves (stopping early once
+//!   all are recomputed), and each recomputed tensor goes when its node has run.
+//! * **Optimizer** steps follow `torch/optim` (`optim.rs`).
+//!
+//! Allocation sizes are exact: `numel × element size`, unrounded, as PyTorch asks the allocator.
+
+mod bwd;
+mod fwd;
+mod optim;
+
+use crate::dtype::DType;
+use crate::graph::{Graph, ModuleId, RegionKind, Source, ValueId};
+use crate::layout::Layout;
+use crate::ops::OpKind;
+use crate::recipe::{Checkpointing, Fidelity, Precision, Recipe, RecipeError, ZeroGrad};
+use std::collections::HashMap;
+use vramsim_traces::{AllocId, Category, Event, Trace};
+
+/// Why a graph could not be lowered under a recipe.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LowerError {
+    /// The recipe is invalid on its own.
+    #[error(transparent)]
+    Recipe(#[from] RecipeError),
+    /// The graph was built for another batch or sequence length.
+    #[error("the graph of {model} was built for batch {graph_batch} × seq {graph_seq}, the recipe asks for batch {batch} × seq {seq}: build the graph with the recipe's shapes")]
+    ShapeMismatch {
+        /// Model name.
+        model: String,
+        /// Graph batch.
+        graph_batch: u64,
+        /// Graph sequence length.
+        graph_seq: u64,
+        /// Recipe batch.
+        batch: u64,
+        /// Recipe sequence length.
+        seq: u64,
+    },
+    /// A tensor's byte size does not fit in 64 bits.
+    #[error("tensor {what} of shape {shape:?} has more than 2^64 bytes")]
+    Overflow {
+        /// Which tensor.
+        what: String,
+        /// Its shape.
+        shape: Vec<u64>,
+    },
+    /// The graph has no output to differentiate.
+    #[error("the graph of {0} has no output (set one with GraphBuilder::set_output)")]
+    NoOutput(String),
+    /// The graph's ops are not in a topological order.
+    #[error("the graph of {0} is not a DAG in program order (op {1} uses a value made later)")]
+    NotTopological(String, usize),
+}
+
+/// A handle on a tensor: its layout, dtype, storage, and where its gradient goes.
+#[derive(Clone, Debug)]
+pub(crate) struct Rt {
+    pub layout: Layout,
+    pub dtype: DType,
+    pub st: u32,
+    pub edge: Option<Edge>,
+}
+
+impl Rt {
+    pub fn shape(&self) -> &[u64] {
+        &self.layout.shape
+    }
+    pub fn requires_grad(&self) -> bool {
+        self.edge.is_some()
+    }
+}
+
+/// An autograd edge: the node that receives a gradient, and which of its inputs it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Edge {
+    pub node: u32,
+    pub nr: u32,
+}
+
+/// Shape and dtype of a tensor as a node remembers it (`InputMetadata`).
+#[derive(Clone, Debug)]
+pub(crate) struct Meta {
+    pub layout: Layout,
+    pub dtype: DType,
+}
+
+/// What kind of allocation a storage is, to choose its category at the end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Param,
+    Buffer,
+    Input,
+    /// Made in a forward or a recomputation: an activation if still alive at its end.
+    Pending,
+    Activation,
+    Temporary,
+    OptimState,
+    Other,
+}
+
+struct Storage {
+    size: u64,
+    refs: u32,
+    ev: u32,
+    kind: Kind,
+    grad: bool,
+    live: bool,
+}
+
+/// The backward function of a node.
+#[derive(Clone, Debug)]
+pub(crate) enum NodeKind {
+    /// The backward of a graph op (or a synthetic one).
+    Op(OpKind),
+    /// `AccumulateGrad` of parameter `usize`.
+    Accumulate(usize),
+    /// `ToCopyBackward0` of an autocast cast.
+    Cast,
+    /// `CloneBackward0` + `UnsafeViewBackward0` of a reshape that copied (`grad.reshape(sizes)`).
+    ReshapeCopy,
+}
+
+pub(crate) struct Node {
+    pub seq: u64,
+    pub kind: NodeKind,
+    pub ins: Vec<Option<Meta>>,
+    pub outs: Vec<Meta>,
+    pub next: Vec<Option<Edge>>,
+    pub saved: Vec<Rt>,
+    pub ckpt: Option<u32>,
+    pub module: ModuleId,
+}
+
+/// A checkpointed op range and its inputs.
+struct CkRange {
+    start: usize,
+    end: usize,
+    inputs: Vec<ValueId>,
+}
+
+/// One `torch.utils.checkpoint` call of one forward (`_CheckpointFrame`).
+struct Frame {
+    range: u32,
+    inputs: Vec<(ValueId, Rt)>,
+    /// Nodes of the region whose saved tensors the frame stands for, not yet run.
+    pending: u32,
+    recomputed: bool,
+    /// Saved tensors recomputed for each node.
+    saved: HashMap<u32, Vec<Rt>>,
+    /// Node made by each op of the region in the first forward (ops that save something).
+    op_nodes: HashMap<usize, u32>,
+    /// The last op of the region that saves a tensor: recomputation stops after it.
+    last_saving_op: Option<usize>,
+}
+
+/// The lowering state: storages, events, autograd nodes.
+pub(crate) struct Lowering<'g> {
+    pub g: &'g Graph,
+    pub r: &'g Recipe,
+    pub param_dtype: DType,
+    pub autocast: Option<DType>,
+    pub grad_mode: bool,
+    storages: Vec<Storage>,
+    events: Vec<Event>,
+    tags: Vec<Box<str>>,
+    next_id: u64,
+    pub nodes: Vec<Node>,
+    seq: u64,
+    /// Python references of graph values in the running forward.
+    vals: Vec<Option<Rt>>,
+    params: Vec<Rt>,
+    param_grads: Vec<Option<Rt>>,
+    acc_nodes: Vec<Option<u32>>,
+    autocast_cache: HashMap<usize, Rt>,
+    frames: Vec<Frame>,
+    ck_ranges: Vec<CkRange>,
+    /// Region index of each op when its region is checkpointed.
+    op_region: Vec<Option<u32>>,
+    active_frame: Option<u32>,
+    recompute_saved: Option<HashMap<u32, Vec<Rt>>>,
+    recompute_ops: Option<HashMap<usize, u32>>,
+    pub(crate) kind_now: Kind,
+    /// Values released after each op (Python lifetimes).
+    release_after: Vec<Vec<ValueId>>,
+    pub live_bytes: u64,
+    pub optim_state: Vec<Vec<Rt>>,
+    pub optim_steps: u32,
+    phase_info: Vec<serde_json::Value>,
+    iteration: u32,
+    micro: u32,
+    pub scaler: Vec<Rt>,
+}
+
+/// Lowers a training step (or inference, per the recipe) of `graph` to an allocation trace.
+///
+/// The trace holds `recipe.iterations` optimizer steps of `recipe.accum` micro-batches each, with
+/// `phase` markers `setup`, `forward`, `backward`, `optimizer` and `zero_grad` (the capture tool's
+/// names; `meta.phases` gives the iteration and micro-batch of each marker), allocation categories
+/// and tags (`module.path:aten.op`, `grad:param`, `exp_avg:param`).
+pub fn lower(graph: &Graph, recipe: &Recipe) -> Result<Trace, LowerError> {
+    recipe.validate()?;
+    if graph.batch != recipe.batch || (graph.seq != 0 && graph.seq != recipe.seq) {
+        return Err(LowerError::ShapeMismatch {
+            model: graph.name.clone(),
+            graph_batch: graph.batch,
+            graph_seq: graph.seq,
+            batch: recipe.batch,
+            seq: recipe.seq,
+        });
+    }
+    check_graph(graph)?;
+    let mut l = Lowering::new(graph, recipe);
+    l.run()?;
+    Ok(l.finish())
+}
+
+fn check_graph(g: &Graph) -> Result<(), LowerError> {
+    if g.output.is_none() {
+        return Err(LowerError::NoOutput(g.name.clone()));
+    }
+    for (i, op) in g.ops.iter().enumerate() {
+        for &v in &op.inputs {
+            if let Source::Op { op: p, .. } = g.values[v.0 as usize].source {
+                if p.0 as usize >= i {
+                    return Err(LowerError::NotTopological(g.name.clone(), i));
+                }
+            }
+        }
+    }
+    // Byte sizes must fit in u64 at the widest element type used (8 bytes).
+    for (i, v) in g.values.iter().enumerate() {
+        let mut n: u64 = 8;
+        for &d in &v.shape {
+            n = n.checked_mul(d).ok_or_else(|| LowerError::Overflow {
+                what: format!("value {i}"),
+                shape: v.shape.clone(),
+            })?;
+        }
+    }
+    Ok(())
+}
+
+impl<'g> Lowering<'g> {
+    fn new(g: &'g Graph, r: &'g Recipe) -> Self {
+        let param_dtype = match r.precision {
+            Precision::Bf16 => DType::BF16,
+            _ => DType::F32,
+        };
+        let autocast = match r.precision {
+            Precision::AmpFp16 => Some(DType::F16),
+            Precision::AmpBf16 => Some(DType::BF16),
+            _ => None,
+        };
+        // Python lifetimes: after its last use, or the end of the module holding it.
+        let mut last: Vec<Option<usize>> = vec![None; g.values.len()];
+        for (i, op) in g.ops.iter().enumerate() {
+            for &v in &op.inputs {
+                last[v.0 as usize] = Some(i);
+            }
+            for &v in &op.outputs {
+                if last[v.0 as usize].is_none() {
+                    last[v.0 as usize] = Some(i);
+                }
+            }
+        }
+        for &(v, op) in &g.holds {
+            let e = &mut last[v.0 as usize];
+            *e = Some(e.map_or(op.0 as usize, |x| x.max(op.0 as usize)));
+        }
+        let mut release_after = vec![Vec::new(); g.ops.len()];
+        for (v, l) in last.iter().enumerate() {
+            let val = &g.values[v];
+            if !matches!(val.source, Source::Op { .. }) || Some(ValueId(v as u32)) == g.output {
+                continue;
+            }
+            if let Some(op) = l {
+                release_after[*op].push(ValueId(v as u32));
+            }
+        }
+        Lowering {
+            g,
+            r,
+            param_dtype,
+            autocast,
+            grad_mode: !r.inference,
+            storages: Vec::new(),
+            events: Vec::with_capacity(g.ops.len() * 4),
+            tags: Vec::new(),
+            next_id: 0,
+            nodes: Vec::new(),
+            seq: 0,
+            vals: vec![None; g.values.len()],
+            params: Vec::new(),
+            param_grads: vec![None; g.params.len()],
+            acc_nodes: vec![None; g.params.len()],
+            autocast_cache: HashMap::new(),
+            frames: Vec::new(),
+            ck_ranges: Vec::new(),
+            op_region: vec![None; g.ops.len()],
+            active_frame: None,
+            recompute_saved: None,
+            recompute_ops: None,
+            kind_now: Kind::Other,
+            release_after,
+            live_bytes: 0,
+            optim_state: vec![Vec::new(); g.params.len()],
+            optim_steps: 0,
+            phase_info: Vec::new(),
+            iteration: 0,
+            micro: 0,
+            scaler: Vec::new(),
+        }
+    }
+
+    // ------------------------------------------------------------------ storages and events
+
+    /// Allocates a new storage for a tensor of `layout`/`dtype` (one reference, the caller's).
+    pub(crate) fn alloc(&mut self, layout: Layout, dtype: DType, module: ModuleId, op: &str) -> Rt {
+        let size = layout.numel() * dtype.size();
+        let m = &self.g.modules[module.0 as usize];
+        let tag: Box<str> = if m.is_empty() {
+            op.into()
+        } else {
+            format!("{m}:{op}").into()
+        };
+        let st = self.alloc_raw(size, self.kind_now, tag);
+        Rt {
+            layout,
+            dtype,
+            st,
+            edge: None,
+        }
+    }
+
+    fn alloc_raw(&mut self, size: u64, kind: Kind, tag: Box<str>) -> u32 {
+        let st = self.storages.len() as u32;
+        let ev = self.events.len() as u32;
+        self.events.push(Event::Alloc {
+            id: AllocId::Int(self.next_id),
+            size,
+            stream: 0,
+            category: Category::Other,
+            tag: None,
+        });
+        self.tags.push(tag);
+        self.next_id += 1;
+        self.live_bytes += size;
+        self.storages.push(Storage {
+            size,
+            refs: 1,
+            ev,
+            kind,
+            grad: false,
+            live: true,
+        });
+        st
+    }
+
+    /// One more reference on `t`'s storage.
+    pub(crate) fn dup(&mut self, t: &Rt) -> Rt {
+        self.storages[t.st as usize].refs += 1;
+        t.clone()
+    }
+
+    /// A view of `t` with another layout (one more reference on the storage).
+    pub(crate) fn view(&mut self, t: &Rt, layout: Layout) -> Rt {
+        self.storages[t.st as usize].refs += 1;
+        Rt {
+            layout,
+            dtype: t.dtype,
+            st: t.st,
+            edge: t.edge,
+        }
+    }
+
+    /// Drops a reference; frees the storage with its last one.
+    pub(crate) fn drop_rt(&mut self, t: Rt) {
+        self.release(t.st);
+    }
+
+    fn release(&mut self, st: u32) {
+        let s = &mut self.storages[st as usize];
+        debug_assert!(s.refs > 0, "double release");
+        s.refs -= 1;
+        if s.refs == 0 {
+            s.live = false;
+            self.live_bytes -= s.size;
+            let id = match &self.events[s.ev as usize] {
+                Event::Alloc { id, .. } => id.clone(),
+                _ => unreachable!(),
+            };
+            self.events.push(Event::Free { id });
+        }
+    }
+
+    /// References on `t`'s storage.
+    pub(crate) fn refs(&self, t: &Rt) -> u32 {
+        self.storages[t.st as usize].refs
+    }
+
+    fn phase(&mut self, name: &str) {
+        self.events.push(Event::Phase { name: name.into() });
+        self.phase_info.push(serde_json::json!({
+            "phase": name, "iteration": self.iteration, "micro_batch": self.micro,
+            "event": self.events.len() - 1,
+        }));
+    }
+
+    /// End of a forward or recomputation: what it made and is still alive is an activation.
+    fn settle_pending(&mut self, from: usize) {
+        let inference = self.r.inference;
+        for s in &mut self.storages[from..] {
+            if s.kind == Kind::Pending {
+                s.kind = if s.live && !inference {
+                    Kind::Activation
+                } else {
+                    Kind::Temporary
+                };
+            }
+        }
+    }
+
+    /// Marks `t`'s storage as a parameter's gradient.
+    pub(crate) fn mark_grad(&mut self, t: &Rt) {
+        self.storages[t.st as usize].grad = true;
+    }
+
+    /// Sets the tag of `t`'s allocation.
+    pub(crate) fn retag(&mut self, t: &Rt, tag: String) {
+        self.tags[t.st as usize] = tag.into();
+    }
+
+    /// Marks `t`'s storage as optimizer state.
+    pub(crate) fn mark_state(&mut self, t: &Rt) {
+        self.storages[t.st as usize].kind = Kind::OptimState;
+    }
+
+    pub(crate) fn new_node(&mut self, kind: NodeKind, seq: u64, module: ModuleId) -> u32 {
+        self.nodes.push(Node {
+            seq,
+            kind,
+            ins: Vec::new(),
+            outs: Vec::new(),
+            next: Vec::new(),
+            saved: Vec::new(),
+            ckpt: None,
+            module,
+        });
+        (self.nodes.len() - 1) as u32
+    }
+
+    // ------------------------------------------------------------------ the step
+
+    fn run(&mut self) -> Result<(), LowerError> {
+        self.phase("setup");
+        self.setup();
+        self.plan_checkpoints();
+        for it in 0..self.r.iterations {
+            self.iteration = it;
+            for micro in 0..self.r.accum {
+                self.micro = micro;
+                self.phase("forward");
+                let inputs = self.make_inputs();
+                let loss = self.forward()?;
+                if self.r.inference {
+                    self.drop_rt(loss);
+                    self.drop_inputs(inputs);
+                    continue;
+                }
+                let loss = self.finish_loss(loss);
+                self.phase("backward");
+                self.backward(&loss);
+                self.drop_rt(loss);
+                self.drop_inputs(inputs);
+            }
+            if self.r.inference {
+                continue;
+            }
+            self.micro = 0;
+            self.phase("optimizer");
+            self.optimizer_step();
+            self.phase("zero_grad");
+            self.zero_grad();
+        }
+        Ok(())
+    }
+
+    fn setup(&mut self) {
+        let g = self.g;
+        for (i, p) in g.params.iter().enumerate() {
+            let layout = Layout::contiguous(&p.shape);
+            let size = layout.numel() * self.param_dtype.size();
+            let st = self.alloc_raw(size, Kind::Param, p.name.as_str().into());
+            let mut rt = Rt {
+                layout,
+                dtype: self.param_dtype,
+                st,
+                edge: None,
+            };
+            if p.trainable && self.grad_mode {
+                let node = self.new_node(NodeKind::Accumulate(i), u64::MAX, ModuleId(0));
+                self.nodes[node as usize].ins.push(Some(Meta {
+                    layout: rt.layout.clone(),
+                    dtype: rt.dtype,
+                }));
+                self.nodes[node as usize].next.push(None);
+                self.acc_nodes[i] = Some(node);
+                rt.edge = Some(Edge { node, nr: 0 });
+            }
+            self.vals[p.value.0 as usize] = Some(rt.clone());
+            self.params.push(rt);
+        }
+        for b in &g.buffers {
+            let v = &g.values[b.value.0 as usize];
+            let dtype = self.resolve(v.dtype);
+            let layout = Layout::contiguous(&v.shape);
+            let size = layout.numel() * dtype.size();
+            let st = self.alloc_raw(size, Kind::Buffer, format!("buffer:{}", b.name).into());
+            self.vals[b.value.0 as usize] = Some(Rt {
+                layout,
+                dtype,
+                st,
+                edge: None,
+            });
+        }
+    }
+
+    pub(crate) fn resolve(&self, d: crate::graph::DTypeSpec) -> DType {
+        match d {
+            crate::graph::DTypeSpec::Model => self.param_dtype,
+            crate::graph::DTypeSpec::Fixed(d) => d,
+        }
+    }
+
+    fn make_inputs(&mut self) -> Vec<ValueId> {
+        let g = self.g;
+        let mut out = Vec::new();
+        for inp in &g.inputs {
+            let v = &g.values[inp.value.0 as usize];
+            let dtype = self.resolve(v.dtype);
+            let layout = Layout::contiguous(&v.shape);
+            let size = layout.numel() * dtype.size();
+            let st = self.alloc_raw(size, Kind::Input, format!("input:{}", inp.name).into());
+            self.vals[inp.value.0 as usize] = Some(Rt {
+                layout,
+                dtype,
+                st,
+                edge: None,
+            });
+            out.push(inp.value);
+        }
+        out
+    }
+
+    fn drop_inputs(&mut self, inputs: Vec<ValueId>) {
+        // `del inputs`: a tuple/dict of inputs dies last element first.
+        for v in inputs.into_iter().rev() {
+            if let Some(rt) = self.vals[v.0 as usize].take() {
+                self.drop_rt(rt);
+            }
+        }
+    }
+
+    /// Which op ranges are checkpointed under the recipe.
+    fn plan_checkpoints(&mut self) {
+        if self.r.inference {
+            return;
+        }
+        let g = self.g;
+        let blocks: Vec<usize> = (0..g.regions.len())
+            .filter(|&i| g.regions[i].kind == RegionKind::Block)
+            .collect();
+        let ranges: Vec<(usize, usize)> = match self.r.checkpointing {
+            Checkpointing::None => vec![],
+            Checkpointing::Full => blocks
+                .iter()
+                .map(|&b| (g.regions[b].start, g.regions[b].end))
+                .collect(),
+            Checkpointing::Every(k) => blocks
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| i % k as usize == 0)
+                .map(|(_, &b)| (g.regions[b].start, g.regions[b].end))
+                .collect(),
+            Checkpointing::Selective => g
+                .regions
+                .iter()
+                .filter(|r| r.kind == RegionKind::AttentionCore)
+                .map(|r| (r.start, r.end))
+                .collect(),
+            Checkpointing::Sqrt => {
+                // torch.utils.checkpoint.checkpoint_sequential(blocks, segments=round(sqrt(n))):
+                // segments of n // segments blocks, every segment but the last checkpointed.
+                let n = blocks.len();
+                let segs = ((n as f64).sqrt().round() as usize).max(1);
+                let size = (n / segs).max(1);
+                (0..segs.saturating_sub(1))
+                    .filter(|s| s * size < n)
+                    .map(|s| {
+                        let lo = blocks[s * size];
+                        let hi = blocks[((s + 1) * size).min(n) - 1];
+                        (g.regions[lo].start, g.regions[hi].end)
+                    })
+                    .collect()
+            }
+        };
+        for (start, end) in ranges {
+            let id = self.ck_ranges.len() as u32;
+            // The region's inputs: values made before it and used in it (parameters and buffers
+            // live anyway).
+            let mut inputs = Vec::new();
+            for op in &g.ops[start..end] {
+                for &v in &op.inputs {
+                    let made_before = match g.values[v.0 as usize].source {
+                        Source::Op { op, .. } => (op.0 as usize) < start,
+                        Source::Input(_) => true,
+                        _ => false,
+                    };
+                    if made_before && !inputs.contains(&v) {
+                        inputs.push(v);
+                    }
+                }
+            }
+            self.ck_ranges.push(CkRange { start, end, inputs });
+            for i in start..end {
+                self.op_region[i] = Some(id);
+            }
+        }
+    }
+
+    fn finish(mut self) -> Trace {
+        // Categories, decided now that lifetimes are known.
+        for (i, s) in self.storages.iter().enumerate() {
+            let cat = match s.kind {
+                Kind::Param => Category::Parameter,
+                Kind::Buffer => Category::Other,
+                Kind::Input => Category::Input,
+                Kind::Pending | Kind::Activation => Category::Activation,
+                Kind::Temporary => Category::Temporary,
+                Kind::OptimState => Category::OptimizerState,
+                Kind::Other => Category::Other,
+            };
+            let cat = if s.grad { Category::Gradient } else { cat };
+            let tag = std::mem::take(&mut self.tags[i]);
+            if let Event::Alloc {
+                category, tag: t, ..
+            } = &mut self.events[s.ev as usize]
+            {
+                *category = cat;
+                *t = Some(tag);
+            }
+        }
+        let mut trace = Trace::from_events(self.events);
+        let m = &mut trace.meta;
+        m.insert("tool".into(), "vramsim-models".into());
+        m.insert("model".into(), self.g.name.clone().into());
+        m.insert("batch".into(), self.r.batch.into());
+        m.insert("seq".into(), self.g.seq.into());
+        m.insert("recipe".into(), self.r.name().into());
+        m.insert("precision".into(), self.r.precision.to_string().into());
+        m.insert("optimizer".into(), self.r.optimizer.to_string().into());
+        m.insert("checkpoint".into(), self.r.checkpointing.to_string().into());
+        m.insert("accum".into(), self.r.accum.into());
+        m.insert("iterations".into(), self.r.iterations.into());
+        m.insert("params".into(), self.g.param_count().into());
+        m.insert(
+            "fidelity".into(),
+            match self.r.fidelity {
+                Fidelity::Cuda => "cuda",
+                Fidelity::MetaCapture => "meta-capture",
+            }
+            .into(),
+        );
+        for (k, v) in &self.g.meta {
+            m.insert(k.clone(), v.clone());
+        }
+        m.insert("phases".into(), serde_json::Value::Array(self.phase_info));
+        trace
+    }
+
+    fn zero_grad(&mut self) {
+        if self.r.zero_grad == ZeroGrad::SetToNone {
+            for i in 0..self.param_grads.len() {
+                if let Some(g) = self.param_grads[i].take() {
+                    self.drop_rt(g);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,720 @@
+//! The op library: ATen-level ops ([`OpKind`]) and the builder methods that append them with
+//! PyTorch's shape rules. Their memory behaviour (outputs, saved tensors, backward allocations)
+//! lives in the lowering (`lower/fwd.rs`, `lower/bwd.rs`); their autocast policy in
+//! [`crate::autocast`].
+//!
+//! Composite PyTorch functions are written as the ATen ops they decompose into in eager mode, in
+//! the same order, because autograd records one node per ATen op and frees by node:
+//! `F.linear` → `t` + `addmm` (2-D or contiguous 3-D input with bias) or `t` + `matmul`;
+//! `torch.matmul` → `expand`/`reshape`/`bmm`/`_unsafe_view` (`aten/src/ATen/native/LinearAlgebra.cpp`
+//! `_matmul_impl`); `F.cross_entropy` → `_log_softmax` + `nll_loss_forward`.
+
+use crate::dtype::DType;
+use crate::graph::{DTypeSpec, GraphBuilder, T};
+use crate::layout::numel;
+
+/// Which attention kernel `F.scaled_dot_product_attention` runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SdpaBackend {
+    /// FlashAttention-2 (`_scaled_dot_product_flash_attention`).
+    Flash,
+    /// Memory-efficient attention (`_scaled_dot_product_efficient_attention`).
+    MemEfficient,
+}
+
+/// An ATen-level op and its attributes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum OpKind {
+    // ---- views: share the input's storage ----
+    /// `view(shape)`: must alias.
+    View,
+    /// `reshape(shape)`: a view when strides allow, else `clone(contiguous)` + `_unsafe_view`.
+    Reshape,
+    /// `_unsafe_view(shape)` (matmul's output reshape): a view.
+    UnsafeView,
+    /// `transpose(d0, d1)`.
+    Transpose(usize, usize),
+    /// `t()` of a matrix.
+    T,
+    /// `permute(dims)`.
+    Permute(Vec<usize>),
+    /// `expand(shape)`.
+    Expand,
+    /// `unsqueeze(dim)`.
+    Unsqueeze(usize),
+    /// `slice(dim, start, end)` (basic indexing `x[..., a:b]`).
+    Slice {
+        /// Dimension.
+        dim: usize,
+        /// First index.
+        start: u64,
+    },
+    /// `split_with_sizes(sizes, dim)`: one view per output.
+    Split {
+        /// Dimension.
+        dim: usize,
+    },
+    // ---- copies ----
+    /// `clone()`; `contiguous: true` is `contiguous()`/`clone(memory_format=contiguous)`, which
+    /// allocates only when the input is not contiguous already.
+    Clone {
+        /// `contiguous()` semantics (no copy when already contiguous).
+        contiguous: bool,
+    },
+    /// `x.to(dtype)` (`_to_copy`); no copy when the dtype is already right.
+    ToDtype(DType),
+    /// `x.to(other.dtype)` (`hidden_states.to(input_dtype)`): input 1 gives the dtype only.
+    ToDtypeOf,
+    // ---- elementwise ----
+    /// `add.Tensor` (broadcasting).
+    Add,
+    /// `sub.Tensor`.
+    Sub,
+    /// `mul.Tensor` between two tensors.
+    Mul,
+    /// `div.Tensor` between two tensors.
+    Div,
+    /// `add` with a Python scalar.
+    AddScalar,
+    /// `mul` with a Python scalar (a wrapped number: nothing saved on the device).
+    MulScalar,
+    /// `div` with a Python scalar.
+    DivScalar,
+    /// `neg`.
+    Neg,
+    /// `pow(x, exponent)` with a scalar exponent.
+    PowScalar(f64),
+    /// `rsqrt`.
+    Rsqrt,
+    /// `tanh`.
+    Tanh,
+    /// `relu` (out of place).
+    Relu,
+    /// `gelu(approximate=...)` as one ATen op (`nn.GELU`).
+    Gelu {
+        /// `approximate="tanh"`.
+        tanh: bool,
+    },
+    /// `silu`.
+    Silu,
+    // ---- reductions ----
+    /// `mean(dim, keepdim)`.
+    MeanDim {
+        /// Reduced dimension.
+        dim: usize,
+        /// Whether the dimension is kept with size 1.
+        keepdim: bool,
+    },
+    // ---- matrix products ----
+    /// `mm(a, b)`.
+    Mm,
+    /// `addmm(bias, a, b)` (bias broadcast).
+    Addmm,
+    /// `bmm(a, b)`.
+    Bmm,
+    // ---- nn ----
+    /// `_softmax(x, dim)`; `to_f32` is `softmax(x, dim, dtype=torch.float32)`.
+    Softmax {
+        /// Dimension.
+        dim: usize,
+        /// Compute and return float32 (the `dtype=torch.float32` argument).
+        to_f32: bool,
+    },
+    /// `_log_softmax(x, dim)`.
+    LogSoftmax {
+        /// Dimension.
+        dim: usize,
+    },
+    /// `nll_loss_forward(logp, target)` with mean reduction: outputs `(loss, total_weight)`.
+    NllLoss,
+    /// `native_layer_norm(x, shape, weight, bias)`: outputs `(y, mean, rstd)`.
+    LayerNorm,
+    /// `native_dropout(x, p, train)`: outputs `(y, mask)`; the mask is `bool`.
+    Dropout {
+        /// Drop probability.
+        p: f64,
+    },
+    /// `embedding(weight, indices)`.
+    Embedding,
+    /// `cat(tensors, dim)`.
+    Cat {
+        /// Dimension.
+        dim: usize,
+    },
+    /// `scaled_dot_product_attention(q, k, v)` with a fused backend (`is_causal=True`, no mask).
+    Sdpa {
+        /// The kernel.
+        backend: SdpaBackend,
+    },
+    /// Autocast's `lower_precision_fp` cast of a composite's argument (`linear`, `matmul` are in
+    /// the list, so their arguments are cast, and cached when they are parameters, before the
+    /// ATen ops they decompose into): identity when autocast is off.
+    AutocastLower,
+    // ---- no autograd ----
+    /// A non-differentiable computation that makes its outputs from its inputs (mask building,
+    /// position ids, label shifting) with the given short-lived temporaries, allocated and freed
+    /// in order before the outputs. `name` is the ATen op the trace tags it with.
+    Factory {
+        /// Op name for the tag (`aten.where`).
+        name: &'static str,
+        /// Temporaries (shape, dtype), allocated and freed before the outputs.
+        temps: Vec<(Vec<u64>, DType)>,
+    },
+}
+
+impl OpKind {
+    /// The ATen name used in trace tags (`aten.addmm`).
+    pub fn aten_name(&self) -> &'static str {
+        use OpKind::*;
+        match self {
+            View => "aten.view",
+            Reshape => "aten.clone",
+            UnsafeView => "aten._unsafe_view",
+            Transpose(..) => "aten.transpose",
+            T => "aten.t",
+            Permute(_) => "aten.permute",
+            Expand => "aten.expand",
+            Unsqueeze(_) => "aten.unsqueeze",
+            Slice { .. } => "aten.slice",
+            Split { .. } => "aten.split_with_sizes",
+            Clone { .. } => "aten.clone",
+            ToDtype(_) | ToDtypeOf => "aten._to_copy",
+            Add | AddScalar => "aten.add",
+            Sub => "aten.sub",
+            Mul | MulScalar => "aten.mul",
+            Div | DivScalar => "aten.div",
+            Neg => "aten.neg",
+            PowScalar(_) => "aten.pow",
+            Rsqrt => "aten.rsqrt",
+            Tanh => "aten.tanh",
+            Relu => "aten.relu",
+            Gelu { .. } => "aten.gelu",
+            Silu => "aten.silu",
+            MeanDim { .. } => "aten.mean",
+            Mm => "aten.mm",
+            Addmm => "aten.addmm",
+            Bmm => "aten.bmm",
+            Softmax { .. } => "aten._softmax",
+            LogSoftmax { .. } => "aten._log_softmax",
+            NllLoss => "aten.nll_loss_forward",
+            LayerNorm => "aten.native_layer_norm",
+            Dropout { .. } => "aten.native_dropout",
+            Embedding => "aten.embedding",
+            Cat { .. } => "aten.cat",
+            Sdpa {
+                backend: SdpaBackend::Flash,
+            } => "aten._scaled_dot_product_flash_attention",
+            Sdpa {
+                backend: SdpaBackend::MemEfficient,
+            } => "aten._scaled_dot_product_efficient_attention",
+            AutocastLower => "aten._to_copy",
+            Factory { name, .. } => name,
+        }
+    }
+
+    /// Whether the op is a view (its outputs alias input 0; `reshape` may copy instead).
+    pub fn is_view(&self) -> bool {
+        use OpKind::*;
+        matches!(
+            self,
+            View | Reshape
+                | UnsafeView
+                | Transpose(..)
+                | T
+                | Permute(_)
+                | Expand
+                | Unsqueeze(_)
+                | Slice { .. }
+                | Split { .. }
+        )
+    }
+}
+
+fn norm_dim(d: isize, n: usize) -> usize {
+    if d < 0 {
+        (n as isize + d) as usize
+    } else {
+        d as usize
+    }
+}
+
+/// Builder methods, one per ATen op or eager composite; shapes follow PyTorch's rules.
+impl GraphBuilder {
+    // ---------------------------------------------------------------- views
+
+    /// `x.view(shape)`; one entry may be `-1`.
+    pub fn view(&mut self, x: T, shape: &[i64]) -> T {
+        let s = self.infer_shape("view", x, shape);
+        let d = self.dtype(x);
+        self.op1(OpKind::View, &[x], s, d)
+    }
+
+    /// `x.reshape(shape)` (a view when possible, else a contiguous copy).
+    pub fn reshape(&mut self, x: T, shape: &[i64]) -> T {
+        let s = self.infer_shape("reshape", x, shape);
+        let d = self.dtype(x);
+        self.op1(OpKind::Reshape, &[x], s, d)
+    }
+
+    fn unsafe_view(&mut self, x: T, shape: Vec<u64>) -> T {
+        let d = self.dtype(x);
+        self.op1(OpKind::UnsafeView, &[x], shape, d)
+    }
+
+    fn infer_shape(&mut self, op: &str, x: T, shape: &[i64]) -> Vec<u64> {
+        let n = numel(&self.shape(x));
+        let known: u64 = shape
+            .iter()
+            .filter(|&&d| d >= 0)
+            .map(|&d| d as u64)
+            .product();
+        let out: Vec<u64> = shape
+            .iter()
+            .map(|&d| {
+                if d < 0 {
+                    n.checked_div(known).unwrap_or(0)
+                } else {
+                    d as u64
+                }
+            })
+            .collect();
+        if numel(&out) != n {
+            self.fail(
+                op,
+                format!("shape {shape:?} is invalid for input of size {n}"),
+            );
+        }
+        out
+    }
+
+    /// `x.transpose(d0, d1)` (negative dims count from the end).
+    pub fn transpose(&mut self, x: T, d0: isize, d1: isize) -> T {
+        let mut s = self.shape(x);
+        let n = s.len();
+        let (a, b) = (norm_dim(d0, n), norm_dim(d1, n));
+        s.swap(a, b);
+        let d = self.dtype(x);
+        self.op1(OpKind::Transpose(a, b), &[x], s, d)
+    }
+
+    /// `w.t()` of a matrix.
+    pub fn t(&mut self, x: T) -> T {
+        let mut s = self.shape(x);
+        s.reverse();
+        let d = self.dtype(x);
+        self.op1(OpKind::T, &[x], s, d)
+    }
+
+    /// `x.permute(dims)`.
+    pub fn permute(&mut self, x: T, dims: &[usize]) -> T {
+        let s0 = self.shape(x);
+        let s = dims.iter().map(|&p| s0[p]).collect();
+        let d = self.dtype(x);
+        self.op1(OpKind::Permute(dims.to_vec()), &[x], s, d)
+    }
+
+    /// `x.expand(shape)`.
+    pub fn expand(&mut self, x: T, shape: &[u64]) -> T {
+        let d = self.dtype(x);
+        self.op1(OpKind::Expand, &[x], shape.to_vec(), d)
+    }
+
+    /// `x.unsqueeze(dim)` / `x[:, None]`.
+    pub fn unsqueeze(&mut self, x: T, dim: usize) -> T {
+        let mut s = self.shape(x);
+        s.insert(dim, 1);
+        let d = self.dtype(x);
+        self.op1(OpKind::Unsqueeze(dim), &[x], s, d)
+    }
+
+    /// `x[..., start:end]` along `dim` (negative dims count from the end).
+    pub fn slice(&mut self, x: T, dim: isize, start: u64, end: u64) -> T {
+        let mut s = self.shape(x);
+        let dim = norm_dim(dim, s.len());
+        s[dim] = end.min(s[dim]).saturating_sub(start);
+        let d = self.dtype(x);
+        self.op1(OpKind::Slice { dim, start }, &[x], s, d)
+    }
+
+    /// `x.split(sizes, dim)` (`split_with_sizes`): views.
+    pub fn split(&mut self, x: T, sizes: &[u64], dim: isize) -> Vec<T> {
+        let s = self.shape(x);
+        let dim = norm_dim(dim, s.len());
+        if sizes.iter().sum::<u64>() != s[dim] {
+            self.fail(
+                "split",
+                format!("sizes {sizes:?} do not add up to {}", s[dim]),
+            );
+        }
+        let d = self.dtype(x);
+        let outs: Vec<(Vec<u64>, DTypeSpec)> = sizes
+            .iter()
+            .map(|&n| {
+                let mut o = s.clone();
+                o[dim] = n;
+                (o, d)
+            })
+            .collect();
+        self.op(OpKind::Split { dim }, &[x], &outs)
+    }
+
+    // ---------------------------------------------------------------- copies
+
+    /// `x.contiguous()`: a copy only when `x` is not contiguous.
+    pub fn contiguous(&mut self, x: T) -> T {
+        let (s, d) = (self.shape(x), self.dtype(x));
+        self.op1(OpKind::Clone { contiguous: true }, &[x], s, d)
+    }
+
+    /// `x.clone()`.
+    pub fn clone_t(&mut self, x: T) -> T {
+        let (s, d) = (self.shape(x), self.dtype(x));
+        self.op1(OpKind::Clone { contiguous: false }, &[x], s, d)
+    }
+
+    /// `x.to(dtype)` (`x.float()` is `to(F32)`): a copy only when the dtype changes.
+    pub fn to_dtype(&mut self, x: T, dtype: DType) -> T {
+        let s = self.shape(x);
+        self.op1(OpKind::ToDtype(dtype), &[x], s, DTypeSpec::Fixed(dtype))
+    }
+
+    /// `x.to(other.dtype)`.
+    pub fn to_dtype_of(&mut self, x: T, other: T) -> T {
+        let s = self.shape(x);
+        let d = self.dtype(other);
+        self.op1(OpKind::ToDtypeOf, &[x, other], s, d)
+    }
+
+    // ---------------------------------------------------------------- elementwise
+
+    fn binary(&mut self, kind: OpKind, name: &str, a: T, b: T) -> T {
+        let s = self.broadcast_shape(name, a, b);
+        let d = self.result_dtype(&[a, b]);
+        self.op1(kind, &[a, b], s, d)
+    }
+
+    fn unary(&mut self, kind: OpKind, x: T) -> T {
+        let (s, d) = (self.shape(x), self.dtype(x));
+        self.op1(kind, &[x], s, d)
+    }
+
+    /// `a + b`.
+    pub fn add(&mut self, a: T, b: T) -> T {
+        self.binary(OpKind::Add, "add", a, b)
+    }
+    /// `a - b`.
+    pub fn sub(&mut self, a: T, b: T) -> T {
+        self.binary(OpKind::Sub, "sub", a, b)
+    }
+    /// `a * b`.
+    pub fn mul(&mut self, a: T, b: T) -> T {
+        self.binary(OpKind::Mul, "mul", a, b)
+    }
+    /// `a / b`.
+    pub fn div(&mut self, a: T, b: T) -> T {
+        self.binary(OpKind::Div, "div", a, b)
+    }
+    /// `x + c` for a Python number `c`.
+    pub fn add_scalar(&mut self, x: T) -> T {
+        self.unary(OpKind::AddScalar, x)
+    }
+    /// `x * c` (or `c * x`) for a Python number `c`.
+    pub fn mul_scalar(&mut self, x: T) -> T {
+        self.unary(OpKind::MulScalar, x)
+    }
+    /// `x / c` for a Python number `c`.
+    pub fn div_scalar(&mut self, x: T) -> T {
+        self.unary(OpKind::DivScalar, x)
+    }
+    /// `-x`.
+    pub fn neg(&mut self, x: T) -> T {
+        self.unary(OpKind::Neg, x)
+    }
+    /// `x.pow(e)` / `torch.pow(x, e)`.
+    pub fn pow(&mut self, x: T, e: f64) -> T {
+        self.unary(OpKind::PowScalar(e), x)
+    }
+    /// `torch.rsqrt(x)`.
+    pub fn rsqrt(&mut self, x: T) -> T {
+        self.unary(OpKind::Rsqrt, x)
+    }
+    /// `torch.tanh(x)`.
+    pub fn tanh(&mut self, x: T) -> T {
+        self.unary(OpKind::Tanh, x)
+    }
+    /// `F.relu(x)` (not in place).
+    pub fn relu(&mut self, x: T) -> T {
+        self.unary(OpKind::Relu, x)
+    }
+    /// `F.gelu(x, approximate=...)` (one ATen op).
+    pub fn gelu(&mut self, x: T, tanh: bool) -> T {
+        self.unary(OpKind::Gelu { tanh }, x)
+    }
+    /// `F.silu(x)`.
+    pub fn silu(&mut self, x: T) -> T {
+        self.unary(OpKind::Silu, x)
+    }
+
+    /// `x.mean(dim, keepdim)`.
+    pub fn mean_dim(&mut self, x: T, dim: isize, keepdim: bool) -> T {
+        let mut s = self.shape(x);
+        let dim = norm_dim(dim, s.len());
+        if keepdim {
+            s[dim] = 1;
+        } else {
+            s.remove(dim);
+        }
+        let d = self.dtype(x);
+        self.op1(OpKind::MeanDim { dim, keepdim }, &[x], s, d)
+    }
+
+    // ---------------------------------------------------------------- matrix products
+
+    /// `torch.mm(a, b)`.
+    pub fn mm(&mut self, a: T, b: T) -> T {
+        let (sa, sb) = (self.shape(a), self.shape(b));
+        if sa.len() != 2 || sb.len() != 2 || sa[1] != sb[0] {
+            self.fail("mm", format!("cannot multiply {sa:?} by {sb:?}"));
+        }
+        let d = self.result_dtype(&[a, b]);
+        self.op1(OpKind::Mm, &[a, b], vec![sa[0], sb[sb.len() - 1]], d)
+    }
+
+    /// `torch.addmm(bias, a, b)`.
+    pub fn addmm(&mut self, bias: T, a: T, b: T) -> T {
+        let (sa, sb) = (self.shape(a), self.shape(b));
+        if sa.len() != 2 || sb.len() != 2 || sa[1] != sb[0] {
+            self.fail("addmm", format!("cannot multiply {sa:?} by {sb:?}"));
+        }
+        let d = self.result_dtype(&[a, b]);
+        self.op1(OpKind::Addmm, &[bias, a, b], vec![sa[0], sb[1]], d)
+    }
+
+    /// `torch.bmm(a, b)`.
+    pub fn bmm(&mut self, a: T, b: T) -> T {
+        let (sa, sb) = (self.shape(a), self.shape(b));
+        if sa.len() != 3 || sb.len() != 3 || sa[2] != sb[1] || sa[0] != sb[0] {
+            self.fail("bmm", format!("cannot multiply {sa:?} by {sb:?}"));
+        }
+        let d = self.result_dtype(&[a, b]);
+        self.op1(OpKind::Bmm, &[a, b], vec![sa[0], sa[1], sb[2]], d)
+    }
+
+    /// `torch.matmul(a, b)` as ATen's `_matmul_impl` runs it: `mm` for matrices, a folded `mm`
+    /// for N-D × matrix, and `expand` + `reshape` + `bmm` + `_unsafe_view` for batched operands
+    /// (the reshapes copy when the operands are transposed views).
+    pub fn matmul(&mut self, a: T, b: T) -> T {
+        let a = self.autocast_lower(a);
+        let b = self.autocast_lower(b);
+        let (sa, sb) = (self.shape(a), self.shape(b));
+        match (sa.len(), sb.len()) {
+            (2, 2) => self.mm(a, b),
+            (n, 2) if n >= 3 => {
+                let k = sa[n - 1];
+                let folded = self.reshape(a, &[-1, k as i64]);
+                let out = self.mm(folded, b);
+                let mut shape = sa[..n - 1].to_vec();
+                shape.push(sb[1]);
+                self.unsafe_view(out, shape)
+            }
+            (na, nb) if na >= 3 && nb >= 3 => {
+                let (n, m1) = (sa[na - 2], sa[na - 1]);
+                let (m2, p) = (sb[nb - 2], sb[nb - 1]);
+                if m1 != m2 {
+                    self.fail("matmul", format!("cannot multiply {sa:?} by {sb:?}"));
+                }
+                let batch = match broadcast(&sa[..na - 2], &sb[..nb - 2]) {
+                    Some(s) => s,
+                    None => {
+                        self.fail(
+                            "matmul",
+                            format!("batch dims of {sa:?} and {sb:?} do not broadcast"),
+                        );
+                        sa[..na - 2].to_vec()
+                    }
+                };
+                let bp: u64 = batch.iter().product();
+                let mut e1 = batch.clone();
+                e1.extend([n, m1]);
+                let mut e2 = batch.clone();
+                e2.extend([m2, p]);
+                let a1 = self.expand(a, &e1);
+                let a2 = self.reshape(a1, &[bp as i64, n as i64, m1 as i64]);
+                let b1 = self.expand(b, &e2);
+                let b2 = self.reshape(b1, &[bp as i64, m2 as i64, p as i64]);
+                let out = self.bmm(a2, b2);
+                let mut shape = batch;
+                shape.extend([n, p]);
+                self.unsafe_view(out, shape)
+            }
+            _ => {
+                self.fail(
+                    "matmul",
+                    format!("unsupported operand ranks {sa:?} @ {sb:?}"),
+                );
+                a
+            }
+        }
+    }
+
+    /// `F.linear(x, w, b)` as `at::linear` runs it: `addmm(b, x, w.t())` for 2-D input with bias,
+    /// `_flatten_nd_linear` (`reshape` + `addmm` + `view`) for N-D input with bias, and
+    /// `matmul(x, w.t())` without bias.
+    pub fn linear_op(&mut self, x: T, w: T, bias: Option<T>) -> T {
+        let x = self.autocast_lower(x);
+        let w = self.autocast_lower(w);
+        let bias = bias.map(|b| self.autocast_lower(b));
+        let sx = self.shape(x);
+        match bias {
+            Some(b) if sx.len() == 2 => {
+                let wt = self.t(w);
+                self.addmm(b, x, wt)
+            }
+            Some(b) => {
+                let k = sx[sx.len() - 1];
+                let flat = self.reshape(x, &[-1, k as i64]);
+                let wt = self.t(w);
+                let out = self.addmm(b, flat, wt);
+                let mut shape: Vec<i64> = sx[..sx.len() - 1].iter().map(|&d| d as i64).collect();
+                shape.push(self.shape(w)[0] as i64);
+                self.view(out, &shape)
+            }
+            None => {
+                let wt = self.t(w);
+                self.matmul(x, wt)
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- nn
+
+    /// Autocast's cast of a `lower_precision_fp` composite's argument (see [`OpKind::AutocastLower`]).
+    pub fn autocast_lower(&mut self, x: T) -> T {
+        let (s, d) = (self.shape(x), self.dtype(x));
+        if !self.g_value_differentiable(x) {
+            return x;
+        }
+        self.op1(OpKind::AutocastLower, &[x], s, d)
+    }
+
+    /// `F.softmax(x, dim)`; `to_f32` is `dtype=torch.float32`.
+    pub fn softmax(&mut self, x: T, dim: isize, to_f32: bool) -> T {
+        let s = self.shape(x);
+        let dim = norm_dim(dim, s.len());
+        let d = if to_f32 {
+            DTypeSpec::Fixed(DType::F32)
+        } else {
+            self.dtype(x)
+        };
+        self.op1(OpKind::Softmax { dim, to_f32 }, &[x], s, d)
+    }
+
+    /// `F.log_softmax(x, dim)`.
+    pub fn log_softmax(&mut self, x: T, dim: isize) -> T {
+        let s = self.shape(x);
+        let dim = norm_dim(dim, s.len());
+        let d = self.dtype(x);
+        self.op1(OpKind::LogSoftmax { dim }, &[x], s, d)
+    }
+
+    /// `F.nll_loss(logp, target)` (mean reduction): the scalar loss.
+    pub fn nll_loss(&mut self, logp: T, target: T) -> T {
+        let d = self.dtype(logp);
+        self.op(
+            OpKind::NllLoss,
+            &[logp, target],
+            &[(vec![], d), (vec![], d)],
+        )[0]
+    }
+
+    /// `F.cross_entropy(logits, target)` = `log_softmax` + `nll_loss`.
+    pub fn cross_entropy(&mut self, logits: T, target: T) -> T {
+        let lp = self.log_softmax(logits, -1);
+        self.nll_loss(lp, target)
+    }
+
+    /// `F.layer_norm(x, [h], w, b)` (`native_layer_norm`: mean and rstd are float32 when x is 16-bit
+    /// on CUDA, shape `[..., 1]`).
+    pub fn layer_norm_op(&mut self, x: T, w: T, b: T) -> T {
+        let s = self.shape(x);
+        let mut stat = s.clone();
+        if let Some(l) = stat.last_mut() {
+            *l = 1;
+        }
+        let d = self.dtype(x);
+        self.op(
+            OpKind::LayerNorm,
+            &[x, w, b],
+            &[
+                (s, d),
+                (stat.clone(), DTypeSpec::Fixed(DType::F32)),
+                (stat, DTypeSpec::Fixed(DType::F32)),
+            ],
+        )[0]
+    }
+
+    /// `F.dropout(x, p, training=True)`: `native_dropout` on CUDA for `0 < p < 1`, identity for
+    /// `p == 0` (`aten/src/ATen/native/Dropout.cpp`).
+    pub fn dropout(&mut self, x: T, p: f64) -> T {
+        if p <= 0.0 {
+            return x;
+        }
+        let (s, d) = (self.shape(x), self.dtype(x));
+        self.op(
+            OpKind::Dropout { p },
+            &[x],
+            &[(s.clone(), d), (s, DTypeSpec::Fixed(DType::Bool))],
+        )[0]
+    }
+
+    /// `F.embedding(ids, weight)`.
+    pub fn embedding_op(&mut self, weight: T, ids: T) -> T {
+        let mut s = self.shape(ids);
+        s.push(self.shape(weight)[1]);
+        let d = self.dtype(weight);
+        self.op1(OpKind::Embedding, &[weight, ids], s, d)
+    }
+
+    /// `torch.cat(tensors, dim)`.
+    pub fn cat(&mut self, xs: &[T], dim: isize) -> T {
+        let mut s = self.shape(xs[0]);
+        let dim = norm_dim(dim, s.len());
+        s[dim] = xs.iter().map(|&x| self.shape(x)[dim]).sum();
+        let d = self.result_dtype(xs);
+        self.op1(OpKind::Cat { dim }, xs, s, d)
+    }
+
+    /// `F.scaled_dot_product_attention(q, k, v, is_causal=True)` with a fused backend; `q` is
+    /// `[B, H, S, D]`, `k`/`v` `[B, Hkv, S, D]` (grouped-query attention with `enable_gqa`).
+    pub fn sdpa(&mut self, q: T, k: T, v: T, backend: SdpaBackend) -> T {
+        let s = self.shape(q);
+        let d = self.dtype(q);
+        let lse = vec![s[0], s[1], s[2]];
+        // Outputs (attn_output, logsumexp); the logsumexp length is padded by the kernel.
+        self.op(
+            OpKind::Sdpa { backend },
+            &[q, k, v],
+            &[(s, d), (lse, DTypeSpec::Fixed(DType::F32))],
+        )[0]
+    }
+
+    /// A non-differentiable computation (`name` for the tag) making one output of `shape`/`dtype`
+    /// from `inputs`, with short-lived `temps` along the way.
+    pub fn factory(
+        &mut self,
+        name: &'static str,
+        inputs: &[T],
+        shape: &[u64],
+        dtype: DTypeSpec,
+        temps: Vec<(Vec<u64>, DType)>,
+    ) -> T {
+        self.op1(
+            OpKind::Factory { name, temps },
+            inputs,
+            shape.to_vec(),
+            dtype,
+        )
+    }
+}
+
+use crate::layout::broadcast;

@@ -1,0 +1,146 @@
+//! GPT-2 as HF transformers' `GPT2LMHeadModel` (transformers 5.23, `modeling_gpt2.py`) runs it in
+//! training: tied `wte`/`lm_head`, learned positions, dropout 0.1 on embeddings, attention
+//! probabilities and residuals, `Conv1D` projections, `gelu_new` decomposed into eight eager ops,
+//! eager attention with an additive `[B, 1, S, S]` causal mask (or SDPA), and the loss on
+//! `logits.float()` (`ForCausalLMLoss`).
+
+use super::nn::AttnImpl;
+use crate::dtype::DType;
+use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind};
+
+/// A GPT-2 configuration (`GPT2Config` fields).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GptConfig {
+    /// Zoo name.
+    pub name: &'static str,
+    /// `n_embd`.
+    pub hidden: u64,
+    /// `n_layer`.
+    pub layers: u64,
+    /// `n_head`.
+    pub heads: u64,
+    /// `vocab_size`.
+    pub vocab: u64,
+    /// `n_positions`.
+    pub positions: u64,
+    /// `n_inner` (default `4 * n_embd`).
+    pub inner: u64,
+    /// `embd_pdrop`, `attn_pdrop`, `resid_pdrop` (all 0.1 by default).
+    pub dropout: f64,
+    /// Use one fused `gelu(approximate="tanh")` op instead of HF's eight-op `gelu_new` (not what
+    /// HF runs; Korthikanti et al.'s accounting assumes it).
+    pub fused_gelu: bool,
+}
+
+impl GptConfig {
+    const fn new(name: &'static str, hidden: u64, layers: u64, heads: u64) -> GptConfig {
+        GptConfig {
+            name,
+            hidden,
+            layers,
+            heads,
+            vocab: 50257,
+            positions: 1024,
+            inner: 4 * hidden,
+            dropout: 0.1,
+            fused_gelu: false,
+        }
+    }
+}
+
+/// `gpt2` (124M), from the `openai-community/gpt2` config.json.
+pub const GPT2: GptConfig = GptConfig::new("gpt2", 768, 12, 12);
+/// `gpt2-medium` (355M).
+pub const GPT2_MEDIUM: GptConfig = GptConfig::new("gpt2-medium", 1024, 24, 16);
+/// `gpt2-large` (774M).
+pub const GPT2_LARGE: GptConfig = GptConfig::new("gpt2-large", 1280, 36, 20);
+/// `gpt2-xl` (1.5B).
+pub const GPT2_XL: GptConfig = GptConfig::new("gpt2-xl", 1600, 48, 25);
+
+/// Builds `GPT2LMHeadModel(cfg)` at `batch` × `seq` with the loss from `labels`.
+pub fn gpt2(cfg: &GptConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Graph, GraphError> {
+    let (h, nh) = (cfg.hidden, cfg.heads);
+    let hd = h / nh;
+    let mut b = GraphBuilder::new(cfg.name, batch, seq);
+    b.meta(
+        "reference",
+        "transformers 5.23 GPT2LMHeadModel (modeling_gpt2.py)".into(),
+    );
+    let i64t = DTypeSpec::Fixed(DType::I64);
+    let ids = b.input("input_ids", &[batch, seq], i64t);
+    let am = b.input("attention_mask", &[batch, seq], i64t);
+    let labels = b.input("labels", &[batch, seq], i64t);
+    let (hidden, wte) = b.module("transformer", |b| {
+        let (emb, wte) = b.module("wte", |b| {
+            let w = b.param("weight", &[cfg.vocab, h]);
+            (b.embedding_op(w, ids), w)
+        });
+        b.hold(emb);
+        // position_ids = arange(S) + past_length, unsqueezed: [1, S] int64 (saved by wpe).
+        let pos = b.factory(
+            "aten.add",
+            &[],
+            &[1, seq],
+            i64t,
+            vec![(vec![seq], DType::I64)],
+        );
+        let pemb = b.embedding("wpe", pos, cfg.positions, h);
+        b.hold(pemb);
+        let x = b.add(emb, pemb);
+        let mask = match attn {
+            AttnImpl::Eager => {
+                let m = b.causal_mask(am, batch, seq);
+                b.hold(m);
+                Some(m)
+            }
+            AttnImpl::Sdpa(_) => None,
+        };
+        let mut x = b.module("drop", |b| b.dropout(x, cfg.dropout));
+        for l in 0..cfg.layers {
+            x = b.region(RegionKind::Block, &format!("h.{l}"), |b| {
+                let residual = x;
+                let y = b.layer_norm("ln_1", x);
+                let a = b.module("attn", |b| {
+                    let qkv = b.conv1d("c_attn", y, 3 * h);
+                    b.hold(qkv);
+                    let parts = b.split(qkv, &[h, h, h], 2);
+                    let shp = [batch as i64, seq as i64, -1, hd as i64];
+                    let k = b.view(parts[1], &shp);
+                    let k = b.transpose(k, 1, 2);
+                    let v = b.view(parts[2], &shp);
+                    let v = b.transpose(v, 1, 2);
+                    let q = b.view(parts[0], &shp);
+                    let q = b.transpose(q, 1, 2);
+                    let o = b.attention_core(q, k, v, mask, cfg.dropout, false, attn);
+                    let o = b.reshape(o, &[batch as i64, seq as i64, -1]);
+                    let o = b.contiguous(o);
+                    let o = b.conv1d("c_proj", o, h);
+                    b.module("resid_dropout", |b| b.dropout(o, cfg.dropout))
+                });
+                b.hold(a);
+                let x = b.add(a, residual);
+                let residual = x;
+                let y = b.layer_norm("ln_2", x);
+                let f = b.module("mlp", |b| {
+                    let y = b.conv1d("c_fc", y, cfg.inner);
+                    let y = if cfg.fused_gelu {
+                        b.module("act", |b| b.gelu(y, true))
+                    } else {
+                        b.gelu_new("act", y)
+                    };
+                    let y = b.conv1d("c_proj", y, h);
+                    b.module("dropout", |b| b.dropout(y, cfg.dropout))
+                });
+                b.hold(f);
+                b.add(residual, f)
+            });
+        }
+        (b.layer_norm("ln_f", x), wte)
+    });
+    // lm_head: nn.Linear(h, V, bias=False) tied to wte.
+    let logits = b.module("lm_head", |b| b.linear_op(hidden, wte, None));
+    b.hold(logits);
+    let loss = b.causal_lm_loss(logits, labels);
+    b.set_output(loss);
+    b.finish()
+}

@@ -1,0 +1,192 @@
+//! `torch.nn` and HF modules as builder helpers: each writes the ATen ops the module's eager
+//! forward runs, in order, with the Python locals it keeps alive.
+
+use crate::dtype::DType;
+use crate::graph::{DTypeSpec, GraphBuilder, RegionKind, T};
+use crate::ops::SdpaBackend;
+
+/// How a decoder's attention core runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnImpl {
+    /// HF `eager_attention_forward`.
+    Eager,
+    /// `F.scaled_dot_product_attention(is_causal=True)` with a fused backend.
+    Sdpa(SdpaBackend),
+}
+
+impl GraphBuilder {
+    /// `nn.Linear(in, out, bias)` named `name` applied to `x` (parameters `name.weight`
+    /// `[out, in]` and `name.bias`).
+    pub fn linear(&mut self, name: &str, x: T, out: u64, bias: bool) -> T {
+        let k = *self.shape(x).last().unwrap_or(&0);
+        self.module(name, |b| {
+            let w = b.param("weight", &[out, k]);
+            let bb = if bias {
+                Some(b.param("bias", &[out]))
+            } else {
+                None
+            };
+            b.linear_op(x, w, bb)
+        })
+    }
+
+    /// HF `Conv1D(nf, nx)` (GPT-2): weight `[nx, nf]`, `addmm(bias, x.view(-1, nx), weight)` then a
+    /// view back.
+    pub fn conv1d(&mut self, name: &str, x: T, nf: u64) -> T {
+        let s = self.shape(x);
+        let nx = *s.last().unwrap_or(&0);
+        self.module(name, |b| {
+            let w = b.param("weight", &[nx, nf]);
+            let bias = b.param("bias", &[nf]);
+            let flat = b.view(x, &[-1, nx as i64]);
+            let out = b.addmm(bias, flat, w);
+            let mut shape: Vec<i64> = s[..s.len() - 1].iter().map(|&d| d as i64).collect();
+            shape.push(nf as i64);
+            b.view(out, &shape)
+        })
+    }
+
+    /// `nn.LayerNorm(h)` named `name`.
+    pub fn layer_norm(&mut self, name: &str, x: T) -> T {
+        let h = *self.shape(x).last().unwrap_or(&0);
+        self.module(name, |b| {
+            let w = b.param("weight", &[h]);
+            let bias = b.param("bias", &[h]);
+            b.layer_norm_op(x, w, bias)
+        })
+    }
+
+    /// HF `LlamaRMSNorm`: `x.to(float32)`, `pow(2).mean(-1, keepdim)`, `rsqrt(var + eps)`,
+    /// `x * rsqrt`, `weight * h.to(input_dtype)`.
+    pub fn rms_norm(&mut self, name: &str, x: T) -> T {
+        let h = *self.shape(x).last().unwrap_or(&0);
+        self.module(name, |b| {
+            let w = b.param("weight", &[h]);
+            let x32 = b.to_dtype(x, DType::F32);
+            let p = b.pow(x32, 2.0);
+            let var = b.mean_dim(p, -1, true);
+            b.hold(var);
+            let a = b.add_scalar(var);
+            let r = b.rsqrt(a);
+            let hs = b.mul(x32, r);
+            let hs = b.to_dtype_of(hs, x);
+            b.mul(w, hs)
+        })
+    }
+
+    /// `nn.Embedding(n, h)` named `name` looking up `ids`.
+    pub fn embedding(&mut self, name: &str, ids: T, n: u64, h: u64) -> T {
+        self.module(name, |b| {
+            let w = b.param("weight", &[n, h]);
+            b.embedding_op(w, ids)
+        })
+    }
+
+    /// HF `NewGELUActivation` (`gelu_new`, GPT-2): `0.5 * x * (1 + tanh(√(2/π) (x + 0.044715 x³)))`
+    /// in eager, one ATen op per operator: 8 ops, 5 tensors saved.
+    pub fn gelu_new(&mut self, name: &str, x: T) -> T {
+        self.module(name, |b| {
+            let half = b.mul_scalar(x);
+            let cube = b.pow(x, 3.0);
+            let c = b.mul_scalar(cube);
+            let inner = b.add(x, c);
+            let s = b.mul_scalar(inner);
+            let t = b.tanh(s);
+            let one = b.add_scalar(t);
+            b.mul(half, one)
+        })
+    }
+
+    /// HF `ForCausalLMLoss` on `logits` `[B, S, V]`: `logits.float()`, labels padded by one and
+    /// shifted (`labels[..., 1:].contiguous()`), `cross_entropy(logits.view(-1, V), labels.view(-1))`.
+    pub fn causal_lm_loss(&mut self, logits: T, labels: T) -> T {
+        let s = self.shape(logits);
+        let (bsz, seq, v) = (s[0], s[1], s[2]);
+        self.push_module("");
+        let lf = self.to_dtype(logits, DType::F32);
+        let padded = self.factory(
+            "aten.constant_pad_nd",
+            &[labels],
+            &[bsz, seq + 1],
+            DTypeSpec::Fixed(DType::I64),
+            vec![],
+        );
+        let shifted = self.slice(padded, -1, 1, seq + 1);
+        let shift_labels = self.contiguous(shifted);
+        let flat = self.view(lf, &[-1, v as i64]);
+        let tgt = self.view(shift_labels, &[-1]);
+        let loss = self.cross_entropy(flat, tgt);
+        self.hold(lf);
+        self.hold(padded);
+        self.pop_module("");
+        loss
+    }
+
+    /// HF's 4-D additive causal mask `[B, 1, S, S]` in the model dtype (`create_causal_mask` for
+    /// eager attention), built from the 2-D `attention_mask`, with its largest temporary (the
+    /// boolean mask `[B, 1, S, S]`).
+    pub fn causal_mask(&mut self, attention_mask: T, bsz: u64, seq: u64) -> T {
+        self.factory(
+            "aten.where",
+            &[attention_mask],
+            &[bsz, 1, seq, seq],
+            DTypeSpec::Model,
+            vec![(vec![bsz, 1, seq, seq], DType::Bool)],
+        )
+    }
+
+    /// HF `eager_attention_forward` (GPT-2 and LLaMA flavours) or SDPA on `q` `[B, H, S, D]`,
+    /// `k`/`v` `[B, Hkv, S, D]`; returns `[B, S, H, D]` (the transposed output, before the
+    /// module's reshape). Marks the core as an [`RegionKind::AttentionCore`] region.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_core(
+        &mut self,
+        q: T,
+        k: T,
+        v: T,
+        mask: Option<T>,
+        dropout: f64,
+        softmax_f32: bool,
+        imp: AttnImpl,
+    ) -> T {
+        let qs = self.shape(q);
+        let ks = self.shape(k);
+        let (bsz, h, s, d) = (qs[0], qs[1], qs[2], qs[3]);
+        let hkv = ks[1];
+        self.region(RegionKind::AttentionCore, "", |b| match imp {
+            AttnImpl::Sdpa(backend) => {
+                let o = b.sdpa(q, k, v, backend);
+                b.transpose(o, 1, 2)
+            }
+            AttnImpl::Eager => {
+                let (k, v) = if hkv != h {
+                    // repeat_kv: x[:, :, None].expand(...).reshape(B, H, S, D) — the reshape copies.
+                    let rep = h / hkv;
+                    let rk = |x: T, b: &mut GraphBuilder| {
+                        let u = b.unsqueeze(x, 2);
+                        let e = b.expand(u, &[bsz, hkv, rep, s, d]);
+                        b.reshape(e, &[bsz as i64, h as i64, s as i64, d as i64])
+                    };
+                    let k2 = rk(k, b);
+                    let v2 = rk(v, b);
+                    (k2, v2)
+                } else {
+                    (k, v)
+                };
+                let kt = b.transpose(k, -1, -2);
+                let w = b.matmul(q, kt);
+                let w = b.mul_scalar(w);
+                let w = match mask {
+                    Some(m) => b.add(w, m),
+                    None => w,
+                };
+                let p = b.softmax(w, -1, softmax_f32);
+                let p = if softmax_f32 { b.to_dtype_of(p, q) } else { p };
+                let p = b.dropout(p, dropout);
+                b.hold(p);
+                let o = b.matmul(p, v);
+                b.transpose(o, 1, 2)
+            }
+        })
+    }
+}

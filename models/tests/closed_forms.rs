@@ -1,0 +1,292 @@
+//! Closed forms where their assumptions hold, with numbers derived by hand or from the papers'
+//! formulas (never from this crate's output).
+
+use std::collections::HashMap;
+use vramsim_models::zoo::{self, gpt2, nn::AttnImpl};
+use vramsim_models::{
+    lower, peak_requested, Checkpointing, DType, DTypeSpec, Fidelity, GraphBuilder, OptimizerKind,
+    Precision, Recipe,
+};
+use vramsim_traces::{AllocId, Category, Event, Trace};
+
+/// Live allocations (size, category, tag) just before event index `at`.
+fn live_at(t: &Trace, at: usize) -> Vec<(u64, Category, String)> {
+    let mut live: HashMap<&AllocId, (u64, Category, String)> = HashMap::new();
+    for e in &t.events[..at] {
+        match e {
+            Event::Alloc {
+                id,
+                size,
+                category,
+                tag,
+                ..
+            } => {
+                live.insert(
+                    id,
+                    (*size, *category, tag.as_deref().unwrap_or("").to_string()),
+                );
+            }
+            Event::Free { id } => {
+                live.remove(id);
+            }
+            _ => {}
+        }
+    }
+    live.into_values().collect()
+}
+
+/// Index of the `n`-th phase marker named `name`.
+fn phase_index(t: &Trace, name: &str, n: usize) -> usize {
+    t.events
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| matches!(e, Event::Phase { name: p } if &**p == name))
+        .nth(n)
+        .map(|(i, _)| i)
+        .unwrap_or_else(|| panic!("no phase {name} #{n}"))
+}
+
+fn by_category(live: &[(u64, Category, String)], c: Category) -> u64 {
+    live.iter().filter(|x| x.1 == c).map(|x| x.0).sum()
+}
+
+#[test]
+fn parameter_counts_match_the_published_models() {
+    // GPT-2: V h + P h + L (12 h² + 13 h) + 2 h (tied lm_head).
+    let gpt = |h: u64, l: u64| 50257 * h + 1024 * h + l * (12 * h * h + 13 * h) + 2 * h;
+    // LLaMA: 2 V h (untied) + L (2 h² + 2 h·kv·d + 3 h·i + 2 h) + h.
+    let llama = |h: u64, i: u64, l: u64, kvh: u64, heads: u64, v: u64| {
+        let d = h / heads;
+        2 * v * h + l * (2 * h * h + 2 * h * kvh * d + 3 * h * i + 2 * h) + h
+    };
+    let cases: [(&str, u64); 10] = [
+        ("gpt2", 124_439_808),
+        ("gpt2-medium", 354_823_168),
+        ("gpt2-large", 774_030_080),
+        ("gpt2-xl", 1_557_611_200),
+        ("tinyllama-1.1b", 1_100_048_384),
+        ("llama2-7b", 6_738_415_616),
+        ("llama2-13b", 13_015_864_320),
+        ("llama2-70b", 68_976_648_192),
+        ("llama3-8b", 8_030_261_248),
+        (
+            "mlp",
+            1024 * 4096 + 4096 + 2 * (4096 * 4096 + 4096) + 4096 * 1000 + 1000,
+        ),
+    ];
+    assert_eq!(gpt(768, 12), 124_439_808);
+    assert_eq!(gpt(1600, 48), 1_557_611_200);
+    assert_eq!(llama(4096, 11008, 32, 32, 32, 32000), 6_738_415_616);
+    assert_eq!(llama(2048, 5632, 22, 4, 32, 32000), 1_100_048_384);
+    for (name, n) in cases {
+        let r = Recipe::new(1, if name == "mlp" { 0 } else { 8 });
+        assert_eq!(zoo::build(name, &r).unwrap().param_count(), n, "{name}");
+    }
+}
+
+#[test]
+fn zero_sixteen_bytes_per_parameter_for_mixed_precision_adam() {
+    // ZeRO §3: mixed-precision Adam keeps 16 Ψ bytes of model states. PyTorch AMP keeps float32
+    // parameters (4), float32 gradients (4), exp_avg and exp_avg_sq (4 + 4): also 16 Ψ.
+    for precision in [Precision::AmpBf16, Precision::AmpFp16] {
+        let mut r = Recipe::new(1, 64);
+        r.precision = precision;
+        r.optimizer = OptimizerKind::Adam;
+        let g = zoo::build("gpt2", &r).unwrap();
+        let psi = g.param_count();
+        let t = lower(&g, &r).unwrap();
+        let live = live_at(&t, phase_index(&t, "zero_grad", 0));
+        assert_eq!(by_category(&live, Category::Parameter), 4 * psi);
+        assert_eq!(by_category(&live, Category::Gradient), 4 * psi);
+        assert_eq!(by_category(&live, Category::OptimizerState), 8 * psi);
+        let states: u64 = [
+            Category::Parameter,
+            Category::Gradient,
+            Category::OptimizerState,
+        ]
+        .iter()
+        .map(|&c| by_category(&live, c))
+        .sum();
+        assert_eq!(states, 16 * psi, "{precision}");
+    }
+}
+
+#[test]
+fn hf_eighteen_bytes_per_parameter_for_amp_adamw() {
+    // HF's model_memory_anatomy: AMP + AdamW needs 6 (fp32 weights + 16-bit copies) + 8 (Adam) +
+    // 4 (fp32 grads) = 18 bytes per parameter. A bias-free MLP routes every parameter through a
+    // matmul, so every parameter has a 16-bit copy in the autocast cache during the forward.
+    let dims = [256u64, 512, 512, 10];
+    let batch = 32;
+    let mut b = GraphBuilder::new("mlp-nobias", batch, 0);
+    let x = b.input("x", &[batch, dims[0]], DTypeSpec::Model);
+    let y = b.input("y", &[batch], DTypeSpec::Fixed(DType::I64));
+    let mut h = x;
+    for i in 0..3 {
+        h = b.linear(&format!("{i}"), h, dims[i + 1], false);
+        if i < 2 {
+            h = b.relu(h);
+        }
+    }
+    let loss = b.cross_entropy(h, y);
+    b.set_output(loss);
+    let g = b.finish().unwrap();
+    let psi = g.param_count();
+    assert_eq!(psi, 256 * 512 + 512 * 512 + 512 * 10);
+    let mut r = Recipe::new(batch, 0);
+    r.precision = Precision::AmpFp16;
+    let t = lower(&g, &r).unwrap();
+    // The second forward just before autocast exits (its last allocation): fp32 parameters, the
+    // autocast cache's fp16 copy of every weight, Adam state. (After the exit only the copies the
+    // matmuls saved stay: not the first layer's, whose input needs no gradient.)
+    let (fw, bw) = (
+        phase_index(&t, "forward", 1),
+        phase_index(&t, "backward", 1),
+    );
+    let copy_sizes = [256 * 512 * 2, 512 * 512 * 2, 512 * 10 * 2];
+    let mut copies: HashMap<&AllocId, u64> = HashMap::new();
+    let mut weights16 = 0;
+    for e in &t.events[fw..bw] {
+        match e {
+            Event::Alloc { id, size, tag, .. }
+                if tag.as_deref().is_some_and(|t| t.ends_with("aten._to_copy"))
+                    && copy_sizes.contains(size) =>
+            {
+                copies.insert(id, *size);
+                weights16 = weights16.max(copies.values().sum::<u64>());
+            }
+            Event::Free { id } => {
+                copies.remove(id);
+            }
+            _ => {}
+        }
+    }
+    let live = live_at(&t, bw);
+    assert_eq!(by_category(&live, Category::Parameter), 4 * psi);
+    assert_eq!(weights16, 2 * psi);
+    assert_eq!(by_category(&live, Category::OptimizerState), 8 * psi);
+    let grads = by_category(
+        &live_at(&t, phase_index(&t, "zero_grad", 1)),
+        Category::Gradient,
+    );
+    assert_eq!(grads, 4 * psi);
+    assert_eq!(4 * psi + weights16 + 8 * psi + grads, 18 * psi);
+}
+
+#[test]
+fn korthikanti_activations_per_layer_for_an_all_16_bit_gpt_layer() {
+    // Korthikanti et al. 2022, §4.1: a transformer layer stores sbh(34 + 5as/h) bytes of
+    // activations when every saved tensor is 16-bit and dropout masks are 1 byte:
+    //   attention 11sbh + 5as²b: QKV input 2sbh, Q and K 4sbh, softmax output 2as²b, its dropout
+    //     mask as²b and output 2as²b, V 2sbh, projection input 2sbh, dropout mask sbh;
+    //   MLP 19sbh: fc input 2sbh, GeLU input 8sbh, projection input 8sbh, dropout mask sbh;
+    //   two LayerNorm inputs 4sbh.
+    // The matching configuration: GPT-2 layers in bfloat16 (model cast, so nothing is float32),
+    // GeLU as one op that saves its input (the paper's assumption; HF's gelu_new is 8 ops), eager
+    // attention. The paper leaves out LayerNorm's mean and rstd: float32 [s·b] each, 16sb per layer.
+    let (s, b) = (256u64, 2u64);
+    let mut cfg = gpt2::GPT2_MEDIUM.clone();
+    cfg.fused_gelu = true;
+    let (h, a) = (cfg.hidden, cfg.heads);
+    let g = gpt2::gpt2(&cfg, b, s, AttnImpl::Eager).unwrap();
+    let mut r = Recipe::new(b, s);
+    r.precision = Precision::Bf16;
+    r.iterations = 1;
+    let t = lower(&g, &r).unwrap();
+    let live = live_at(&t, phase_index(&t, "backward", 0));
+    let layer = |i: u64| -> u64 {
+        let p1 = format!("transformer.h.{i}.");
+        let p2 = format!("transformer.h.{i}:");
+        live.iter()
+            .filter(|x| {
+                x.1 == Category::Activation && (x.2.starts_with(&p1) || x.2.starts_with(&p2))
+            })
+            .map(|x| x.0)
+            .sum()
+    };
+    let sbh = s * b * h;
+    let korthikanti = 34 * sbh + 5 * a * s * s * b;
+    let ln_stats = 2 * 2 * 4 * s * b;
+    for i in 1..cfg.layers - 1 {
+        assert_eq!(layer(i), korthikanti + ln_stats, "layer {i}");
+    }
+    // Term by term for one layer: attention, MLP, LayerNorm inputs.
+    let tagged = |pat: &str| -> u64 {
+        live.iter()
+            .filter(|x| x.1 == Category::Activation && x.2.starts_with(pat))
+            .map(|x| x.0)
+            .sum()
+    };
+    let attn = tagged("transformer.h.5.attn");
+    let mlp = tagged("transformer.h.5.mlp");
+    let ln = tagged("transformer.h.5.ln_1") + tagged("transformer.h.5.ln_2");
+    let adds = tagged("transformer.h.5:");
+    // The attention module holds everything but its QKV input (LayerNorm 1's output): 9sbh + 5as²b.
+    assert_eq!(attn, 9 * sbh + 5 * a * s * s * b);
+    // The MLP holds GeLU input, GeLU output (= projection input) and the dropout mask: 17sbh.
+    assert_eq!(mlp, 17 * sbh);
+    // LayerNorm outputs (QKV input, fc input) 2 × 2sbh, plus the mean/rstd the paper ignores.
+    assert_eq!(ln, 4 * sbh + ln_stats);
+    // The two residual sums are the next LayerNorms' inputs: 4sbh.
+    assert_eq!(adds, 4 * sbh);
+    assert_eq!(
+        attn + mlp + ln + adds,
+        sbh * 34 + 5 * a * s * s * b + ln_stats
+    );
+}
+
+#[test]
+fn hand_computed_mlp_step() {
+    // Linear(8, 16) + ReLU + Linear(16, 10) + cross-entropy, batch 4, fp32, SGD.
+    // Parameters 4·(128 + 16 + 160 + 10) = 1256 B; inputs x 128 B, labels 32 B.
+    // Forward: addmm 256, relu 256 (saved; addmm freed), logits 160, log_softmax 160 (saved),
+    //   loss 4 + total_weight 4; logits freed when cross_entropy returns. Forward peak 2000.
+    // Backward: ones 4 (1844) → nll_loss_backward 160 (2004) → total_weight freed (2000) →
+    //   log_softmax_backward 160 (2160) → nll grad freed, log_softmax freed (1840) →
+    //   AddmmBackward: mat1 grad 256 (2096), W2 grad 640 (2736), b2 = sum_to 40 (2776), incoming
+    //   grad freed (2616) → threshold_backward 256 (2872) → mm grad, relu output freed (2360) →
+    //   AddmmBackward (x needs no grad): W1 grad 512 (2872), b1 sum 64 (2936). Peak 2936 B.
+    let mut b = GraphBuilder::new("tiny", 4, 0);
+    let x = b.input("x", &[4, 8], DTypeSpec::Model);
+    let y = b.input("y", &[4], DTypeSpec::Fixed(DType::I64));
+    let h = b.linear("0", x, 16, true);
+    let h = b.relu(h);
+    let logits = b.linear("2", h, 10, true);
+    b.push_module("");
+    b.hold(logits);
+    let loss = b.cross_entropy(logits, y);
+    b.pop_module("");
+    b.set_output(loss);
+    let g = b.finish().unwrap();
+    for fidelity in [Fidelity::Cuda, Fidelity::MetaCapture] {
+        let mut r = Recipe::new(4, 0);
+        r.optimizer = OptimizerKind::Sgd;
+        r.fidelity = fidelity;
+        let t = lower(&g, &r).unwrap();
+        assert_eq!(peak_requested(&t), 2936);
+        let fwd = live_at(&t, phase_index(&t, "backward", 0));
+        assert_eq!(fwd.iter().map(|x| x.0).sum::<u64>(), 1840);
+        let end = live_at(&t, phase_index(&t, "optimizer", 0));
+        assert_eq!(by_category(&end, Category::Gradient), 1256);
+        assert_eq!(end.iter().map(|x| x.0).sum::<u64>(), 2512);
+    }
+}
+
+#[test]
+fn checkpointing_keeps_only_block_inputs() {
+    // With every block checkpointed, what stays at the end of the forward per block is its input
+    // (the previous block's output, 4·sbh bytes in fp32), held by the checkpoint frame.
+    let (s, bsz) = (128u64, 2u64);
+    let mut r = Recipe::new(bsz, s);
+    r.checkpointing = Checkpointing::Full;
+    r.iterations = 1;
+    let g = zoo::build("gpt2", &r).unwrap();
+    let t = lower(&g, &r).unwrap();
+    let live = live_at(&t, phase_index(&t, "backward", 0));
+    let h5: u64 = live
+        .iter()
+        .filter(|x| x.1 == Category::Activation && x.2.starts_with("transformer.h.5"))
+        .map(|x| x.0)
+        .sum();
+    assert_eq!(h5, 4 * s * bsz * 768);
+}
