@@ -6,14 +6,20 @@
 //! wait (see [`Timeline`]), which is what decides when a `record_stream`-deferred free completes. The engine
 //! maps the trace's allocation ids to the allocator's blocks and holds nothing per event: its memory is
 //! O(live allocations + distinct phase names), so a JSON Lines trace of any length streams through it.
-//! A failed `malloc` ends the replay at that event, as the `OutOfMemoryError` would end the program.
+//! A failed `malloc` ends the replay at that event, as the `OutOfMemoryError` would end the program
+//! ([`Replay::run`]; a caller driving [`Replay::apply`] itself may go on, as a program that catches the
+//! error does).
+//!
+//! A trace may start from a recorded state: `segment` events before every other event hand the allocator
+//! segments it already holds ([`Allocator::adopt_segment`]), and their blocks become live allocations
+//! under the ids the events give them.
 
 use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
 use vramsim_traces::{AllocId, Category, Event, TraceError};
 
-use crate::allocator::{Allocator, BlockRef};
+use crate::allocator::{AdoptError, Allocator, BlockRef};
 use crate::stats::MemoryStats;
 use crate::timeline::Timeline;
 
@@ -42,6 +48,25 @@ pub enum ReplayError {
         op: &'static str,
         /// The id.
         id: AllocId,
+    },
+    /// A `segment` after another op: segments declare the state a trace starts from.
+    #[error("event {index}: op `segment` after op `{previous}` (event {previous_index}): segments declare the state a trace starts from, so they come before every other op")]
+    SegmentNotAtStart {
+        /// Index of the offending event.
+        index: u64,
+        /// The op of the first event that was not a `segment`.
+        previous: &'static str,
+        /// Its index.
+        previous_index: u64,
+    },
+    /// The allocator could not take over a `segment`.
+    #[error("event {index}: cannot start from this segment: {source}")]
+    Adopt {
+        /// Index of the offending event.
+        index: u64,
+        /// Why.
+        #[source]
+        source: AdoptError,
     },
 }
 
@@ -160,6 +185,8 @@ pub struct Replay<A: Allocator> {
     phase_marks: Vec<(u64, String)>,
     sampler: Sampler,
     oom: Option<OomEvent>,
+    /// The op and index of the first event that was not a `segment`.
+    started: Option<(&'static str, u64)>,
 }
 
 impl<A: Allocator> Replay<A> {
@@ -185,6 +212,7 @@ impl<A: Allocator> Replay<A> {
             phase_marks: Vec::new(),
             sampler: Sampler::new(options.timeline_points),
             oom: None,
+            started: None,
         }
     }
 
@@ -193,15 +221,31 @@ impl<A: Allocator> Replay<A> {
         &self.allocator
     }
 
+    /// The allocator, to adjust between events (address hints, history).
+    pub fn allocator_mut(&mut self) -> &mut A {
+        &mut self.allocator
+    }
+
     /// The clocks.
     pub fn timeline(&self) -> &Timeline {
         &self.timeline
+    }
+
+    /// The out-of-memory error of the last failed `alloc`, if any.
+    pub fn oom(&self) -> Option<&OomEvent> {
+        self.oom.as_ref()
     }
 
     /// Applies the next event of the trace.
     pub fn apply(&mut self, event: Event) -> Result<Flow, ReplayError> {
         let index = self.next_index;
         self.next_index += 1;
+        if let Event::Segment(segment) = &event {
+            return self.adopt(index, segment);
+        }
+        if self.started.is_none() {
+            self.started = Some((event.op(), index));
+        }
         match event {
             Event::Alloc {
                 id,
@@ -252,6 +296,7 @@ impl<A: Allocator> Replay<A> {
                 self.start_phase(index, &name);
                 return Ok(Flow::Continue);
             }
+            Event::Segment(_) => unreachable!("handled above"),
         }
         self.observe(index);
         Ok(Flow::Continue)
@@ -301,6 +346,53 @@ impl<A: Allocator> Replay<A> {
                 since: index,
             },
         );
+        self.observe(index);
+        Ok(Flow::Continue)
+    }
+
+    /// A `segment` event: the allocator takes the segment over, its blocks become live allocations.
+    fn adopt(
+        &mut self,
+        index: u64,
+        segment: &vramsim_traces::InitialSegment,
+    ) -> Result<Flow, ReplayError> {
+        if let Some((previous, previous_index)) = self.started {
+            return Err(ReplayError::SegmentNotAtStart {
+                index,
+                previous,
+                previous_index,
+            });
+        }
+        let mut ids = rustc_hash::FxHashSet::default();
+        for b in &segment.blocks {
+            let live_since = match self.live.get(&b.id) {
+                Some(live) => live.since,
+                None if !ids.insert(&b.id) => index,
+                None => continue,
+            };
+            return Err(ReplayError::DuplicateId {
+                index,
+                id: b.id.clone(),
+                live_since,
+            });
+        }
+        let refs = self
+            .allocator
+            .adopt_segment(segment)
+            .map_err(|source| ReplayError::Adopt { index, source })?;
+        for (b, block) in segment.blocks.iter().zip(refs) {
+            self.categories[b.category.index()] += b.requested;
+            let previous = self.live.insert(
+                b.id.clone(),
+                Live {
+                    block: Some(block),
+                    size: b.requested,
+                    category: b.category,
+                    since: index,
+                },
+            );
+            debug_assert!(previous.is_none(), "ids were checked to be distinct");
+        }
         self.observe(index);
         Ok(Flow::Continue)
     }

@@ -5,9 +5,12 @@
 //! in PyTorch's own words.
 
 pub mod allocator;
+pub mod calibration;
+pub mod check;
 pub mod config;
 pub mod device;
 pub mod engine;
+pub mod export;
 pub mod format;
 pub mod oom;
 pub mod plot;

@@ -18,8 +18,8 @@ use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor
 use serde::ser::{self, SerializeMap};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::error::{EventProblem, HeaderProblem, EVENT_KEYS};
-use crate::event::{AllocId, Category, Event, OPS};
+use crate::error::{BlockProblem, EventProblem, HeaderProblem, EVENT_KEYS};
+use crate::event::{AllocId, Category, Event, InitialBlock, InitialSegment, Pool, OPS};
 use crate::trace::{Meta, FORMAT_NAME, FORMAT_VERSION};
 
 /// The message of the placeholder error a visitor returns after recording a typed problem.
@@ -148,6 +148,11 @@ enum Key {
     Tag,
     Us,
     Name,
+    Addr,
+    Pool,
+    Expandable,
+    Blocks,
+    Base,
 }
 
 impl Key {
@@ -157,7 +162,7 @@ impl Key {
     fn bit(self) -> u16 {
         1 << self as u16
     }
-    const ALL: [Key; 8] = [
+    const ALL: [Key; 13] = [
         Key::Op,
         Key::Id,
         Key::Size,
@@ -166,6 +171,11 @@ impl Key {
         Key::Tag,
         Key::Us,
         Key::Name,
+        Key::Addr,
+        Key::Pool,
+        Key::Expandable,
+        Key::Blocks,
+        Key::Base,
     ];
 }
 
@@ -197,6 +207,11 @@ impl Visitor<'_> for KeyVisitor {
             "tag" => Ok(Key::Tag),
             "us" => Ok(Key::Us),
             "name" => Ok(Key::Name),
+            "addr" => Ok(Key::Addr),
+            "pool" => Ok(Key::Pool),
+            "expandable" => Ok(Key::Expandable),
+            "blocks" => Ok(Key::Blocks),
+            "base" => Ok(Key::Base),
             other => Err(other.to_owned()),
         })
     }
@@ -212,6 +227,7 @@ enum Op {
     Compute,
     Sync,
     Phase,
+    Segment,
 }
 
 impl Op {
@@ -224,6 +240,7 @@ impl Op {
             "compute" => Op::Compute,
             "sync" => Op::Sync,
             "phase" => Op::Phase,
+            "segment" => Op::Segment,
             _ => return None,
         })
     }
@@ -242,6 +259,7 @@ impl Op {
             Op::Compute => &[Key::Us],
             Op::Sync => &[],
             Op::Phase => &[Key::Name],
+            Op::Segment => &[Key::Addr, Key::Size, Key::Pool],
         }
     }
 
@@ -250,6 +268,7 @@ impl Op {
         let optional: &[Key] = match self {
             Op::Alloc => &[Key::Stream, Key::Category, Key::Tag],
             Op::Compute | Op::Sync => &[Key::Stream],
+            Op::Segment => &[Key::Stream, Key::Expandable, Key::Blocks, Key::Base],
             _ => &[],
         };
         self.required()
@@ -313,6 +332,11 @@ impl<'de> Visitor<'de> for EventVisitor<'_> {
         let mut tag = None;
         let mut us = None;
         let mut name = None;
+        let mut addr = None;
+        let mut pool = None;
+        let mut expandable = None;
+        let mut blocks = None;
+        let mut base = None;
         let mut unknown: Option<String> = None;
 
         while let Some(key) = map.next_key_seed(KeySeed)? {
@@ -329,6 +353,20 @@ impl<'de> Visitor<'de> for EventVisitor<'_> {
                 return fail(slot, EventProblem::DuplicateKey { key: key.name() });
             }
             seen |= key.bit();
+            if key == Key::Blocks {
+                // The one key whose value is a container: decoded by its own visitor.
+                let mut problem = None;
+                match map.next_value_seed(BlocksSeed { slot: &mut problem }) {
+                    Ok(list) => blocks = Some(list),
+                    Err(e) => {
+                        if let Some(problem) = problem {
+                            *slot = Some(problem);
+                        }
+                        return Err(e);
+                    }
+                }
+                continue;
+            }
             let value: Scalar<'de> = map.next_value()?;
             let wrong = |field: &'static str, v: &Scalar<'_>| EventProblem::WrongType {
                 field,
@@ -421,6 +459,35 @@ impl<'de> Visitor<'de> for EventVisitor<'_> {
                     Scalar::Str(s) => name = Some(Box::<str>::from(s)),
                     v => return fail(slot, wrong("name", &v)),
                 },
+                Key::Addr => match value {
+                    Scalar::U64(n) => addr = Some(n),
+                    v => return fail(slot, wrong("addr", &v)),
+                },
+                Key::Pool => match value {
+                    Scalar::Str(s) => match Pool::from_name(&s) {
+                        Some(p) => pool = Some(p),
+                        None => {
+                            return fail(
+                                slot,
+                                EventProblem::UnknownPool {
+                                    pool: s.into_owned(),
+                                },
+                            )
+                        }
+                    },
+                    v => return fail(slot, wrong("pool", &v)),
+                },
+                Key::Expandable => match value {
+                    Scalar::Bool(b) => expandable = Some(b),
+                    Scalar::Null => expandable = None,
+                    v => return fail(slot, wrong("expandable", &v)),
+                },
+                Key::Base => match value {
+                    Scalar::U64(n) => base = Some(n),
+                    Scalar::Null => base = None,
+                    v => return fail(slot, wrong("base", &v)),
+                },
+                Key::Blocks => unreachable!("decoded above"),
             }
         }
 
@@ -494,6 +561,21 @@ impl<'de> Visitor<'de> for EventVisitor<'_> {
             Op::Phase => Event::Phase {
                 name: name.unwrap_or_default(),
             },
+            Op::Segment => {
+                let segment = InitialSegment {
+                    addr: addr.unwrap_or(0),
+                    size: size.unwrap_or(0),
+                    stream: stream.flatten().unwrap_or(0),
+                    pool: pool.unwrap_or(Pool::Large),
+                    expandable: expandable.unwrap_or(false),
+                    base,
+                    blocks: blocks.unwrap_or_default(),
+                };
+                if let Err(p) = check_segment(&segment) {
+                    return fail(slot, p);
+                }
+                Event::Segment(Box::new(segment))
+            }
         })
     }
 
@@ -538,7 +620,314 @@ pub(crate) fn check_us(us: f64) -> Result<(), EventProblem> {
 pub(crate) fn check_writable(event: &Event) -> Result<(), EventProblem> {
     match event {
         Event::Compute { us, .. } => check_us(*us),
+        Event::Segment(segment) => check_segment(segment),
         _ => Ok(()),
+    }
+}
+
+/// Checks what a `segment` says of itself: a non-empty range inside the address space, and blocks that
+/// are not empty, hold at least their request, and lie in address order inside the segment without
+/// overlapping.
+pub(crate) fn check_segment(segment: &InitialSegment) -> Result<(), EventProblem> {
+    if segment.size == 0 {
+        return Err(EventProblem::EmptySegment);
+    }
+    if segment.addr.checked_add(segment.size).is_none() {
+        return Err(EventProblem::SegmentPastAddressSpace {
+            addr: segment.addr,
+            size: segment.size,
+        });
+    }
+    if let Some(base) = segment.base {
+        if !segment.expandable || base > segment.addr {
+            return Err(EventProblem::BadBase {
+                base,
+                addr: segment.expandable.then_some(segment.addr),
+            });
+        }
+    }
+    let mut previous_end = 0;
+    for (index, b) in segment.blocks.iter().enumerate() {
+        let problem = if b.size == 0 {
+            Some(BlockProblem::Empty)
+        } else if b.requested > b.size {
+            Some(BlockProblem::RequestedTooLarge {
+                requested: b.requested,
+                size: b.size,
+            })
+        } else if b.offset < previous_end {
+            Some(BlockProblem::Overlaps {
+                offset: b.offset,
+                previous_end,
+            })
+        } else if b
+            .offset
+            .checked_add(b.size)
+            .is_none_or(|end| end > segment.size)
+        {
+            Some(BlockProblem::OutOfSegment {
+                offset: b.offset,
+                size: b.size,
+                segment_size: segment.size,
+            })
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            return Err(EventProblem::Block { index, problem });
+        }
+        previous_end = b.offset + b.size;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The blocks of a `segment`.
+
+/// Decodes a `segment`'s `blocks` array (`null` is no blocks), recording the problem of a bad block.
+struct BlocksSeed<'a> {
+    slot: &'a mut Option<EventProblem>,
+}
+
+impl<'de> DeserializeSeed<'de> for BlocksSeed<'_> {
+    type Value = Vec<InitialBlock>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<InitialBlock>, D::Error> {
+        d.deserialize_any(BlocksVisitor { slot: self.slot })
+    }
+}
+
+struct BlocksVisitor<'a> {
+    slot: &'a mut Option<EventProblem>,
+}
+
+impl BlocksVisitor<'_> {
+    fn not_array<T, E: de::Error>(self, found: &str) -> Result<T, E> {
+        fail(
+            self.slot,
+            EventProblem::WrongType {
+                field: "blocks",
+                found: found.to_owned(),
+            },
+        )
+    }
+}
+
+impl<'de> Visitor<'de> for BlocksVisitor<'_> {
+    type Value = Vec<InitialBlock>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an array of blocks")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<InitialBlock>, A::Error> {
+        let mut blocks = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 12));
+        loop {
+            let index = blocks.len();
+            let mut problem = None;
+            match seq.next_element_seed(BlockSeed { slot: &mut problem }) {
+                Ok(Some(block)) => blocks.push(block),
+                Ok(None) => return Ok(blocks),
+                Err(e) => {
+                    if let Some(problem) = problem {
+                        *self.slot = Some(EventProblem::Block { index, problem });
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Vec<InitialBlock>, E> {
+        Ok(Vec::new())
+    }
+    fn visit_none<E: de::Error>(self) -> Result<Vec<InitialBlock>, E> {
+        Ok(Vec::new())
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Vec<InitialBlock>, E> {
+        self.not_array(&v.to_string())
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Vec<InitialBlock>, E> {
+        self.not_array(&format!("the number {v}"))
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Vec<InitialBlock>, E> {
+        self.not_array(&format!("the number {v}"))
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Vec<InitialBlock>, E> {
+        self.not_array(&format!("the number {v:?}"))
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Vec<InitialBlock>, E> {
+        self.not_array(&format!("the string {:?}", shorten(v)))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<Vec<InitialBlock>, A::Error> {
+        self.not_array("an object")
+    }
+}
+
+/// A key of a block object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BlockKey {
+    Id = 0,
+    Offset,
+    Size,
+    Requested,
+    Category,
+    Tag,
+}
+
+impl BlockKey {
+    const NAMES: [&'static str; 6] = ["id", "offset", "size", "requested", "category", "tag"];
+
+    fn name(self) -> &'static str {
+        BlockKey::NAMES[self as usize]
+    }
+
+    fn from_name(s: &str) -> Option<BlockKey> {
+        Some(match s {
+            "id" => BlockKey::Id,
+            "offset" => BlockKey::Offset,
+            "size" => BlockKey::Size,
+            "requested" => BlockKey::Requested,
+            "category" => BlockKey::Category,
+            "tag" => BlockKey::Tag,
+            _ => return None,
+        })
+    }
+}
+
+/// Decodes one block object, recording a typed problem in `slot`.
+struct BlockSeed<'a> {
+    slot: &'a mut Option<BlockProblem>,
+}
+
+impl<'de> DeserializeSeed<'de> for BlockSeed<'_> {
+    type Value = InitialBlock;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<InitialBlock, D::Error> {
+        d.deserialize_any(BlockVisitor { slot: self.slot })
+    }
+}
+
+struct BlockVisitor<'a> {
+    slot: &'a mut Option<BlockProblem>,
+}
+
+fn fail_block<T, E: de::Error>(slot: &mut Option<BlockProblem>, p: BlockProblem) -> Result<T, E> {
+    *slot = Some(p);
+    Err(E::custom(RECORDED))
+}
+
+impl BlockVisitor<'_> {
+    fn not_object<T, E: de::Error>(self, found: String) -> Result<T, E> {
+        fail_block(self.slot, BlockProblem::NotAnObject { found })
+    }
+}
+
+impl<'de> Visitor<'de> for BlockVisitor<'_> {
+    type Value = InitialBlock;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a block object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<InitialBlock, A::Error> {
+        let slot = self.slot;
+        let mut seen = 0u8;
+        let (mut id, mut offset, mut size, mut requested) = (None, None, None, None);
+        let (mut category, mut tag) = (None, None);
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            let Some(key) = BlockKey::from_name(&key) else {
+                return fail_block(
+                    slot,
+                    BlockProblem::UnknownKey {
+                        key: shorten(&key).into_owned(),
+                    },
+                );
+            };
+            let bit = 1u8 << key as u8;
+            if seen & bit != 0 {
+                return fail_block(slot, BlockProblem::DuplicateKey { key: key.name() });
+            }
+            seen |= bit;
+            let value: Scalar<'de> = map.next_value()?;
+            let wrong = |v: &Scalar<'_>| BlockProblem::WrongType {
+                field: key.name(),
+                found: v.describe(),
+            };
+            match key {
+                BlockKey::Id => match value {
+                    Scalar::U64(n) => id = Some(AllocId::Int(n)),
+                    Scalar::Str(s) => id = Some(AllocId::Str(s.into())),
+                    v => return fail_block(slot, wrong(&v)),
+                },
+                BlockKey::Offset | BlockKey::Size | BlockKey::Requested => match value {
+                    Scalar::U64(n) => match key {
+                        BlockKey::Offset => offset = Some(n),
+                        BlockKey::Size => size = Some(n),
+                        _ => requested = Some(n),
+                    },
+                    v => return fail_block(slot, wrong(&v)),
+                },
+                BlockKey::Category => match value {
+                    Scalar::Str(s) => match Category::from_name(&s) {
+                        Some(c) => category = Some(c),
+                        None => {
+                            return fail_block(
+                                slot,
+                                BlockProblem::UnknownCategory {
+                                    category: s.into_owned(),
+                                },
+                            )
+                        }
+                    },
+                    Scalar::Null => category = None,
+                    v => return fail_block(slot, wrong(&v)),
+                },
+                BlockKey::Tag => match value {
+                    Scalar::Str(s) => tag = Some(Box::<str>::from(s)),
+                    Scalar::Null => tag = None,
+                    v => return fail_block(slot, wrong(&v)),
+                },
+            }
+        }
+        let (Some(id), Some(offset), Some(size)) = (id, offset, size) else {
+            let field = if seen & 1 == 0 {
+                "id"
+            } else if seen & 2 == 0 {
+                "offset"
+            } else {
+                "size"
+            };
+            return fail_block(slot, BlockProblem::MissingField { field });
+        };
+        Ok(InitialBlock {
+            id,
+            offset,
+            size,
+            requested: requested.unwrap_or(size),
+            category: category.unwrap_or_default(),
+            tag,
+        })
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<InitialBlock, E> {
+        self.not_object(v.to_string())
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<InitialBlock, E> {
+        self.not_object(format!("the number {v}"))
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<InitialBlock, E> {
+        self.not_object(format!("the number {v}"))
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<InitialBlock, E> {
+        self.not_object(format!("the number {v:?}"))
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<InitialBlock, E> {
+        self.not_object(format!("the string {:?}", shorten(v)))
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<InitialBlock, E> {
+        self.not_object("null".to_owned())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, _: A) -> Result<InitialBlock, A::Error> {
+        self.not_object("an array".to_owned())
     }
 }
 
@@ -618,7 +1007,43 @@ impl Serialize for Event {
                 m.serialize_entry("name", name)?;
                 m.end()
             }
+            Event::Segment(segment) => {
+                check_segment(segment).map_err(ser::Error::custom)?;
+                let mut m = s.serialize_map(Some(7 + usize::from(segment.base.is_some())))?;
+                m.serialize_entry("op", "segment")?;
+                m.serialize_entry("addr", &segment.addr)?;
+                m.serialize_entry("size", &segment.size)?;
+                m.serialize_entry("stream", &segment.stream)?;
+                m.serialize_entry("pool", segment.pool.name())?;
+                m.serialize_entry("expandable", &segment.expandable)?;
+                if let Some(base) = segment.base {
+                    m.serialize_entry("base", &base)?;
+                }
+                m.serialize_entry("blocks", &segment.blocks)?;
+                m.end()
+            }
         }
+    }
+}
+
+/// Writes a block of a `segment` (`{"id":1,"offset":0,"size":512,"requested":500}`); `category` is
+/// written unless it is `other`, `tag` when present.
+impl Serialize for InitialBlock {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let other = self.category == Category::Other;
+        let len = 4 + usize::from(!other) + usize::from(self.tag.is_some());
+        let mut m = s.serialize_map(Some(len))?;
+        m.serialize_entry("id", &self.id)?;
+        m.serialize_entry("offset", &self.offset)?;
+        m.serialize_entry("size", &self.size)?;
+        m.serialize_entry("requested", &self.requested)?;
+        if !other {
+            m.serialize_entry("category", self.category.name())?;
+        }
+        if let Some(tag) = &self.tag {
+            m.serialize_entry("tag", tag)?;
+        }
+        m.end()
     }
 }
 

@@ -372,11 +372,147 @@ pub enum EventProblem {
         /// The key.
         key: &'static str,
     },
+    /// `pool` names no pool.
+    #[error("unknown pool {pool:?}: a segment's pool is \"small\" or \"large\"")]
+    UnknownPool {
+        /// The pool found.
+        pool: String,
+    },
+    /// A `segment` of 0 bytes.
+    #[error("`size` is 0: a segment holds at least one byte")]
+    EmptySegment,
+    /// A `segment` whose last byte would lie past the end of the 64-bit address space.
+    #[error("the segment at `addr` {addr} of {size} bytes runs past the end of the 64-bit address space")]
+    SegmentPastAddressSpace {
+        /// The segment's address.
+        addr: u64,
+        /// Its size.
+        size: u64,
+    },
+    /// `base` on a segment that is not expandable, or above its `addr`.
+    #[error("{}", bad_base(*.base, *.addr))]
+    BadBase {
+        /// The `base` given.
+        base: u64,
+        /// The segment's `addr` (`None`: the segment is not expandable).
+        addr: Option<u64>,
+    },
+    /// One block of a `segment`'s `blocks` is not valid.
+    #[error("blocks[{index}]: {problem}")]
+    Block {
+        /// 0-based index of the block in `blocks`.
+        index: usize,
+        /// What is wrong with it.
+        problem: BlockProblem,
+    },
 }
 
+fn bad_base(base: u64, addr: Option<u64>) -> String {
+    match addr {
+        None => format!("`base` ({base}) is for expandable segments only: a reservation's start (add \"expandable\":true, or leave `base` out)"),
+        Some(addr) => format!("`base` ({base}) is above `addr` ({addr}): the reservation starts at or below the ranges mapped in it"),
+    }
+}
+
+/// What is wrong with one block of a `segment` event (`{"id":1,"offset":0,"size":512,"requested":500}`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BlockProblem {
+    /// The block is not a JSON object.
+    #[error(
+        "a block must be a JSON object like {{\"id\":1,\"offset\":0,\"size\":512}}, got {found}"
+    )]
+    NotAnObject {
+        /// A description of the value found.
+        found: String,
+    },
+    /// The block lacks a key it requires.
+    #[error("missing `{field}`: expected {} ({BLOCK_KEYS_TEXT})", expected(.field))]
+    MissingField {
+        /// The missing key.
+        field: &'static str,
+    },
+    /// A key no block takes.
+    #[error("unknown key `{key}` ({BLOCK_KEYS_TEXT})")]
+    UnknownKey {
+        /// The key.
+        key: String,
+    },
+    /// A key appears twice in the block.
+    #[error("key `{key}` appears twice")]
+    DuplicateKey {
+        /// The key.
+        key: &'static str,
+    },
+    /// A value of the wrong JSON type (or a negative or fractional number where a byte count belongs).
+    #[error("`{field}` must be {}, got {found}", expected(.field))]
+    WrongType {
+        /// The key.
+        field: &'static str,
+        /// A description of the value found.
+        found: String,
+    },
+    /// `category` names no category.
+    #[error(
+        "unknown category {category:?}: valid categories are {}",
+        category_names()
+    )]
+    UnknownCategory {
+        /// The category found.
+        category: String,
+    },
+    /// A block of 0 bytes.
+    #[error("`size` is 0: a block holds at least one byte")]
+    Empty,
+    /// `requested` exceeds `size` (a block is never smaller than the request it serves).
+    #[error("`requested` ({requested}) is larger than `size` ({size}): a block holds at least the bytes requested")]
+    RequestedTooLarge {
+        /// The requested bytes.
+        requested: u64,
+        /// The block's size.
+        size: u64,
+    },
+    /// The block reaches past the end of its segment.
+    #[error(
+        "the block at offset {offset} of {size} bytes ends past the segment's {segment_size} bytes"
+    )]
+    OutOfSegment {
+        /// The block's offset.
+        offset: u64,
+        /// The block's size.
+        size: u64,
+        /// The segment's size.
+        segment_size: u64,
+    },
+    /// The block starts before the previous block ends.
+    #[error("the block at offset {offset} starts before the previous block ends (offset {previous_end}): blocks are listed in address order and do not overlap")]
+    Overlaps {
+        /// The block's offset.
+        offset: u64,
+        /// Where the previous block ends.
+        previous_end: u64,
+    },
+}
+
+/// The keys a block of a `segment` takes, for error messages.
+pub(crate) const BLOCK_KEYS_TEXT: &str =
+    "a block takes id, offset, size, and optionally requested (default: size), category (default \"other\") and tag";
+
 /// Every key some event takes.
-pub(crate) const EVENT_KEYS: [&str; 8] = [
-    "op", "id", "size", "stream", "category", "tag", "us", "name",
+pub(crate) const EVENT_KEYS: [&str; 13] = [
+    "op",
+    "id",
+    "size",
+    "stream",
+    "category",
+    "tag",
+    "us",
+    "name",
+    "addr",
+    "pool",
+    "expandable",
+    "blocks",
+    "base",
 ];
 
 fn unknown_key_message(key: &str, op: Option<&'static str>) -> String {
@@ -411,6 +547,7 @@ pub(crate) fn op_keys(op: &str) -> &'static str {
         "compute" => "op, us, and optionally stream (default 0)",
         "sync" => "op, and optionally stream (default: every stream)",
         "phase" => "op and name",
+        "segment" => "op, addr, size, pool, and optionally stream (default 0), expandable (default false), blocks (default: none) and base (expandable only)",
         _ => "unknown keys",
     }
 }
@@ -426,6 +563,15 @@ pub(crate) fn expected(field: &str) -> String {
         "tag" => "a string (or null for none)".to_owned(),
         "us" => "a finite, non-negative number of microseconds".to_owned(),
         "name" => "a string".to_owned(),
+        "addr" => "a non-negative integer device address".to_owned(),
+        "pool" => "\"small\" or \"large\"".to_owned(),
+        "expandable" => "true or false".to_owned(),
+        "blocks" => {
+            "an array of block objects like {\"id\":1,\"offset\":0,\"size\":512}".to_owned()
+        }
+        "base" => "a non-negative integer device address".to_owned(),
+        "offset" => "a non-negative integer number of bytes from the segment's start".to_owned(),
+        "requested" => "a non-negative integer number of bytes".to_owned(),
         _ => "a valid value".to_owned(),
     }
 }

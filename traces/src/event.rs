@@ -164,6 +164,90 @@ pub enum Event {
         /// The phase that starts here.
         name: Box<str>,
     },
+    /// `{"op":"segment","addr":A,"size":S,"pool":"large","blocks":[...]}`: a segment the allocator
+    /// already holds when the trace starts, with its live blocks (the state a PyTorch snapshot's history
+    /// begins from). Only allowed before every other op.
+    Segment(Box<InitialSegment>),
+}
+
+/// The pool a segment belongs to: PyTorch's `segment_type` (§1.3 of the fact sheet: rounded requests of
+/// at most 1 MiB are served from the small pool, larger ones from the large pool).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Pool {
+    /// `"small"`: 2 MiB segments (expandable: 2 MiB pages) for rounded requests of at most 1 MiB.
+    Small,
+    /// `"large"`: everything bigger.
+    Large,
+}
+
+impl Pool {
+    /// The name used in trace files and snapshots (`"small"`, `"large"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Pool::Small => "small",
+            Pool::Large => "large",
+        }
+    }
+
+    /// Parses a pool name as written in trace files.
+    pub fn from_name(name: &str) -> Option<Pool> {
+        match name {
+            "small" => Some(Pool::Small),
+            "large" => Some(Pool::Large),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Pool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A segment the allocator holds before the first event of a trace (`{"op":"segment",...}`).
+///
+/// For an ordinary segment, `addr`/`size` are the `cudaMalloc`ed range; for an expandable one
+/// (`expandable_segments:True`), one contiguous mapped range of the stream's reservation, as a snapshot
+/// lists it. `blocks` are the live (allocated) blocks, in address order; every byte of the segment not
+/// covered by a block is free (cached), and free neighbours form one block, as they always do in the
+/// caching allocator (§4.2).
+#[derive(Clone, Debug, PartialEq)]
+pub struct InitialSegment {
+    /// Device address of the segment's first byte.
+    pub addr: u64,
+    /// Bytes reserved from the device (> 0).
+    pub size: u64,
+    /// The stream the segment belongs to (default 0).
+    pub stream: StreamId,
+    /// The pool.
+    pub pool: Pool,
+    /// Whether this is a mapped range of an expandable segment (default false).
+    pub expandable: bool,
+    /// Expandable ranges only: where the stream's reservation for the pool begins, at or below `addr`
+    /// (default: the lowest range declared for the same stream and pool). Unmapped space below the first
+    /// mapped range is where an expandable segment grows first (§7.2).
+    pub base: Option<u64>,
+    /// The live blocks, in address order, not overlapping, inside the segment (default none).
+    pub blocks: Vec<InitialBlock>,
+}
+
+/// A live block of an [`InitialSegment`]: an allocation made before the trace starts, known by `id`
+/// until a `free` names it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InitialBlock {
+    /// Name of the allocation, as in `alloc`.
+    pub id: AllocId,
+    /// Bytes from the segment's start to the block's first byte.
+    pub offset: u64,
+    /// The block's size (rounded, possibly unsplit: what the allocator handed out; > 0).
+    pub size: u64,
+    /// The requested (unrounded) bytes, at most `size` (default: `size`).
+    pub requested: u64,
+    /// What the bytes are for (default `other`).
+    pub category: Category,
+    /// Free-form label.
+    pub tag: Option<Box<str>>,
 }
 
 impl Event {
@@ -177,12 +261,13 @@ impl Event {
             Event::Compute { .. } => "compute",
             Event::Sync { .. } => "sync",
             Event::Phase { .. } => "phase",
+            Event::Segment(_) => "segment",
         }
     }
 }
 
 /// The `op` values every reader accepts, as listed in error messages.
-pub const OPS: [&str; 7] = [
+pub const OPS: [&str; 8] = [
     "alloc",
     "free",
     "record_stream",
@@ -190,4 +275,5 @@ pub const OPS: [&str; 7] = [
     "compute",
     "sync",
     "phase",
+    "segment",
 ];

@@ -36,14 +36,15 @@ mod codec;
 pub mod error;
 pub mod event;
 pub mod file;
+pub mod import;
 pub mod json;
 pub mod jsonl;
 pub mod pickle;
 pub mod snapshot;
 pub mod trace;
 
-pub use error::{EventProblem, HeaderProblem, Location, TraceError};
-pub use event::{AllocId, Category, Event, StreamId, OPS};
+pub use error::{BlockProblem, EventProblem, HeaderProblem, Location, TraceError};
+pub use event::{AllocId, Category, Event, InitialBlock, InitialSegment, Pool, StreamId, OPS};
 pub use file::{
     open_events, open_events_from, read_trace, read_trace_from, write_trace, EventStream, Format,
 };

@@ -384,7 +384,7 @@ fn messages_say_what_is_valid() {
     };
     assert_eq!(
         msg(r#"{"op":"frea","id":1}"#),
-        "line 1, column 12: event 0: unknown op \"frea\": valid ops are alloc, free, record_stream, empty_cache, compute, sync, phase"
+        "line 1, column 12: event 0: unknown op \"frea\": valid ops are alloc, free, record_stream, empty_cache, compute, sync, phase, segment"
     );
     assert_eq!(
         msg(r#"{"op":"alloc","id":1,"size":1,"category":"weights"}"#),

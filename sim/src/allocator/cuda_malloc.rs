@@ -22,12 +22,18 @@
 //!   `free_requested` + `free_completed` + `segment_free` per free, `oom` on failure.
 //! - Addresses come from the same simulated address space as the caching allocator's segments. The driver's
 //!   2 MiB physical granularity is not charged (unconfirmed detail, not in PyTorch's code).
+//! - **Starting from a recorded state** (a trace's `segment` events): without a cache there are no
+//!   segments to take over, so each live block becomes an allocation of its own, of its *requested* size
+//!   (what it would have cost without caching), at the block's address; the cached gaps vanish.
 
 use vramsim_traces::StreamId;
 
 use crate::allocator::caching::address_space::AddressSpace;
+use vramsim_traces::InitialSegment;
+
 use crate::allocator::{
-    Action, Allocator, BlockInfo, BlockRef, BlockState, HistoryEntry, OutOfMemory, SegmentInfo,
+    Action, AdoptError, Allocator, BlockInfo, BlockRef, BlockState, HistoryEntry, OutOfMemory,
+    SegmentInfo,
 };
 use crate::device::Device;
 use crate::oom::MORE_THAN_1EB_MESSAGE;
@@ -88,6 +94,32 @@ impl CudaMallocAllocator {
         }
     }
 
+    /// Stores a live allocation and counts it (segment, reservation and allocation alike).
+    fn insert(&mut self, allocation: Allocation) -> u32 {
+        let size = allocation.size;
+        let idx = match self.vacant.pop() {
+            Some(idx) => {
+                self.allocations[idx as usize] = Some(allocation);
+                idx
+            }
+            None => {
+                self.allocations.push(Some(allocation));
+                (self.allocations.len() - 1) as u32
+            }
+        };
+        self.total += size;
+        let kind = PoolKind::of(size);
+        let s = &mut self.stats;
+        s.segment.increase(kind, 1);
+        s.reserved_bytes.increase(kind, size);
+        s.allocation.increase(kind, 1);
+        s.allocated_bytes.increase(kind, size);
+        s.active.increase(kind, 1);
+        s.active_bytes.increase(kind, size);
+        s.requested_bytes.increase(kind, size);
+        idx
+    }
+
     fn record(&mut self, action: Action, addr: u64, size: u64, stream: StreamId, tl: &Timeline) {
         if self.record_history {
             self.history.push(HistoryEntry {
@@ -130,31 +162,44 @@ impl Allocator for CudaMallocAllocator {
             });
         }
         let addr = self.address_space.reserve(size);
-        let allocation = Allocation { addr, size, stream };
-        let idx = match self.vacant.pop() {
-            Some(idx) => {
-                self.allocations[idx as usize] = Some(allocation);
-                idx
-            }
-            None => {
-                self.allocations.push(Some(allocation));
-                (self.allocations.len() - 1) as u32
-            }
-        };
-        self.total += size;
-        let kind = PoolKind::of(size);
-        let s = &mut self.stats;
-        s.num_device_alloc += 1;
-        s.segment.increase(kind, 1);
-        s.reserved_bytes.increase(kind, size);
-        s.allocation.increase(kind, 1);
-        s.allocated_bytes.increase(kind, size);
-        s.active.increase(kind, 1);
-        s.active_bytes.increase(kind, size);
-        s.requested_bytes.increase(kind, size);
+        let idx = self.insert(Allocation { addr, size, stream });
+        self.stats.num_device_alloc += 1;
         self.record(Action::SegmentAlloc, addr, size, stream, tl);
         self.record(Action::Alloc, addr, size, stream, tl);
         Ok(BlockRef(idx))
+    }
+
+    /// Each live block becomes an allocation of its requested size at its address (see the module doc).
+    fn adopt_segment(&mut self, segment: &InitialSegment) -> Result<Vec<BlockRef>, AdoptError> {
+        let needed: u64 = segment.blocks.iter().map(|b| b.requested.max(1)).sum();
+        let free = self.device.free_memory(self.total);
+        if needed > free {
+            return Err(AdoptError::DoesNotFit {
+                addr: segment.addr,
+                needed,
+                free,
+            });
+        }
+        let mut refs = Vec::with_capacity(segment.blocks.len());
+        for b in &segment.blocks {
+            let addr = segment.addr + b.offset;
+            // a zero-byte request still names a block: give it one byte of address space
+            let size = b.requested.max(1);
+            if let Err((other, end)) = self.address_space.place(addr, size) {
+                return Err(AdoptError::Overlap {
+                    addr,
+                    size,
+                    other,
+                    other_size: end - other,
+                });
+            }
+            refs.push(BlockRef(self.insert(Allocation {
+                addr,
+                size,
+                stream: segment.stream,
+            })));
+        }
+        Ok(refs)
     }
 
     fn free(&mut self, block: BlockRef, tl: &mut Timeline) {
@@ -162,6 +207,7 @@ impl Allocator for CudaMallocAllocator {
             .take()
             .expect("free of a block that is not allocated");
         self.vacant.push(block.0);
+        self.address_space.release(addr);
         self.record(Action::FreeRequested, addr, size, stream, tl);
         self.record(Action::FreeCompleted, addr, size, stream, tl);
         self.record(Action::SegmentFree, addr, size, stream, tl);

@@ -6,9 +6,10 @@
 //! the same settings give the same bytes, every time.
 
 pub mod caching;
+pub mod cuda_async;
 pub mod cuda_malloc;
 
-use vramsim_traces::StreamId;
+use vramsim_traces::{InitialSegment, StreamId};
 
 use crate::device::Device;
 use crate::rounding::PoolKind;
@@ -143,6 +144,52 @@ pub struct SegmentInfo {
     pub blocks: Vec<BlockInfo>,
 }
 
+/// Why a segment could not be adopted ([`Allocator::adopt_segment`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdoptError {
+    /// The segment overlaps one the allocator already holds.
+    #[error("the segment at {addr:#x} ({size} bytes) overlaps the one at {other:#x} ({other_size} bytes)")]
+    Overlap {
+        /// The segment's address.
+        addr: u64,
+        /// Its size.
+        size: u64,
+        /// The address of the segment it overlaps.
+        other: u64,
+        /// That segment's size.
+        other_size: u64,
+    },
+    /// The device has not that much free memory.
+    #[error("the segment at {addr:#x} needs {needed} bytes but the device has {free} bytes free: give a larger capacity")]
+    DoesNotFit {
+        /// The segment's address.
+        addr: u64,
+        /// The bytes it needs.
+        needed: u64,
+        /// The device's free bytes.
+        free: u64,
+    },
+    /// An expandable range that does not lie on the page grid of its stream's reservation (§7.1).
+    #[error("the expandable range at {addr:#x} ({size} bytes) is not on the {page}-byte page grid of the reservation at {base:#x}; declare the ranges of one stream and pool in address order")]
+    NotOnPageGrid {
+        /// The range's address.
+        addr: u64,
+        /// Its size.
+        size: u64,
+        /// The page size of its pool.
+        page: u64,
+        /// The reservation's start.
+        base: u64,
+    },
+    /// The allocator model cannot start from a given state.
+    #[error("the {model} allocator model cannot start from declared segments")]
+    Unsupported {
+        /// The model's name.
+        model: &'static str,
+    },
+}
+
 /// A simulated device allocator.
 pub trait Allocator {
     /// `malloc(size, stream)`: a block of at least `size` bytes (size > 0; the engine answers size 0 with a
@@ -163,6 +210,14 @@ pub trait Allocator {
 
     /// `empty_cache()`: waits for pending frees and returns every whole free segment to the device.
     fn empty_cache(&mut self, timeline: &mut Timeline);
+
+    /// Takes over a segment that exists before the first event (a trace's `segment` op: the state a
+    /// PyTorch snapshot's history starts from), with its live blocks allocated; returns the blocks, in the
+    /// order given. Records no history. The default refuses ([`AdoptError::Unsupported`]).
+    fn adopt_segment(&mut self, segment: &InitialSegment) -> Result<Vec<BlockRef>, AdoptError> {
+        let _ = segment;
+        Err(AdoptError::Unsupported { model: "this" })
+    }
 
     /// Statistics in `torch.cuda.memory_stats()` form.
     fn stats(&self) -> &MemoryStats;
@@ -205,6 +260,9 @@ impl<T: Allocator + ?Sized> Allocator for Box<T> {
     }
     fn empty_cache(&mut self, timeline: &mut Timeline) {
         (**self).empty_cache(timeline)
+    }
+    fn adopt_segment(&mut self, segment: &InitialSegment) -> Result<Vec<BlockRef>, AdoptError> {
+        (**self).adopt_segment(segment)
     }
     fn stats(&self) -> &MemoryStats {
         (**self).stats()

@@ -39,6 +39,8 @@ pub(crate) struct ExpandableSegment {
     pub max_pages: u64,
     /// The stream the segment serves (synchronized when unmapping).
     pub stream: StreamId,
+    /// The pool it serves.
+    pub kind: PoolKind,
     /// Bytes currently mapped (`mapped_size_`).
     pub mapped_bytes: u64,
 }
@@ -108,13 +110,13 @@ impl ExpandableSegments {
         self.vacant.push(slot);
     }
 
-    fn get(&self, slot: u32) -> &ExpandableSegment {
+    pub(crate) fn get(&self, slot: u32) -> &ExpandableSegment {
         self.slots[slot as usize]
             .as_ref()
             .expect("block of a released expandable segment")
     }
 
-    fn get_mut(&mut self, slot: u32) -> &mut ExpandableSegment {
+    pub(crate) fn get_mut(&mut self, slot: u32) -> &mut ExpandableSegment {
         self.slots[slot as usize]
             .as_mut()
             .expect("block of a released expandable segment")
@@ -123,6 +125,15 @@ impl ExpandableSegments {
     /// Number of live segments.
     pub fn len(&self) -> usize {
         self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    /// The slot of the live segment of `stream` and `kind` whose reservation holds `addr`.
+    pub(crate) fn containing(&self, stream: StreamId, kind: PoolKind, addr: u64) -> Option<u32> {
+        self.slots.iter().enumerate().find_map(|(slot, s)| {
+            let s = s.as_ref()?;
+            (s.stream == stream && s.kind == kind && addr >= s.base && addr - s.base < s.size())
+                .then_some(slot as u32)
+        })
     }
 }
 
@@ -167,20 +178,39 @@ impl CachingAllocator {
         if found != NIL {
             return found;
         }
-        // A new segment. NEW: the large page is large_segment_size (OLD: kLargeBuffer).
+        let (page, max_pages) = self.expandable_geometry(kind);
+        let base = self.address_space.reserve(max_pages * page);
+        self.new_expandable_segment(kind, stream, base, max_pages)
+    }
+
+    /// The page size and page count of a new reservation for `kind`.
+    pub(super) fn expandable_geometry(&self, kind: PoolKind) -> (u64, u64) {
+        // NEW: the large page is large_segment_size (OLD: kLargeBuffer).
         let page = match kind {
             PoolKind::Small => SMALL_BUFFER,
             PoolKind::Large => self.config.large_segment_size,
         };
         // "enough address space for 1 1/8 the total memory on the GPU": numSegments(total + total / 8).
         let total = self.device.total_memory;
-        let max_pages = (total + total / 8).div_ceil(page);
-        let base = self.address_space.reserve(max_pages * page);
+        (page, (total + total / 8).div_ceil(page))
+    }
+
+    /// A new expandable segment of `max_pages` pages at `base`, all unmapped; returns its one unmapped
+    /// block.
+    pub(super) fn new_expandable_segment(
+        &mut self,
+        kind: PoolKind,
+        stream: StreamId,
+        base: u64,
+        max_pages: u64,
+    ) -> u32 {
+        let (page, _) = self.expandable_geometry(kind);
         let slot = self.segments.insert(ExpandableSegment {
             base,
             page,
             max_pages,
             stream,
+            kind,
             mapped_bytes: 0,
         });
         let mut block = Block::new(base, max_pages * page, stream, kind);
@@ -326,6 +356,7 @@ impl CachingAllocator {
         let slot = block.segment;
         debug_assert!(!block.mapped && block.size == self.segments.get(slot).size());
         self.pools[pool_index(block.pool)].remove_unmapped(block.stream, block.addr);
+        self.address_space.release(block.addr);
         self.segments.remove(slot);
         self.blocks.remove(idx);
     }

@@ -48,7 +48,8 @@
 //!   `release_cached_blocks`, the garbage collector.
 //! - `snapshot.rs` — `segments()` (`torch.cuda.memory_snapshot()`).
 //! - `invariants.rs` — `check_snapshot`: the §8.4 consistency checks between stats and snapshot.
-//! - `address_space.rs` — the simulated virtual address space.
+//! - `address_space.rs` — the simulated virtual address space (and the address hints of recorded runs).
+//! - `adopt.rs` — starting from a recorded state: segments that exist before the first event.
 //! - this file — `malloc`, `free`, `record_stream` and the block bookkeeping they share.
 //!
 //! Version followed: the NEW behaviour (≈ PyTorch 2.9 / main, late 2025) wherever versions differ, each place
@@ -58,6 +59,7 @@
 //! `free` allocate nothing in steady state and format no strings except for an OOM.
 
 pub(crate) mod address_space;
+mod adopt;
 mod block;
 mod events;
 pub mod expandable;
@@ -69,7 +71,11 @@ mod sorted;
 
 use vramsim_traces::StreamId;
 
-use crate::allocator::{Action, Allocator, BlockRef, HistoryEntry, OutOfMemory, SegmentInfo};
+use vramsim_traces::InitialSegment;
+
+use crate::allocator::{
+    Action, AdoptError, Allocator, BlockRef, HistoryEntry, OutOfMemory, SegmentInfo,
+};
 use crate::config::AllocatorConfig;
 use crate::device::Device;
 use crate::oom::{out_of_memory_message, OomFacts, MORE_THAN_1EB_MESSAGE};
@@ -780,6 +786,11 @@ impl Allocator for CachingAllocator {
     /// §5.3 `emptyCache` = release_cached_blocks.
     fn empty_cache(&mut self, tl: &mut Timeline) {
         self.release_cached_blocks(tl);
+    }
+
+    /// See `adopt.rs`.
+    fn adopt_segment(&mut self, segment: &InitialSegment) -> Result<Vec<BlockRef>, AdoptError> {
+        self.adopt(segment)
     }
 
     fn stats(&self) -> &MemoryStats {

@@ -33,6 +33,7 @@ impl CachingAllocator {
             self.stats.oversize_segments.decrease(1);
         }
         self.pools[pool_index(kind)].remove(stream, size, addr);
+        self.address_space.release(addr);
         self.blocks.remove(idx);
     }
 

@@ -4,7 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use vramsim_sim::engine::{Replay, ReplayOptions};
+use vramsim_sim::config::AllocatorConfig;
+use vramsim_sim::engine::{Flow, Replay, ReplayError, ReplayOptions};
+use vramsim_sim::export::{snapshot_of, ExportOptions};
 use vramsim_sim::plot::{plot_timeline, TimelinePlot, TimelineSample};
 use vramsim_sim::report::Report;
 use vramsim_sim::summary::memory_summary;
@@ -17,10 +19,14 @@ const PLOT_POINTS: usize = 4000;
 /// Options of `vramsim replay`.
 #[derive(Args, Debug)]
 pub struct ReplayArgs {
-    /// The trace: vramsim JSON or JSON Lines, optionally gzip-compressed.
+    /// The trace: vramsim JSON or JSON Lines, or a PyTorch memory snapshot pickle (replayed from its
+    /// recorded state, with its own settings and capacity unless --alloc-conf/--gpu/--capacity are
+    /// given); optionally gzip-compressed.
     pub trace: PathBuf,
     #[command(flatten)]
     pub machine: MachineArgs,
+    #[command(flatten)]
+    pub snapshot: crate::import::SnapshotArgs,
     /// Also print torch.cuda.memory_summary() for the final state.
     #[arg(long)]
     pub summary: bool,
@@ -30,20 +36,42 @@ pub struct ReplayArgs {
     /// Draw allocated and reserved memory over the trace to a .png or .svg file.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Record the allocator's history during the replay and write the final state as a PyTorch memory
+    /// snapshot pickle, for torch/cuda/_memory_viz.py and pytorch.org/memory_viz (gzip-compressed if
+    /// the name ends in .gz; the web viewer reads only uncompressed files).
+    #[arg(long, value_name = "FILE.pickle")]
+    pub snapshot_out: Option<PathBuf>,
 }
 
 /// Runs `vramsim replay`.
-pub fn run(args: ReplayArgs) -> Result<()> {
+pub fn run(mut args: ReplayArgs) -> Result<()> {
+    // a PyTorch snapshot replays from its recorded state, with its own settings and capacity by default
+    let (events, recorded) = crate::import::open_input(&args.trace, &args.snapshot)?;
+    let given = args.machine.clone();
+    args.machine = crate::import::machine_for(recorded.as_ref(), &given);
     let machine = args.machine.build()?;
-    let events = vramsim_traces::open_events(&args.trace)
-        .with_context(|| format!("cannot read {}", args.trace.display()))?;
     let options = ReplayOptions {
         timeline_points: if args.plot.is_some() { PLOT_POINTS } else { 0 },
     };
     let device = machine.allocator.device().clone();
-    let outcome = Replay::new(machine.allocator, &options)
-        .run(events)
+    let mut allocator = machine.allocator;
+    if args.snapshot_out.is_some() {
+        // _record_memory_history() before the first event: the trace then holds every action.
+        allocator.set_record_history(true);
+    }
+    let mut replay = Replay::new(allocator, &options);
+    apply_all(&mut replay, events)
         .with_context(|| format!("cannot replay {}", args.trace.display()))?;
+    let (outcome, mut allocator) = replay.into_parts();
+    if let Some(path) = &args.snapshot_out {
+        // The settings string already parsed once in `machine.build()`; parsing is deterministic.
+        let config = AllocatorConfig::parse(&args.machine.alloc_conf)
+            .map_err(|e| anyhow::anyhow!("invalid --alloc-conf: {e}"))?;
+        let snapshot = snapshot_of(&mut allocator, &config, &ExportOptions::default());
+        vramsim_traces::snapshot::write_snapshot_file(path, &snapshot)
+            // the error names the file; its source chain would repeat the I/O error
+            .map_err(|e| anyhow::anyhow!("cannot write the snapshot: {e}"))?;
+    }
     let report = Report {
         source: args.trace.display().to_string(),
         allocator: args.machine.allocator.name().to_string(),
@@ -55,20 +83,44 @@ pub fn run(args: ReplayArgs) -> Result<()> {
     if let Some(path) = &args.plot {
         draw(&report, path)?;
     }
+    let verdict = recorded.map(|s| s.verdict(&given, &report.outcome));
     if args.json {
         let mut json = report.to_json();
+        if let Some((_, v)) = &verdict {
+            json["snapshot"] = v.clone();
+        }
         if args.summary {
             json["memory_summary"] = memory_summary(&report.outcome.stats, 0, false).into();
         }
         println!("{}", serde_json::to_string_pretty(&json)?);
     } else {
         print!("{}", report.to_table());
+        for line in verdict.iter().flat_map(|(lines, _)| lines) {
+            println!("{line}");
+        }
         if args.summary {
             println!();
             print!("{}", memory_summary(&report.outcome.stats, 0, false));
         }
         if let Some(path) = &args.plot {
             println!("plot       {}", path.display());
+        }
+        if let Some(path) = &args.snapshot_out {
+            println!("snapshot   {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// `Replay::run`, keeping the replay so that its allocator can be exported afterwards.
+fn apply_all<A, I>(replay: &mut Replay<A>, events: I) -> Result<(), ReplayError>
+where
+    A: vramsim_sim::allocator::Allocator,
+    I: IntoIterator<Item = Result<vramsim_traces::Event, vramsim_traces::TraceError>>,
+{
+    for event in events {
+        if replay.apply(event?)? == Flow::Stopped {
+            break;
         }
     }
     Ok(())

@@ -1,0 +1,298 @@
+//! `vramsim import`, and PyTorch memory snapshots wherever a command takes a trace.
+//!
+//! A snapshot (the pickle `torch.cuda.memory._dump_snapshot()` writes, optionally gzipped) is told from a
+//! trace by its first byte (a pickle of protocol 2 or later starts with `0x80`; a trace with `{`), and
+//! imported one device at a time (`vramsim_traces::import`). Replaying a snapshot uses, unless told
+//! otherwise, the snapshot's own allocator settings and the device capacity its history implies, so that
+//! the replay starts where the recorded run did; `--alloc-conf`, `--gpu` and `--capacity` ask "what if".
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+use vramsim_sim::check::{config_from_settings, device_for, size_rules, SnapshotSettings};
+use vramsim_sim::config::AllocatorConfig;
+use vramsim_sim::engine::ReplayOutcome;
+use vramsim_sim::format::format_size;
+use vramsim_traces::import::{
+    devices, devices_with_data, import_device, DeviceImport, ImportOptions, ReleaseCause,
+};
+use vramsim_traces::snapshot::{load_snapshot_file, Snapshot};
+use vramsim_traces::{AllocId, Event, TraceError};
+
+use crate::machine::MachineArgs;
+
+/// Options of `vramsim import`.
+#[derive(Args, Debug)]
+pub struct ImportArgs {
+    /// The snapshot: the pickle `torch.cuda.memory._dump_snapshot()` writes (optionally gzipped).
+    pub snapshot: PathBuf,
+    /// Where to write the trace (`.jsonl` for JSON Lines, `.json` for a JSON document, `.gz` to
+    /// compress). With several devices and no --device, one file per device: `NAME.deviceN.jsonl`.
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// The device to import (default: every device with a history or segments).
+    #[arg(long)]
+    pub device: Option<u32>,
+}
+
+/// The snapshot options of commands that take a trace or a snapshot.
+#[derive(Args, Debug, Clone, Default)]
+pub struct SnapshotArgs {
+    /// For a snapshot input: the device whose history to replay (needed when several have one).
+    #[arg(long)]
+    pub device: Option<u32>,
+}
+
+/// Reads a snapshot file, saying plainly when the file is not one.
+pub fn load_snapshot(path: &Path) -> Result<Snapshot> {
+    load_snapshot_file(path).map_err(|e| {
+        anyhow!(
+            "{e}\n(expected a PyTorch memory snapshot: the pickle `torch.cuda.memory._dump_snapshot()` writes)"
+        )
+    })
+}
+
+/// Whether `path` holds a snapshot rather than a trace.
+fn is_snapshot(path: &Path) -> Result<bool> {
+    vramsim_traces::import::is_snapshot_file(path)
+        .with_context(|| format!("cannot read {}", path.display()))
+}
+
+/// The one device to replay: `--device`, or the only device with something recorded.
+fn pick_device(snapshot: &Snapshot, path: &Path, device: Option<u32>) -> Result<u32> {
+    if let Some(d) = device {
+        return Ok(d);
+    }
+    match devices_with_data(snapshot).as_slice() {
+        [one] => Ok(*one),
+        [] => devices(snapshot).first().copied().ok_or_else(|| {
+            anyhow!(
+                "{}: the snapshot holds no device (no segments and no history)",
+                path.display()
+            )
+        }),
+        many => bail!(
+            "{}: the snapshot holds devices {}: choose one with --device N",
+            path.display(),
+            many.iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+/// Imports one device with the snapshot's own settings.
+fn import(snapshot: &Snapshot, device: u32) -> Result<(DeviceImport, SnapshotSettings)> {
+    let settings = config_from_settings(snapshot.allocator_settings.as_ref());
+    let options = ImportOptions {
+        rules: size_rules(&settings.config),
+    };
+    let import = import_device(snapshot, device, &options)?;
+    Ok((import, settings))
+}
+
+/// `vramsim import`.
+pub fn run(args: ImportArgs) -> Result<()> {
+    let snapshot = load_snapshot(&args.snapshot)?;
+    let targets = match args.device {
+        Some(d) => vec![d],
+        None => {
+            let with_data = devices_with_data(&snapshot);
+            if with_data.is_empty() {
+                vec![pick_device(&snapshot, &args.snapshot, None)?]
+            } else {
+                with_data
+            }
+        }
+    };
+    let several = targets.len() > 1;
+    for device in targets {
+        let (import, _) = import(&snapshot, device)?;
+        let path = if several {
+            per_device_name(&args.output, device)
+        } else {
+            args.output.clone()
+        };
+        vramsim_traces::write_trace(&path, &import.trace)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        let r = &import.recorded;
+        println!(
+            "device {device}: {} events from {} recorded entries ({} segments at the start, {} read as empty_cache, {} deferred frees, {} ooms) -> {}",
+            import.trace.events.len(),
+            r.entries,
+            r.initial.segments,
+            r.releases.iter().filter(|x| x.cause == ReleaseCause::EmptyCache).count(),
+            r.deferred_frees,
+            r.ooms.len(),
+            path.display()
+        );
+        for note in &r.notes {
+            println!("  note: {note}");
+        }
+    }
+    Ok(())
+}
+
+/// `trace.jsonl.gz` → `trace.device1.jsonl.gz`.
+fn per_device_name(path: &Path, device: u32) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let (stem, ext) = match name.find('.') {
+        Some(i) if i > 0 => (&name[..i], &name[i..]),
+        _ => (name.as_str(), ""),
+    };
+    path.with_file_name(format!("{stem}.device{device}{ext}"))
+}
+
+/// The events of a trace file or of one device of a snapshot.
+pub type Events = Box<dyn Iterator<Item = Result<Event, TraceError>>>;
+
+/// A snapshot being replayed.
+pub struct SnapshotInput {
+    /// The imported device.
+    pub import: DeviceImport,
+    /// The snapshot's settings.
+    pub settings: SnapshotSettings,
+}
+
+/// Opens a trace, or imports one device of a snapshot (then also returned, for
+/// [`SnapshotInput::machine`] and [`SnapshotInput::verdict`]).
+pub fn open_input(path: &Path, args: &SnapshotArgs) -> Result<(Events, Option<SnapshotInput>)> {
+    if !is_snapshot(path)? {
+        let events = vramsim_traces::open_events(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        return Ok((Box::new(events), None));
+    }
+    let snapshot = load_snapshot(path)?;
+    let device = pick_device(&snapshot, path, args.device)?;
+    let (import, settings) =
+        import(&snapshot, device).with_context(|| format!("cannot import {}", path.display()))?;
+    let events: Vec<Event> = import.trace.events.clone();
+    Ok((
+        Box::new(events.into_iter().map(Ok)),
+        Some(SnapshotInput { import, settings }),
+    ))
+}
+
+/// The machine a trace or snapshot replays on: for a snapshot, its own settings unless `--alloc-conf`
+/// is given, and the capacity its history implies (no CUDA context) unless `--gpu`/`--capacity` is.
+pub fn machine_for(snapshot: Option<&SnapshotInput>, given: &MachineArgs) -> MachineArgs {
+    match snapshot {
+        Some(s) => s.machine(given),
+        None => given.clone(),
+    }
+}
+
+impl SnapshotInput {
+    /// See [`machine_for`].
+    pub fn machine(&self, given: &MachineArgs) -> MachineArgs {
+        let mut machine = given.clone();
+        let s = self;
+        if machine.alloc_conf.is_empty() {
+            machine.alloc_conf = settings_string(&s.settings.config);
+        }
+        if machine.gpu.is_none() && machine.capacity.is_none() {
+            let choice = device_for(&s.import.recorded.capacity, s.import.device);
+            machine.capacity = Some(choice.device.total_memory.to_string());
+            if machine.context.is_none() {
+                machine.context = Some("0".to_owned());
+            }
+        }
+        machine
+    }
+
+    /// For a snapshot: what the replay says of the recorded run (the device, and whether its recorded
+    /// out-of-memory error still happens), as lines for the table and as JSON.
+    pub fn verdict(&self, given: &MachineArgs, outcome: &ReplayOutcome) -> (Vec<String>, Value) {
+        let s = self;
+        let r = &s.import.recorded;
+        let mut lines = vec![format!(
+            "snapshot   device {}, {} recorded entries; settings {}{}",
+            s.import.device,
+            r.entries,
+            s.settings.source,
+            if given.alloc_conf.is_empty() {
+                ""
+            } else {
+                " (replayed with --alloc-conf instead)"
+            }
+        )];
+        if given.gpu.is_none() && given.capacity.is_none() {
+            lines.push(format!(
+                "capacity   {}",
+                device_for(&r.capacity, s.import.device).source
+            ));
+        }
+        let recorded = r.ooms.first();
+        let happened = outcome.oom.as_ref();
+        let verdict = match (recorded, happened) {
+            (Some(o), Some(h)) if h.id == AllocId::Str(format!("oom@{}", o.entry).into()) => {
+                format!("the recorded out-of-memory (entry {}, {}) still happens at the same request", o.entry, format_size(o.size))
+            }
+            (Some(o), Some(h)) => format!(
+                "out-of-memory at trace event {} ({} requested), before the recorded one (entry {})",
+                h.event_index,
+                format_size(h.requested_bytes),
+                o.entry
+            ),
+            (Some(o), None) => format!(
+                "the recorded out-of-memory (entry {}, {}) does not happen",
+                o.entry,
+                format_size(o.size)
+            ),
+            (None, Some(h)) => format!(
+                "out-of-memory at trace event {} ({} requested): the recorded run had none",
+                h.event_index,
+                format_size(h.requested_bytes)
+            ),
+            (None, None) => "no out-of-memory, as recorded".to_owned(),
+        };
+        lines.push(format!("recorded   {verdict}"));
+        let json = json!({
+            "device": s.import.device,
+            "recorded_entries": r.entries,
+            "settings": s.settings.source,
+            "recorded_ooms": r.ooms.iter().map(|o| o.entry).collect::<Vec<_>>(),
+            "verdict": verdict,
+            "recorded_final_reserved": r.final_reserved,
+            "recorded_peak_reserved": r.peak_reserved,
+        });
+        (lines, json)
+    }
+}
+
+/// A settings string PyTorch would parse to `config`'s modelled settings (for snapshots whose settings
+/// come as fields only).
+pub fn settings_string(config: &AllocatorConfig) -> String {
+    if !config.settings.is_empty() {
+        return config.settings.clone();
+    }
+    let mut parts = Vec::new();
+    if config.expandable_segments {
+        parts.push("expandable_segments:True".to_owned());
+    }
+    if config.max_split_size != u64::MAX {
+        parts.push(format!("max_split_size_mb:{}", config.max_split_size >> 20));
+    }
+    if config.garbage_collection_threshold > 0.0 {
+        parts.push(format!(
+            "garbage_collection_threshold:{}",
+            config.garbage_collection_threshold
+        ));
+    }
+    if config.roundup_power2_divisions.iter().any(|&d| d != 0) {
+        let list: Vec<String> = config
+            .roundup_power2_divisions
+            .iter()
+            .enumerate()
+            .map(|(k, d)| format!("{}:{d}", 1u64 << k))
+            .collect();
+        parts.push(format!("roundup_power2_divisions:[{}]", list.join(",")));
+    }
+    parts.join(",")
+}
