@@ -1,11 +1,15 @@
 //! The options that describe the simulated machine: GPU, capacity, context, allocator and its settings.
 
+use std::path::PathBuf;
+
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use vramsim_sim::allocator::caching::CachingAllocator;
+use vramsim_sim::allocator::cuda_async::{CudaAsyncAllocator, CudaAsyncConfig};
 use vramsim_sim::allocator::cuda_malloc::CudaMallocAllocator;
 use vramsim_sim::allocator::Allocator;
-use vramsim_sim::config::AllocatorConfig;
+use vramsim_sim::calibration::{Calibration, TimedAllocator};
+use vramsim_sim::config::{AllocatorConfig, Backend};
 use vramsim_sim::device::{parse_size, Device, OtherProcess, DEFAULT_GPU, PRESETS};
 use vramsim_sim::format::format_size;
 
@@ -16,6 +20,9 @@ pub enum AllocatorKind {
     Pytorch,
     /// No caching: every tensor is its own cudaMalloc (PYTORCH_NO_CUDA_MEMORY_CACHING=1).
     CudaMalloc,
+    /// CUDA's stream-ordered pool (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync); also chosen by that
+    /// --alloc-conf with the default allocator.
+    CudaAsync,
 }
 
 impl AllocatorKind {
@@ -24,6 +31,7 @@ impl AllocatorKind {
         match self {
             AllocatorKind::Pytorch => "pytorch",
             AllocatorKind::CudaMalloc => "cuda-malloc",
+            AllocatorKind::CudaAsync => "cuda-async",
         }
     }
 }
@@ -41,6 +49,11 @@ pub struct MachineArgs {
     /// GPU preset (see `vramsim gpus`); the default is an 80 GB H100.
     #[arg(long, conflicts_with = "capacity")]
     pub gpu: Option<String>,
+    /// A calibration.json written by `vramsim-validate calibrate` on a real GPU: its measured name, total
+    /// memory and CUDA context replace a preset's, its stream-ordered pool figures tune
+    /// --allocator cuda-async, and its allocation latencies time device allocations and frees.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["gpu", "capacity"])]
+    pub calibration: Option<PathBuf>,
     /// Device capacity instead of a preset, e.g. 24GiB, 80GB, 17179869184.
     #[arg(long)]
     pub capacity: Option<String>,
@@ -67,13 +80,24 @@ pub struct Machine {
 }
 
 impl MachineArgs {
-    /// The device these options describe.
-    pub fn device(&self) -> Result<Device> {
-        let mut device = match (&self.gpu, &self.capacity) {
-            (_, Some(capacity)) => {
+    /// The calibration file named by --calibration, read and checked.
+    pub fn calibration(&self) -> Result<Option<Calibration>> {
+        match &self.calibration {
+            Some(path) => Ok(Some(
+                Calibration::read(path).context("invalid --calibration")?,
+            )),
+            None => Ok(None),
+        }
+    }
+
+    /// The device these options describe, with the calibration read from --calibration if any.
+    pub fn device(&self, calibration: Option<&Calibration>) -> Result<Device> {
+        let mut device = match (calibration, &self.gpu, &self.capacity) {
+            (Some(calibration), _, _) => calibration.device(),
+            (None, _, Some(capacity)) => {
                 Device::with_capacity(parse_size(capacity).context("invalid --capacity")?)
             }
-            (gpu, None) => Device::preset(gpu.as_deref().unwrap_or(DEFAULT_GPU))?,
+            (None, gpu, None) => Device::preset(gpu.as_deref().unwrap_or(DEFAULT_GPU))?,
         };
         if let Some(context) = &self.context {
             device.context_bytes = parse_size(context).context("invalid --context")?;
@@ -93,7 +117,8 @@ impl MachineArgs {
 
     /// Builds the allocator these options describe.
     pub fn build(&self) -> Result<Machine> {
-        let device = self.device()?;
+        let calibration = self.calibration()?;
+        let device = self.device(calibration.as_ref())?;
         let mut config = AllocatorConfig::parse(&self.alloc_conf)
             .map_err(|e| anyhow::anyhow!("invalid --alloc-conf {:?}: {e}", self.alloc_conf))?;
         if let Some(fraction) = self.memory_fraction {
@@ -104,9 +129,31 @@ impl MachineArgs {
             config.per_process_memory_fraction = Some(fraction);
         }
         let memory_fraction = config.per_process_memory_fraction;
-        let allocator: Box<dyn Allocator> = match self.allocator {
+        // backend:cudaMallocAsync makes PyTorch use the stream-ordered pool instead of its own cache.
+        let kind = match (self.allocator, config.backend) {
+            (AllocatorKind::Pytorch, Backend::CudaMallocAsync) => AllocatorKind::CudaAsync,
+            (kind, _) => kind,
+        };
+        let vmm = kind == AllocatorKind::Pytorch && config.expandable_segments;
+        let allocator: Box<dyn Allocator> = match kind {
             AllocatorKind::Pytorch => Box::new(CachingAllocator::new(config, device)),
             AllocatorKind::CudaMalloc => Box::new(CudaMallocAllocator::new(device)),
+            AllocatorKind::CudaAsync => {
+                let base = CudaAsyncConfig {
+                    memory_fraction,
+                    ..CudaAsyncConfig::pytorch()
+                };
+                let pool = match &calibration {
+                    Some(calibration) => calibration.async_config(base),
+                    None => base,
+                };
+                Box::new(CudaAsyncAllocator::new(pool, device))
+            }
+        };
+        // Measured latencies time device allocations (calibration module documentation).
+        let allocator = match calibration.as_ref().and_then(|c| c.latency_model(vmm)) {
+            Some(latency) => Box::new(TimedAllocator::new(allocator, latency)),
+            None => allocator,
         };
         Ok(Machine {
             allocator,

@@ -1,6 +1,9 @@
-//! The `vramsim` command line: replay traces against simulated allocators, list GPUs, benchmark.
+//! The `vramsim` command line: replay traces and snapshots against simulated allocators, import and check
+//! PyTorch snapshots, list GPUs, benchmark, and hand validation on real GPUs to `vramsim-validate`.
 
 mod bench;
+mod check;
+mod import;
 mod machine;
 mod replay;
 
@@ -30,6 +33,21 @@ enum Command {
     },
     /// Measure replay and parsing speed and streaming memory on synthetic traces.
     Bench(bench::BenchArgs),
+    /// Convert a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot()) into vramsim traces, one
+    /// per device, starting from the allocator state at the moment recording began.
+    Import(import::ImportArgs),
+    /// Replay a PyTorch memory snapshot's history through the simulated caching allocator with the
+    /// snapshot's own settings and report how faithfully it reproduces the GPU: segment events, block
+    /// placement, out-of-memory errors, final reserved and allocated bytes, and the first divergence.
+    CheckSnapshot(check::CheckArgs),
+    /// Replay traces on a real NVIDIA GPU, probe it and calibrate the simulator: runs the
+    /// vramsim-validate binary (see `vramsim validate --help`).
+    #[command(disable_help_flag = true)]
+    Validate {
+        /// Arguments of vramsim-validate.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -38,11 +56,35 @@ fn main() -> ExitCode {
         Command::Replay(args) => replay::run(args),
         Command::Gpus { sources } => machine::list_gpus(sources),
         Command::Bench(args) => bench::run(args),
+        Command::Import(args) => import::run(args),
+        Command::CheckSnapshot(args) => check::run(args),
+        Command::Validate { args } => return validate(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// `vramsim validate ARGS`: the `vramsim-validate` binary next to this one (else on PATH) with ARGS;
+/// exits with its status. (A cargo dependency would be circular: validate depends on sim.)
+fn validate(args: &[std::ffi::OsString]) -> ExitCode {
+    let name = format!("vramsim-validate{}", std::env::consts::EXE_SUFFIX);
+    let program = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.join(&name)))
+        .filter(|path| path.exists())
+        .unwrap_or_else(|| name.into());
+    match std::process::Command::new(&program).args(args).status() {
+        Ok(status) => ExitCode::from(status.code().map_or(2, |code| code.clamp(0, 255) as u8)),
+        Err(error) => {
+            eprintln!(
+                "error: cannot run {}: {error} (build it with `cargo build -p vramsim-validate`)",
+                program.display()
+            );
             ExitCode::from(2)
         }
     }
