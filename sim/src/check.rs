@@ -9,7 +9,7 @@
 //! println!("{}", report.to_table());
 //! ```
 //!
-//! The device's history is imported ([`vramsim_traces::import`]: the state recording began from, then the
+//! The device's history is imported ([`crate::import`]: the state recording began from, then the
 //! program's requests) and replayed through [`CachingAllocator`] with the snapshot's own
 //! `allocator_settings`, recording the simulated history. The replay goes on after an out-of-memory
 //! error, as the recorded program did when it caught it. Each recorded action is then compared with what
@@ -39,19 +39,18 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use serde_json::{json, Value};
-use vramsim_traces::import::{
-    import_device, Capacity, DeviceImport, ImportError, ImportOptions, InitialState, ReleaseCause,
-    SizeRules,
-};
-use vramsim_traces::snapshot::{Action as RecAction, AllocatorSettings, BlockState, Snapshot};
+use vramsim_traces::snapshot::{Action as RecAction, BlockState, Snapshot};
 use vramsim_traces::Event;
 
 use crate::allocator::caching::CachingAllocator;
 use crate::allocator::{Action, Allocator, HistoryEntry, SegmentInfo};
-use crate::config::AllocatorConfig;
 use crate::device::{Device, DEFAULT_GPU};
 use crate::engine::{Replay, ReplayOptions};
 use crate::format::format_size;
+use crate::import::{
+    config_from_settings, import_device, Capacity, DeviceImport, ImportError, ImportOptions,
+    InitialState, ReleaseCause,
+};
 
 /// How to check.
 #[derive(Clone, Debug)]
@@ -69,95 +68,6 @@ impl Default for CheckOptions {
             device: None,
             recorded_addresses: true,
         }
-    }
-}
-
-/// The allocator settings of a snapshot as an [`AllocatorConfig`], with where they came from.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SnapshotSettings {
-    /// The configuration.
-    pub config: AllocatorConfig,
-    /// What it was built from, for reports.
-    pub source: String,
-    /// Disagreements and unreadable settings.
-    pub notes: Vec<String>,
-}
-
-/// Maps a snapshot's `allocator_settings` to an [`AllocatorConfig`]: the `PYTORCH_CUDA_ALLOC_CONF` string
-/// when the snapshot has a non-empty one (parsed as PyTorch parses it, §12), else the individual fields
-/// (`max_split_size`, `garbage_collection_threshold`, `expandable_segments`, `roundup_power2_divisions`),
-/// else PyTorch's defaults (snapshots written before PyTorch 2.2 carry no settings).
-pub fn config_from_settings(settings: Option<&AllocatorSettings>) -> SnapshotSettings {
-    let mut notes = Vec::new();
-    let Some(s) = settings else {
-        return SnapshotSettings {
-            config: AllocatorConfig::default(),
-            source: "defaults (the snapshot records no allocator_settings)".to_owned(),
-            notes,
-        };
-    };
-    let mut from_fields = AllocatorConfig::default();
-    if let Some(m) = s.max_split_size {
-        if m >= 0 {
-            from_fields.max_split_size = m as u64;
-        }
-    }
-    if let Some(t) = s.garbage_collection_threshold {
-        from_fields.garbage_collection_threshold = t;
-    }
-    if let Some(e) = s.expandable_segments {
-        from_fields.expandable_segments = e;
-    }
-    let rules = SizeRules::from_settings(Some(s));
-    from_fields.roundup_power2_divisions = rules.roundup_power2_divisions;
-    match s.pytorch_cuda_alloc_conf.as_deref() {
-        Some(conf) if !conf.trim().is_empty() => match AllocatorConfig::parse(conf) {
-            Ok(config) => {
-                if config.expandable_segments != from_fields.expandable_segments
-                    || config.max_split_size != from_fields.max_split_size
-                    || config.roundup_power2_divisions != from_fields.roundup_power2_divisions
-                {
-                    notes.push(format!(
-                        "allocator_settings: the fields disagree with PYTORCH_CUDA_ALLOC_CONF {conf:?}; the string is used"
-                    ));
-                }
-                SnapshotSettings {
-                    config,
-                    source: format!("{conf:?} (allocator_settings.PYTORCH_CUDA_ALLOC_CONF)"),
-                    notes,
-                }
-            }
-            Err(e) => {
-                notes.push(format!(
-                    "allocator_settings.PYTORCH_CUDA_ALLOC_CONF {conf:?} does not parse ({e}); the fields are used"
-                ));
-                SnapshotSettings {
-                    config: from_fields,
-                    source: "the allocator_settings fields".to_owned(),
-                    notes,
-                }
-            }
-        },
-        _ => SnapshotSettings {
-            source: if from_fields == AllocatorConfig::default() {
-                "defaults (allocator_settings: no settings string, default fields)".to_owned()
-            } else {
-                "the allocator_settings fields".to_owned()
-            },
-            config: from_fields,
-            notes,
-        },
-    }
-}
-
-/// The rules the importer infers block sizes with, as the configuration says.
-pub fn size_rules(config: &AllocatorConfig) -> SizeRules {
-    SizeRules {
-        roundup_power2_divisions: config.roundup_power2_divisions,
-        max_split_size: config.max_split_size,
-        max_non_split_rounding_size: config.max_non_split_rounding_size,
-        garbage_collection_threshold: config.garbage_collection_threshold,
-        large_segment_size: config.large_segment_size,
     }
 }
 
@@ -696,7 +606,7 @@ pub fn check_device(
         snapshot,
         device,
         &ImportOptions {
-            rules: size_rules(&settings.config),
+            config: settings.config.clone(),
         },
     )?;
     let capacity = match &options.device {
@@ -723,7 +633,8 @@ pub fn check_snapshot(
     snapshot: &Snapshot,
     options: &CheckOptions,
 ) -> Result<Vec<CheckReport>, ImportError> {
-    vramsim_traces::import::devices_with_data(snapshot)
+    snapshot
+        .devices_with_data()
         .into_iter()
         .map(|d| check_device(snapshot, d, options))
         .collect()

@@ -12,6 +12,7 @@ pub mod device;
 pub mod engine;
 pub mod export;
 pub mod format;
+pub mod import;
 pub mod oom;
 pub mod plot;
 pub mod report;

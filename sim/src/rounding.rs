@@ -1,5 +1,7 @@
 //! Size rounding and segment sizing: PyTorch's `round_size` and `get_allocation_size` (fact sheet §1).
 
+use vramsim_traces::Pool;
+
 use crate::config::AllocatorConfig;
 
 /// `kMinBlockSize`: every request is rounded up to a multiple of 512 bytes (§1.1).
@@ -45,13 +47,33 @@ impl PoolKind {
     }
 }
 
+/// A trace's pool (`segment` events) is the allocator's pool kind.
+impl From<Pool> for PoolKind {
+    fn from(pool: Pool) -> PoolKind {
+        match pool {
+            Pool::Small => PoolKind::Small,
+            Pool::Large => PoolKind::Large,
+        }
+    }
+}
+
+impl From<PoolKind> for Pool {
+    fn from(kind: PoolKind) -> Pool {
+        match kind {
+            PoolKind::Small => Pool::Small,
+            PoolKind::Large => Pool::Large,
+        }
+    }
+}
+
 /// §1.2 `round_size`: the block size a request of `size` bytes occupies.
 pub fn round_size(size: u64, config: &AllocatorConfig) -> u64 {
     if size < MIN_BLOCK_SIZE {
         return MIN_BLOCK_SIZE;
     }
     let divisions = config.roundup_power2_divisions(size);
-    if divisions > 1 && size > MIN_BLOCK_SIZE * divisions {
+    // saturating: nothing bounds divisions (a power of two of 2^55 or more would overflow)
+    if divisions > 1 && size > MIN_BLOCK_SIZE.saturating_mul(divisions) {
         roundup_power2_next_division(size, divisions)
     } else {
         size.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE

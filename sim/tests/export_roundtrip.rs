@@ -1,5 +1,5 @@
 //! Round trip: a trace replayed and exported as a PyTorch snapshot (`vramsim_sim::export`), written as a
-//! pickle, read back, imported (`vramsim_traces::import`) and replayed again under the snapshot's own
+//! pickle, read back, imported (`vramsim_sim::import`) and replayed again under the snapshot's own
 //! `allocator_settings`, gives the same statistics, the same final segments and the same history.
 //!
 //! History was recorded from the first event, so the import starts from an empty allocator, and the
@@ -14,7 +14,7 @@ use vramsim_sim::config::AllocatorConfig;
 use vramsim_sim::device::Device;
 use vramsim_sim::engine::{Flow, Replay, ReplayOptions, ReplayOutcome};
 use vramsim_sim::export::{snapshot_of, ExportOptions};
-use vramsim_traces::import::{import_device, ImportOptions};
+use vramsim_sim::import::{import_device, ImportOptions};
 use vramsim_traces::snapshot::Snapshot;
 use vramsim_traces::{Event, TraceError};
 

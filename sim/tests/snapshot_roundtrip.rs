@@ -11,8 +11,8 @@ use vramsim_sim::check::{check_device, CheckOptions};
 use vramsim_sim::config::AllocatorConfig;
 use vramsim_sim::device::Device;
 use vramsim_sim::engine::{Replay, ReplayOptions};
+use vramsim_sim::import::{import_device, ImportOptions, ReleaseCause};
 use vramsim_sim::rounding::PoolKind;
-use vramsim_traces::import::{import_device, ImportOptions, ReleaseCause};
 use vramsim_traces::snapshot::{
     Action, AllocatorSettings, Block, BlockState, Segment, SegmentType, Snapshot, TraceEntry,
 };
@@ -330,33 +330,8 @@ fn a_deferred_free_is_a_synthetic_stream() {
     let Event::RecordStream { stream, .. } = import.trace.events[1] else {
         unreachable!()
     };
-    assert_eq!(stream, vramsim_traces::import::FIRST_SYNTHETIC_STREAM);
+    assert_eq!(stream, vramsim_sim::import::FIRST_SYNTHETIC_STREAM);
     assert_reproduced(&snapshot, "one deferred free");
-}
-
-/// The importer's copy of §1.2 `round_size` (the traces crate cannot use the simulator's) agrees with
-/// the simulator's, with and without `roundup_power2_divisions`.
-#[test]
-fn the_importer_rounds_as_the_allocator_does() {
-    for conf in [
-        "",
-        "roundup_power2_divisions:4",
-        "roundup_power2_divisions:[64:8,128:2,256:4,512:2,1024:4,>:1]",
-    ] {
-        let config = AllocatorConfig::parse(conf).unwrap();
-        let rules = vramsim_sim::check::size_rules(&config);
-        let mut size = 1u64;
-        while size < 1 << 36 {
-            for s in [size - 1, size, size + 1, size * 3 / 2] {
-                assert_eq!(
-                    rules.round_size(s.max(1)),
-                    vramsim_sim::rounding::round_size(s.max(1), &config),
-                    "{conf:?} {s}"
-                );
-            }
-            size = size * 2 + 7;
-        }
-    }
 }
 
 /// What a replay refuses about `segment` events, with the event's index.

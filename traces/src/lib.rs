@@ -27,16 +27,17 @@
 //!
 //! The formats are documented in `docs/trace-format.md`. Modules: [`event`] (the contract),
 //! [`trace`] ([`Trace`], [`Meta`]), [`json`] and [`jsonl`] (the two formats), [`file`](mod@file) (detection,
-//! gzip), [`error`] ([`TraceError`]: every error names its file, line, column and event index).
+//! gzip), [`error`] ([`TraceError`]: every error names its file, line, column and event index),
+//! [`pickle`] and [`snapshot`] (PyTorch memory snapshots, read and written).
 //!
 //! This crate deliberately knows nothing of models or allocators: it only says what happened, in which
-//! order, and checks that the text it reads says it well.
+//! order, and checks that the text it reads says it well. Turning a snapshot into a trace takes the
+//! allocator's rules, so that is `vramsim_sim::import`'s job.
 
 mod codec;
 pub mod error;
 pub mod event;
 pub mod file;
-pub mod import;
 pub mod json;
 pub mod jsonl;
 pub mod pickle;

@@ -49,6 +49,31 @@ pub struct Snapshot {
     pub extra: Vec<(String, Value)>,
 }
 
+impl Snapshot {
+    /// The devices the snapshot holds: every index with a trace list (even empty, as PyTorch writes one
+    /// per device) or a segment, ascending.
+    pub fn devices(&self) -> Vec<u32> {
+        let mut devices: Vec<u32> = (0..self.device_traces.len() as u32).collect();
+        devices.extend(self.segments.iter().map(|s| s.device));
+        devices.sort_unstable();
+        devices.dedup();
+        devices
+    }
+
+    /// The devices with something to replay: a non-empty history or at least one segment, ascending.
+    pub fn devices_with_data(&self) -> Vec<u32> {
+        self.devices()
+            .into_iter()
+            .filter(|&d| {
+                self.device_traces
+                    .get(d as usize)
+                    .is_some_and(|t| !t.is_empty())
+                    || self.segments.iter().any(|s| s.device == d)
+            })
+            .collect()
+    }
+}
+
 /// One segment: a `cudaMalloc` (or an expandable segment's mapped range) and the blocks it is split into.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Segment {
@@ -341,6 +366,24 @@ pub fn load_snapshot_file(path: impl AsRef<Path>) -> Result<Snapshot, SnapshotEr
     };
     let value = load_value_file(path)?;
     Snapshot::from_value(&value).map_err(in_file)
+}
+
+/// Whether the file at `path` holds a pickle (a snapshot) rather than a vramsim trace: its first byte,
+/// after gunzipping if it starts with the gzip magic, is the pickle `PROTO` opcode `0x80` (every pickle of
+/// protocol 2 or later, which is what `_dump_snapshot()` writes), where a trace starts with `{`. Reads at
+/// most a few bytes.
+pub fn is_snapshot_file(path: impl AsRef<Path>) -> std::io::Result<bool> {
+    let path = path.as_ref();
+    let mut head = Vec::with_capacity(2);
+    std::fs::File::open(path)?.take(2).read_to_end(&mut head)?;
+    if head == [0x1f, 0x8b] {
+        let mut first = Vec::with_capacity(1);
+        let gz = flate2::read::MultiGzDecoder::new(std::fs::File::open(path)?);
+        // a corrupt gzip stream is for the reader that follows to report
+        let _ = gz.take(1).read_to_end(&mut first);
+        return Ok(first == [0x80]);
+    }
+    Ok(head.first() == Some(&0x80))
 }
 
 /// Reads a pickle or JSON file (optionally gzip-compressed) as a raw [`Value`], without checking that

@@ -12,7 +12,7 @@
 //! Address hints (the addresses a real GPU gave the segments of a recorded run) also live here: see
 //! [`CachingAllocator::set_segment_address_hints`].
 
-use vramsim_traces::{InitialSegment, Pool};
+use vramsim_traces::InitialSegment;
 
 use crate::allocator::{AdoptError, BlockRef};
 use crate::rounding::PoolKind;
@@ -31,10 +31,7 @@ impl CachingAllocator {
 
     /// `Allocator::adopt_segment` for the caching allocator.
     pub(super) fn adopt(&mut self, seg: &InitialSegment) -> Result<Vec<BlockRef>, AdoptError> {
-        let kind = match seg.pool {
-            Pool::Small => PoolKind::Small,
-            Pool::Large => PoolKind::Large,
-        };
+        let kind = PoolKind::from(seg.pool);
         let free = self.device_free();
         if seg.size > free {
             return Err(AdoptError::DoesNotFit {
@@ -220,7 +217,7 @@ impl CachingAllocator {
 
 #[cfg(test)]
 mod tests {
-    use vramsim_traces::{AllocId, Category, InitialBlock};
+    use vramsim_traces::{AllocId, Category, InitialBlock, Pool};
 
     use super::*;
     use crate::allocator::caching::check_snapshot;

@@ -22,11 +22,26 @@
 use vramsim_traces::StreamId;
 
 use crate::allocator::Action;
+use crate::config::AllocatorConfig;
 use crate::rounding::{PoolKind, SMALL_BUFFER};
 use crate::timeline::Timeline;
 
 use super::block::{Block, NIL};
 use super::{pool_index, CachingAllocator};
+
+/// §7.1 the page (physical handle) size of `kind`'s expandable segments: 2 MiB (`kSmallBuffer`) for the
+/// small pool, `large_segment_size` for the large pool (NEW; OLD hard-codes 20 MiB).
+pub fn page_size(kind: PoolKind, config: &AllocatorConfig) -> u64 {
+    match kind {
+        PoolKind::Small => SMALL_BUFFER,
+        PoolKind::Large => config.large_segment_size,
+    }
+}
+
+/// §7.2 `map`: the bytes mapped to hold `size` bytes from a page boundary (whole pages of `page` bytes).
+pub fn whole_pages(size: u64, page: u64) -> u64 {
+    size.div_ceil(page) * page
+}
 
 /// One reserved virtual range and its page size (PyTorch's `ExpandableSegment`).
 #[derive(Clone, Debug)]
@@ -63,10 +78,8 @@ impl ExpandableSegment {
 
     /// `map(range)`: the whole pages covering `[ptr, ptr + size)` as (address, bytes); `ptr` is page-aligned.
     pub fn map_range(&self, ptr: u64, size: u64) -> (u64, u64) {
-        let begin = self.segment_left(ptr);
-        let end = self.segment_right(ptr + size);
-        debug_assert_eq!(self.base + begin * self.page, ptr);
-        (self.base + begin * self.page, (end - begin) * self.page)
+        debug_assert_eq!((ptr - self.base) % self.page, 0);
+        (ptr, whole_pages(size, self.page))
     }
 
     /// `unmap(range)`: the whole pages lying inside `[ptr, ptr + size)` as (address, bytes); bytes is 0
@@ -185,11 +198,7 @@ impl CachingAllocator {
 
     /// The page size and page count of a new reservation for `kind`.
     pub(super) fn expandable_geometry(&self, kind: PoolKind) -> (u64, u64) {
-        // NEW: the large page is large_segment_size (OLD: kLargeBuffer).
-        let page = match kind {
-            PoolKind::Small => SMALL_BUFFER,
-            PoolKind::Large => self.config.large_segment_size,
-        };
+        let page = page_size(kind, &self.config);
         // "enough address space for 1 1/8 the total memory on the GPU": numSegments(total + total / 8).
         let total = self.device.total_memory;
         (page, (total + total / 8).div_ceil(page))

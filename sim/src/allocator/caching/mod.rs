@@ -415,33 +415,13 @@ impl CachingAllocator {
             }
         }
         let found_size = blocks[found].size;
-        let max_split = self.config.max_split_size;
-        // §3.1 oversize rule 1: a request below max_split_size never takes an oversize block.
-        if size < max_split && found_size >= max_split {
-            return None;
-        }
-        // §3.1 oversize rule 2 (NEW: max_non_split_rounding_size): an oversize request takes an oversize
-        // block only if it wastes less than the tolerance.
-        if size >= max_split
-            && found_size >= size.saturating_add(self.config.max_non_split_rounding_size)
+        if refuses_oversize_block(size, found_size, &self.config)
+            || exceeds_non_split_rounding(size, found_size, &self.config)
         {
             return None;
         }
         pool.remove_at(stream, found_at);
         Some(found)
-    }
-
-    /// §3.2 should_split: whether the tail of `idx` beyond `size` bytes becomes a cached block of its own.
-    #[inline]
-    fn should_split(&self, idx: u32, size: u64, expandable_active: bool) -> bool {
-        let block = &self.blocks[idx];
-        let remaining = block.size - size;
-        if block.pool == PoolKind::Small || expandable_active {
-            // NEW: is_expandable_segments_active (the setting, default pool).
-            remaining >= MIN_BLOCK_SIZE
-        } else {
-            size < self.config.max_split_size && remaining > SMALL_SIZE
-        }
     }
 
     /// §3.3 alloc_block: a new segment of `alloc_size` bytes (or, with expandable segments, newly mapped
@@ -675,6 +655,39 @@ impl CachingAllocator {
     }
 }
 
+/// §3.1 oversize rule 1: a request of `size` bytes below `max_split_size` never takes a cached block of
+/// `block_size` bytes at or above it.
+#[inline]
+pub fn refuses_oversize_block(size: u64, block_size: u64, config: &AllocatorConfig) -> bool {
+    size < config.max_split_size && block_size >= config.max_split_size
+}
+
+/// §3.1 oversize rule 2 (NEW: `max_non_split_rounding_size`): a request of `size` bytes at or above
+/// `max_split_size` takes a cached block of `block_size` bytes only if it wastes less than the tolerance.
+#[inline]
+pub fn exceeds_non_split_rounding(size: u64, block_size: u64, config: &AllocatorConfig) -> bool {
+    size >= config.max_split_size
+        && block_size >= size.saturating_add(config.max_non_split_rounding_size)
+}
+
+/// §3.2 should_split: whether the `remaining` bytes of a block of `pool` beyond a rounded request of
+/// `size` bytes become a cached block of their own.
+#[inline]
+pub fn should_split(
+    pool: PoolKind,
+    expandable_active: bool,
+    size: u64,
+    remaining: u64,
+    config: &AllocatorConfig,
+) -> bool {
+    if pool == PoolKind::Small || expandable_active {
+        // NEW: is_expandable_segments_active (the setting, default pool).
+        remaining >= MIN_BLOCK_SIZE
+    } else {
+        size < config.max_split_size && remaining > SMALL_SIZE
+    }
+}
+
 /// Increases or decreases a stat array by a signed amount (free_block's net changes).
 #[inline]
 fn apply_delta(array: &mut crate::stats::StatArray, kind: PoolKind, delta: i64) {
@@ -735,7 +748,14 @@ impl Allocator for CachingAllocator {
             return Err(self.out_of_memory(orig_size, size, alloc_size, stream, tl));
         };
         // §3 step 6
-        let split = self.should_split(idx, size, expandable_active);
+        let block = &self.blocks[idx];
+        let split = should_split(
+            block.pool,
+            expandable_active,
+            size,
+            block.size - size,
+            &self.config,
+        );
         Ok(BlockRef(
             self.alloc_found_block(idx, orig_size, size, split, tl),
         ))

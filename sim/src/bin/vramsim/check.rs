@@ -7,7 +7,6 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use vramsim_sim::check::{check_device, CheckOptions, CheckReport};
 use vramsim_sim::device::{parse_size, Device};
-use vramsim_traces::import::{devices, devices_with_data};
 
 /// Options of `vramsim check-snapshot`.
 #[derive(Args, Debug)]
@@ -51,9 +50,9 @@ pub fn run(args: CheckArgs) -> Result<()> {
     let targets = match args.device {
         Some(d) => vec![d],
         None => {
-            let with_data = devices_with_data(&snapshot);
+            let with_data = snapshot.devices_with_data();
             if with_data.is_empty() {
-                match devices(&snapshot).first() {
+                match snapshot.devices().first() {
                     Some(&d) => vec![d],
                     None => bail!(
                         "{}: the snapshot holds no device (no segments and no history)",

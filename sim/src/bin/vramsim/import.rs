@@ -2,7 +2,7 @@
 //!
 //! A snapshot (the pickle `torch.cuda.memory._dump_snapshot()` writes, optionally gzipped) is told from a
 //! trace by its first byte (a pickle of protocol 2 or later starts with `0x80`; a trace with `{`), and
-//! imported one device at a time (`vramsim_traces::import`). Replaying a snapshot uses, unless told
+//! imported one device at a time (`vramsim_sim::import`). Replaying a snapshot uses, unless told
 //! otherwise, the snapshot's own allocator settings and the device capacity its history implies, so that
 //! the replay starts where the recorded run did; `--alloc-conf`, `--gpu` and `--capacity` ask "what if".
 
@@ -11,14 +11,15 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
-use vramsim_sim::check::{config_from_settings, device_for, size_rules, SnapshotSettings};
+use vramsim_sim::check::device_for;
 use vramsim_sim::config::AllocatorConfig;
 use vramsim_sim::engine::ReplayOutcome;
 use vramsim_sim::format::format_size;
-use vramsim_traces::import::{
-    devices, devices_with_data, import_device, DeviceImport, ImportOptions, ReleaseCause,
+use vramsim_sim::import::{
+    config_from_settings, import_device, DeviceImport, ImportOptions, ReleaseCause,
+    SnapshotSettings,
 };
-use vramsim_traces::snapshot::{load_snapshot_file, Snapshot};
+use vramsim_traces::snapshot::{is_snapshot_file, load_snapshot_file, Snapshot};
 use vramsim_traces::{AllocId, Event, TraceError};
 
 use crate::machine::MachineArgs;
@@ -56,8 +57,7 @@ pub fn load_snapshot(path: &Path) -> Result<Snapshot> {
 
 /// Whether `path` holds a snapshot rather than a trace.
 fn is_snapshot(path: &Path) -> Result<bool> {
-    vramsim_traces::import::is_snapshot_file(path)
-        .with_context(|| format!("cannot read {}", path.display()))
+    is_snapshot_file(path).with_context(|| format!("cannot read {}", path.display()))
 }
 
 /// The one device to replay: `--device`, or the only device with something recorded.
@@ -65,9 +65,9 @@ fn pick_device(snapshot: &Snapshot, path: &Path, device: Option<u32>) -> Result<
     if let Some(d) = device {
         return Ok(d);
     }
-    match devices_with_data(snapshot).as_slice() {
+    match snapshot.devices_with_data().as_slice() {
         [one] => Ok(*one),
-        [] => devices(snapshot).first().copied().ok_or_else(|| {
+        [] => snapshot.devices().first().copied().ok_or_else(|| {
             anyhow!(
                 "{}: the snapshot holds no device (no segments and no history)",
                 path.display()
@@ -88,7 +88,7 @@ fn pick_device(snapshot: &Snapshot, path: &Path, device: Option<u32>) -> Result<
 fn import(snapshot: &Snapshot, device: u32) -> Result<(DeviceImport, SnapshotSettings)> {
     let settings = config_from_settings(snapshot.allocator_settings.as_ref());
     let options = ImportOptions {
-        rules: size_rules(&settings.config),
+        config: settings.config.clone(),
     };
     let import = import_device(snapshot, device, &options)?;
     Ok((import, settings))
@@ -100,7 +100,7 @@ pub fn run(args: ImportArgs) -> Result<()> {
     let targets = match args.device {
         Some(d) => vec![d],
         None => {
-            let with_data = devices_with_data(&snapshot);
+            let with_data = snapshot.devices_with_data();
             if with_data.is_empty() {
                 vec![pick_device(&snapshot, &args.snapshot, None)?]
             } else {

@@ -5,12 +5,14 @@
 use std::path::Path;
 use std::time::Instant;
 
-use vramsim_traces::import::{
-    devices, import_device, Capacity, ImportError, ImportOptions, ReleaseCause, SizeRules,
+use vramsim_sim::config::AllocatorConfig;
+use vramsim_sim::import::{
+    import_device, Capacity, DeviceImport, ImportError, ImportOptions, ReleaseCause,
 };
+use vramsim_sim::rounding::round_size;
 use vramsim_traces::snapshot::{
-    load_snapshot_file, Action, AllocatorSettings, Block, BlockState, Segment, SegmentType,
-    Snapshot, TraceEntry,
+    is_snapshot_file, load_snapshot_file, Action, AllocatorSettings, Block, BlockState, Segment,
+    SegmentType, Snapshot, TraceEntry,
 };
 use vramsim_traces::{read_jsonl, write_jsonl, AllocId, Event, Pool};
 
@@ -73,7 +75,7 @@ fn snapshot(segments: Vec<Segment>, trace: Vec<TraceEntry>) -> Snapshot {
     }
 }
 
-fn import(s: &Snapshot) -> vramsim_traces::import::DeviceImport {
+fn import(s: &Snapshot) -> DeviceImport {
     import_device(s, 0, &ImportOptions::from_snapshot(s)).unwrap()
 }
 
@@ -154,7 +156,52 @@ fn small_pool_blocks_are_exactly_their_rounded_request() {
         (segs[0].blocks[0].size, segs[0].blocks[0].requested),
         (1024, 1000)
     );
-    assert_eq!(SizeRules::default().round_size(1000), 1024);
+    assert_eq!(round_size(1000, &AllocatorConfig::default()), 1024);
+}
+
+/// The importer sizes a block it sees only freed (here in an expandable segment, where the remainder is
+/// always split off, §3.2) as the simulator's §1.2 `round_size` of its request, with and without
+/// `roundup_power2_divisions`.
+#[test]
+fn the_importer_rounds_as_the_allocator_does() {
+    for conf in [
+        "",
+        "roundup_power2_divisions:4",
+        "roundup_power2_divisions:[64:8,128:2,256:4,512:2,1024:4,>:1]",
+    ] {
+        let config = AllocatorConfig::parse(conf).unwrap();
+        let options = ImportOptions {
+            config: config.clone(),
+        };
+        let mut size = 1u64;
+        while size < 1 << 36 {
+            for s in [size - 1, size, size + 1, size * 3 / 2] {
+                let mut reservation = segment(
+                    SEG,
+                    1 << 38,
+                    vec![block(SEG, 1 << 38, 0, BlockState::Inactive)],
+                );
+                reservation.is_expandable = true;
+                let snapshot = snapshot(
+                    vec![reservation],
+                    vec![
+                        entry("free_requested", SEG, s.max(1)),
+                        entry("free_completed", SEG, s.max(1)),
+                    ],
+                );
+                let import = import_device(&snapshot, 0, &options).unwrap();
+                let Event::Segment(segment) = &import.trace.events[0] else {
+                    panic!("{conf:?} {s}: no initial segment")
+                };
+                assert_eq!(
+                    segment.blocks[0].size,
+                    round_size(s.max(1), &config),
+                    "{conf:?} {s}"
+                );
+            }
+            size = size * 2 + 7;
+        }
+    }
 }
 
 #[test]
@@ -283,7 +330,7 @@ fn a_release_that_leaves_room_is_an_empty_cache() {
 #[test]
 fn bad_input_is_an_error_not_a_panic() {
     let s = snapshot(vec![], vec![]);
-    assert_eq!(devices(&s), [0]);
+    assert_eq!(s.devices(), [0]);
     let err = import_device(&s, 3, &ImportOptions::default()).unwrap_err();
     assert_eq!(
         err,
@@ -349,8 +396,8 @@ fn real_snapshots_import_to_replayable_traces() {
     assert_eq!(paths.len(), 17);
     for path in &paths {
         let snapshot = load_snapshot_file(path).unwrap();
-        assert!(vramsim_traces::import::is_snapshot_file(path).unwrap());
-        for device in devices(&snapshot) {
+        assert!(is_snapshot_file(path).unwrap());
+        for device in snapshot.devices() {
             let imp =
                 import_device(&snapshot, device, &ImportOptions::from_snapshot(&snapshot)).unwrap();
             let name = path.file_name().unwrap().to_string_lossy();
@@ -394,7 +441,7 @@ fn real_snapshots_import_to_replayable_traces() {
 }
 
 /// Import of the largest shipped snapshot (about 4 MB of pickle, 22,000 entries); the 200 ms target
-/// applies to release builds (`cargo test --release -p vramsim-traces --test import_snapshots -- --nocapture`).
+/// applies to release builds (`cargo test --release -p vramsim-sim --test import_snapshots -- --nocapture`).
 #[test]
 fn time_to_import_the_largest_snapshot() {
     let path = Path::new(DIR).join(
