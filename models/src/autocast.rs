@@ -33,7 +33,7 @@ pub enum Policy {
 pub fn policy(kind: &OpKind) -> Policy {
     use OpKind::*;
     match kind {
-        Mm | Addmm | Bmm | Sdpa { .. } => Policy::Lower,
+        Mm | Addmm | Bmm | Sdpa { .. } | Conv2d { .. } => Policy::Lower,
         Softmax { .. } | LogSoftmax { .. } | NllLoss | LayerNorm | PowScalar(_) | Rsqrt => {
             Policy::Fp32
         }

@@ -84,6 +84,9 @@ pub struct Buffer {
     pub name: String,
     /// The value holding it.
     pub value: ValueId,
+    /// How many parameters were registered before it: `model.to(device)` moves a module's
+    /// parameters, then its buffers, so setup allocates it after those parameters.
+    pub after_params: usize,
 }
 
 /// A model input made for each micro-batch (category `input` in the trace).
@@ -230,6 +233,19 @@ pub struct GraphBuilder {
     error: Option<GraphError>,
 }
 
+/// The largest tensor a graph may hold: 2^50 bytes (1 PiB) at 8 bytes per element. Larger shapes
+/// are a [`GraphError`] (and a lowering error), which also keeps every byte sum of a trace far from
+/// `u64` overflow.
+pub const MAX_TENSOR_BYTES: u64 = 1 << 50;
+
+/// Whether a tensor of `shape` stays within [`MAX_TENSOR_BYTES`] at 8 bytes per element.
+pub fn fits_in_memory(shape: &[u64]) -> bool {
+    shape
+        .iter()
+        .try_fold(8u64, |a, &d| a.checked_mul(d))
+        .is_some_and(|b| b <= MAX_TENSOR_BYTES)
+}
+
 /// A tensor handle in model code (alias of [`ValueId`]).
 pub type T = ValueId;
 
@@ -348,6 +364,20 @@ impl GraphBuilder {
         }
     }
 
+    /// [`GraphBuilder::hold`] for an optional value.
+    pub fn hold_opt(&mut self, v: Option<T>) {
+        if let Some(v) = v {
+            self.hold(v);
+        }
+    }
+
+    /// Keep `v` alive until the last op appended so far has run.
+    pub fn hold_until_last_op(&mut self, v: T) {
+        if let Some(last) = self.g.ops.len().checked_sub(1) {
+            self.g.holds.push((v, OpId(last as u32)));
+        }
+    }
+
     /// Record a shape error (the first one is reported by [`GraphBuilder::finish`]).
     pub fn fail(&mut self, op: &str, msg: String) {
         if self.error.is_none() {
@@ -360,6 +390,12 @@ impl GraphBuilder {
     }
 
     fn new_value(&mut self, shape: Vec<u64>, dtype: DTypeSpec, source: Source) -> T {
+        if !fits_in_memory(&shape) {
+            self.fail(
+                &format!("tensor of shape {shape:?}"),
+                "would take more than 2^50 bytes (1 PiB), more than any device holds: batch, sequence or model sizes out of range".into(),
+            );
+        }
         let differentiable = match dtype {
             DTypeSpec::Model => true,
             DTypeSpec::Fixed(d) => d.is_float(),
@@ -398,9 +434,11 @@ impl GraphBuilder {
         let full = self.child_name(name);
         let idx = self.g.buffers.len();
         let v = self.new_value(shape.to_vec(), dtype, Source::Buffer(idx));
+        let after_params = self.g.params.len();
         self.g.buffers.push(Buffer {
             name: full,
             value: v,
+            after_params,
         });
         v
     }

@@ -14,29 +14,35 @@
 //!
 //! Pieces: [`graph`] (the IR: a petgraph DAG of ATen-level ops over tensors, with parameters,
 //! buffers, module paths and checkpointable regions, and the [`GraphBuilder`] that writes it like
-//! module code), [`ops`] (the op library and its shape rules), [`lower()`] (the step as eager
-//! PyTorch runs it: forward, autograd engine, checkpointing, optimizer; the autograd memory rules
-//! of each op live in `lower/fwd.rs` and `lower/bwd.rs`), [`recipe`] ([`Recipe`]: batch, precision,
-//! optimizer, checkpointing, accumulation), [`autocast`] (the CUDA autocast op lists), [`zoo`]
-//! (`mlp`, the GPT-2 family, the LLaMA family), [`layout`] (strides: which views alias, which
-//! reshapes copy).
+//! module code), [`ops`] (the op library and its shape rules, in-place ops included), [`lower()`]
+//! (the step as eager PyTorch runs it: forward, autograd engine, checkpointing, optimizer; the
+//! autograd memory rules of each op live in `lower/fwd.rs` and `lower/bwd.rs`), [`recipe`]
+//! ([`Recipe`]: batch, precision, optimizer, checkpointing, accumulation), [`autocast`] (the CUDA
+//! autocast op lists), [`zoo`] (MLP, ResNet-18/34/50/101/152, VGG-16, ViT-B/16, BERT-base/large,
+//! GPT-2, LLaMA; [`zoo::Arch`]), [`hf`] (HuggingFace `config.json` import for the gpt2, bert,
+//! llama, mistral and qwen2 families), [`breakdown`] (what is live at a trace's peak, by category
+//! and module), [`layout`] (strides: which views alias, which reshapes copy).
 //!
-//! The rules follow PyTorch 2.x eager on CUDA (the checks ran against torch 2.15 and transformers
-//! 5.23 on the meta device) and the model code of the reference implementations named in each
-//! zoo entry. This crate deliberately knows nothing of allocators: it says what is allocated and
-//! freed, in order; `vramsim-sim` says what the caching allocator makes of it.
+//! The rules follow PyTorch 2.x eager on CUDA (the checks ran against torch 2.15, torchvision 0.29
+//! and transformers 5.23 on the meta device) and the model code of the reference implementations
+//! named in each zoo entry. This crate deliberately knows nothing of allocators: it says what is
+//! allocated and freed, in order; `vramsim-sim` says what the caching allocator makes of it. It
+//! does not model kernel-internal workspaces (cuBLAS, cuDNN), which no dispatch mode sees either.
 
 #![warn(missing_docs)]
 
 pub mod autocast;
+pub mod breakdown;
 pub mod dtype;
 pub mod graph;
+pub mod hf;
 pub mod layout;
 mod lower;
 pub mod ops;
 pub mod recipe;
 pub mod zoo;
 
+pub use breakdown::{peak_breakdown, peak_breakdown_until, PeakBreakdown};
 pub use dtype::DType;
 pub use graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, ValueId, T};
 pub use lower::{lower, LowerError};

@@ -146,6 +146,67 @@ pub enum OpKind {
         /// The kernel.
         backend: SdpaBackend,
     },
+    // ---- in place (PyTorch's autograd rules for in-place ops; version counters aside) ----
+    /// `relu_` (`nn.ReLU(inplace=True)`): no allocation; the node (`ReluBackward0`) saves the
+    /// result, which is the mutated input's storage.
+    ReluInplace,
+    /// `add_(other)` (`out += identity`): no allocation, nothing saved. `composite` marks the
+    /// `output.add_(bias)` inside `at::linear`, which ATen replaces by an out-of-place `add` when the
+    /// tensor is subclass-like — always under a dispatch mode, so in the meta-device capture
+    /// ([`crate::Fidelity::MetaCapture`]).
+    AddInplace {
+        /// The add_ of a C++ composite (out of place under a dispatch mode).
+        composite: bool,
+    },
+    // ---- convolutional networks ----
+    /// `convolution(x, w, b, stride, padding, dilation, transposed=False, groups)` on NCHW input
+    /// (cuDNN on CUDA: output, then `add_` of the bias in place). Saves input and weight.
+    Conv2d {
+        /// Stride (H, W).
+        stride: [u64; 2],
+        /// Padding (H, W).
+        padding: [u64; 2],
+        /// Dilation (H, W).
+        dilation: [u64; 2],
+        /// Groups.
+        groups: u64,
+    },
+    /// `native_batch_norm(x, w, b, running_mean, running_var, training=True)` (`cudnn_batch_norm`
+    /// on CUDA for float32/float16, the native kernel for bfloat16): outputs `(y, save_mean,
+    /// save_invstd)`, the statistics `[C]` in float32 for 16-bit input (`acc_type`); cuDNN's
+    /// `reserve` buffer (0 bytes without a fused activation) is not modelled. In eval mode the
+    /// statistics are empty.
+    BatchNorm,
+    /// `max_pool2d_with_indices(x, kernel, stride, padding)`: outputs `(y, indices)`, the indices
+    /// int64; saves the input and the indices.
+    MaxPool2d {
+        /// Kernel size (H, W).
+        kernel: [u64; 2],
+        /// Stride (H, W).
+        stride: [u64; 2],
+        /// Padding (H, W).
+        padding: [u64; 2],
+    },
+    /// `mean(dims, keepdim)` over several dimensions (`adaptive_avg_pool2d` to 1×1 runs
+    /// `input.mean({-1, -2}, keepdim=True)`).
+    MeanDims {
+        /// Reduced dimensions.
+        dims: Vec<usize>,
+        /// Whether they are kept with size 1.
+        keepdim: bool,
+    },
+    /// `_adaptive_avg_pool2d(x, output_size)` (any output size but 1×1): saves the input.
+    AdaptiveAvgPool2d {
+        /// Output size (H, W).
+        out: [u64; 2],
+    },
+    /// `select(dim, index)` (`x[:, 0]`): a view; its backward allocates zeros of the input's size.
+    Select {
+        /// Dimension.
+        dim: usize,
+        /// Index.
+        index: u64,
+    },
     /// Autocast's `lower_precision_fp` cast of a composite's argument (`linear`, `matmul` are in
     /// the list, so their arguments are cast, and cached when they are parameters, before the
     /// ATen ops they decompose into): identity when autocast is off.
@@ -208,6 +269,14 @@ impl OpKind {
                 backend: SdpaBackend::MemEfficient,
             } => "aten._scaled_dot_product_efficient_attention",
             AutocastLower => "aten._to_copy",
+            ReluInplace => "aten.relu_",
+            AddInplace { .. } => "aten.add_",
+            Conv2d { .. } => "aten.convolution",
+            BatchNorm => "aten.native_batch_norm",
+            MaxPool2d { .. } => "aten.max_pool2d_with_indices",
+            MeanDims { .. } => "aten.mean",
+            AdaptiveAvgPool2d { .. } => "aten._adaptive_avg_pool2d",
+            Select { .. } => "aten.select",
             Factory { name, .. } => name,
         }
     }
@@ -226,7 +295,13 @@ impl OpKind {
                 | Unsqueeze(_)
                 | Slice { .. }
                 | Split { .. }
+                | Select { .. }
         )
+    }
+
+    /// Whether the op writes into its first input instead of allocating (`relu_`, `add_`).
+    pub fn is_inplace(&self) -> bool {
+        matches!(self, OpKind::ReluInplace | OpKind::AddInplace { .. })
     }
 }
 
@@ -266,8 +341,7 @@ impl GraphBuilder {
         let known: u64 = shape
             .iter()
             .filter(|&&d| d >= 0)
-            .map(|&d| d as u64)
-            .product();
+            .fold(1u64, |a, &d| a.saturating_mul(d as u64));
         let out: Vec<u64> = shape
             .iter()
             .map(|&d| {
@@ -455,6 +529,49 @@ impl GraphBuilder {
         self.unary(OpKind::Silu, x)
     }
 
+    /// `x.relu_()` (`nn.ReLU(inplace=True)`): writes into `x`; use the returned handle afterwards
+    /// (it carries the new autograd history, as the Python object does).
+    pub fn relu_(&mut self, x: T) -> T {
+        self.unary(OpKind::ReluInplace, x)
+    }
+
+    /// `a += b` (`a.add_(b)`): `b` broadcasts to `a`'s shape and `a` keeps its dtype; use the
+    /// returned handle afterwards.
+    pub fn add_(&mut self, a: T, b: T) -> T {
+        self.add_inplace(a, b, false)
+    }
+
+    fn add_inplace(&mut self, a: T, b: T, composite: bool) -> T {
+        let (sa, sb) = (self.shape(a), self.shape(b));
+        if broadcast(&sa, &sb).as_ref() != Some(&sa) {
+            self.fail(
+                "add_",
+                format!("{sb:?} does not broadcast to the in-place operand's {sa:?}"),
+            );
+        }
+        let d = self.dtype(a);
+        self.op1(OpKind::AddInplace { composite }, &[a, b], sa, d)
+    }
+
+    /// `x.mean(dims, keepdim)` over several dimensions (negative dims count from the end).
+    pub fn mean_dims(&mut self, x: T, dims: &[isize], keepdim: bool) -> T {
+        let s0 = self.shape(x);
+        let mut dims: Vec<usize> = dims.iter().map(|&d| norm_dim(d, s0.len())).collect();
+        dims.sort_unstable();
+        dims.dedup();
+        let s: Vec<u64> = s0
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &n)| match (dims.contains(&i), keepdim) {
+                (false, _) => Some(n),
+                (true, true) => Some(1),
+                (true, false) => None,
+            })
+            .collect();
+        let d = self.dtype(x);
+        self.op1(OpKind::MeanDims { dims, keepdim }, &[x], s, d)
+    }
+
     /// `x.mean(dim, keepdim)`.
     pub fn mean_dim(&mut self, x: T, dim: isize, keepdim: bool) -> T {
         let mut s = self.shape(x);
@@ -533,7 +650,7 @@ impl GraphBuilder {
                         sa[..na - 2].to_vec()
                     }
                 };
-                let bp: u64 = batch.iter().product();
+                let bp: u64 = numel(&batch);
                 let mut e1 = batch.clone();
                 e1.extend([n, m1]);
                 let mut e2 = batch.clone();
@@ -696,6 +813,178 @@ impl GraphBuilder {
             &[q, k, v],
             &[(s, d), (lse, DTypeSpec::Fixed(DType::F32))],
         )[0]
+    }
+
+    /// `F.conv2d(x, w, b, stride, padding, dilation, groups)` on `x` `[N, C, H, W]` and `w`
+    /// `[O, C/groups, kH, kW]`: output `[N, O, H', W']` with
+    /// `H' = ⌊(H + 2·pad − dil·(kH − 1) − 1) / stride⌋ + 1`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv2d_op(
+        &mut self,
+        x: T,
+        w: T,
+        bias: Option<T>,
+        stride: [u64; 2],
+        padding: [u64; 2],
+        dilation: [u64; 2],
+        groups: u64,
+    ) -> T {
+        let (sx, sw) = (self.shape(x), self.shape(w));
+        let mut out = vec![0u64; 4];
+        if sx.len() != 4
+            || sw.len() != 4
+            || groups == 0
+            || sx[1] != sw[1] * groups
+            || sw[0] % groups != 0
+            || stride.contains(&0)
+            || dilation.contains(&0)
+        {
+            self.fail(
+                "conv2d",
+                format!("input {sx:?} and weight {sw:?} (groups {groups}, stride {stride:?}, dilation {dilation:?}) do not fit"),
+            );
+        } else {
+            out[0] = sx[0];
+            out[1] = sw[0];
+            for d in 0..2 {
+                let span = dilation[d] * (sw[2 + d] - 1) + 1;
+                let padded = sx[2 + d] + 2 * padding[d];
+                if padded < span {
+                    self.fail(
+                        "conv2d",
+                        format!(
+                            "input {sx:?} padded by {padding:?} is smaller than the kernel {sw:?}"
+                        ),
+                    );
+                } else {
+                    out[2 + d] = (padded - span) / stride[d] + 1;
+                }
+            }
+        }
+        let mut ins = vec![x, w];
+        ins.extend(bias);
+        let d = self.result_dtype(&[x, w]);
+        self.op1(
+            OpKind::Conv2d {
+                stride,
+                padding,
+                dilation,
+                groups,
+            },
+            &ins,
+            out,
+            d,
+        )
+    }
+
+    /// `F.batch_norm(x, running_mean, running_var, w, b, training=True)` on `[N, C, ...]`: the
+    /// output (statistics `save_mean`/`save_invstd` `[C]` are outputs 1 and 2).
+    pub fn batch_norm_op(&mut self, x: T, w: T, b: T, running_mean: T, running_var: T) -> T {
+        let s = self.shape(x);
+        if s.len() < 2 || self.shape(w) != [s[1]] {
+            let sw = self.shape(w);
+            self.fail(
+                "batch_norm",
+                format!("input {s:?} and weight {sw:?} do not fit"),
+            );
+        }
+        let c = s.get(1).copied().unwrap_or(0);
+        let d = self.dtype(x);
+        self.op(
+            OpKind::BatchNorm,
+            &[x, w, b, running_mean, running_var],
+            &[
+                (s, d),
+                (vec![c], DTypeSpec::Fixed(DType::F32)),
+                (vec![c], DTypeSpec::Fixed(DType::F32)),
+            ],
+        )[0]
+    }
+
+    /// `F.max_pool2d(x, kernel, stride, padding)` in training (`max_pool2d_with_indices`, floor
+    /// mode, dilation 1): the output (the int64 indices are output 1).
+    pub fn max_pool2d(&mut self, x: T, kernel: [u64; 2], stride: [u64; 2], padding: [u64; 2]) -> T {
+        let s = self.shape(x);
+        let mut out = s.clone();
+        if s.len() != 4
+            || stride.contains(&0)
+            || (0..2).any(|d| s[2 + d] + 2 * padding[d] < kernel[d])
+        {
+            self.fail(
+                "max_pool2d",
+                format!("input {s:?} does not fit kernel {kernel:?}, stride {stride:?}, padding {padding:?}"),
+            );
+        } else {
+            for d in 0..2 {
+                out[2 + d] = (s[2 + d] + 2 * padding[d] - kernel[d]) / stride[d] + 1;
+            }
+        }
+        let dt = self.dtype(x);
+        self.op(
+            OpKind::MaxPool2d {
+                kernel,
+                stride,
+                padding,
+            },
+            &[x],
+            &[(out.clone(), dt), (out, DTypeSpec::Fixed(DType::I64))],
+        )[0]
+    }
+
+    /// `F.adaptive_avg_pool2d(x, out)`: `x.mean((-1, -2), keepdim=True)` for a 1×1 output (ATen's
+    /// shortcut), else `_adaptive_avg_pool2d`.
+    pub fn adaptive_avg_pool2d(&mut self, x: T, out: [u64; 2]) -> T {
+        if out == [1, 1] {
+            return self.mean_dims(x, &[-1, -2], true);
+        }
+        let mut s = self.shape(x);
+        if s.len() != 4 {
+            self.fail("adaptive_avg_pool2d", format!("input {s:?} is not 4-D"));
+            return x;
+        }
+        s[2] = out[0];
+        s[3] = out[1];
+        let d = self.dtype(x);
+        self.op1(OpKind::AdaptiveAvgPool2d { out }, &[x], s, d)
+    }
+
+    /// `torch.flatten(x, start_dim)`: a `reshape` (a view when the strides allow).
+    pub fn flatten(&mut self, x: T, start_dim: usize) -> T {
+        let s = self.shape(x);
+        let start = start_dim.min(s.len());
+        let mut shape: Vec<i64> = s[..start].iter().map(|&d| d as i64).collect();
+        shape.push(numel(&s[start..]).min(i64::MAX as u64) as i64);
+        self.reshape(x, &shape)
+    }
+
+    /// `x.select(dim, index)` / `x[:, index]` (a view; negative dims count from the end).
+    pub fn select(&mut self, x: T, dim: isize, index: u64) -> T {
+        let mut s = self.shape(x);
+        let dim = norm_dim(dim, s.len());
+        if dim >= s.len() || index >= s[dim] {
+            self.fail(
+                "select",
+                format!("index {index} of dim {dim} is out of {s:?}"),
+            );
+            return x;
+        }
+        s.remove(dim);
+        let d = self.dtype(x);
+        self.op1(OpKind::Select { dim, index }, &[x], s, d)
+    }
+
+    /// `F.linear(x, w, b)` for an N-D input that is not contiguous (`at::linear`'s fallback):
+    /// `matmul(x, w.t())` then `output.add_(bias)` — an out-of-place `add` under a dispatch mode.
+    pub fn linear_strided(&mut self, x: T, w: T, bias: Option<T>) -> T {
+        let x = self.autocast_lower(x);
+        let w = self.autocast_lower(w);
+        let bias = bias.map(|b| self.autocast_lower(b));
+        let wt = self.t(w);
+        let out = self.matmul(x, wt);
+        match bias {
+            Some(b) => self.add_inplace(out, b, true),
+            None => out,
+        }
     }
 
     /// A non-differentiable computation (`name` for the tag) making one output of `shape`/`dtype`

@@ -59,7 +59,18 @@ fn parameter_counts_match_the_published_models() {
         let d = h / heads;
         2 * v * h + l * (2 * h * h + 2 * h * kvh * d + 3 * h * i + 2 * h) + h
     };
-    let cases: [(&str, u64); 10] = [
+    // torchvision's published counts (`torchvision.models.get_model_weights(...).meta["num_params"]`)
+    // and HF BertForMaskedLM's (bert-base-uncased, bert-large-uncased with the MLM head).
+    let cases: [(&str, u64); 19] = [
+        ("resnet18", 11_689_512),
+        ("resnet34", 21_797_672),
+        ("resnet50", 25_557_032),
+        ("resnet101", 44_549_160),
+        ("resnet152", 60_192_808),
+        ("vgg16", 138_357_544),
+        ("vit-b-16", 86_567_656),
+        ("bert-base", 109_514_298),
+        ("bert-large", 335_174_458),
         ("gpt2", 124_439_808),
         ("gpt2-medium", 354_823_168),
         ("gpt2-large", 774_030_080),
@@ -186,7 +197,7 @@ fn korthikanti_activations_per_layer_for_an_all_16_bit_gpt_layer() {
     // attention. The paper leaves out LayerNorm's mean and rstd: float32 [s·b] each, 16sb per layer.
     let (s, b) = (256u64, 2u64);
     let mut cfg = gpt2::GPT2_MEDIUM.clone();
-    cfg.fused_gelu = true;
+    cfg.activation = vramsim_models::zoo::nn::Activation::GeluTanh;
     let (h, a) = (cfg.hidden, cfg.heads);
     let g = gpt2::gpt2(&cfg, b, s, AttnImpl::Eager).unwrap();
     let mut r = Recipe::new(b, s);

@@ -1,7 +1,8 @@
 //! Agreement with PyTorch itself: every capture fixture of a zoo model (models/tests/fixtures/
-//! capture/*.json, recorded by traces/python/vramsim_capture.py on the meta device) is lowered
-//! with the same recipe, and the peak of live requested bytes of our trace, computed here
-//! directly from the events, must be within 1% of PyTorch's.
+//! capture/*.json, recorded by traces/python/vramsim_capture.py on the meta device, and
+//! models/tests/captures/*.json, recorded by models/tools/make_captures.py for the zoo models the
+//! capture tool's own zoo lacks) is lowered with the same recipe, and the peak of live requested
+//! bytes of our trace, computed here directly from the events, must be within 1% of PyTorch's.
 //!
 //! The comparison uses `Fidelity::MetaCapture` (gradients summed out of place, as the autograd
 //! engine does under a dispatch mode); the CUDA-semantics figure is printed beside it.
@@ -61,17 +62,15 @@ fn recipe_of(fx: &serde_json::Value) -> Option<Recipe> {
 
 #[test]
 fn peaks_agree_with_pytorch_captures() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/capture");
-    let Ok(entries) = std::fs::read_dir(&dir) else {
-        eprintln!("no fixtures in {}", dir.display());
-        return;
-    };
-    let mut files: Vec<_> = entries
-        .flatten()
-        .map(|e| e.path())
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files: Vec<_> = ["tests/fixtures/capture", "tests/captures"]
+        .iter()
+        .filter_map(|d| std::fs::read_dir(root.join(d)).ok())
+        .flat_map(|entries| entries.flatten().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "json"))
         .collect();
     files.sort();
+    assert!(files.len() >= 72, "fixtures missing: {} found", files.len());
     let mut rows = Vec::new();
     let mut failures = Vec::new();
     for path in files {

@@ -32,10 +32,24 @@ fn every_option_lowers_to_a_consistent_trace() {
     let precisions = ["fp32", "bf16", "amp-fp16", "amp-bf16"];
     let ckpts = ["none", "full", "every:2", "selective", "sqrt"];
     let optims = ["sgd", "sgd-momentum", "adam", "adamw", "adafactor"];
-    for model in ["mlp", "gpt2", "tinyllama-1.1b"] {
+    let models = [
+        "mlp",
+        "gpt2",
+        "tinyllama-1.1b",
+        "bert-base",
+        "resnet18",
+        "resnet50",
+        "vgg16",
+        "vit-b-16",
+    ];
+    for model in models {
+        let seq = zoo::Arch::from_name(model)
+            .unwrap()
+            .max_positions()
+            .map_or(0, |_| 32);
         for (i, p) in precisions.iter().enumerate() {
             for (j, c) in ckpts.iter().enumerate() {
-                let mut r = Recipe::new(1, if model == "mlp" { 0 } else { 32 });
+                let mut r = Recipe::new(1, seq);
                 r.precision = p.parse().unwrap();
                 r.checkpointing = c.parse().unwrap();
                 r.optimizer = optims[(i + j) % optims.len()].parse().unwrap();
@@ -64,14 +78,24 @@ fn every_option_lowers_to_a_consistent_trace() {
                     r.name()
                 );
                 let grads = end.get(&Category::Gradient).copied().unwrap_or(0);
-                assert_eq!(
-                    grads,
-                    if r.zero_grad == ZeroGrad::Zero {
-                        params
-                    } else {
-                        0
-                    },
-                    "{model} {}",
+                // ViT at batch 1: `class_token.expand(1, -1, -1)` keeps the shape, so its gradient
+                // is a narrow view of cat's; when AccumulateGrad steals it, `.grad` keeps the
+                // whole [1, 197, 768] buffer alive (PyTorch steals by tensor use count, the
+                // lowering by storage references: README, "Not modelled").
+                let stolen_view = if model == "vit-b-16" {
+                    let b = if r.precision == Precision::Bf16 { 2 } else { 4 };
+                    196 * 768 * b
+                } else {
+                    0
+                };
+                let expected = if r.zero_grad == ZeroGrad::Zero {
+                    params
+                } else {
+                    0
+                };
+                assert!(
+                    grads == expected || (expected > 0 && grads == expected + stolen_view),
+                    "{model} {}: gradients {grads}, parameters {params}",
                     r.name()
                 );
                 for c in [Category::Activation, Category::Temporary, Category::Input] {
@@ -176,11 +200,15 @@ fn errors_say_what_is_wrong_and_what_is_valid() {
         lower(&g, &bad).unwrap_err().to_string(),
         "batch must be 1 or more, got 0"
     );
-    // Sizes past 2^64 bytes.
-    let g = zoo::mlp::mlp(&[1 << 31, 1 << 31, 1 << 31, 10], 1).unwrap();
+    // Tensors past 2^50 bytes (1 PiB): refused when the graph is built...
+    let e = zoo::mlp::mlp(&[1 << 31, 1 << 31, 1 << 31, 10], 1).unwrap_err();
+    assert!(e.to_string().contains("more than 2^50 bytes"), "{e}");
+    // ...and by the lowering, for a graph edited by hand.
+    let mut g = zoo::mlp::mlp(&zoo::mlp::MLP_DIMS, 1).unwrap();
+    g.values[0].shape = vec![1 << 40, 1 << 20];
     let e = lower(&g, &Recipe::new(1, 0)).unwrap_err();
     assert!(matches!(e, LowerError::Overflow { .. }), "{e}");
-    assert!(e.to_string().contains("more than 2^64 bytes"));
+    assert!(e.to_string().contains("more than 2^50 bytes"));
     // Shapes that do not fit.
     let mut b = GraphBuilder::new("bad", 1, 0);
     let x = b.input("x", &[2, 3], DTypeSpec::Model);

@@ -163,6 +163,15 @@ impl<'g> Lowering<'g> {
             return vec![];
         }
         let mut outs = self.apply(n, &inputs);
+        // Checkpointed node: the unpack hook hands over the recomputed tensors (dropping the
+        // frame's entry), and they die with `apply`'s locals, in reverse order of unpacking,
+        // before `validate_outputs`.
+        if let Some(f) = self.nodes[n as usize].ckpt {
+            let kept = self.frames[f as usize].saved.remove(&n).unwrap_or_default();
+            for t in kept.into_iter().rev() {
+                self.drop_rt(t);
+            }
+        }
         // validate_outputs: reduce broadcast gradients (sum_to) and cast to the input's dtype.
         let m = self.nodes[n as usize].module;
         for (i, slot) in outs.iter_mut().enumerate() {
@@ -192,10 +201,6 @@ impl<'g> Lowering<'g> {
             self.drop_rt(t);
         }
         if let Some(f) = self.nodes[n as usize].ckpt.take() {
-            let kept = self.frames[f as usize].saved.remove(&n).unwrap_or_default();
-            for t in kept {
-                self.drop_rt(t);
-            }
             let fr = &mut self.frames[f as usize];
             fr.pending = fr.pending.saturating_sub(1);
             if fr.pending == 0 {
@@ -371,7 +376,7 @@ impl<'g> Lowering<'g> {
             Clone { .. } | AutocastLower => out[0] = Some(self.dup(&g)),
             // derivatives.yaml _to_copy: _to_copy_backward = grad.to(self's dtype).
             ToDtype(_) | ToDtypeOf => out[0] = Some(self.cast_grad(&g, meta(0).dtype, m)),
-            Add => {
+            Add | AddInplace { .. } => {
                 // AddBackward0: both inputs get `grad` itself (alpha = 1).
                 for (i, o) in out.iter_mut().enumerate().take(2) {
                     if need(i) {
@@ -455,10 +460,10 @@ impl<'g> Lowering<'g> {
             }
             // derivatives.yaml tanh/relu/gelu/silu: tanh_backward(grad, result), threshold_backward(grad, result, 0),
             // gelu_backward(grad, self), silu_backward(grad, self).
-            Tanh | Relu | Gelu { .. } | Silu => {
+            Tanh | Relu | ReluInplace | Gelu { .. } | Silu => {
                 let name = match op {
                     Tanh => "aten.tanh_backward",
-                    Relu => "aten.threshold_backward",
+                    Relu | ReluInplace => "aten.threshold_backward",
                     Gelu { .. } => "aten.gelu_backward",
                     _ => "aten.silu_backward",
                 };
@@ -546,7 +551,20 @@ impl<'g> Lowering<'g> {
                 ));
             }
             LayerNorm => {
-                // native_layer_norm_backward: grad_input, grad_weight, grad_bias.
+                // layer_norm_backward_cuda: `X = input.expect_contiguous()` (a copy of a saved
+                // non-contiguous input), grad_input, grad_weight, grad_bias, then `dY.contiguous()`
+                // for the kernel; the copies go when it returns.
+                let xc = if meta(0).layout.is_contiguous() {
+                    None
+                } else {
+                    let x = meta(0);
+                    Some(self.alloc(
+                        Layout::contiguous(&x.layout.shape),
+                        x.dtype,
+                        m,
+                        "aten.clone",
+                    ))
+                };
                 for (i, o) in out.iter_mut().enumerate().take(3) {
                     if need(i) {
                         let x = meta(i);
@@ -558,6 +576,83 @@ impl<'g> Lowering<'g> {
                         ));
                     }
                 }
+                if !g.layout.is_contiguous() {
+                    let t = self.alloc(
+                        Layout::contiguous(&g.layout.shape),
+                        g.dtype,
+                        m,
+                        "aten.clone",
+                    );
+                    self.drop_rt(t);
+                }
+                if let Some(t) = xc {
+                    self.drop_rt(t);
+                }
+            }
+            // convolution_backward (cuDNN: backward_input, then backward_weight; the bias gradient
+            // `grad.sum([0, 2, 3])` after both), each only when its input needs it.
+            Conv2d { .. } => {
+                for (i, o) in out.iter_mut().enumerate().take(3) {
+                    if need(i) {
+                        let x = meta(i);
+                        *o = Some(self.alloc(
+                            Layout::contiguous(&x.layout.shape),
+                            x.dtype,
+                            m,
+                            "aten.convolution_backward",
+                        ));
+                    }
+                }
+            }
+            // cudnn_batch_norm_backward / native_batch_norm_backward: grad_input, grad_weight and
+            // grad_bias, all three whatever needs them (cuDNN takes no output mask).
+            BatchNorm => {
+                for (i, o) in out.iter_mut().enumerate().take(3) {
+                    if let Some(x) = ins[i].clone() {
+                        *o = Some(self.alloc(
+                            Layout::contiguous(&x.layout.shape),
+                            x.dtype,
+                            m,
+                            "aten.native_batch_norm_backward",
+                        ));
+                    }
+                }
+            }
+            // derivatives.yaml max_pool2d_with_indices: max_pool2d_with_indices_backward (input-sized).
+            MaxPool2d { .. } => {
+                let x = meta(0);
+                out[0] = Some(self.alloc(
+                    Layout::contiguous(&x.layout.shape),
+                    g.dtype,
+                    m,
+                    "aten.max_pool2d_with_indices_backward",
+                ));
+            }
+            // mean_backward: grad.expand(sizes) / n, full size.
+            MeanDims { .. } => {
+                let x = meta(0);
+                out[0] =
+                    Some(self.alloc(Layout::contiguous(&x.layout.shape), g.dtype, m, "aten.div"));
+            }
+            // derivatives.yaml _adaptive_avg_pool2d: _adaptive_avg_pool2d_backward (input-sized).
+            AdaptiveAvgPool2d { .. } => {
+                let x = meta(0);
+                out[0] = Some(self.alloc(
+                    Layout::contiguous(&x.layout.shape),
+                    g.dtype,
+                    m,
+                    "aten._adaptive_avg_pool2d_backward",
+                ));
+            }
+            // derivatives.yaml select.int: select_backward, zeros of the input's size.
+            Select { .. } => {
+                let x = meta(0);
+                out[0] = Some(self.alloc(
+                    Layout::contiguous(&x.layout.shape),
+                    g.dtype,
+                    m,
+                    "aten.select_backward",
+                ));
             }
             // derivatives.yaml native_dropout: native_dropout_backward(grad, mask, scale).
             Dropout { .. } => {

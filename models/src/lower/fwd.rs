@@ -7,6 +7,7 @@ use crate::dtype::DType;
 use crate::graph::{DTypeSpec, ModuleId, ValueId};
 use crate::layout::{elementwise_layout, Layout};
 use crate::ops::{OpKind, SdpaBackend};
+use crate::recipe::Fidelity;
 use std::collections::HashMap;
 
 /// A tensor an autograd node saves: input `j` or output `k` of its op.
@@ -631,6 +632,18 @@ impl<'g> Lowering<'g> {
             // derivatives.yaml native_layer_norm: input, weight, bias, mean and rstd saved (mean/rstd
             // float32 for 16-bit input, `acc_type` on CUDA).
             LayerNorm => {
+                // layer_norm_cuda: `X = input.expect_contiguous()` (a copy of a non-contiguous input,
+                // freed when the kernel returns), Y = empty_like(X, contiguous), mean, rstd.
+                let xc = if x[0].layout.is_contiguous() {
+                    None
+                } else {
+                    Some(self.alloc(
+                        Layout::contiguous(x[0].shape()),
+                        x[0].dtype,
+                        m,
+                        "aten.clone",
+                    ))
+                };
                 let o = self.alloc(Layout::contiguous(x[0].shape()), x[0].dtype, m, name);
                 let stat_dt = if matches!(x[0].dtype, DType::F16 | DType::BF16) {
                     DType::F32
@@ -643,6 +656,9 @@ impl<'g> Lowering<'g> {
                 }
                 let mean = self.alloc(Layout::contiguous(&stat), stat_dt, m, name);
                 let rstd = self.alloc(Layout::contiguous(&stat), stat_dt, m, name);
+                if let Some(t) = xc {
+                    self.drop_rt(t);
+                }
                 Fwd::New(
                     vec![o, mean, rstd],
                     op_kind,
@@ -657,6 +673,10 @@ impl<'g> Lowering<'g> {
             }
             // derivatives.yaml native_dropout: the bool mask (result1) saved; output new.
             Dropout { .. } => {
+                if self.r.inference {
+                    // model.eval(): F.dropout(training=False) returns its input.
+                    return Fwd::Alias(self.dup(&x[0]));
+                }
                 let l = x[0].layout.empty_like();
                 let o = self.alloc(l.clone(), x[0].dtype, m, name);
                 let mask = self.alloc(l, DType::Bool, m, name);
@@ -706,6 +726,88 @@ impl<'g> Lowering<'g> {
                         Save::Out(1),
                     ],
                 )
+            }
+            // In place: the output is the input's own storage, under a new autograd node.
+            // derivatives.yaml relu_ (threshold_): the result is saved; add_: nothing is saved.
+            ReluInplace => {
+                let v = self.view(&x[0], x[0].layout.clone());
+                Fwd::New(vec![v], NodeKind::Op(Relu), vec![Save::Out(0)])
+            }
+            AddInplace { composite } => {
+                if *composite && self.r.fidelity == Fidelity::MetaCapture {
+                    // at::linear: `isTensorSubclassLike` is true under a dispatch mode, so the
+                    // bias goes in with an out-of-place `at::add(output, bias)`.
+                    let s = x[0].shape().to_vec();
+                    let dt = x[0].dtype.promote(x[1].dtype);
+                    let l = elementwise_layout(&s, &[&x[0].layout, &x[1].layout]);
+                    let o = self.alloc(l, dt, m, "aten.add");
+                    return Fwd::New(vec![o], NodeKind::Op(Add), vec![]);
+                }
+                let v = self.view(&x[0], x[0].layout.clone());
+                Fwd::New(vec![v], NodeKind::Op(Add), vec![])
+            }
+            // derivatives.yaml convolution: input and weight saved. cuDNN allocates the output and
+            // adds the bias in place (`output.add_(reshape_bias(...))`); its workspace comes from
+            // the caching allocator too but is not modelled (it depends on the algorithm cuDNN
+            // picks).
+            Conv2d { .. } => {
+                let dt = x[0].dtype.promote(x[1].dtype);
+                let o = self.alloc(Layout::contiguous(&shape0()), dt, m, name);
+                Fwd::New(vec![o], op_kind, vec![Save::In(0), Save::In(1)])
+            }
+            // derivatives.yaml native_batch_norm / cudnn_batch_norm: input, weight, running_mean,
+            // running_var, save_mean and save_invstd saved. Statistics `[C]` in `acc_type` (float32
+            // for 16-bit input); empty in eval mode.
+            BatchNorm => {
+                let o = self.alloc(Layout::contiguous(x[0].shape()), x[0].dtype, m, name);
+                let c = if self.r.inference {
+                    0
+                } else {
+                    x[0].shape().get(1).copied().unwrap_or(0)
+                };
+                let stat_dt = if matches!(x[0].dtype, DType::F16 | DType::BF16) {
+                    DType::F32
+                } else {
+                    x[0].dtype
+                };
+                let mean = self.alloc(Layout::contiguous(&[c]), stat_dt, m, name);
+                let invstd = self.alloc(Layout::contiguous(&[c]), stat_dt, m, name);
+                Fwd::New(
+                    vec![o, mean, invstd],
+                    op_kind,
+                    vec![
+                        Save::In(0),
+                        Save::In(1),
+                        Save::In(3),
+                        Save::In(4),
+                        Save::Out(1),
+                        Save::Out(2),
+                    ],
+                )
+            }
+            // derivatives.yaml max_pool2d_with_indices: self and the indices (result1) saved.
+            MaxPool2d { .. } => {
+                let s = shape0();
+                let o = self.alloc(Layout::contiguous(&s), x[0].dtype, m, name);
+                let idx = self.alloc(Layout::contiguous(&s), DType::I64, m, name);
+                Fwd::New(vec![o, idx], op_kind, vec![Save::In(0), Save::Out(1)])
+            }
+            // derivatives.yaml mean.dim: only sizes saved.
+            MeanDims { .. } => {
+                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                Fwd::New(vec![o], op_kind, vec![])
+            }
+            // derivatives.yaml _adaptive_avg_pool2d: self saved.
+            AdaptiveAvgPool2d { .. } => {
+                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                Fwd::New(vec![o], op_kind, vec![Save::In(0)])
+            }
+            // select: a view without the dimension; only sizes saved.
+            Select { dim, .. } => {
+                let mut l = x[0].layout.clone();
+                l.shape.remove(*dim);
+                l.strides.remove(*dim);
+                Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
             }
             Factory { temps, .. } => {
                 for (s, d) in temps {

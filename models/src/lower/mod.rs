@@ -61,8 +61,8 @@ pub enum LowerError {
         /// Recipe sequence length.
         seq: u64,
     },
-    /// A tensor's byte size does not fit in 64 bits.
-    #[error("tensor {what} of shape {shape:?} has more than 2^64 bytes")]
+    /// A tensor's byte size is beyond [`crate::graph::MAX_TENSOR_BYTES`].
+    #[error("tensor {what} of shape {shape:?} would take more than 2^50 bytes (1 PiB), more than any device holds")]
     Overflow {
         /// Which tensor.
         what: String,
@@ -122,6 +122,9 @@ pub(crate) enum Kind {
     OptimState,
     Other,
 }
+
+/// `Storage::ev` of a 0-byte storage, which has no event.
+const NO_EVENT: u32 = u32::MAX;
 
 struct Storage {
     size: u64,
@@ -252,14 +255,13 @@ fn check_graph(g: &Graph) -> Result<(), LowerError> {
             }
         }
     }
-    // Byte sizes must fit in u64 at the widest element type used (8 bytes).
+    // Byte sizes must stay within MAX_TENSOR_BYTES at the widest element type used (8 bytes).
     for (i, v) in g.values.iter().enumerate() {
-        let mut n: u64 = 8;
-        for &d in &v.shape {
-            n = n.checked_mul(d).ok_or_else(|| LowerError::Overflow {
+        if !crate::graph::fits_in_memory(&v.shape) {
+            return Err(LowerError::Overflow {
                 what: format!("value {i}"),
                 shape: v.shape.clone(),
-            })?;
+            });
         }
     }
     Ok(())
@@ -288,11 +290,19 @@ impl<'g> Lowering<'g> {
                 }
             }
         }
-        for &(v, op) in &g.holds {
+        // Held locals that outlive their last use die at the end of their module's forward.
+        // `held[v]`: the index in `g.holds` that keeps v longest (inner functions return first,
+        // and their holds are registered first).
+        let mut held: Vec<Option<usize>> = vec![None; g.values.len()];
+        for (k, &(v, op)) in g.holds.iter().enumerate() {
             let e = &mut last[v.0 as usize];
-            *e = Some(e.map_or(op.0 as usize, |x| x.max(op.0 as usize)));
+            let end = op.0 as usize;
+            if e.is_none_or(|x| x < end) {
+                *e = Some(end);
+                held[v.0 as usize] = Some(k);
+            }
         }
-        let mut release_after = vec![Vec::new(); g.ops.len()];
+        let mut release_after: Vec<Vec<ValueId>> = vec![Vec::new(); g.ops.len()];
         for (v, l) in last.iter().enumerate() {
             let val = &g.values[v];
             if !matches!(val.source, Source::Op { .. }) || Some(ValueId(v as u32)) == g.output {
@@ -301,6 +311,18 @@ impl<'g> Lowering<'g> {
             if let Some(op) = l {
                 release_after[*op].push(ValueId(v as u32));
             }
+        }
+        // Outputs of an op that nothing uses die with its returned tuple, then the Python
+        // variables whose last use it was (`out = self.bn1(out)`: save_mean and save_invstd go,
+        // then the old `out`), then, when the op ends a module's forward, its locals.
+        for (i, rel) in release_after.iter_mut().enumerate() {
+            rel.sort_by_key(|v| {
+                match (g.values[v.0 as usize].source.clone(), held[v.0 as usize]) {
+                    (Source::Op { op, .. }, None) if op.0 as usize == i => (0, 0),
+                    (_, None) => (1, 0),
+                    (_, Some(k)) => (2, k),
+                }
+            });
         }
         Lowering {
             g,
@@ -359,6 +381,20 @@ impl<'g> Lowering<'g> {
 
     fn alloc_raw(&mut self, size: u64, kind: Kind, tag: Box<str>) -> u32 {
         let st = self.storages.len() as u32;
+        if size == 0 {
+            // A 0-byte storage: the caching allocator hands out no block and the capture tool
+            // records nothing, so no event either.
+            self.tags.push(tag);
+            self.storages.push(Storage {
+                size,
+                refs: 1,
+                ev: NO_EVENT,
+                kind,
+                grad: false,
+                live: true,
+            });
+            return st;
+        }
         let ev = self.events.len() as u32;
         self.events.push(Event::Alloc {
             id: AllocId::Int(self.next_id),
@@ -369,7 +405,7 @@ impl<'g> Lowering<'g> {
         });
         self.tags.push(tag);
         self.next_id += 1;
-        self.live_bytes += size;
+        self.live_bytes = self.live_bytes.saturating_add(size);
         self.storages.push(Storage {
             size,
             refs: 1,
@@ -409,7 +445,10 @@ impl<'g> Lowering<'g> {
         s.refs -= 1;
         if s.refs == 0 {
             s.live = false;
-            self.live_bytes -= s.size;
+            self.live_bytes = self.live_bytes.saturating_sub(s.size);
+            if s.ev == NO_EVENT {
+                return;
+            }
             let id = match &self.events[s.ev as usize] {
                 Event::Alloc { id, .. } => id.clone(),
                 _ => unreachable!(),
@@ -512,7 +551,14 @@ impl<'g> Lowering<'g> {
 
     fn setup(&mut self) {
         let g = self.g;
+        // `model.to(device)` moves each module's parameters, then its buffers: buffers go in
+        // after the parameters created before them.
+        let mut next_buffer = 0;
         for (i, p) in g.params.iter().enumerate() {
+            while next_buffer < g.buffers.len() && g.buffers[next_buffer].after_params <= i {
+                self.setup_buffer(next_buffer);
+                next_buffer += 1;
+            }
             let layout = Layout::contiguous(&p.shape);
             let size = layout.numel() * self.param_dtype.size();
             let st = self.alloc_raw(size, Kind::Param, p.name.as_str().into());
@@ -535,19 +581,24 @@ impl<'g> Lowering<'g> {
             self.vals[p.value.0 as usize] = Some(rt.clone());
             self.params.push(rt);
         }
-        for b in &g.buffers {
-            let v = &g.values[b.value.0 as usize];
-            let dtype = self.resolve(v.dtype);
-            let layout = Layout::contiguous(&v.shape);
-            let size = layout.numel() * dtype.size();
-            let st = self.alloc_raw(size, Kind::Buffer, format!("buffer:{}", b.name).into());
-            self.vals[b.value.0 as usize] = Some(Rt {
-                layout,
-                dtype,
-                st,
-                edge: None,
-            });
+        for b in next_buffer..g.buffers.len() {
+            self.setup_buffer(b);
         }
+    }
+
+    fn setup_buffer(&mut self, i: usize) {
+        let b = &self.g.buffers[i];
+        let v = &self.g.values[b.value.0 as usize];
+        let dtype = self.resolve(v.dtype);
+        let layout = Layout::contiguous(&v.shape);
+        let size = layout.numel() * dtype.size();
+        let st = self.alloc_raw(size, Kind::Buffer, format!("buffer:{}", b.name).into());
+        self.vals[b.value.0 as usize] = Some(Rt {
+            layout,
+            dtype,
+            st,
+            edge: None,
+        });
     }
 
     pub(crate) fn resolve(&self, d: crate::graph::DTypeSpec) -> DType {
@@ -656,6 +707,9 @@ impl<'g> Lowering<'g> {
     fn finish(mut self) -> Trace {
         // Categories, decided now that lifetimes are known.
         for (i, s) in self.storages.iter().enumerate() {
+            if s.ev == NO_EVENT {
+                continue;
+            }
             let cat = match s.kind {
                 Kind::Param => Category::Parameter,
                 Kind::Buffer => Category::Other,

@@ -4,15 +4,16 @@
 //! eager attention with an additive `[B, 1, S, S]` causal mask (or SDPA), and the loss on
 //! `logits.float()` (`ForCausalLMLoss`).
 
-use super::nn::AttnImpl;
+use super::nn::{Activation, AttnImpl};
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind};
+use std::borrow::Cow;
 
 /// A GPT-2 configuration (`GPT2Config` fields).
 #[derive(Clone, Debug, PartialEq)]
 pub struct GptConfig {
-    /// Zoo name.
-    pub name: &'static str,
+    /// Zoo name (or the name given to an imported config).
+    pub name: Cow<'static, str>,
     /// `n_embd`.
     pub hidden: u64,
     /// `n_layer`.
@@ -25,25 +26,32 @@ pub struct GptConfig {
     pub positions: u64,
     /// `n_inner` (default `4 * n_embd`).
     pub inner: u64,
-    /// `embd_pdrop`, `attn_pdrop`, `resid_pdrop` (all 0.1 by default).
-    pub dropout: f64,
-    /// Use one fused `gelu(approximate="tanh")` op instead of HF's eight-op `gelu_new` (not what
-    /// HF runs; Korthikanti et al.'s accounting assumes it).
-    pub fused_gelu: bool,
+    /// `embd_pdrop` (0.1 by default).
+    pub embd_dropout: f64,
+    /// `attn_pdrop` (0.1 by default).
+    pub attn_dropout: f64,
+    /// `resid_pdrop` (0.1 by default).
+    pub resid_dropout: f64,
+    /// `activation_function`: HF's eight-op `gelu_new` by default; [`Activation::GeluTanh`] (one
+    /// fused `gelu(approximate="tanh")`, `gelu_pytorch_tanh`) is what Korthikanti et al.'s
+    /// accounting assumes.
+    pub activation: Activation,
 }
 
 impl GptConfig {
     const fn new(name: &'static str, hidden: u64, layers: u64, heads: u64) -> GptConfig {
         GptConfig {
-            name,
+            name: Cow::Borrowed(name),
             hidden,
             layers,
             heads,
             vocab: 50257,
             positions: 1024,
             inner: 4 * hidden,
-            dropout: 0.1,
-            fused_gelu: false,
+            embd_dropout: 0.1,
+            attn_dropout: 0.1,
+            resid_dropout: 0.1,
+            activation: Activation::GeluNew,
         }
     }
 }
@@ -61,7 +69,7 @@ pub const GPT2_XL: GptConfig = GptConfig::new("gpt2-xl", 1600, 48, 25);
 pub fn gpt2(cfg: &GptConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Graph, GraphError> {
     let (h, nh) = (cfg.hidden, cfg.heads);
     let hd = h / nh;
-    let mut b = GraphBuilder::new(cfg.name, batch, seq);
+    let mut b = GraphBuilder::new(&cfg.name, batch, seq);
     b.meta(
         "reference",
         "transformers 5.23 GPT2LMHeadModel (modeling_gpt2.py)".into(),
@@ -95,12 +103,12 @@ pub fn gpt2(cfg: &GptConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Gra
             }
             AttnImpl::Sdpa(_) => None,
         };
-        let mut x = b.module("drop", |b| b.dropout(x, cfg.dropout));
+        let mut x = b.module("drop", |b| b.dropout(x, cfg.embd_dropout));
         for l in 0..cfg.layers {
             x = b.region(RegionKind::Block, &format!("h.{l}"), |b| {
                 let residual = x;
                 let y = b.layer_norm("ln_1", x);
-                let a = b.module("attn", |b| {
+                let (a, probs) = b.module("attn", |b| {
                     let qkv = b.conv1d("c_attn", y, 3 * h);
                     b.hold(qkv);
                     let parts = b.split(qkv, &[h, h, h], 2);
@@ -111,25 +119,27 @@ pub fn gpt2(cfg: &GptConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Gra
                     let v = b.transpose(v, 1, 2);
                     let q = b.view(parts[0], &shp);
                     let q = b.transpose(q, 1, 2);
-                    let o = b.attention_core(q, k, v, mask, cfg.dropout, false, attn);
+                    let (o, probs) =
+                        b.attention_core_probs(q, k, v, mask, cfg.attn_dropout, false, attn);
                     let o = b.reshape(o, &[batch as i64, seq as i64, -1]);
                     let o = b.contiguous(o);
                     let o = b.conv1d("c_proj", o, h);
-                    b.module("resid_dropout", |b| b.dropout(o, cfg.dropout))
+                    (
+                        b.module("resid_dropout", |b| b.dropout(o, cfg.resid_dropout)),
+                        probs,
+                    )
                 });
+                // `attn_output, _ = self.attn(...)`: the probabilities live to the block's end.
                 b.hold(a);
+                b.hold_opt(probs);
                 let x = b.add(a, residual);
                 let residual = x;
                 let y = b.layer_norm("ln_2", x);
                 let f = b.module("mlp", |b| {
                     let y = b.conv1d("c_fc", y, cfg.inner);
-                    let y = if cfg.fused_gelu {
-                        b.module("act", |b| b.gelu(y, true))
-                    } else {
-                        b.gelu_new("act", y)
-                    };
+                    let y = b.activation("act", y, cfg.activation);
                     let y = b.conv1d("c_proj", y, h);
-                    b.module("dropout", |b| b.dropout(y, cfg.dropout))
+                    b.module("dropout", |b| b.dropout(y, cfg.resid_dropout))
                 });
                 b.hold(f);
                 b.add(residual, f)

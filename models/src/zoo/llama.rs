@@ -6,15 +6,19 @@
 //! `logits.float()`. With SDPA on CUDA and no padding mask, HF passes `enable_gqa` instead of
 //! repeating K/V.
 
-use super::nn::AttnImpl;
+use super::nn::{Activation, AttnImpl};
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind};
+use std::borrow::Cow;
 
-/// A LLaMA configuration (`LlamaConfig` fields from the model's config.json).
+/// A LLaMA-style configuration (`LlamaConfig` fields from the model's config.json; Mistral and
+/// Qwen2 are the same graph with other biases and windows).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
-    /// Zoo name.
-    pub name: &'static str,
+    /// Zoo name (or the name given to an imported config).
+    pub name: Cow<'static, str>,
+    /// The reference implementation, for the trace metadata.
+    pub reference: &'static str,
     /// `hidden_size`.
     pub hidden: u64,
     /// `intermediate_size`.
@@ -31,78 +35,80 @@ pub struct LlamaConfig {
     pub positions: u64,
     /// `tie_word_embeddings`.
     pub tie_embeddings: bool,
+    /// `head_dim` when the config gives one (default `hidden_size / num_attention_heads`).
+    pub head_dim: Option<u64>,
+    /// Biases on `q_proj`, `k_proj`, `v_proj` (`attention_bias`; always for Qwen2).
+    pub qkv_bias: bool,
+    /// Bias on `o_proj` (`attention_bias` for Llama; never for Qwen2 and Mistral).
+    pub o_bias: bool,
+    /// Biases on `gate_proj`, `up_proj`, `down_proj` (`mlp_bias`).
+    pub mlp_bias: bool,
+    /// `hidden_act` of the gated MLP (`silu`).
+    pub activation: Activation,
+    /// The attention window of every layer (Mistral's `sliding_window`; Qwen2's when
+    /// `use_sliding_window`); `None`: full causal attention.
+    pub sliding_window: Option<u64>,
+}
+
+impl LlamaConfig {
+    /// Size of one attention head.
+    pub fn head_dim(&self) -> u64 {
+        self.head_dim
+            .unwrap_or_else(|| self.hidden.checked_div(self.heads).unwrap_or(0))
+    }
+}
+
+const LLAMA_REFERENCE: &str = "transformers 5.23 LlamaForCausalLM (modeling_llama.py)";
+
+/// A preset from its config.json's shape fields (the order of `LlamaConfig`'s fields).
+#[allow(clippy::too_many_arguments)]
+const fn preset(
+    name: &'static str,
+    hidden: u64,
+    intermediate: u64,
+    layers: u64,
+    heads: u64,
+    kv_heads: u64,
+    vocab: u64,
+    positions: u64,
+) -> LlamaConfig {
+    LlamaConfig {
+        name: Cow::Borrowed(name),
+        reference: LLAMA_REFERENCE,
+        hidden,
+        intermediate,
+        layers,
+        heads,
+        kv_heads,
+        vocab,
+        positions,
+        tie_embeddings: false,
+        head_dim: None,
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        activation: Activation::Silu,
+        sliding_window: None,
+    }
 }
 
 /// `TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T`.
-pub const TINYLLAMA: LlamaConfig = LlamaConfig {
-    name: "tinyllama-1.1b",
-    hidden: 2048,
-    intermediate: 5632,
-    layers: 22,
-    heads: 32,
-    kv_heads: 4,
-    vocab: 32000,
-    positions: 2048,
-    tie_embeddings: false,
-};
+pub const TINYLLAMA: LlamaConfig = preset("tinyllama-1.1b", 2048, 5632, 22, 32, 4, 32000, 2048);
 /// `meta-llama/Llama-2-7b-hf`.
-pub const LLAMA2_7B: LlamaConfig = LlamaConfig {
-    name: "llama2-7b",
-    hidden: 4096,
-    intermediate: 11008,
-    layers: 32,
-    heads: 32,
-    kv_heads: 32,
-    vocab: 32000,
-    positions: 4096,
-    tie_embeddings: false,
-};
+pub const LLAMA2_7B: LlamaConfig = preset("llama2-7b", 4096, 11008, 32, 32, 32, 32000, 4096);
 /// `meta-llama/Llama-2-13b-hf`.
-pub const LLAMA2_13B: LlamaConfig = LlamaConfig {
-    name: "llama2-13b",
-    hidden: 5120,
-    intermediate: 13824,
-    layers: 40,
-    heads: 40,
-    kv_heads: 40,
-    vocab: 32000,
-    positions: 4096,
-    tie_embeddings: false,
-};
+pub const LLAMA2_13B: LlamaConfig = preset("llama2-13b", 5120, 13824, 40, 40, 40, 32000, 4096);
 /// `meta-llama/Llama-2-70b-hf`.
-pub const LLAMA2_70B: LlamaConfig = LlamaConfig {
-    name: "llama2-70b",
-    hidden: 8192,
-    intermediate: 28672,
-    layers: 80,
-    heads: 64,
-    kv_heads: 8,
-    vocab: 32000,
-    positions: 4096,
-    tie_embeddings: false,
-};
+pub const LLAMA2_70B: LlamaConfig = preset("llama2-70b", 8192, 28672, 80, 64, 8, 32000, 4096);
 /// `meta-llama/Meta-Llama-3-8B`.
-pub const LLAMA3_8B: LlamaConfig = LlamaConfig {
-    name: "llama3-8b",
-    hidden: 4096,
-    intermediate: 14336,
-    layers: 32,
-    heads: 32,
-    kv_heads: 8,
-    vocab: 128256,
-    positions: 8192,
-    tie_embeddings: false,
-};
+pub const LLAMA3_8B: LlamaConfig = preset("llama3-8b", 4096, 14336, 32, 32, 8, 128256, 8192);
 
 /// Builds `LlamaForCausalLM(cfg)` at `batch` × `seq` with the loss from `labels`.
 pub fn llama(cfg: &LlamaConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Graph, GraphError> {
     let (h, nh, nkv) = (cfg.hidden, cfg.heads, cfg.kv_heads);
-    let hd = h / nh;
-    let mut b = GraphBuilder::new(cfg.name, batch, seq);
-    b.meta(
-        "reference",
-        "transformers 5.23 LlamaForCausalLM (modeling_llama.py)".into(),
-    );
+    let hd = cfg.head_dim();
+    let mut b = GraphBuilder::new(&cfg.name, batch, seq);
+    b.meta("reference", cfg.reference.into());
     let i64t = DTypeSpec::Fixed(DType::I64);
     let ids = b.input("input_ids", &[batch, seq], i64t);
     let am = b.input("attention_mask", &[batch, seq], i64t);
@@ -164,15 +170,15 @@ pub fn llama(cfg: &LlamaConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<
             x = b.region(RegionKind::Block, &format!("layers.{l}"), |b| {
                 let residual = x;
                 let y = b.rms_norm("input_layernorm", x);
-                let a = b.module("self_attn", |b| {
+                let (a, probs) = b.module("self_attn", |b| {
                     let shp = [batch as i64, seq as i64, -1, hd as i64];
-                    let q = b.linear("q_proj", y, nh * hd, false);
+                    let q = b.linear("q_proj", y, nh * hd, cfg.qkv_bias);
                     let q = b.view(q, &shp);
                     let q = b.transpose(q, 1, 2);
-                    let k = b.linear("k_proj", y, nkv * hd, false);
+                    let k = b.linear("k_proj", y, nkv * hd, cfg.qkv_bias);
                     let k = b.view(k, &shp);
                     let k = b.transpose(k, 1, 2);
-                    let v = b.linear("v_proj", y, nkv * hd, false);
+                    let v = b.linear("v_proj", y, nkv * hd, cfg.qkv_bias);
                     let v = b.view(v, &shp);
                     let v = b.transpose(v, 1, 2);
                     b.hold(v);
@@ -192,21 +198,23 @@ pub fn llama(cfg: &LlamaConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<
                     let k = rope(k, b);
                     b.hold(q);
                     b.hold(k);
-                    let o = b.attention_core(q, k, v, mask, 0.0, true, attn);
+                    let (o, probs) = b.attention_core_probs(q, k, v, mask, 0.0, true, attn);
                     let o = b.contiguous(o);
                     let o = b.reshape(o, &[batch as i64, seq as i64, -1]);
                     let o = b.contiguous(o);
-                    b.linear("o_proj", o, h, false)
+                    (b.linear("o_proj", o, h, cfg.o_bias), probs)
                 });
+                // `hidden_states, _ = self.self_attn(...)`: the probabilities live to the end.
+                b.hold_opt(probs);
                 let x = b.add(residual, a);
                 let residual = x;
                 let y = b.rms_norm("post_attention_layernorm", x);
                 let f = b.module("mlp", |b| {
-                    let g = b.linear("gate_proj", y, cfg.intermediate, false);
-                    let g = b.module("act_fn", |b| b.silu(g));
-                    let u = b.linear("up_proj", y, cfg.intermediate, false);
+                    let g = b.linear("gate_proj", y, cfg.intermediate, cfg.mlp_bias);
+                    let g = b.activation("act_fn", g, cfg.activation);
+                    let u = b.linear("up_proj", y, cfg.intermediate, cfg.mlp_bias);
                     let m = b.mul(g, u);
-                    b.linear("down_proj", m, h, false)
+                    b.linear("down_proj", m, h, cfg.mlp_bias)
                 });
                 b.add(residual, f)
             });

@@ -5,6 +5,35 @@ use crate::dtype::DType;
 use crate::graph::{DTypeSpec, GraphBuilder, RegionKind, T};
 use crate::ops::SdpaBackend;
 
+/// An activation function, by HF's `ACT2FN` name (`hidden_act`, GPT-2's `activation_function`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// `silu` (`nn.SiLU`): one op, saves its input.
+    Silu,
+    /// `gelu` (`GELUActivation`: exact `F.gelu`): one op, saves its input.
+    Gelu,
+    /// `gelu_pytorch_tanh` (`F.gelu(approximate="tanh")`): one op, saves its input.
+    GeluTanh,
+    /// `gelu_new` (`NewGELUActivation`): eight eager ops, five tensors saved.
+    GeluNew,
+}
+
+impl Activation {
+    /// The HF names accepted, comma-separated.
+    pub const NAMES: &'static str = "silu, gelu, gelu_pytorch_tanh, gelu_new";
+
+    /// The activation HF calls `name`, if modelled.
+    pub fn from_hf(name: &str) -> Option<Activation> {
+        match name {
+            "silu" | "swish" => Some(Activation::Silu),
+            "gelu" => Some(Activation::Gelu),
+            "gelu_pytorch_tanh" => Some(Activation::GeluTanh),
+            "gelu_new" => Some(Activation::GeluNew),
+            _ => None,
+        }
+    }
+}
+
 /// How a decoder's attention core runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttnImpl {
@@ -46,6 +75,52 @@ impl GraphBuilder {
         })
     }
 
+    /// `nn.Conv2d(in, out, kernel, stride, padding, bias)` named `name` (square kernel, dilation 1,
+    /// groups 1) applied to `x` `[N, in, H, W]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv2d(
+        &mut self,
+        name: &str,
+        x: T,
+        out: u64,
+        kernel: u64,
+        stride: u64,
+        padding: u64,
+        bias: bool,
+    ) -> T {
+        let cin = self.shape(x).get(1).copied().unwrap_or(0);
+        self.module(name, |b| {
+            let w = b.param("weight", &[out, cin, kernel, kernel]);
+            let bb = if bias {
+                Some(b.param("bias", &[out]))
+            } else {
+                None
+            };
+            b.conv2d_op(x, w, bb, [stride; 2], [padding; 2], [1, 1], 1)
+        })
+    }
+
+    /// `nn.BatchNorm2d(C)` named `name` in training mode: parameters `weight`, `bias`, buffers
+    /// `running_mean`, `running_var` (model dtype) and `num_batches_tracked` (int64 scalar, bumped
+    /// in place each forward).
+    pub fn batch_norm2d(&mut self, name: &str, x: T) -> T {
+        let c = self.shape(x).get(1).copied().unwrap_or(0);
+        self.module(name, |b| {
+            let w = b.param("weight", &[c]);
+            let bias = b.param("bias", &[c]);
+            let rm = b.buffer("running_mean", &[c], DTypeSpec::Model);
+            let rv = b.buffer("running_var", &[c], DTypeSpec::Model);
+            let _n = b.buffer("num_batches_tracked", &[], DTypeSpec::Fixed(DType::I64));
+            b.batch_norm_op(x, w, bias, rm, rv)
+        })
+    }
+
+    /// Keeps `v` alive through the last op appended so far: a Python variable that is rebound only
+    /// when its statement ends (`h = self.LayerNorm(h + x)` frees the old `h` after the LayerNorm).
+    pub fn hold_through(&mut self, v: T) {
+        self.hold_until_last_op(v);
+    }
+
     /// `nn.LayerNorm(h)` named `name`.
     pub fn layer_norm(&mut self, name: &str, x: T) -> T {
         let h = *self.shape(x).last().unwrap_or(&0);
@@ -80,6 +155,16 @@ impl GraphBuilder {
             let w = b.param("weight", &[n, h]);
             b.embedding_op(w, ids)
         })
+    }
+
+    /// The activation module `name` applied to `x`.
+    pub fn activation(&mut self, name: &str, x: T, act: Activation) -> T {
+        match act {
+            Activation::Silu => self.module(name, |b| b.silu(x)),
+            Activation::Gelu => self.module(name, |b| b.gelu(x, false)),
+            Activation::GeluTanh => self.module(name, |b| b.gelu(x, true)),
+            Activation::GeluNew => self.gelu_new(name, x),
+        }
     }
 
     /// HF `NewGELUActivation` (`gelu_new`, GPT-2): `0.5 * x * (1 + tanh(√(2/π) (x + 0.044715 x³)))`
@@ -137,7 +222,10 @@ impl GraphBuilder {
 
     /// HF `eager_attention_forward` (GPT-2 and LLaMA flavours) or SDPA on `q` `[B, H, S, D]`,
     /// `k`/`v` `[B, Hkv, S, D]`; returns `[B, S, H, D]` (the transposed output, before the
-    /// module's reshape). Marks the core as an [`RegionKind::AttentionCore`] region.
+    /// module's reshape). Marks the core as an [`RegionKind::AttentionCore`] region. The
+    /// attention probabilities are held to the end of the calling module; HF returns them up to
+    /// the decoder layer (`attn_output, _ = self.attn(...)`): use
+    /// [`GraphBuilder::attention_core_probs`] and hold them there.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_core(
         &mut self,
@@ -149,6 +237,26 @@ impl GraphBuilder {
         softmax_f32: bool,
         imp: AttnImpl,
     ) -> T {
+        let (o, p) = self.attention_core_probs(q, k, v, mask, dropout, softmax_f32, imp);
+        if let Some(p) = p {
+            self.hold(p);
+        }
+        o
+    }
+
+    /// [`GraphBuilder::attention_core`], also returning the (dropped-out) attention probabilities
+    /// of eager attention, which the caller keeps alive as long as HF's code does.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_core_probs(
+        &mut self,
+        q: T,
+        k: T,
+        v: T,
+        mask: Option<T>,
+        dropout: f64,
+        softmax_f32: bool,
+        imp: AttnImpl,
+    ) -> (T, Option<T>) {
         let qs = self.shape(q);
         let ks = self.shape(k);
         let (bsz, h, s, d) = (qs[0], qs[1], qs[2], qs[3]);
@@ -156,7 +264,7 @@ impl GraphBuilder {
         self.region(RegionKind::AttentionCore, "", |b| match imp {
             AttnImpl::Sdpa(backend) => {
                 let o = b.sdpa(q, k, v, backend);
-                b.transpose(o, 1, 2)
+                (b.transpose(o, 1, 2), None)
             }
             AttnImpl::Eager => {
                 let (k, v) = if hkv != h {
@@ -183,9 +291,8 @@ impl GraphBuilder {
                 let p = b.softmax(w, -1, softmax_f32);
                 let p = if softmax_f32 { b.to_dtype_of(p, q) } else { p };
                 let p = b.dropout(p, dropout);
-                b.hold(p);
                 let o = b.matmul(p, v);
-                b.transpose(o, 1, 2)
+                (b.transpose(o, 1, 2), Some(p))
             }
         })
     }

@@ -5,6 +5,7 @@ mod bench;
 mod check;
 mod import;
 mod machine;
+mod predict;
 mod replay;
 
 use std::process::ExitCode;
@@ -40,6 +41,9 @@ enum Command {
     /// snapshot's own settings and report how faithfully it reproduces the GPU: segment events, block
     /// placement, out-of-memory errors, final reserved and allocated bytes, and the first divergence.
     CheckSnapshot(check::CheckArgs),
+    /// Predict the GPU memory of a model's training step (or inference): lower a zoo model or a
+    /// HuggingFace config.json to an allocation trace and replay it through the allocator model.
+    Predict(predict::PredictArgs),
     /// Replay traces on a real NVIDIA GPU, probe it and calibrate the simulator: runs the
     /// vramsim-validate binary (see `vramsim validate --help`).
     #[command(disable_help_flag = true)]
@@ -58,6 +62,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::run(args),
         Command::Import(args) => import::run(args),
         Command::CheckSnapshot(args) => check::run(args),
+        Command::Predict(args) => predict::run(args),
         Command::Validate { args } => return validate(&args),
     };
     match result {

@@ -1,0 +1,204 @@
+//! BERT as HF transformers' `BertForMaskedLM` (transformers 5.23, `modeling_bert.py`) runs it in
+//! training, from `input_ids` and `labels` (no `attention_mask`: with an all-ones mask HF skips it on
+//! CUDA, which is what no mask does; no `token_type_ids`: the registered all-zero buffer is used):
+//!
+//! * `BertEmbeddings`: `torch.gather` of the `token_type_ids` buffer at the `position_ids` buffer
+//!   slice (an int64 `[1, S]`), word + token-type embeddings, + position embeddings, `LayerNorm`,
+//!   dropout 0.1; the three embedding outputs are locals alive to the end of the module;
+//! * `BertLayer` × L: q/k/v `nn.Linear`s, eager attention (`matmul`, `* scaling`, `softmax`,
+//!   dropout 0.1, `matmul`, `transpose(1, 2).contiguous()`) or SDPA, `dense` + dropout +
+//!   `LayerNorm(h + input)`, `intermediate.dense` + exact GELU, `output.dense` + dropout +
+//!   `LayerNorm(h + input)`;
+//! * `BertOnlyMLMHead`: `transform` (dense, GELU, LayerNorm), `decoder` tied to the word
+//!   embeddings with the head's own bias, and `CrossEntropyLoss` over all `B·S` positions on the
+//!   logits as they are (no float upcast). No pooler (`add_pooling_layer=False`).
+
+use super::nn::{Activation, AttnImpl};
+use crate::dtype::DType;
+use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind};
+use std::borrow::Cow;
+
+/// A BERT configuration (`BertConfig` fields from the model's config.json).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BertConfig {
+    /// Zoo name (or the name given to an imported config).
+    pub name: Cow<'static, str>,
+    /// `hidden_size`.
+    pub hidden: u64,
+    /// `num_hidden_layers`.
+    pub layers: u64,
+    /// `num_attention_heads`.
+    pub heads: u64,
+    /// `intermediate_size`.
+    pub intermediate: u64,
+    /// `vocab_size`.
+    pub vocab: u64,
+    /// `max_position_embeddings`.
+    pub positions: u64,
+    /// `type_vocab_size`.
+    pub type_vocab: u64,
+    /// `hidden_dropout_prob`.
+    pub hidden_dropout: f64,
+    /// `attention_probs_dropout_prob`.
+    pub attention_dropout: f64,
+    /// `hidden_act` (of `intermediate` and of the MLM head's `transform`).
+    pub activation: Activation,
+}
+
+/// `google-bert/bert-base-uncased`: 109,514,298 parameters with the MLM head.
+pub const BERT_BASE: BertConfig = BertConfig {
+    name: Cow::Borrowed("bert-base"),
+    hidden: 768,
+    layers: 12,
+    heads: 12,
+    intermediate: 3072,
+    vocab: 30522,
+    positions: 512,
+    type_vocab: 2,
+    hidden_dropout: 0.1,
+    attention_dropout: 0.1,
+    activation: Activation::Gelu,
+};
+
+/// `google-bert/bert-large-uncased`: 335,174,458 parameters with the MLM head.
+pub const BERT_LARGE: BertConfig = BertConfig {
+    name: Cow::Borrowed("bert-large"),
+    hidden: 1024,
+    layers: 24,
+    heads: 16,
+    intermediate: 4096,
+    ..BERT_BASE
+};
+
+/// Builds `BertForMaskedLM(cfg)` at `batch` × `seq` with the MLM loss over every position.
+pub fn bert(cfg: &BertConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Graph, GraphError> {
+    let (h, nh) = (cfg.hidden, cfg.heads);
+    let hd = h / nh;
+    let mut b = GraphBuilder::new(&cfg.name, batch, seq);
+    b.meta(
+        "reference",
+        "transformers 5.23 BertForMaskedLM (modeling_bert.py)".into(),
+    );
+    let i64t = DTypeSpec::Fixed(DType::I64);
+    let ids = b.input("input_ids", &[batch, seq], i64t);
+    let labels = b.input("labels", &[batch, seq], i64t);
+    let (x, word_w) = b.module("bert", |b| {
+        let (x, word_w) = b.module("embeddings", |b| {
+            let word_w = b.param("word_embeddings.weight", &[cfg.vocab, h]);
+            let pos_w = b.param("position_embeddings.weight", &[cfg.positions, h]);
+            let tt_w = b.param("token_type_embeddings.weight", &[cfg.type_vocab, h]);
+            let ln_w = b.param("LayerNorm.weight", &[h]);
+            let ln_b = b.param("LayerNorm.bias", &[h]);
+            let pos_ids = b.buffer("position_ids", &[1, cfg.positions], i64t);
+            let tt_ids = b.buffer("token_type_ids", &[1, cfg.positions], i64t);
+            // position_ids = self.position_ids[:, :S]; token_type_ids =
+            // gather(self.token_type_ids.expand(1, -1), 1, position_ids).expand(B, S).
+            let pos = b.slice(pos_ids, 1, 0, seq);
+            let tt = b.factory("aten.gather", &[tt_ids, pos], &[1, seq], i64t, vec![]);
+            let tt = b.expand(tt, &[batch, seq]);
+            let we = b.module("word_embeddings", |b| b.embedding_op(word_w, ids));
+            let te = b.module("token_type_embeddings", |b| b.embedding_op(tt_w, tt));
+            let x = b.add(we, te);
+            let pe = b.module("position_embeddings", |b| b.embedding_op(pos_w, pos));
+            let x = b.add(x, pe);
+            for t in [we, te, pe] {
+                b.hold(t);
+            }
+            let x = b.module("LayerNorm", |b| b.layer_norm_op(x, ln_w, ln_b));
+            (
+                b.module("dropout", |b| b.dropout(x, cfg.hidden_dropout)),
+                word_w,
+            )
+        });
+        let mut x = x;
+        b.push_module("encoder");
+        for l in 0..cfg.layers {
+            x = b.region(RegionKind::Block, &format!("layer.{l}"), |b| {
+                let input = x;
+                let (a, probs) = b.module("attention", |b| {
+                    let (o, probs) = b.module("self", |b| {
+                        let shp = [batch as i64, seq as i64, -1, hd as i64];
+                        let q = b.linear("query", input, h, true);
+                        let q = b.view(q, &shp);
+                        let q = b.transpose(q, 1, 2);
+                        let k = b.linear("key", input, h, true);
+                        let k = b.view(k, &shp);
+                        let k = b.transpose(k, 1, 2);
+                        let v = b.linear("value", input, h, true);
+                        let v = b.view(v, &shp);
+                        let v = b.transpose(v, 1, 2);
+                        for t in [q, k, v] {
+                            b.hold(t);
+                        }
+                        let (o, probs) = b.attention_core_probs(
+                            q,
+                            k,
+                            v,
+                            None,
+                            cfg.attention_dropout,
+                            false,
+                            attn,
+                        );
+                        let o = b.contiguous(o);
+                        let o = b.reshape(o, &[batch as i64, seq as i64, -1]);
+                        (b.contiguous(o), probs)
+                    });
+                    // `attention_output = self.output(attention_output, hidden_states)`.
+                    let out = b.module("output", |b| self_output(b, cfg, o, input));
+                    b.hold_through(o);
+                    (out, probs)
+                });
+                // `self_attention_output, _ = self.attention(...)`: the probabilities (and the
+                // layer's argument and attention output) live to the end of the layer.
+                b.hold_opt(probs);
+                b.hold(a);
+                b.hold(input);
+                let i = b.module("intermediate", |b| {
+                    let i = b.linear("dense", a, cfg.intermediate, true);
+                    b.activation("intermediate_act_fn", i, cfg.activation)
+                });
+                // feed_forward_chunk: `intermediate_output` lives until it returns.
+                let out = b.module("output", |b| self_output(b, cfg, i, a));
+                b.hold_through(i);
+                out
+            });
+        }
+        b.pop_module("encoder");
+        (x, word_w)
+    });
+    let logits = b.module("cls.predictions", |b| {
+        // BertLMPredictionHead registers its own `bias` (tied to decoder.bias) before its children.
+        let bias = b.param("bias", &[cfg.vocab]);
+        let y = b.module("transform", |b| {
+            let y = b.linear("dense", x, h, true);
+            let y = b.activation("transform_act_fn", y, cfg.activation);
+            b.layer_norm("LayerNorm", y)
+        });
+        b.module("decoder", |b| b.linear_op(y, word_w, Some(bias)))
+    });
+    b.hold(logits);
+    // CrossEntropyLoss()(prediction_scores.view(-1, V), labels.view(-1))
+    let loss = b.module("CrossEntropyLoss", |b| {
+        let flat = b.view(logits, &[-1, cfg.vocab as i64]);
+        let tgt = b.view(labels, &[-1]);
+        b.cross_entropy(flat, tgt)
+    });
+    b.set_output(loss);
+    b.finish()
+}
+
+/// `BertSelfOutput` / `BertOutput`: `h = dense(h)`, `h = dropout(h)`, `h = LayerNorm(h + input)`;
+/// the dropout output is rebound only when the LayerNorm returns.
+fn self_output(
+    b: &mut GraphBuilder,
+    cfg: &BertConfig,
+    h: crate::graph::ValueId,
+    input: crate::graph::ValueId,
+) -> crate::graph::ValueId {
+    let o = b.linear("dense", h, cfg.hidden, true);
+    let o = b.module("dropout", |b| b.dropout(o, cfg.hidden_dropout));
+    let s = b.add(o, input);
+    let y = b.layer_norm("LayerNorm", s);
+    b.hold_through(o);
+    y
+}

@@ -1,0 +1,272 @@
+//! HuggingFace `config.json` import, on the published configs of six models (tests/hf/, with their
+//! model ids in tests/hf/README.md): the architecture each maps to, the parameter count against the
+//! published figure, agreement with the zoo's own presets, and the errors a person gets.
+
+use std::path::PathBuf;
+use vramsim_models::hf::{self, HfError, ImportOptions};
+use vramsim_models::zoo::{self, Arch};
+use vramsim_models::{lower, peak_requested, Attention, Recipe};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/hf")
+        .join(name)
+}
+
+fn import(name: &str) -> hf::HfConfig {
+    hf::read(&fixture(name), &ImportOptions::default()).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+#[test]
+fn published_configs_import_with_their_parameter_counts() {
+    // (file, model_type, published parameter count, dtype the weights were saved in)
+    let cases: [(&str, &str, u64, Option<&str>); 6] = [
+        ("gpt2.json", "gpt2", 124_439_808, None),
+        ("bert-base-uncased.json", "bert", 109_514_298, None),
+        (
+            "TinyLlama-1.1B-intermediate-step-1431k-3T.json",
+            "llama",
+            1_100_048_384,
+            Some("float32"),
+        ),
+        (
+            "Llama-2-7b-hf.json",
+            "llama",
+            6_738_415_616,
+            Some("float16"),
+        ),
+        (
+            "Mistral-7B-v0.1.json",
+            "mistral",
+            7_241_732_096,
+            Some("bfloat16"),
+        ),
+        ("Qwen2-0.5B.json", "qwen2", 494_032_768, Some("bfloat16")),
+    ];
+    println!("| config.json | model_type | parameters | published | torch_dtype |");
+    println!("| --- | --- | ---: | ---: | --- |");
+    for (file, model_type, published, dtype) in cases {
+        let cfg = import(file);
+        assert_eq!(cfg.model_type, model_type, "{file}");
+        assert_eq!(cfg.torch_dtype.as_deref(), dtype, "{file}");
+        assert!(cfg.warnings.is_empty(), "{file}: {:?}", cfg.warnings);
+        let g = cfg.arch.build(&Recipe::new(1, 16)).unwrap();
+        println!(
+            "| {file} | {model_type} | {} | {published} | {} |",
+            g.param_count(),
+            dtype.unwrap_or("-")
+        );
+        assert_eq!(g.param_count(), published, "{file}");
+    }
+}
+
+#[test]
+fn imported_configs_equal_the_zoo_presets() {
+    let same = |file: &str, zoo_name: &str| {
+        let mut imported = import(file).arch;
+        // Names differ (the import takes `_name_or_path` or `hf-MODEL_TYPE`); nothing else may.
+        let zoo_arch = Arch::from_name(zoo_name).unwrap();
+        match (&mut imported, &zoo_arch) {
+            (Arch::Gpt2(a), Arch::Gpt2(b)) => a.name = b.name.clone(),
+            (Arch::Bert(a), Arch::Bert(b)) => a.name = b.name.clone(),
+            (Arch::Llama(a), Arch::Llama(b)) => a.name = b.name.clone(),
+            _ => panic!("{file} is not a {zoo_name}"),
+        }
+        assert_eq!(imported, zoo_arch, "{file}");
+    };
+    same("gpt2.json", "gpt2");
+    same("bert-base-uncased.json", "bert-base");
+    same(
+        "TinyLlama-1.1B-intermediate-step-1431k-3T.json",
+        "tinyllama-1.1b",
+    );
+    same("Llama-2-7b-hf.json", "llama2-7b");
+    // ...so the lowering is the same trace.
+    let r = Recipe::new(2, 128);
+    let a = import("TinyLlama-1.1B-intermediate-step-1431k-3T.json")
+        .arch
+        .build(&r)
+        .unwrap();
+    let b = zoo::build("tinyllama-1.1b", &r).unwrap();
+    assert_eq!(
+        peak_requested(&lower(&a, &r).unwrap()),
+        peak_requested(&lower(&b, &r).unwrap())
+    );
+}
+
+#[test]
+fn family_differences_are_built() {
+    let Arch::Llama(q) = import("Qwen2-0.5B.json").arch else {
+        panic!("qwen2 is LLaMA-like")
+    };
+    assert!(q.qkv_bias && !q.o_bias && q.tie_embeddings);
+    assert_eq!((q.heads, q.kv_heads, q.head_dim()), (14, 2, 64));
+    assert_eq!(q.sliding_window, None, "use_sliding_window is false");
+    let Arch::Llama(m) = import("Mistral-7B-v0.1.json").arch else {
+        panic!("mistral is LLaMA-like")
+    };
+    assert_eq!(m.sliding_window, Some(4096));
+    assert!(!m.qkv_bias && !m.o_bias && !m.tie_embeddings);
+    assert_eq!(m.name, "hf-mistral");
+    let named = hf::read(
+        &fixture("Mistral-7B-v0.1.json"),
+        &ImportOptions {
+            name: Some("mistral-7b".into()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(named.arch.name(), "mistral-7b");
+    assert_eq!(
+        import("Llama-2-7b-hf.json").arch.name(),
+        "meta-llama/Llama-2-7b-hf"
+    );
+    // Qwen2's q/k/v biases get gradients: every parameter is trained.
+    let r = Recipe::new(1, 32);
+    let g = Arch::Llama(q).build(&r).unwrap();
+    assert!(g.params.iter().any(|p| p.name.ends_with("q_proj.bias")));
+    assert!(!g.params.iter().any(|p| p.name.ends_with("o_proj.bias")));
+    lower(&g, &r).unwrap();
+}
+
+#[test]
+fn sliding_window_is_modelled_where_memory_does_not_depend_on_it() {
+    let m = import("Mistral-7B-v0.1.json").arch;
+    let mut r = Recipe::new(1, 8192);
+    r.attention = Attention::Eager;
+    assert!(m.build(&r).is_ok(), "eager: the same [B,1,S,S] mask");
+    r.seq = 4096;
+    r.attention = Attention::SdpaFlash;
+    assert!(m.build(&r).is_ok(), "SDPA within the window: causal kernel");
+    r.seq = 8192;
+    let e = m.build(&r).unwrap_err().to_string();
+    assert!(e.contains("sliding_window") && e.contains("4096"), "{e}");
+    r.seq = 32769;
+    r.attention = Attention::Eager;
+    let e = m.build(&r).unwrap_err().to_string();
+    assert!(e.contains("32768 positions"), "{e}");
+}
+
+/// Keys to set (or remove, with `null`) in a config.
+type Patch<'a> = Vec<(&'a str, serde_json::Value)>;
+
+/// The base TinyLlama config with `patch` applied (keys set to the given JSON, or removed if null).
+fn patched(patch: &[(&str, serde_json::Value)]) -> String {
+    let text =
+        std::fs::read_to_string(fixture("TinyLlama-1.1B-intermediate-step-1431k-3T.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for (k, val) in patch {
+        if val.is_null() {
+            v.as_object_mut().unwrap().remove(*k);
+        } else {
+            v[*k] = val.clone();
+        }
+    }
+    v.to_string()
+}
+
+#[test]
+fn bad_configs_name_the_field() {
+    use serde_json::json;
+    let opts = ImportOptions::default();
+    let cases: Vec<(Patch, Vec<&str>)> = vec![
+        (
+            vec![("model_type", json!("t5"))],
+            vec!["\"t5\"", "gpt2, bert, llama, mistral, qwen2"],
+        ),
+        (
+            vec![("model_type", serde_json::Value::Null)],
+            vec!["model_type", "gpt2, bert"],
+        ),
+        (
+            vec![("hidden_act", json!("relu"))],
+            vec!["hidden_act", "\"relu\"", "silu, gelu"],
+        ),
+        (
+            vec![("attention_dropout", json!(0.1))],
+            vec!["attention_dropout"],
+        ),
+        (vec![("pretraining_tp", json!(2))], vec!["pretraining_tp"]),
+        (
+            vec![("rope_scaling", json!({"type": "mrope", "factor": 2.0}))],
+            vec!["rope_scaling.rope_type", "\"mrope\""],
+        ),
+        (
+            vec![("hidden_size", serde_json::Value::Null)],
+            vec!["\"hidden_size\" is missing"],
+        ),
+        (
+            vec![("num_hidden_layers", json!(0))],
+            vec!["num_hidden_layers", "positive integer"],
+        ),
+        (vec![("vocab_size", json!(-5))], vec!["vocab_size"]),
+        (
+            vec![("num_key_value_heads", json!(5))],
+            vec!["num_key_value_heads", "multiple"],
+        ),
+        (
+            vec![
+                ("quantization_config", json!({"load_in_4bit": true})),
+                ("num_experts", json!(8)),
+            ],
+            vec!["num_experts, quantization_config", "--hf-allow-unknown"],
+        ),
+    ];
+    for (patch, fragments) in cases {
+        let e = hf::parse(&patched(&patch), &opts).unwrap_err().to_string();
+        for f in &fragments {
+            assert!(e.contains(f), "{patch:?}: {e:?} lacks {f:?}");
+        }
+    }
+    assert!(matches!(
+        hf::parse("[1, 2]", &opts),
+        Err(HfError::NotAnObject("an array"))
+    ));
+    assert!(matches!(
+        hf::read(&fixture("absent.json"), &opts),
+        Err(HfError::Io { .. })
+    ));
+    // Allowed unknown fields become warnings.
+    let ok = hf::parse(
+        &patched(&[("my_flag", json!(true))]),
+        &ImportOptions {
+            allow_unknown_fields: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(ok.warnings.len(), 1);
+    assert!(ok.warnings[0].contains("my_flag"));
+    // BERT and GPT-2 specifics.
+    let bert = std::fs::read_to_string(fixture("bert-base-uncased.json")).unwrap();
+    let e = hf::parse(&bert.replace("\"absolute\"", "\"relative_key\""), &opts).unwrap_err();
+    assert!(e.to_string().contains("position_embedding_type"), "{e}");
+    let gpt = std::fs::read_to_string(fixture("gpt2.json")).unwrap();
+    let e = hf::parse(&gpt.replace("\"gelu_new\"", "\"quick_gelu\""), &opts).unwrap_err();
+    assert!(e.to_string().contains("activation_function"), "{e}");
+}
+
+#[test]
+fn huge_configs_fail_cleanly() {
+    // 2^40 hidden: the import succeeds (the numbers are valid), building or lowering reports the
+    // overflow instead of panicking.
+    let text = patched(&[
+        ("hidden_size", serde_json::json!(1u64 << 40)),
+        ("num_attention_heads", serde_json::json!(1)),
+        ("num_key_value_heads", serde_json::json!(1)),
+    ]);
+    let cfg = hf::parse(&text, &ImportOptions::default()).unwrap();
+    let r = Recipe::new(1, 8);
+    match cfg.arch.build(&r) {
+        Err(e) => assert!(!e.to_string().is_empty()),
+        Ok(g) => assert!(lower(&g, &r).is_err()),
+    }
+}
+
+#[test]
+fn absurd_layer_counts_are_refused_before_building() {
+    let text = patched(&[("num_hidden_layers", serde_json::json!(1_000_000_000u64))]);
+    let cfg = hf::parse(&text, &ImportOptions::default()).unwrap();
+    let e = cfg.arch.build(&Recipe::new(1, 8)).unwrap_err().to_string();
+    assert!(e.contains("num_hidden_layers") && e.contains("4096"), "{e}");
+}

@@ -1,0 +1,635 @@
+//! `vramsim predict`: a model's training step (or inference) lowered to an allocation trace by
+//! `vramsim-models` and replayed through an allocator model: peaks, whether it fits (or PyTorch's
+//! out-of-memory message and the op that raises it), what is live at the peak by category and by
+//! module, and the phase of the peak.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::{ArgGroup, Args};
+use serde_json::{json, Value};
+use vramsim_models::hf::{self, ImportOptions};
+use vramsim_models::zoo::Arch;
+use vramsim_models::{
+    lower, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph, OptimizerImpl,
+    OptimizerKind, PeakBreakdown, Precision, Recipe,
+};
+use vramsim_sim::engine::{Flow, Replay, ReplayOptions};
+use vramsim_sim::format::format_size;
+use vramsim_sim::plot::{plot_timeline, TimelinePlot, TimelineSample};
+use vramsim_sim::report::{group_digits, Report};
+use vramsim_traces::{Event, Trace};
+
+use crate::machine::MachineArgs;
+
+/// Timeline points kept for `--plot`.
+const PLOT_POINTS: usize = 4000;
+/// Module groups listed in the table (`--json` has them all).
+const TOP_MODULES: usize = 8;
+/// Largest allocations listed in the table.
+const TOP_ALLOCATIONS: usize = 5;
+/// Sequence length of a language model when `--seq` is not given (capped at its positions).
+const DEFAULT_SEQ: u64 = 1024;
+
+/// Options of `vramsim predict`.
+#[derive(Args, Debug)]
+#[command(group(ArgGroup::new("what").required(true).args(["model", "hf_config"])))]
+pub struct PredictArgs {
+    /// A zoo model: mlp, resnet18, resnet34, resnet50, resnet101, resnet152, vgg16, vit-b-16,
+    /// bert-base, bert-large, gpt2, gpt2-medium, gpt2-large, gpt2-xl, tinyllama-1.1b, llama2-7b,
+    /// llama2-13b, llama2-70b, llama3-8b.
+    #[arg(long, value_name = "NAME")]
+    pub model: Option<String>,
+    /// A HuggingFace config.json (model_type gpt2, bert, llama, mistral or qwen2) instead of a zoo
+    /// model.
+    #[arg(long, value_name = "FILE")]
+    pub hf_config: Option<PathBuf>,
+    /// Accept config.json fields vramsim does not know (reported as warnings) instead of failing.
+    #[arg(long, requires = "hf_config")]
+    pub hf_allow_unknown: bool,
+    /// Micro-batch size (sequences, or images).
+    #[arg(long, value_name = "B", value_parser = count("batch"), allow_negative_numbers = true)]
+    pub batch: u64,
+    /// Tokens per sequence for language models (default: 1024, or the model's positions if fewer);
+    /// image models take 224×224 images and ignore it.
+    #[arg(long, value_name = "S", value_parser = count("seq"), allow_negative_numbers = true)]
+    pub seq: Option<u64>,
+    /// fp32, bf16 (model.to(bfloat16)), amp-fp16 (autocast + GradScaler), amp-bf16 (autocast).
+    #[arg(long, default_value = "fp32", value_parser = named::<Precision>)]
+    pub precision: Precision,
+    /// adamw, adam, sgd, sgd-momentum, adafactor.
+    #[arg(long, default_value = "adamw", value_parser = named::<OptimizerKind>)]
+    pub optimizer: OptimizerKind,
+    /// How the optimizer runs: foreach (PyTorch's default on CUDA), fused, for-loop.
+    #[arg(long, default_value = "foreach", value_parser = named::<OptimizerImpl>)]
+    pub optimizer_impl: OptimizerImpl,
+    /// Activation checkpointing (non-reentrant): none, full, every:K, selective, sqrt.
+    #[arg(long, default_value = "none", value_parser = named::<Checkpointing>)]
+    pub checkpoint: Checkpointing,
+    /// Gradient accumulation: micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1, value_parser = count32("accum"), allow_negative_numbers = true)]
+    pub accum: u32,
+    /// Optimizer steps to simulate (2 or more reach the steady state).
+    #[arg(long, default_value_t = 2, value_parser = count32("iterations"), allow_negative_numbers = true)]
+    pub iterations: u32,
+    /// Attention of the language models: eager, sdpa-flash, sdpa-mem-efficient (ViT: its SDPA
+    /// kernel; eager lets the precision choose, as PyTorch does).
+    #[arg(long, default_value = "eager", value_parser = named::<Attention>)]
+    pub attention: Attention,
+    /// Inference: model.eval() under torch.no_grad(), forward only.
+    #[arg(long)]
+    pub inference: bool,
+    #[command(flatten)]
+    pub machine: MachineArgs,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Draw allocated and reserved memory over the step to a .png or .svg file.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+    /// Also write the lowered trace (vramsim JSON, or JSON Lines for .jsonl; gzip for .gz).
+    #[arg(long, value_name = "FILE")]
+    pub trace_out: Option<PathBuf>,
+}
+
+/// A parser for a count of 1 or more.
+fn count(what: &'static str) -> impl Fn(&str) -> Result<u64, String> + Clone {
+    move |s: &str| match s.trim().parse::<u64>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!(
+            "{what} must be a whole number from 1 to {}, got {s}",
+            u64::MAX
+        )),
+    }
+}
+
+/// [`count`] for 32-bit options.
+fn count32(what: &'static str) -> impl Fn(&str) -> Result<u32, String> + Clone {
+    move |s: &str| match s.trim().parse::<u32>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!(
+            "{what} must be a whole number from 1 to {}, got {s}",
+            u32::MAX
+        )),
+    }
+}
+
+/// A parser for the models crate's named options (their errors list the valid values).
+fn named<T>(s: &str) -> Result<T, String>
+where
+    T: FromStr,
+    T::Err: std::fmt::Display,
+{
+    s.parse::<T>().map_err(|e| e.to_string())
+}
+
+/// A lowered step: the model, the recipe and the trace, ready to replay on any machine.
+pub struct Lowered {
+    /// The architecture (a zoo entry or an imported config).
+    pub arch: Arch,
+    /// Its reference implementation.
+    pub reference: String,
+    /// The recipe the step was lowered under.
+    pub recipe: Recipe,
+    /// The graph the trace was lowered from.
+    pub graph: Graph,
+    /// Whether `--seq` was given (else the default was taken).
+    pub seq_given: bool,
+    /// The trace.
+    pub trace: Trace,
+    /// Time to build and lower, in milliseconds.
+    pub lower_ms: f64,
+    /// Notes for the user (ignored options, unknown config fields, the config's dtype).
+    pub warnings: Vec<String>,
+}
+
+/// What `predict` measured, besides the replay's report.
+pub struct Prediction {
+    /// The architecture.
+    pub arch: Arch,
+    /// Its reference implementation.
+    pub reference: String,
+    /// Trainable parameters.
+    pub params: u64,
+    /// The recipe.
+    pub recipe: Recipe,
+    /// Whether `--seq` was given.
+    pub seq_given: bool,
+    /// Events of the lowered trace.
+    pub events: usize,
+    /// Time to build and lower, in milliseconds.
+    pub lower_ms: f64,
+    /// Time to replay and break down, in milliseconds.
+    pub replay_ms: f64,
+    /// What is live at the peak (or at the out-of-memory error).
+    pub breakdown: PeakBreakdown,
+    /// The tag (`module:aten.op`) of the allocation that ran out of memory.
+    pub oom_tag: Option<String>,
+    /// Notes for the user.
+    pub warnings: Vec<String>,
+}
+
+/// Runs `vramsim predict`.
+pub fn run(args: PredictArgs) -> Result<()> {
+    let lowered = lower_step(&args)?;
+    if let Some(path) = &args.trace_out {
+        vramsim_traces::write_trace(path, &lowered.trace)
+            .map_err(|e| anyhow::anyhow!("cannot write the trace: {e}"))?;
+    }
+    let points = if args.plot.is_some() { PLOT_POINTS } else { 0 };
+    let (report, prediction) = replay_step(&lowered, &args.machine, points)?;
+    if let Some(path) = &args.plot {
+        draw(&report, &prediction, path)?;
+    }
+    for w in &prediction.warnings {
+        eprintln!("warning: {w}");
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&to_json(&report, &prediction, &lowered.trace))?
+        );
+    } else {
+        print!("{}", to_table(&report, &prediction));
+        if let Some(path) = &args.plot {
+            println!("plot       {}", path.display());
+        }
+        if let Some(path) = &args.trace_out {
+            println!("trace out  {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// Builds the model `args` name (zoo or config.json) and lowers its step under their recipe.
+pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
+    let mut warnings = Vec::new();
+    let arch = match (&args.model, &args.hf_config) {
+        (Some(name), _) => Arch::from_name(name)?,
+        (None, Some(path)) => {
+            let opts = ImportOptions {
+                name: config_name(path),
+                allow_unknown_fields: args.hf_allow_unknown,
+            };
+            let cfg = hf::read(path, &opts)
+                .with_context(|| format!("cannot import {}", path.display()))?;
+            warnings.extend(cfg.warnings);
+            if let Some(dtype) = cfg.torch_dtype {
+                if args.precision.to_string() != short_dtype(&dtype) {
+                    warnings.push(format!(
+                        "the config's torch_dtype is {dtype}; the step runs at --precision {} (parameters in {})",
+                        args.precision,
+                        if args.precision == Precision::Bf16 { "bfloat16" } else { "float32" }
+                    ));
+                }
+            }
+            cfg.arch
+        }
+        (None, None) => anyhow::bail!("give a model: --model NAME or --hf-config FILE"),
+    };
+    let seq = match (arch.max_positions(), args.seq) {
+        (Some(_), Some(s)) => s,
+        (Some(max), None) => DEFAULT_SEQ.min(max),
+        (None, given) => {
+            if given.is_some() {
+                warnings.push(format!(
+                    "{} takes images (or features), not sequences: --seq is ignored",
+                    arch.name()
+                ));
+            }
+            0
+        }
+    };
+    let recipe = Recipe {
+        batch: args.batch,
+        seq,
+        precision: args.precision,
+        optimizer: args.optimizer,
+        optimizer_impl: args.optimizer_impl,
+        checkpointing: args.checkpoint,
+        accum: args.accum,
+        iterations: args.iterations,
+        inference: args.inference,
+        attention: args.attention,
+        ..Recipe::default()
+    };
+    let t0 = Instant::now();
+    let graph = arch.build(&recipe)?;
+    let trace = lower(&graph, &recipe)?;
+    let lower_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let reference = graph
+        .meta
+        .get("reference")
+        .and_then(|v| v.as_str())
+        .unwrap_or("")
+        .to_string();
+    Ok(Lowered {
+        arch,
+        reference,
+        recipe,
+        graph,
+        seq_given: args.seq.is_some(),
+        trace,
+        lower_ms,
+        warnings,
+    })
+}
+
+/// Replays a lowered step on the machine `machine` describes (keeping a timeline of
+/// `timeline_points` points for plots) and breaks it down at its peak, or at the out-of-memory error.
+pub fn replay_step(
+    lowered: &Lowered,
+    machine: &MachineArgs,
+    timeline_points: usize,
+) -> Result<(Report, Prediction)> {
+    let built = machine.build()?;
+    let t1 = Instant::now();
+    let device = built.allocator.device().clone();
+    let options = ReplayOptions { timeline_points };
+    let mut replay = Replay::new(built.allocator, &options);
+    let trace = &lowered.trace;
+    let mut oom_at = None;
+    for (i, event) in trace.events.iter().enumerate() {
+        // The replay has no use for tags: hand it the event without one (no string copies).
+        let event = match event {
+            Event::Alloc {
+                id,
+                size,
+                stream,
+                category,
+                ..
+            } => Event::Alloc {
+                id: id.clone(),
+                size: *size,
+                stream: *stream,
+                category: *category,
+                tag: None,
+            },
+            other => other.clone(),
+        };
+        if replay.apply(event)? == Flow::Stopped {
+            oom_at = Some(i);
+            break;
+        }
+    }
+    let outcome = replay.finish();
+    // What is live at the step's peak, or, when it runs out of memory, when the error is raised.
+    let (breakdown, oom_tag) = match oom_at {
+        None => (peak_breakdown(trace), None),
+        Some(i) => (
+            peak_breakdown_until(trace, i + 1),
+            match &trace.events[i] {
+                Event::Alloc { tag, .. } => tag.as_deref().map(String::from),
+                _ => None,
+            },
+        ),
+    };
+    let replay_ms = t1.elapsed().as_secs_f64() * 1e3;
+    let report = Report {
+        source: format!("{} (lowered by vramsim-models)", lowered.arch.name()),
+        allocator: machine.allocator.name().to_string(),
+        alloc_conf: built.alloc_conf,
+        memory_fraction: built.memory_fraction,
+        device,
+        outcome,
+    };
+    let prediction = Prediction {
+        arch: lowered.arch.clone(),
+        reference: lowered.reference.clone(),
+        params: lowered.graph.param_count(),
+        recipe: lowered.recipe.clone(),
+        seq_given: lowered.seq_given,
+        events: trace.events.len(),
+        lower_ms: lowered.lower_ms,
+        replay_ms,
+        breakdown,
+        oom_tag,
+        warnings: lowered.warnings.clone(),
+    };
+    Ok((report, prediction))
+}
+
+/// The name a config.json gets in reports: its directory's name for `.../NAME/config.json`, else
+/// the file's stem (`_name_or_path` is taken when neither says anything).
+fn config_name(path: &Path) -> Option<String> {
+    let stem = path.file_stem()?.to_string_lossy().into_owned();
+    if stem == "config" {
+        let dir = path.parent()?.file_name()?.to_string_lossy().into_owned();
+        return Some(dir).filter(|d| !d.is_empty() && d != ".");
+    }
+    Some(stem)
+}
+
+/// `bfloat16` → `bf16`, `float32` → `fp32`: to compare a config's dtype with `--precision`.
+fn short_dtype(dtype: &str) -> &str {
+    match dtype {
+        "float32" => "fp32",
+        "bfloat16" => "bf16",
+        "float16" => "fp16",
+        other => other,
+    }
+}
+
+fn recipe_line(p: &Prediction) -> String {
+    let r = &p.recipe;
+    let mut s = format!("batch {}", r.batch);
+    if r.seq > 0 {
+        let _ = write!(
+            s,
+            " × seq {}{}",
+            r.seq,
+            if p.seq_given { "" } else { " (default)" }
+        );
+    }
+    let _ = write!(s, ", {}", r.precision);
+    if r.inference {
+        s.push_str(", inference (eval, no_grad)");
+    } else {
+        let imp = match r.optimizer_impl {
+            OptimizerImpl::Foreach => "foreach",
+            OptimizerImpl::Fused => "fused",
+            OptimizerImpl::ForLoop => "for-loop",
+        };
+        let _ = write!(
+            s,
+            ", {} ({imp}), checkpoint {}, accum {}",
+            r.optimizer, r.checkpointing, r.accum
+        );
+    }
+    let _ = write!(s, ", {} iterations", r.iterations);
+    if p.arch.max_positions().is_some() {
+        let att = match r.attention {
+            Attention::Eager => "eager",
+            Attention::SdpaFlash => "sdpa-flash",
+            Attention::SdpaMemEfficient => "sdpa-mem-efficient",
+        };
+        let _ = write!(s, ", {att} attention");
+    }
+    s
+}
+
+fn phase_text(b: &PeakBreakdown) -> String {
+    match (&b.phase, b.iteration) {
+        (Some(p), Some(i)) => format!("{p} of iteration {i}"),
+        (Some(p), None) => p.clone(),
+        (None, _) => "(no phase)".into(),
+    }
+}
+
+fn category_summary(cats: &[(vramsim_traces::Category, u64)]) -> String {
+    let mut sorted = cats.to_vec();
+    sorted.sort_by_key(|c| std::cmp::Reverse(c.1));
+    sorted
+        .iter()
+        .take(3)
+        .map(|(c, b)| format!("{} {}", c.name(), format_size(*b)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The human-readable report: the model and recipe, the replay's own table, then what is live at
+/// the peak and where an out-of-memory error is raised.
+pub fn to_table(report: &Report, p: &Prediction) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "model      {}: {}, {} parameters",
+        p.arch.name(),
+        p.reference,
+        group_digits(p.params)
+    );
+    let _ = writeln!(out, "recipe     {}", recipe_line(p));
+    let _ = writeln!(
+        out,
+        "lowered    {} events in {:.1} ms, replayed in {:.1} ms",
+        group_digits(p.events as u64),
+        p.lower_ms,
+        p.replay_ms
+    );
+    out.push_str(&report.to_table());
+    let b = &p.breakdown;
+    out.push('\n');
+    let at = if report.outcome.oom.is_some() {
+        let _ = writeln!(
+            out,
+            "oom phase  {} ({} requested live with the failing allocation, event {})",
+            phase_text(b),
+            format_size(b.peak_requested),
+            group_digits(b.event_index as u64)
+        );
+        "at the out-of-memory error"
+    } else {
+        let _ = writeln!(
+            out,
+            "peak phase {} (peak requested {} at event {})",
+            phase_text(b),
+            format_size(b.peak_requested),
+            group_digits(b.event_index as u64)
+        );
+        "at peak requested"
+    };
+    if b.peak_requested > 0 {
+        let pct = |x: u64| x as f64 * 100.0 / b.peak_requested as f64;
+        let _ = writeln!(out, "\n{at}, by category");
+        for (c, bytes) in &b.by_category {
+            let _ = writeln!(
+                out,
+                "  {:<20}{:>14}{:>8.1}%",
+                c.name(),
+                format_size(*bytes),
+                pct(*bytes)
+            );
+        }
+        let _ = writeln!(out, "\n{at}, top modules");
+        for m in b.by_module.iter().take(TOP_MODULES) {
+            let _ = writeln!(
+                out,
+                "  {:<34}{:>12}{:>7.1}%  {}",
+                m.module,
+                format_size(m.bytes),
+                pct(m.bytes),
+                category_summary(&m.by_category)
+            );
+        }
+        if b.by_module.len() > TOP_MODULES {
+            let rest: u64 = b.by_module[TOP_MODULES..].iter().map(|m| m.bytes).sum();
+            let _ = writeln!(
+                out,
+                "  {:<34}{:>12}{:>7.1}%",
+                format!("({} more)", b.by_module.len() - TOP_MODULES),
+                format_size(rest),
+                pct(rest)
+            );
+        }
+        let _ = writeln!(out, "\n{at}, largest allocations");
+        for a in b.largest.iter().take(TOP_ALLOCATIONS) {
+            let _ = writeln!(
+                out,
+                "  {:>12}  {:<16}{}",
+                format_size(a.bytes),
+                a.category.name(),
+                a.tag
+            );
+        }
+    }
+    if let Some(oom) = &report.outcome.oom {
+        out.push('\n');
+        let _ = writeln!(
+            out,
+            "oom op     {} (event {}, {})",
+            p.oom_tag.as_deref().unwrap_or("(untagged)"),
+            group_digits(oom.event_index),
+            report
+                .outcome
+                .phase_marks
+                .iter()
+                .rev()
+                .find(|(i, _)| *i <= oom.event_index)
+                .map(|(_, n)| n.as_str())
+                .unwrap_or("no phase")
+        );
+    }
+    out
+}
+
+/// The machine-readable report: the replay's JSON with the prediction's fields added.
+pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
+    let mut j = report.to_json();
+    let b = &p.breakdown;
+    let cats = |c: &[(vramsim_traces::Category, u64)]| -> Value {
+        Value::Object(
+            c.iter()
+                .map(|(c, bytes)| (c.name().to_string(), json!(bytes)))
+                .collect(),
+        )
+    };
+    let r = &p.recipe;
+    j["model"] = json!(p.arch.name());
+    j["reference"] = json!(p.reference);
+    j["params"] = json!(p.params);
+    j["recipe"] = json!({
+        "batch": r.batch,
+        "seq": if r.seq > 0 { json!(r.seq) } else { Value::Null },
+        "precision": r.precision.to_string(),
+        "optimizer": r.optimizer.to_string(),
+        "optimizer_impl": match r.optimizer_impl {
+            OptimizerImpl::Foreach => "foreach",
+            OptimizerImpl::Fused => "fused",
+            OptimizerImpl::ForLoop => "for-loop",
+        },
+        "checkpoint": r.checkpointing.to_string(),
+        "accum": r.accum,
+        "iterations": r.iterations,
+        "inference": r.inference,
+        "attention": match r.attention {
+            Attention::Eager => "eager",
+            Attention::SdpaFlash => "sdpa-flash",
+            Attention::SdpaMemEfficient => "sdpa-mem-efficient",
+        },
+        "fidelity": trace.meta.get("fidelity").cloned().unwrap_or(Value::Null),
+    });
+    j["peak_phase"] = json!(b.phase);
+    j["breakdown"] = json!({
+        "at": if report.outcome.oom.is_some() { "oom" } else { "peak_requested" },
+        "event_index": b.event_index,
+        "iteration": b.iteration,
+        "peak_requested_bytes": b.peak_requested,
+        "by_category": cats(&b.by_category),
+        "by_module": b.by_module.iter().map(|m| json!({
+            "module": m.module,
+            "bytes": m.bytes,
+            "allocations": m.allocations,
+            "by_category": cats(&m.by_category),
+        })).collect::<Vec<_>>(),
+        "largest": b.largest.iter().map(|a| json!({
+            "tag": a.tag,
+            "bytes": a.bytes,
+            "category": a.category.name(),
+        })).collect::<Vec<_>>(),
+    });
+    if let Some(oom) = j.get_mut("oom").filter(|o| o.is_object()) {
+        oom["tag"] = json!(p.oom_tag);
+    }
+    j["timing"] = json!({
+        "events": p.events,
+        "lower_ms": p.lower_ms,
+        "replay_ms": p.replay_ms,
+    });
+    j["warnings"] = json!(p.warnings);
+    j
+}
+
+fn draw(report: &Report, p: &Prediction, path: &Path) -> Result<()> {
+    let samples: Vec<TimelineSample> = report
+        .outcome
+        .timeline
+        .iter()
+        .map(|t| TimelineSample {
+            x: t.event_index as f64,
+            allocated: t.allocated,
+            reserved: t.reserved,
+        })
+        .collect();
+    let phases: Vec<(f64, String)> = report
+        .outcome
+        .phase_marks
+        .iter()
+        .map(|(i, n)| (*i as f64, n.clone()))
+        .collect();
+    let title = format!("{} · {}", p.arch.name(), recipe_line(p));
+    plot_timeline(
+        &TimelinePlot {
+            title: &title,
+            x_label: "event",
+            samples: &samples,
+            capacity: Some(report.device.total_memory - report.device.non_allocator_bytes()),
+            oom_at: report.outcome.oom.as_ref().map(|o| o.event_index as f64),
+            phases: &phases,
+        },
+        path,
+    )
+    .with_context(|| format!("cannot draw {}", path.display()))
+}

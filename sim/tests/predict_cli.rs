@@ -1,0 +1,417 @@
+//! `vramsim predict` end to end: the report (table and JSON), agreement with PyTorch's own
+//! meta-device captures (the peaks below are `peak_requested_bytes` of the committed fixtures in
+//! models/tests/fixtures/capture/, never vramsim's own output), out-of-memory reports, HuggingFace
+//! config.json import, and a clear error (exit status 2, no panic) for every kind of bad input.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn vramsim(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_vramsim"))
+        .args(args)
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .output()
+        .expect("the vramsim binary runs")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn predict_json(args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["predict"];
+    all.extend_from_slice(args);
+    all.push("--json");
+    let output = vramsim(&all);
+    assert!(
+        output.status.success(),
+        "args {args:?}: stderr {}",
+        stderr(&output)
+    );
+    serde_json::from_str(&stdout(&output)).expect("--json prints JSON")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("predict");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// Asserts a clean failure: exit status 2, an `error:` message containing every fragment, no panic.
+fn assert_fails(args: &[&str], fragments: &[&str]) {
+    let mut all = vec!["predict"];
+    all.extend_from_slice(args);
+    let output = vramsim(&all);
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "args {args:?}: stderr {err}");
+    assert!(!err.contains("panicked"), "args {args:?} panicked: {err}");
+    assert!(err.starts_with("error: "), "args {args:?}: {err}");
+    for fragment in fragments {
+        assert!(
+            err.contains(fragment),
+            "args {args:?}: {err:?} lacks {fragment:?}"
+        );
+    }
+}
+
+#[test]
+fn peaks_agree_with_pytorch_captures() {
+    // (args, PyTorch's peak_requested_bytes from the capture fixture of the same recipe)
+    let cases: [(&[&str], u64); 4] = [
+        // gpt2__b8s1024__fp32-adamw.json
+        (
+            &["--model", "gpt2", "--batch", "8", "--seq", "1024"],
+            25_970_555_912,
+        ),
+        // bert-base__b16s512__fp32-adamw.json
+        (
+            &["--model", "bert-base", "--batch", "16", "--seq", "512"],
+            14_867_225_280,
+        ),
+        // resnet18__b64__fp32-adamw.json
+        (&["--model", "resnet18", "--batch", "64"], 1_577_642_024),
+        // tinyllama-1.1b__b2s1024__bf16-adamw.json
+        (
+            &[
+                "--model",
+                "tinyllama-1.1b",
+                "--batch",
+                "2",
+                "--seq",
+                "1024",
+                "--precision",
+                "bf16",
+            ],
+            20_523_962_504,
+        ),
+    ];
+    for (args, pytorch) in cases {
+        let j = predict_json(args);
+        assert_eq!(j["peak_requested_bytes"], pytorch, "{args:?}");
+        assert_eq!(j["breakdown"]["peak_requested_bytes"], pytorch, "{args:?}");
+        assert_eq!(j["fits"], true, "{args:?}");
+        assert!(j["oom"].is_null());
+    }
+}
+
+#[test]
+fn json_has_the_documented_fields() {
+    let j = predict_json(&["--model", "gpt2", "--batch", "2", "--seq", "128"]);
+    for key in [
+        "peak_allocated_bytes",
+        "peak_requested_bytes",
+        "peak_reserved_bytes",
+        "peak_device_used_bytes",
+        "params",
+        "breakdown",
+        "peak_phase",
+        "oom",
+        "recipe",
+        "model",
+        "timing",
+    ] {
+        assert!(j.get(key).is_some(), "missing {key}");
+    }
+    assert_eq!(j["params"], 124_439_808u64);
+    assert_eq!(j["model"], "gpt2");
+    assert_eq!(j["recipe"]["seq"], 128);
+    assert_eq!(j["recipe"]["precision"], "fp32");
+    // gpt2__b2s128__fp32-adamw.json: PyTorch's peak is in the optimizer step.
+    assert_eq!(j["peak_phase"], "optimizer");
+    assert_eq!(j["peak_requested_bytes"], 2_488_796_160u64);
+    let b = &j["breakdown"];
+    let by_cat = b["by_category"].as_object().unwrap();
+    let sum: u64 = by_cat.values().map(|v| v.as_u64().unwrap()).sum();
+    assert_eq!(sum, 2_488_796_160, "the categories add up to the peak");
+    assert_eq!(by_cat["parameter"], 124_439_808u64 * 4);
+    assert_eq!(by_cat["optimizer_state"], 124_439_808u64 * 8);
+    let modules = b["by_module"].as_array().unwrap();
+    let msum: u64 = modules.iter().map(|m| m["bytes"].as_u64().unwrap()).sum();
+    assert_eq!(msum, 2_488_796_160, "the modules add up to the peak");
+    assert!(modules.iter().any(|m| m["module"] == "transformer.h.11"));
+    let allocated = j["peak_allocated_bytes"].as_u64().unwrap();
+    let reserved = j["peak_reserved_bytes"].as_u64().unwrap();
+    assert!(allocated >= 2_488_796_160 && reserved >= allocated);
+}
+
+#[test]
+fn the_table_says_what_fits_and_where_the_memory_goes() {
+    let output = vramsim(&[
+        "predict", "--model", "resnet50", "--batch", "8", "--gpu", "t4",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = stdout(&output);
+    for fragment in [
+        "model      resnet50: torchvision 0.29 resnet50",
+        "25,557,032 parameters",
+        "recipe     batch 8, fp32, adamw (foreach), checkpoint none",
+        "result     fits",
+        "peak phase ",
+        "at peak requested, by category",
+        "at peak requested, top modules",
+        "layer1.0",
+        "at peak requested, largest allocations",
+    ] {
+        assert!(text.contains(fragment), "{fragment:?} not in\n{text}");
+    }
+}
+
+#[test]
+fn out_of_memory_names_the_op_and_pytorchs_message() {
+    let j = predict_json(&[
+        "--model", "gpt2", "--batch", "8", "--seq", "1024", "--gpu", "rtx4090",
+    ]);
+    assert_eq!(j["fits"], false);
+    let oom = &j["oom"];
+    assert!(oom["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("CUDA out of memory. Tried to allocate"));
+    assert!(oom["tag"].as_str().unwrap().contains("aten."), "{oom}");
+    assert!(oom["event_index"].as_u64().unwrap() > 0);
+    assert_eq!(j["breakdown"]["at"], "oom");
+    assert_eq!(
+        j["breakdown"]["event_index"], oom["event_index"],
+        "the breakdown is what is live when the error is raised"
+    );
+    let output = vramsim(&[
+        "predict", "--model", "gpt2", "--batch", "8", "--seq", "1024", "--gpu", "rtx4090",
+    ]);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "running out of memory is an answer"
+    );
+    let text = stdout(&output);
+    assert!(text.contains("OUT OF MEMORY"), "{text}");
+    assert!(text.contains("oom op     aten."), "{text}");
+    assert!(
+        text.contains("at the out-of-memory error, top modules"),
+        "{text}"
+    );
+}
+
+#[test]
+fn hf_configs_predict_like_the_zoo() {
+    let j = predict_json(&[
+        "--hf-config",
+        "models/tests/hf/Mistral-7B-v0.1.json",
+        "--batch",
+        "1",
+        "--seq",
+        "256",
+        "--precision",
+        "bf16",
+        "--checkpoint",
+        "full",
+        "--capacity",
+        "1TiB",
+    ]);
+    assert_eq!(j["params"], 7_241_732_096u64);
+    assert_eq!(j["model"], "Mistral-7B-v0.1");
+    assert!(j["reference"]
+        .as_str()
+        .unwrap()
+        .contains("MistralForCausalLM"));
+    // The TinyLlama config.json gives the zoo's tinyllama-1.1b, byte for byte.
+    let args = ["--batch", "2", "--seq", "128", "--precision", "bf16"];
+    let mut a = vec![
+        "--hf-config",
+        "models/tests/hf/TinyLlama-1.1B-intermediate-step-1431k-3T.json",
+    ];
+    a.extend_from_slice(&args);
+    let mut b = vec!["--model", "tinyllama-1.1b"];
+    b.extend_from_slice(&args);
+    let (ja, jb) = (predict_json(&a), predict_json(&b));
+    for key in [
+        "peak_requested_bytes",
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+    ] {
+        assert_eq!(ja[key], jb[key], "{key}");
+    }
+    // tinyllama-1.1b__b2s128__bf16-adamw.json
+    assert_eq!(ja["peak_requested_bytes"], 11_000_483_968u64);
+    // The config's torch_dtype is reported, not obeyed.
+    let output = vramsim(&[
+        "predict",
+        "--hf-config",
+        "models/tests/hf/Llama-2-7b-hf.json",
+        "--batch",
+        "1",
+        "--seq",
+        "64",
+        "--capacity",
+        "1TiB",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(stderr(&output).contains("warning: the config's torch_dtype is float16"));
+}
+
+#[test]
+fn trace_out_replays_to_the_same_peaks_and_plots_draw() {
+    let trace = tmp("bert.jsonl.gz");
+    let plot = tmp("bert.png");
+    let j = predict_json(&[
+        "--model",
+        "bert-base",
+        "--batch",
+        "2",
+        "--seq",
+        "128",
+        "--checkpoint",
+        "full",
+        "--trace-out",
+        trace.to_str().unwrap(),
+        "--plot",
+        plot.to_str().unwrap(),
+    ]);
+    let output = vramsim(&["replay", trace.to_str().unwrap(), "--json"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let r: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
+    for key in [
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "peak_requested_bytes",
+    ] {
+        assert_eq!(r[key], j[key], "{key}");
+    }
+    // bert-base__b2s128__fp32-adamw-ckptfull.json
+    assert_eq!(j["peak_requested_bytes"], 2_190_294_152u64);
+    assert!(std::fs::metadata(&plot).unwrap().len() > 1000);
+}
+
+#[test]
+fn inference_and_image_models() {
+    let j = predict_json(&["--model", "vit-b-16", "--batch", "4", "--inference"]);
+    let phases: Vec<&str> = j["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(phases, ["setup", "forward"]);
+    assert!(j["breakdown"]["by_category"].get("gradient").is_none());
+    assert_eq!(j["params"], 86_567_656u64);
+    let output = vramsim(&["predict", "--model", "vgg16", "--batch", "2", "--seq", "77"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(stderr(&output).contains("--seq is ignored"));
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    assert_fails(
+        &["--model", "resnet1000", "--batch", "1"],
+        &[
+            "unknown model \"resnet1000\"",
+            "resnet152",
+            "vit-b-16",
+            "llama3-8b",
+        ],
+    );
+    assert_fails(
+        &["--model", "gpt2", "--batch", "0"],
+        &["batch must be a whole number from 1", "got 0"],
+    );
+    assert_fails(&["--model", "gpt2", "--batch", "-3"], &["batch", "got -3"]);
+    assert_fails(
+        &["--model", "gpt2", "--batch", "99999999999999999999999"],
+        &["batch", "18446744073709551615"],
+    );
+    assert_fails(
+        &["--model", "gpt2", "--batch", "1", "--seq", "2048"],
+        &["seq 2048 is longer than gpt2's 1024 positions"],
+    );
+    assert_fails(&["--model", "gpt2", "--batch", "1", "--seq", "0"], &["seq"]);
+    assert_fails(
+        &[
+            "--model",
+            "llama2-70b",
+            "--batch",
+            "4000000000000",
+            "--seq",
+            "4096",
+        ],
+        &["would take more than", "bytes"],
+    );
+    assert_fails(&["--batch", "1"], &["--model", "--hf-config"]);
+    assert_fails(
+        &["--model", "gpt2", "--hf-config", "x.json", "--batch", "1"],
+        &["cannot be used with"],
+    );
+    assert_fails(
+        &["--model", "gpt2", "--batch", "1", "--precision", "fp64"],
+        &["fp64", "fp32, bf16, amp-fp16, amp-bf16"],
+    );
+    assert_fails(
+        &["--model", "gpt2", "--batch", "1", "--checkpoint", "every:0"],
+        &["every:K"],
+    );
+    assert_fails(
+        &["--model", "gpt2", "--batch", "1", "--gpu", "h9000"],
+        &["h9000"],
+    );
+    assert_fails(
+        &["--hf-config", "no/such/config.json", "--batch", "1"],
+        &["cannot import no/such/config.json", "cannot read"],
+    );
+    let t5 = tmp("t5.json");
+    std::fs::write(&t5, r#"{"model_type": "t5", "d_model": 512}"#).unwrap();
+    assert_fails(
+        &["--hf-config", t5.to_str().unwrap(), "--batch", "1"],
+        &[
+            "model_type \"t5\" is not supported",
+            "gpt2, bert, llama, mistral, qwen2",
+        ],
+    );
+    let relu = tmp("relu.json");
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../models/tests/hf/Llama-2-7b-hf.json"
+    ))
+    .unwrap()
+    .replace("\"silu\"", "\"relu\"");
+    std::fs::write(&relu, text).unwrap();
+    assert_fails(
+        &["--hf-config", relu.to_str().unwrap(), "--batch", "1"],
+        &["hidden_act", "\"relu\""],
+    );
+    let odd = tmp("odd.json");
+    std::fs::write(
+        &odd,
+        std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../models/tests/hf/Qwen2-0.5B.json"
+        ))
+        .unwrap()
+        .replace("\"use_cache\"", "\"num_experts\": 8, \"use_cache\""),
+    )
+    .unwrap();
+    assert_fails(
+        &[
+            "--hf-config",
+            odd.to_str().unwrap(),
+            "--batch",
+            "1",
+            "--seq",
+            "64",
+        ],
+        &["num_experts", "--hf-allow-unknown"],
+    );
+    let output = vramsim(&[
+        "predict",
+        "--hf-config",
+        odd.to_str().unwrap(),
+        "--hf-allow-unknown",
+        "--batch",
+        "1",
+        "--seq",
+        "64",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(stderr(&output).contains("warning: field \"num_experts\""));
+}
