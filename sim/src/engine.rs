@@ -121,6 +121,9 @@ pub struct TimelinePoint {
     pub allocated: u64,
     /// Highest reserved bytes in the bucket.
     pub reserved: u64,
+    /// Live requested bytes by category (indexed as [`Category::ALL`]) at the event where `allocated`
+    /// peaked in the bucket (the first such event), so that a stack of them is one real moment.
+    pub categories: [u64; Category::ALL.len()],
 }
 
 /// Everything a replay measured.
@@ -443,7 +446,8 @@ impl<A: Allocator> Replay<A> {
             phase.peak_allocated = phase.peak_allocated.max(allocated);
             phase.peak_reserved = phase.peak_reserved.max(reserved);
         }
-        self.sampler.push(index, allocated, reserved);
+        self.sampler
+            .push(index, allocated, reserved, &self.categories);
     }
 
     /// Applies every event until the trace ends or an allocation fails, then reports.
@@ -451,12 +455,22 @@ impl<A: Allocator> Replay<A> {
     where
         I: IntoIterator<Item = Result<Event, TraceError>>,
     {
+        self.apply_all(events)?;
+        Ok(self.finish())
+    }
+
+    /// Applies every event until the trace ends or an allocation fails, keeping the replay (and its
+    /// allocator) for the caller.
+    pub fn apply_all<I>(&mut self, events: I) -> Result<Flow, ReplayError>
+    where
+        I: IntoIterator<Item = Result<Event, TraceError>>,
+    {
         for event in events {
             if self.apply(event?)? == Flow::Stopped {
-                break;
+                return Ok(Flow::Stopped);
             }
         }
-        Ok(self.finish())
+        Ok(Flow::Continue)
     }
 
     /// Ends the replay and hands back what it measured.
@@ -486,8 +500,9 @@ impl<A: Allocator> Replay<A> {
 }
 
 /// Keeps at most `capacity` timeline points in bounded memory: each point holds the maxima of a bucket of
-/// events, and when the buffer fills, neighbouring buckets merge and the bucket width doubles, so the
-/// peaks survive any trace length.
+/// events (and the categories at its allocated peak), and when the buffer fills, neighbouring buckets
+/// merge and the bucket width doubles, so the peaks survive any trace length. Nothing is allocated after
+/// construction except in the rare halving.
 struct Sampler {
     capacity: usize,
     width: u64,
@@ -504,26 +519,36 @@ impl Sampler {
     }
 
     #[inline]
-    fn push(&mut self, index: u64, allocated: u64, reserved: u64) {
+    fn push(
+        &mut self,
+        index: u64,
+        allocated: u64,
+        reserved: u64,
+        categories: &[u64; Category::ALL.len()],
+    ) {
         if self.capacity == 0 {
             return;
         }
         let start = index - index % self.width;
         if let Some(last) = self.points.last_mut() {
             if last.event_index == start {
-                last.allocated = last.allocated.max(allocated);
+                if allocated > last.allocated {
+                    last.allocated = allocated;
+                    last.categories = *categories;
+                }
                 last.reserved = last.reserved.max(reserved);
                 return;
             }
         }
         if self.points.len() == self.capacity {
             self.halve();
-            return self.push(index, allocated, reserved);
+            return self.push(index, allocated, reserved, categories);
         }
         self.points.push(TimelinePoint {
             event_index: start,
             allocated,
             reserved,
+            categories: *categories,
         });
     }
 
@@ -534,7 +559,10 @@ impl Sampler {
             let start = point.event_index - point.event_index % self.width;
             match merged.last_mut() {
                 Some(last) if last.event_index == start => {
-                    last.allocated = last.allocated.max(point.allocated);
+                    if point.allocated > last.allocated {
+                        last.allocated = point.allocated;
+                        last.categories = point.categories;
+                    }
                     last.reserved = last.reserved.max(point.reserved);
                 }
                 _ => merged.push(TimelinePoint {
@@ -560,11 +588,20 @@ mod tests {
         let mut sampler = Sampler::new(8);
         for i in 0..1000u64 {
             let value = if i == 777 { 1 << 30 } else { i };
-            sampler.push(i, value, value);
+            let mut categories = [0; Category::ALL.len()];
+            categories[Category::Activation.index()] = value;
+            sampler.push(i, value, value, &categories);
         }
         let points = sampler.finish();
         assert!(points.len() <= 8);
         assert_eq!(points.iter().map(|p| p.allocated).max(), Some(1 << 30));
+        // each point's categories are those of its allocated peak
+        for point in &points {
+            assert_eq!(
+                point.categories[Category::Activation.index()],
+                point.allocated
+            );
+        }
         assert!(points
             .windows(2)
             .all(|w| w[0].event_index < w[1].event_index));

@@ -1,5 +1,6 @@
 //! `vramsim bench`: replay speed, JSON Lines parsing speed and streaming memory, on synthetic
-//! training-like traces. Performance targets live here, not in timed tests.
+//! training-like traces; with `--sweep`, what-if sweeps through `predict` (`crate::whatif`).
+//! Performance targets live here, not in timed tests.
 
 use std::fs::File;
 use std::io::BufWriter;
@@ -31,12 +32,19 @@ pub struct BenchArgs {
     /// Internal: stream-replay this file and print the process's peak RSS in bytes.
     #[arg(long, hide = true)]
     pub rss_of: Option<PathBuf>,
+    /// Time what-if sweeps instead: two grids of 1,000 gpt2-medium configurations through `predict`,
+    /// with rayon's default pool and on one thread (target: under 5 s on 2 cores).
+    #[arg(long)]
+    pub sweep: bool,
 }
 
 /// Runs `vramsim bench`.
 pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(path) = &args.rss_of {
         return print_streaming_rss(path);
+    }
+    if args.sweep {
+        return crate::whatif::print_bench(args.json);
     }
     let replay_rate = bench_replay(args.events)?;
     let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);

@@ -75,6 +75,8 @@ pub struct Machine {
     pub allocator: Box<dyn Allocator>,
     /// The settings string in force.
     pub alloc_conf: String,
+    /// The parsed settings in force (the memory fraction included).
+    pub config: AllocatorConfig,
     /// The memory fraction in force.
     pub memory_fraction: Option<f64>,
 }
@@ -136,7 +138,7 @@ impl MachineArgs {
         };
         let vmm = kind == AllocatorKind::Pytorch && config.expandable_segments;
         let allocator: Box<dyn Allocator> = match kind {
-            AllocatorKind::Pytorch => Box::new(CachingAllocator::new(config, device)),
+            AllocatorKind::Pytorch => Box::new(CachingAllocator::new(config.clone(), device)),
             AllocatorKind::CudaMalloc => Box::new(CudaMallocAllocator::new(device)),
             AllocatorKind::CudaAsync => {
                 let base = CudaAsyncConfig {
@@ -158,6 +160,7 @@ impl MachineArgs {
         Ok(Machine {
             allocator,
             alloc_conf: self.alloc_conf.clone(),
+            config,
             memory_fraction,
         })
     }

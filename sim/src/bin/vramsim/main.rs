@@ -1,12 +1,19 @@
 //! The `vramsim` command line: replay traces and snapshots against simulated allocators, import and check
-//! PyTorch snapshots, list GPUs, benchmark, and hand validation on real GPUs to `vramsim-validate`.
+//! PyTorch snapshots, predict a model's training step, sweep what-ifs over it (the largest batch, the
+//! recipes that reach a global batch), list GPUs, benchmark, and hand validation on real GPUs to
+//! `vramsim-validate`.
 
 mod bench;
 mod check;
 mod import;
 mod machine;
+mod maxbatch;
 mod predict;
+mod recommend;
 mod replay;
+mod steptime;
+mod sweep;
+mod whatif;
 
 use std::process::ExitCode;
 
@@ -44,6 +51,17 @@ enum Command {
     /// Predict the GPU memory of a model's training step (or inference): lower a zoo model or a
     /// HuggingFace config.json to an allocation trace and replay it through the allocator model.
     Predict(predict::PredictArgs),
+    /// Evaluate `predict` over a grid of options (--vary KEY=V1,V2,...) in parallel: peaks, fits or
+    /// OOM, effective batch and an estimated step time for every configuration, sorted by peak.
+    #[command(after_long_help = steptime::HELP)]
+    Whatif(whatif::WhatifArgs),
+    /// Find the largest batch (or, with --max-seq, sequence) that fits the device, by bisection with
+    /// `predict`'s replay, and the first size that does not, with PyTorch's out-of-memory message.
+    MaxBatch(maxbatch::MaxBatchArgs),
+    /// List the recipes (precision, checkpointing, micro-batch × accumulation) that reach a global
+    /// batch on the device, fastest first by estimated step time, each with its `predict` command.
+    #[command(after_long_help = steptime::HELP)]
+    Recommend(recommend::RecommendArgs),
     /// Replay traces on a real NVIDIA GPU, probe it and calibrate the simulator: runs the
     /// vramsim-validate binary (see `vramsim validate --help`).
     #[command(disable_help_flag = true)]
@@ -63,6 +81,9 @@ fn main() -> ExitCode {
         Command::Import(args) => import::run(args),
         Command::CheckSnapshot(args) => check::run(args),
         Command::Predict(args) => predict::run(args),
+        Command::Whatif(args) => whatif::run(args),
+        Command::MaxBatch(args) => maxbatch::run(args),
+        Command::Recommend(args) => recommend::run(args),
         Command::Validate { args } => return validate(&args),
     };
     match result {

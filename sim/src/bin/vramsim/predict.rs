@@ -144,6 +144,9 @@ pub struct Lowered {
     pub lower_ms: f64,
     /// Notes for the user (ignored options, unknown config fields, the config's dtype).
     pub warnings: Vec<String>,
+    /// The breakdown at the trace's peak, which no machine changes: computed at the first replay that
+    /// does not run out of memory, shared by the others (sweeps replay one lowering on many machines).
+    pub peak: std::sync::OnceLock<PeakBreakdown>,
 }
 
 /// What `predict` measured, besides the replay's report.
@@ -275,6 +278,7 @@ pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
         trace,
         lower_ms,
         warnings,
+        peak: std::sync::OnceLock::new(),
     })
 }
 
@@ -318,7 +322,10 @@ pub fn replay_step(
     let outcome = replay.finish();
     // What is live at the step's peak, or, when it runs out of memory, when the error is raised.
     let (breakdown, oom_tag) = match oom_at {
-        None => (peak_breakdown(trace), None),
+        None => (
+            lowered.peak.get_or_init(|| peak_breakdown(trace)).clone(),
+            None,
+        ),
         Some(i) => (
             peak_breakdown_until(trace, i + 1),
             match &trace.events[i] {

@@ -4,8 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use vramsim_sim::config::AllocatorConfig;
-use vramsim_sim::engine::{Flow, Replay, ReplayError, ReplayOptions};
+use vramsim_sim::engine::{Replay, ReplayOptions};
 use vramsim_sim::export::{snapshot_of, ExportOptions};
 use vramsim_sim::plot::{plot_timeline, TimelinePlot, TimelineSample};
 use vramsim_sim::report::Report;
@@ -60,14 +59,12 @@ pub fn run(mut args: ReplayArgs) -> Result<()> {
         allocator.set_record_history(true);
     }
     let mut replay = Replay::new(allocator, &options);
-    apply_all(&mut replay, events)
+    replay
+        .apply_all(events)
         .with_context(|| format!("cannot replay {}", args.trace.display()))?;
     let (outcome, mut allocator) = replay.into_parts();
     if let Some(path) = &args.snapshot_out {
-        // The settings string already parsed once in `machine.build()`; parsing is deterministic.
-        let config = AllocatorConfig::parse(&args.machine.alloc_conf)
-            .map_err(|e| anyhow::anyhow!("invalid --alloc-conf: {e}"))?;
-        let snapshot = snapshot_of(&mut allocator, &config, &ExportOptions::default());
+        let snapshot = snapshot_of(&mut allocator, &machine.config, &ExportOptions::default());
         vramsim_traces::snapshot::write_snapshot_file(path, &snapshot)
             // the error names the file; its source chain would repeat the I/O error
             .map_err(|e| anyhow::anyhow!("cannot write the snapshot: {e}"))?;
@@ -107,20 +104,6 @@ pub fn run(mut args: ReplayArgs) -> Result<()> {
         }
         if let Some(path) = &args.snapshot_out {
             println!("snapshot   {}", path.display());
-        }
-    }
-    Ok(())
-}
-
-/// `Replay::run`, keeping the replay so that its allocator can be exported afterwards.
-fn apply_all<A, I>(replay: &mut Replay<A>, events: I) -> Result<(), ReplayError>
-where
-    A: vramsim_sim::allocator::Allocator,
-    I: IntoIterator<Item = Result<vramsim_traces::Event, vramsim_traces::TraceError>>,
-{
-    for event in events {
-        if replay.apply(event?)? == Flow::Stopped {
-            break;
         }
     }
     Ok(())

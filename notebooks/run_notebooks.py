@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Runs the notebooks for CI.
+
+    python3 notebooks/run_notebooks.py --check-stripped   # fail if a notebook holds outputs
+    python3 notebooks/run_notebooks.py                     # execute every notebook, fail on a failing cell
+    python3 notebooks/run_notebooks.py 02_*.ipynb          # some of them
+
+Execution uses nbclient with the `python3` kernel, from the notebooks' directory, and never writes the
+notebooks back: what is committed stays without outputs. Executed copies go to target/notebooks/ for
+inspection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def notebooks(patterns: list[str]) -> list[Path]:
+    found = sorted(HERE.glob("*.ipynb"))
+    if patterns:
+        found = [p for p in found if any(p.match(pat) for pat in patterns)]
+    return found
+
+
+def check_stripped(paths: list[Path]) -> int:
+    """Notebooks must be committed without outputs, execution counts or widget state."""
+    bad = []
+    for path in paths:
+        nb = json.loads(path.read_text())
+        for i, cell in enumerate(nb.get("cells", [])):
+            if cell.get("outputs") or cell.get("execution_count") is not None:
+                bad.append(f"{path.name}: cell {i} has outputs or an execution count")
+        if "widgets" in nb.get("metadata", {}):
+            bad.append(f"{path.name}: metadata holds widget state")
+    for line in bad:
+        print(f"error: {line}", file=sys.stderr)
+    if bad:
+        print(
+            "strip them before committing, e.g. `jupyter nbconvert --clear-output --inplace notebooks/*.ipynb`",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"{len(paths)} notebooks, no outputs")
+    return 0
+
+
+def execute(paths: list[Path], timeout: int) -> int:
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    out_dir = REPO / "target" / "notebooks"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        client = NotebookClient(
+            nb,
+            timeout=timeout,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(HERE)}},
+        )
+        start = time.monotonic()
+        try:
+            client.execute()
+            status = "ok"
+        except CellExecutionError as error:
+            status = "FAILED"
+            failed += 1
+            print(str(error), file=sys.stderr)
+        finally:
+            nbformat.write(nb, out_dir / path.name)
+        print(f"{path.name}: {status} in {time.monotonic() - start:.1f} s")
+    passed = len(paths) - failed
+    print(f"notebooks: {passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("patterns", nargs="*", help="notebook name patterns (default: all)")
+    parser.add_argument("--check-stripped", action="store_true", help="only check for outputs")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    args = parser.parse_args()
+    paths = notebooks(args.patterns)
+    if not paths:
+        print("error: no notebooks found", file=sys.stderr)
+        return 1
+    if args.check_stripped:
+        return check_stripped(paths)
+    return execute(paths, args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,559 @@
+//! `vramsim max-batch`: the largest batch (or, with `--max-seq`, sequence length) whose training step
+//! fits the device under the allocator model, found by doubling then bisection with `predict`'s own
+//! evaluation, with the first size that does not fit and PyTorch's out-of-memory message for it.
+//!
+//! The search assumes that memory grows with the size, which the caching allocator does not strictly
+//! promise (rounding and fragmentation can make a size fit where a smaller one did not); whatever the
+//! curve, the answer holds for its neighbours: the size returned was replayed and fits, and the next one
+//! was replayed and does not.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+use vramsim_sim::format::format_size;
+use vramsim_sim::plot::{
+    plot_category_timeline, plot_size_curve, CategorySample, CategoryTimelinePlot, SizeCurvePlot,
+    SizePoint,
+};
+
+use crate::sweep::{self, Evaluated, FixedOptions, Headroom, Progress, Setting, Wants};
+use crate::whatif::step_json;
+
+/// Largest batch tried when no `--limit` is given.
+const DEFAULT_BATCH_LIMIT: u64 = 1 << 16;
+/// Largest sequence tried for models without a position limit.
+const DEFAULT_SEQ_LIMIT: u64 = 1 << 20;
+/// Timeline points kept for `--timeline`.
+const TIMELINE_POINTS: usize = 4000;
+/// Sizes evaluated for the `--plot` curve, besides those the search tried.
+const CURVE_POINTS: u64 = 12;
+
+/// Options of `vramsim max-batch`.
+#[derive(Args, Debug)]
+pub struct MaxBatchArgs {
+    /// Search the longest sequence instead, at --batch (default 1).
+    #[arg(long)]
+    pub max_seq: bool,
+    /// Memory a fit must leave free on the device: a percentage (5%), a fraction (0.05) or a size
+    /// (2GiB). Without it, a size fits when its step raises no out-of-memory error.
+    #[arg(long, value_parser = Headroom::parse)]
+    pub headroom: Option<Headroom>,
+    /// Largest size to try (default: 65536 for the batch, the model's positions for the sequence).
+    #[arg(long, value_name = "N")]
+    pub limit: Option<u64>,
+    /// Print the answer as JSON: {"max_batch": B, ...} (or "max_seq").
+    #[arg(long)]
+    pub json: bool,
+    /// Draw peak device memory against the size to a .png or .svg file.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+    /// Draw one step at the largest size that fits, by category, to a .png or .svg file.
+    #[arg(long, value_name = "FILE")]
+    pub timeline: Option<PathBuf>,
+    /// The options of `vramsim predict` (`--model` or `--hf-config` is required; not --batch, which is
+    /// searched, unless --max-seq).
+    #[command(flatten)]
+    pub predict: FixedOptions,
+}
+
+/// One size tried.
+pub struct Probe {
+    /// The size.
+    pub size: u64,
+    /// What `predict` made of it.
+    pub evaluated: Evaluated,
+    /// Whether it fits (no out-of-memory error, and within the headroom).
+    pub fits: bool,
+    /// Why it does not fit.
+    pub reason: Option<String>,
+}
+
+/// Why a size does not fit, or `None` when it does.
+pub fn misfit(evaluated: &Evaluated, headroom: Option<Headroom>) -> Option<String> {
+    if let Some(message) = evaluated.oom_message() {
+        return Some(message.to_string());
+    }
+    let headroom = headroom?;
+    let total = evaluated.report.device.total_memory;
+    let limit = total.saturating_sub(headroom.bytes(total));
+    let used = evaluated.report.peak_device_used();
+    (used > limit).then(|| {
+        format!(
+            "peak device use {} is above the limit of {} ({} total less {} headroom)",
+            format_size(used),
+            format_size(limit),
+            format_size(total),
+            format_size(headroom.bytes(total))
+        )
+    })
+}
+
+/// The result of a search.
+pub struct Search {
+    /// `batch` or `seq`.
+    pub key: &'static str,
+    /// The largest size that fits.
+    pub largest: Probe,
+    /// The first size above it that does not, unless the limit was reached.
+    pub first_failure: Option<Probe>,
+    /// Every size tried: (size, peak device use, fits).
+    pub tried: Vec<(u64, u64, bool)>,
+    /// The largest size the search could try.
+    pub limit: u64,
+}
+
+/// Evaluates `fixed` with `key` set to `size` (and `extra`).
+fn probe(
+    fixed: &FixedOptions,
+    key: &str,
+    size: u64,
+    extra: &[Setting],
+    headroom: Option<Headroom>,
+    timeline_points: usize,
+) -> Result<Probe> {
+    let mut settings = extra.to_vec();
+    settings.push((key.to_string(), size.to_string()));
+    let evaluated = sweep::evaluate_one(
+        &fixed.args(&settings),
+        Wants {
+            json: false,
+            timeline_points,
+        },
+    )?;
+    let reason = misfit(&evaluated, headroom);
+    Ok(Probe {
+        size,
+        fits: reason.is_none(),
+        reason,
+        evaluated,
+    })
+}
+
+/// Finds the largest `key` (batch or seq) that fits: 1, 2, 4, ... until one does not fit or `limit`,
+/// then bisection between the last that fit and the first that did not.
+pub fn search(
+    fixed: &FixedOptions,
+    key: &'static str,
+    extra: &[Setting],
+    headroom: Option<Headroom>,
+    limit: Option<u64>,
+) -> Result<Search> {
+    let what = if key == "seq" { "sequence" } else { "batch" };
+    let first = probe(fixed, key, 1, extra, headroom, 0)?;
+    let mut tried = vec![(1, first.evaluated.report.peak_device_used(), first.fits)];
+    if !first.fits {
+        let device = &first.evaluated.report.device;
+        bail!(
+            "even {what} 1 does not fit on {} ({} total): {}",
+            device.name,
+            format_size(device.total_memory),
+            first.reason.as_deref().unwrap_or("")
+        );
+    }
+    // a sequence cannot exceed the model's positions, whatever --limit says
+    let positions = first.evaluated.prediction.arch.max_positions();
+    let limit = match (limit, key) {
+        (Some(limit), "seq") => limit.max(1).min(positions.unwrap_or(u64::MAX)),
+        (Some(limit), _) => limit.max(1),
+        (None, "seq") => positions.unwrap_or(DEFAULT_SEQ_LIMIT),
+        (None, _) => DEFAULT_BATCH_LIMIT,
+    };
+    if key == "seq" && first.evaluated.prediction.arch.max_positions().is_none() {
+        bail!(
+            "{} takes images (or features), not sequences: --max-seq needs a language model",
+            first.evaluated.prediction.arch.name()
+        );
+    }
+    let mut largest = first;
+    let mut failure: Option<Probe> = None;
+    // doubling
+    while largest.size < limit {
+        let size = (largest.size * 2).min(limit);
+        let p = probe(fixed, key, size, extra, headroom, 0)?;
+        tried.push((size, p.evaluated.report.peak_device_used(), p.fits));
+        if p.fits {
+            largest = p;
+        } else {
+            failure = Some(p);
+            break;
+        }
+    }
+    // bisection: `largest` fits, `failure` does not
+    while let Some(f) = &failure {
+        if f.size - largest.size <= 1 {
+            break;
+        }
+        let size = largest.size + (f.size - largest.size) / 2;
+        let p = probe(fixed, key, size, extra, headroom, 0)?;
+        tried.push((size, p.evaluated.report.peak_device_used(), p.fits));
+        if p.fits {
+            largest = p;
+        } else {
+            failure = Some(p);
+        }
+    }
+    Ok(Search {
+        key,
+        largest,
+        first_failure: failure,
+        tried,
+        limit,
+    })
+}
+
+/// Runs `vramsim max-batch`.
+pub fn run(args: MaxBatchArgs) -> Result<()> {
+    let key: &'static str = if args.max_seq { "seq" } else { "batch" };
+    if args.predict.has(key) {
+        bail!(
+            "--{key} is what max-batch searches{}; leave it out",
+            if args.max_seq { " with --max-seq" } else { "" }
+        );
+    }
+    let extra: Vec<Setting> = if args.max_seq && !args.predict.has("batch") {
+        vec![("batch".to_string(), "1".to_string())]
+    } else {
+        Vec::new()
+    };
+    let t0 = Instant::now();
+    let found = search(&args.predict, key, &extra, args.headroom, args.limit)?;
+    let seconds = t0.elapsed().as_secs_f64();
+    let mut curve: Vec<(u64, u64, bool)> = found.tried.clone();
+    if let Some(path) = &args.plot {
+        curve.extend(curve_points(&args.predict, &found, &extra, args.headroom)?);
+        draw_curve(&args, &found, &curve, path)?;
+    }
+    if let Some(path) = &args.timeline {
+        let p = probe(
+            &args.predict,
+            key,
+            found.largest.size,
+            &extra,
+            args.headroom,
+            TIMELINE_POINTS,
+        )?;
+        draw_timeline(&p, key, path)?;
+    }
+    let mut settings = extra.clone();
+    settings.push((key.to_string(), found.largest.size.to_string()));
+    let command = args.predict.command_line(&settings);
+    let best = &found.largest.evaluated;
+    let device = &best.report.device;
+    let headroom_bytes = args.headroom.map_or(0, |h| h.bytes(device.total_memory));
+    if args.json {
+        let mut doc = serde_json::Map::new();
+        doc.insert(format!("max_{key}"), json!(found.largest.size));
+        doc.insert("searched".into(), json!(key));
+        doc.insert("model".into(), json!(best.prediction.arch.name()));
+        doc.insert(
+            "device".into(),
+            json!({
+                "name": device.name,
+                "total_memory_bytes": device.total_memory,
+                "context_bytes": device.context_bytes,
+            }),
+        );
+        doc.insert("headroom_bytes".into(), json!(headroom_bytes));
+        doc.insert(
+            "limit_bytes".into(),
+            json!(device.total_memory - headroom_bytes),
+        );
+        doc.insert(
+            "peak_allocated_bytes".into(),
+            json!(best.report.peak_allocated()),
+        );
+        doc.insert(
+            "peak_reserved_bytes".into(),
+            json!(best.report.peak_reserved()),
+        );
+        doc.insert(
+            "peak_device_used_bytes".into(),
+            json!(best.report.peak_device_used()),
+        );
+        doc.insert(
+            "peak_requested_bytes".into(),
+            json!(best.report.peak_requested()),
+        );
+        doc.insert("effective_batch".into(), json!(best.effective_batch()));
+        doc.insert("step_time".into(), step_json(best));
+        doc.insert(
+            "first_failure".into(),
+            match &found.first_failure {
+                None => Value::Null,
+                Some(f) => json!({
+                    key: f.size,
+                    "reason": if f.evaluated.oom_message().is_some() { "oom" } else { "headroom" },
+                    "message": f.reason,
+                    "peak_device_used_bytes": f.evaluated.report.peak_device_used(),
+                }),
+            },
+        );
+        doc.insert("limit_reached".into(), json!(found.first_failure.is_none()));
+        doc.insert("search_limit".into(), json!(found.limit));
+        doc.insert(
+            "tried".into(),
+            found
+                .tried
+                .iter()
+                .map(|&(size, used, fits)| json!({key: size, "fits": fits, "peak_device_used_bytes": used}))
+                .collect(),
+        );
+        doc.insert("command".into(), json!(command));
+        doc.insert("seconds".into(), json!(seconds));
+        println!("{}", serde_json::to_string_pretty(&Value::Object(doc))?);
+        return Ok(());
+    }
+    let what = if args.max_seq { "sequence" } else { "batch" };
+    println!(
+        "model       {}, {}",
+        best.prediction.arch.name(),
+        recipe_text(best, key)
+    );
+    println!(
+        "device      {}, {} total{}",
+        device.name,
+        format_size(device.total_memory),
+        match args.headroom {
+            Some(_) => format!(
+                ", {} kept free (fits below {})",
+                format_size(headroom_bytes),
+                format_size(device.total_memory - headroom_bytes)
+            ),
+            None => String::new(),
+        }
+    );
+    println!();
+    println!(
+        "{:<31}{:>7}   peak device used {} (allocated {}, reserved {}), estimated step {:.1} ms",
+        format!("largest {what} that fits"),
+        found.largest.size,
+        format_size(best.report.peak_device_used()),
+        format_size(best.report.peak_allocated()),
+        format_size(best.report.peak_reserved()),
+        best.step.step_ms
+    );
+    match &found.first_failure {
+        Some(f) => println!(
+            "{:<31}{:>7}   {}",
+            format!("first {what} that does not fit"),
+            f.size,
+            f.reason.as_deref().unwrap_or("")
+        ),
+        None if args.max_seq && Some(found.limit) == best.prediction.arch.max_positions() => {
+            println!(
+                "every sequence up to the model's {} positions fits",
+                found.limit
+            )
+        }
+        None => println!(
+            "every {what} up to the search limit {} fits (raise --limit to look further)",
+            found.limit
+        ),
+    }
+    let mut sizes: Vec<String> = found
+        .tried
+        .iter()
+        .map(|(s, _, fits)| format!("{s}{}", if *fits { "" } else { "✗" }))
+        .collect();
+    sizes.dedup();
+    println!();
+    println!(
+        "tried       {} ({} replays, {:.2} s)",
+        sizes.join(" "),
+        found.tried.len(),
+        seconds
+    );
+    println!("command     {command}");
+    if let Some(path) = &args.plot {
+        println!("plot        {}", path.display());
+    }
+    if let Some(path) = &args.timeline {
+        println!("timeline    {}", path.display());
+    }
+    Ok(())
+}
+
+/// The recipe of an evaluation, without the searched size.
+fn recipe_text(e: &Evaluated, key: &str) -> String {
+    let r = &e.prediction.recipe;
+    let mut parts = Vec::new();
+    if key != "batch" {
+        parts.push(format!("batch {}", r.batch));
+    }
+    if key != "seq" && r.seq > 0 {
+        parts.push(format!("seq {}", r.seq));
+    }
+    parts.push(r.precision.to_string());
+    if r.inference {
+        parts.push("inference".into());
+    } else {
+        parts.push(format!(
+            "{} ({})",
+            r.optimizer,
+            optimizer_impl(r.optimizer_impl)
+        ));
+        parts.push(format!("checkpoint {}", r.checkpointing));
+        parts.push(format!("accum {}", r.accum));
+    }
+    if !e.report.alloc_conf.is_empty() {
+        parts.push(e.report.alloc_conf.clone());
+    }
+    parts.join(", ")
+}
+
+/// The recipe in a few words for titles: what differs from `predict`'s defaults.
+fn short_recipe(e: &Evaluated, key: &str) -> String {
+    let r = &e.prediction.recipe;
+    let mut parts = vec![r.precision.to_string()];
+    if key != "batch" {
+        parts.push(format!("batch {}", r.batch));
+    }
+    if key != "seq" && r.seq > 0 {
+        parts.push(format!("seq {}", r.seq));
+    }
+    if r.checkpointing != vramsim_models::Checkpointing::None {
+        parts.push(format!("checkpoint {}", r.checkpointing));
+    }
+    if r.accum > 1 {
+        parts.push(format!("accum {}", r.accum));
+    }
+    if r.inference {
+        parts.push("inference".into());
+    }
+    if !e.report.alloc_conf.is_empty() {
+        parts.push(e.report.alloc_conf.clone());
+    }
+    parts.join(", ")
+}
+
+fn optimizer_impl(i: vramsim_models::OptimizerImpl) -> &'static str {
+    match i {
+        vramsim_models::OptimizerImpl::Foreach => "foreach",
+        vramsim_models::OptimizerImpl::Fused => "fused",
+        vramsim_models::OptimizerImpl::ForLoop => "for-loop",
+    }
+}
+
+/// More sizes for the curve: evenly spaced up to the first failure (or the largest fit), evaluated in
+/// parallel.
+fn curve_points(
+    fixed: &FixedOptions,
+    found: &Search,
+    extra: &[Setting],
+    headroom: Option<Headroom>,
+) -> Result<Vec<(u64, u64, bool)>> {
+    let top = found
+        .first_failure
+        .as_ref()
+        .map_or(found.largest.size, |f| f.size);
+    let step = (top / CURVE_POINTS).max(1);
+    let sizes: Vec<u64> = (1..=CURVE_POINTS)
+        .map(|i| i * step)
+        .filter(|s| *s < top && !found.tried.iter().any(|t| t.0 == *s))
+        .collect();
+    let configs: Vec<Vec<String>> = sizes
+        .iter()
+        .map(|s| {
+            let mut settings = extra.to_vec();
+            settings.push((found.key.to_string(), s.to_string()));
+            fixed.args(&settings)
+        })
+        .collect();
+    let results = sweep::evaluate(&configs, Wants::default(), &Progress::hidden());
+    Ok(sizes
+        .into_iter()
+        .zip(results)
+        .filter_map(|(s, r)| {
+            let e = r.ok()?;
+            let fits = misfit(&e, headroom).is_none();
+            Some((s, e.report.peak_device_used(), fits))
+        })
+        .collect())
+}
+
+fn draw_curve(
+    args: &MaxBatchArgs,
+    found: &Search,
+    curve: &[(u64, u64, bool)],
+    path: &Path,
+) -> Result<()> {
+    let best = &found.largest.evaluated;
+    let device = &best.report.device;
+    let points: Vec<SizePoint> = curve
+        .iter()
+        .map(|&(size, device_used, fits)| SizePoint {
+            size,
+            device_used,
+            fits,
+        })
+        .collect();
+    let what = if args.max_seq {
+        "sequence length"
+    } else {
+        "batch size"
+    };
+    let title = format!(
+        "{} ({}) on {}: peak memory against {what}",
+        best.prediction.arch.name(),
+        short_recipe(best, found.key),
+        device.name,
+    );
+    plot_size_curve(
+        &SizeCurvePlot {
+            title: &title,
+            x_label: what,
+            points: &points,
+            capacity: Some(device.total_memory),
+            limit: args
+                .headroom
+                .map(|h| device.total_memory - h.bytes(device.total_memory)),
+        },
+        path,
+    )
+    .with_context(|| format!("cannot draw {}", path.display()))
+}
+
+/// Draws one step of `p` (the last iteration) as stacked categories.
+pub fn draw_timeline(p: &Probe, key: &str, path: &Path) -> Result<()> {
+    let e = &p.evaluated;
+    let samples: Vec<CategorySample> = e
+        .last_step_timeline()
+        .map(|t| CategorySample {
+            x: t.event_index as f64,
+            categories: t.categories,
+            reserved: t.reserved,
+        })
+        .collect();
+    let start = e.last_iteration_start;
+    let phases: Vec<(f64, String)> = e
+        .report
+        .outcome
+        .phase_marks
+        .iter()
+        .filter(|(i, _)| *i >= start)
+        .map(|(i, n)| (*i as f64, n.clone()))
+        .collect();
+    let device = &e.report.device;
+    let title = format!(
+        "{} · {key} {} · {} · one step on {}",
+        e.prediction.arch.name(),
+        p.size,
+        short_recipe(e, key),
+        device.name
+    );
+    plot_category_timeline(
+        &CategoryTimelinePlot {
+            title: &title,
+            x_label: "event",
+            samples: &samples,
+            capacity: Some(device.total_memory - device.non_allocator_bytes()),
+            oom_at: e.report.outcome.oom.as_ref().map(|o| o.event_index as f64),
+            phases: &phases,
+        },
+        path,
+    )
+    .with_context(|| format!("cannot draw {}", path.display()))
+}

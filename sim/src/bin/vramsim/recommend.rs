@@ -1,0 +1,363 @@
+//! `vramsim recommend`: the recipes that reach a global batch on a device, fastest first.
+//!
+//! For every precision and checkpointing policy not fixed on the command line (fp32, bf16, amp-fp16,
+//! amp-bf16 × none, selective, sqrt, full), the largest micro-batch that divides the global batch and
+//! fits is found by bisection over the divisors, with accumulation making up the rest
+//! (`batch × accum = global batch`); the largest is the fastest of its recipe under the step-time model,
+//! which then orders the recipes (see [`crate::steptime`]).
+
+use std::fmt::Write as _;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use rayon::prelude::*;
+use serde_json::{json, Value};
+use vramsim_sim::format::format_size;
+
+use crate::maxbatch::misfit;
+use crate::sweep::{self, Evaluated, FixedOptions, Headroom, Setting, Wants};
+use crate::whatif::step_json;
+
+/// Precisions tried when `--precision` is not given.
+const PRECISIONS: &[&str] = &["fp32", "bf16", "amp-fp16", "amp-bf16"];
+/// Checkpointing policies tried when `--checkpoint` is not given.
+const CHECKPOINTS: &[&str] = &["none", "selective", "sqrt", "full"];
+
+/// Options of `vramsim recommend`.
+#[derive(Args, Debug)]
+pub struct RecommendArgs {
+    /// Samples per optimizer step to reach: micro-batch × gradient accumulation.
+    #[arg(long, value_name = "N")]
+    pub global_batch: u64,
+    /// Memory a recipe must leave free: a percentage (5%), a fraction (0.05) or a size (2GiB).
+    #[arg(long, value_parser = Headroom::parse)]
+    pub headroom: Option<Headroom>,
+    /// Recipes listed at most.
+    #[arg(long, default_value_t = 10)]
+    pub top: usize,
+    /// Print the recipes as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// The options of `vramsim predict` (`--model` or `--hf-config` is required); --precision,
+    /// --checkpoint, --batch or --accum, when given, are kept instead of searched.
+    #[command(flatten)]
+    pub predict: FixedOptions,
+}
+
+/// A recipe that reaches the global batch.
+pub struct Recipe {
+    /// Its settings (precision, checkpoint, batch, accum).
+    pub settings: Vec<Setting>,
+    /// The evaluation.
+    pub evaluated: Evaluated,
+}
+
+/// The best that did not fit, for the error when nothing does.
+struct Miss {
+    settings: Vec<Setting>,
+    reason: String,
+    frugality: usize,
+    device_used: u64,
+}
+
+/// Runs `vramsim recommend`.
+pub fn run(args: RecommendArgs) -> Result<()> {
+    let n = args.global_batch;
+    if n == 0 {
+        bail!("--global-batch must be 1 or more");
+    }
+    let fixed = &args.predict;
+    let value = |key: &str| fixed.value(key).map(str::to_string);
+    let precisions: Vec<String> = match value("precision") {
+        Some(p) => vec![p],
+        None => PRECISIONS.iter().map(|s| s.to_string()).collect(),
+    };
+    let checkpoints: Vec<String> = match value("checkpoint") {
+        Some(c) => vec![c],
+        None => CHECKPOINTS.iter().map(|s| s.to_string()).collect(),
+    };
+    if fixed.has("inference") {
+        bail!("recommend plans training steps; --inference has no global batch to reach");
+    }
+    let divisors: Vec<u64> = match (value("batch"), value("accum")) {
+        (Some(_), Some(_)) => {
+            bail!("give --batch or --accum, not both: the other is --global-batch divided by it")
+        }
+        (Some(b), None) => {
+            let b: u64 = b
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--batch {b:?} is not a whole number"))?;
+            if b == 0 || !n.is_multiple_of(b) {
+                bail!("--batch {b} does not divide --global-batch {n}");
+            }
+            vec![b]
+        }
+        (None, Some(a)) => {
+            let a: u64 = a
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--accum {a:?} is not a whole number"))?;
+            if a == 0 || !n.is_multiple_of(a) {
+                bail!("--accum {a} does not divide --global-batch {n}");
+            }
+            vec![n / a]
+        }
+        (None, None) => (1..=n).filter(|d| n.is_multiple_of(*d)).collect(),
+    };
+    // batch and accum are set per candidate; drop fixed ones of those names
+    let base = FixedOptions {
+        given: fixed
+            .given
+            .iter()
+            .filter(|(k, _)| !matches!(k.as_str(), "batch" | "accum" | "precision" | "checkpoint"))
+            .cloned()
+            .collect(),
+    };
+    // check the fixed options once (a bad model or GPU is one error, not one per recipe)
+    let probe_settings = candidate(&precisions[0], &checkpoints[0], divisors[0], n);
+    let parsed = sweep::OptionSet::predict().parse(&base.args(&probe_settings))?;
+    sweep::check(&parsed)?;
+
+    let combos: Vec<(&String, &String)> = precisions
+        .iter()
+        .flat_map(|p| checkpoints.iter().map(move |c| (p, c)))
+        .collect();
+    let outcomes: Vec<Result<Result<Recipe, Miss>, String>> = combos
+        .par_iter()
+        .map(|(p, c)| best_for(&base, p, c, &divisors, n, args.headroom))
+        .collect();
+    let mut recipes = Vec::new();
+    let mut misses = Vec::new();
+    for outcome in outcomes {
+        match outcome {
+            Ok(Ok(r)) => recipes.push(r),
+            Ok(Err(m)) => misses.push(m),
+            Err(e) => bail!("{e}"),
+        }
+    }
+    recipes.sort_by(|a, b| {
+        a.evaluated
+            .step
+            .step_ms
+            .total_cmp(&b.evaluated.step.step_ms)
+            .then(
+                a.evaluated
+                    .report
+                    .peak_device_used()
+                    .cmp(&b.evaluated.report.peak_device_used()),
+            )
+    });
+    if recipes.is_empty() {
+        // the error quotes the recipe that needs the least memory
+        misses.sort_by_key(|m| (std::cmp::Reverse(m.frugality), m.device_used));
+        let closest = misses.first();
+        bail!(
+            "no recipe reaches global batch {n}: every precision and checkpointing tried ({}) runs out of memory even at micro-batch {}{}",
+            combos.len(),
+            divisors[0],
+            match closest {
+                Some(m) => format!(
+                    "; with {}: {}",
+                    describe(&m.settings),
+                    m.reason
+                ),
+                None => String::new(),
+            }
+        );
+    }
+    let shown = &recipes[..recipes.len().min(args.top.max(1))];
+    if args.json {
+        let list: Vec<Value> = shown
+            .iter()
+            .enumerate()
+            .map(|(i, r)| recipe_json(i + 1, r, &base))
+            .collect();
+        let device = &recipes[0].evaluated.report.device;
+        let doc = json!({
+            "global_batch": n,
+            "model": recipes[0].evaluated.prediction.arch.name(),
+            "device": {"name": device.name, "total_memory_bytes": device.total_memory},
+            "recipes_that_fit": recipes.len(),
+            "recipes_tried": combos.len(),
+            "recipes": list,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print!("{}", to_table(&recipes, shown, &base, n, combos.len()));
+    }
+    Ok(())
+}
+
+fn candidate(precision: &str, checkpoint: &str, batch: u64, n: u64) -> Vec<Setting> {
+    vec![
+        ("precision".to_string(), precision.to_string()),
+        ("checkpoint".to_string(), checkpoint.to_string()),
+        ("batch".to_string(), batch.to_string()),
+        ("accum".to_string(), (n / batch).to_string()),
+    ]
+}
+
+/// `amp-bf16, checkpoint full, batch 8 × accum 4`.
+fn describe(settings: &[Setting]) -> String {
+    let get = |k: &str| {
+        settings
+            .iter()
+            .find(|(key, _)| key == k)
+            .map_or("", |(_, v)| v.as_str())
+    };
+    format!(
+        "{}, checkpoint {}, batch {} × accum {}",
+        get("precision"),
+        get("checkpoint"),
+        get("batch"),
+        get("accum")
+    )
+}
+
+/// The largest divisor micro-batch that fits with this precision and checkpointing, by bisection over
+/// the divisors from the largest down (the small micro-batches, with many accumulation steps, are the
+/// longest to lower), or the smallest's failure when none fits.
+fn best_for(
+    base: &FixedOptions,
+    precision: &str,
+    checkpoint: &str,
+    divisors: &[u64],
+    n: u64,
+    headroom: Option<Headroom>,
+) -> Result<Result<Recipe, Miss>, String> {
+    type Probe = (Vec<Setting>, Evaluated, Option<String>);
+    let eval = |i: usize| -> Result<Probe, String> {
+        let settings = candidate(precision, checkpoint, divisors[i], n);
+        let evaluated = sweep::evaluate_one(&base.args(&settings), Wants::default())
+            .map_err(|e| format!("{e:#}"))?;
+        let reason = misfit(&evaluated, headroom);
+        Ok((settings, evaluated, reason))
+    };
+    // invariant: every divisor below `lo` is unknown or fits (`best` is the largest that does), every
+    // one from `hi` on does not fit
+    let (mut lo, mut hi) = (0, divisors.len());
+    let mut best: Option<Probe> = None;
+    let mut smallest_failure: Option<Probe> = None;
+    while lo < hi {
+        // the largest untried first, then halves
+        let i = if best.is_none() && hi == divisors.len() {
+            hi - 1
+        } else {
+            lo + (hi - lo) / 2
+        };
+        let probe = eval(i)?;
+        if probe.2.is_none() {
+            lo = i + 1;
+            best = Some(probe);
+        } else {
+            hi = i;
+            if i == 0 {
+                smallest_failure = Some(probe);
+            }
+        }
+    }
+    match (best, smallest_failure) {
+        (Some((settings, evaluated, _)), _) => Ok(Ok(Recipe {
+            settings,
+            evaluated,
+        })),
+        (None, Some((settings, evaluated, reason))) => Ok(Err(Miss {
+            settings,
+            reason: reason.unwrap_or_default(),
+            frugality: frugality(precision, checkpoint),
+            device_used: evaluated.report.peak_device_used(),
+        })),
+        (None, None) => Err("no micro-batch was tried".to_string()),
+    }
+}
+
+/// How little memory a precision and checkpointing policy need, in the usual order (higher is less).
+fn frugality(precision: &str, checkpoint: &str) -> usize {
+    let p = ["fp32", "amp-fp16", "amp-bf16", "bf16"]
+        .iter()
+        .position(|x| *x == precision)
+        .unwrap_or(0);
+    let c = ["none", "selective", "sqrt", "full"]
+        .iter()
+        .position(|x| *x == checkpoint)
+        .unwrap_or(0);
+    4 * c + p
+}
+
+fn recipe_json(rank: usize, r: &Recipe, base: &FixedOptions) -> Value {
+    let e = &r.evaluated;
+    let rec = &e.prediction.recipe;
+    json!({
+        "rank": rank,
+        "precision": rec.precision.to_string(),
+        "checkpoint": rec.checkpointing.to_string(),
+        "batch": rec.batch,
+        "accum": rec.accum,
+        "effective_batch": e.effective_batch(),
+        "peak_allocated_bytes": e.report.peak_allocated(),
+        "peak_reserved_bytes": e.report.peak_reserved(),
+        "peak_device_used_bytes": e.report.peak_device_used(),
+        "step_time": step_json(e),
+        "command": base.command_line(&r.settings),
+    })
+}
+
+fn to_table(all: &[Recipe], shown: &[Recipe], base: &FixedOptions, n: u64, tried: usize) -> String {
+    let mut out = String::new();
+    let first = &all[0].evaluated;
+    let device = &first.report.device;
+    let _ = writeln!(
+        out,
+        "recommend  {} to global batch {n} on {} ({} total): {} of {tried} precision × checkpointing recipes fit",
+        first.prediction.arch.name(),
+        device.name,
+        format_size(device.total_memory),
+        all.len()
+    );
+    let _ = writeln!(
+        out,
+        "           each with its largest micro-batch that fits; fastest first by estimated step time\n"
+    );
+    let _ = writeln!(
+        out,
+        "{:>4}  {:<9} {:<10} {:>13}  {:>12}  {:>10}  {:>10}",
+        "rank", "precision", "checkpoint", "batch × accum", "device used", "step (ms)", "samples/s"
+    );
+    for (i, r) in shown.iter().enumerate() {
+        let e = &r.evaluated;
+        let rec = &e.prediction.recipe;
+        let _ = writeln!(
+            out,
+            "{:>4}  {:<9} {:<10} {:>13}  {:>12}  {:>10.1}  {:>10.1}",
+            i + 1,
+            rec.precision.to_string(),
+            rec.checkpointing.to_string(),
+            format!("{} × {}", rec.batch, rec.accum),
+            format_size(e.report.peak_device_used()),
+            e.step.step_ms,
+            e.samples_per_s()
+        );
+        let _ = writeln!(out, "      {}", base.command_line(&r.settings));
+    }
+    if shown.len() < all.len() {
+        let _ = writeln!(
+            out,
+            "\n({} more; --top N lists more)",
+            all.len() - shown.len()
+        );
+    }
+    out.push('\n');
+    if shown
+        .iter()
+        .any(|r| r.evaluated.prediction.recipe.precision == vramsim_models::Precision::Bf16)
+    {
+        let _ = writeln!(
+            out,
+            "bf16 is model.to(torch.bfloat16): no float32 master weights, which changes the training numerics; amp-* keep them"
+        );
+    }
+    let _ = writeln!(
+        out,
+        "step times come from a FLOP/bandwidth model (see `vramsim whatif --help`); they rank recipes, they do not time them"
+    );
+    out
+}

@@ -1,0 +1,692 @@
+//! A step-time estimate for comparing recipes: a FLOP/bandwidth (roofline) model of one training step
+//! on a GPU preset. It ranks what-ifs ("full checkpointing costs about a third more"); it does not
+//! predict wall-clock time to better than a factor of two, and nothing in vramsim's memory answers
+//! depends on it.
+//!
+//! # The model
+//!
+//! Every op of the model graph gets a forward time
+//!
+//! ```text
+//! t(op) = max( FLOPs / (peak FLOP/s × 0.6),  bytes / (HBM bandwidth × 0.75),  5 µs )
+//! ```
+//!
+//! * **FLOPs** count only the matrix products: `mm`, `addmm`, `bmm`, `linear` (2·M·N·K), convolutions
+//!   (2 × output elements × input channels per group × kernel area) and fused attention
+//!   (4·B·H·S_q·S_k·D, no causal discount). Everything else is memory-bound.
+//! * **bytes** are the op's inputs and outputs, read and written once, at the width the recipe gives
+//!   them: float32 for `fp32`; 16-bit for `bf16` and for AMP, except the ops autocast runs in float32
+//!   (layer norm, softmax, log-softmax, the loss, `pow`, `rsqrt`); fixed dtypes (token ids, masks) at
+//!   their own width. Views, reshapes and `split`s move nothing.
+//! * **peak FLOP/s** is the preset's dense rate for the precision the product runs in: bf16 or fp16
+//!   tensor cores for `bf16`, `amp-bf16`, `amp-fp16`; for `fp32`, plain FP32 for matrix products
+//!   (PyTorch's default `torch.backends.cuda.matmul.allow_tf32 = False`) and TF32 tensor cores for
+//!   convolutions (`torch.backends.cudnn.allow_tf32 = True` by default). Without bf16 hardware (V100,
+//!   T4) bf16 runs at the FP32 rate.
+//! * **0.6 and 0.75** are the shares of peak compute and bandwidth that large eager-mode kernels reach
+//!   (cuBLAS GEMMs typically run at 60–80% of the datasheet's dense peak, streaming kernels at 75–90%
+//!   of HBM bandwidth); **5 µs** is the floor of one eager op (launch and host dispatch), so small
+//!   models and micro-batches do not look free.
+//!
+//! From the forward time `F` of one micro-batch:
+//!
+//! * **backward** takes `2F` (each product needs two of the same size, for the input's and the weight's
+//!   gradients; memory-bound ops read the gradient and what they saved and write a gradient);
+//! * **recomputation** takes the forward time of the ops that checkpointing reruns: every block for
+//!   `full`, every K-th for `every:K`, the attention cores for `selective`, all segments but the last
+//!   for `sqrt` (the regions the lowering checkpoints);
+//! * **accumulation** runs `accum` micro-batches of `F + 2F + recomputation` per optimizer step, plus an
+//!   in-place gradient add per micro-batch after the first;
+//! * **the optimizer** is memory-bound: its passes over parameter-sized tensors (fused AdamW reads the
+//!   parameter, gradient and both moments and writes three: 7 passes; the foreach implementation's
+//!   list ops make about 20; SGD 3 or 4; momentum 5 or 8; Adafactor about 14), at the parameters'
+//!   width, plus one 5 µs launch per op and 64 tensors (foreach, fused) or per op and tensor
+//!   (for-loop); GradScaler (`amp-fp16`) adds an unscale pass over the gradients, `zero_grad` with
+//!   `zero` a memset of them;
+//! * **inference** is one forward.
+//!
+//! The **step-time factor** is the step's time over that of one plain micro-step (forward, backward and
+//! optimizer, no recomputation, no accumulation) of the same recipe: full checkpointing comes out near
+//! 1.33, accumulation over K micro-batches near K (the step also processes K times the samples, which
+//! `samples_per_s` accounts for).
+//!
+//! Not modelled: communication, data loading, CPU-bound Python overhead beyond the per-op floor, kernel
+//! fusion (`torch.compile`), cuDNN algorithm choice, clocks under power limits.
+//!
+//! # The GPU figures
+//!
+//! [`GPU_PERF`] gives each preset of `vramsim gpus` its dense (no sparsity) peak rates and memory
+//! bandwidth from the vendor's datasheet or architecture whitepaper, named in each entry. GeForce cards
+//! are listed at their rate with FP32 accumulation, which is what PyTorch's matrix products use (half
+//! the "FP16 accumulate" figure on those boards).
+
+use std::fmt::Write as _;
+
+use vramsim_models::{
+    Checkpointing, DTypeSpec, Graph, OpKind, OptimizerImpl, OptimizerKind, Precision, Recipe,
+    RegionKind, ZeroGrad,
+};
+use vramsim_sim::device::{find_preset, Device, DEFAULT_GPU};
+
+/// The step-time model in a few lines, for `--help` of the commands that show step times.
+pub const HELP: &str = "\
+Step time: a FLOP/bandwidth (roofline) estimate that ranks recipes; it does not time them.
+  each forward op takes max(FLOPs / (peak × 0.6), bytes / (HBM bandwidth × 0.75), 5 µs): FLOPs of the
+  matrix products, convolutions and attention at the precision's dense tensor-core rate (fp32: plain
+  FP32 for matmuls, TF32 for convolutions, PyTorch's defaults); every other op moves its inputs and
+  outputs once;
+  backward = 2 × forward; checkpointing reruns the forward of the regions it wraps; accumulation runs
+  `accum` micro-batches per optimizer step; the optimizer is memory-bound (AdamW foreach ≈ 20 passes over
+  the parameters, fused 7);
+  × plain = step time over one micro-batch's forward + backward + optimizer without recomputation.
+  Per-GPU peak rates and bandwidths, with their sources: vramsim whatif --gpu-figures.";
+
+/// Share of the dense peak FLOP rate that the model's matrix products reach.
+pub const COMPUTE_EFFICIENCY: f64 = 0.6;
+/// Share of the HBM bandwidth that memory-bound kernels reach.
+pub const BANDWIDTH_EFFICIENCY: f64 = 0.75;
+/// The shortest an eager op can take (launch and host dispatch), in seconds.
+pub const OP_FLOOR_S: f64 = 5e-6;
+
+/// Peak throughput of one GPU preset.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GpuPerf {
+    /// The preset's name (`h100-80gb`), as in `vramsim gpus`.
+    pub preset: &'static str,
+    /// Dense FP32 (non-tensor) TFLOP/s.
+    pub fp32_tflops: f64,
+    /// Dense TF32 tensor-core TFLOP/s (the FP32 rate where there are none).
+    pub tf32_tflops: f64,
+    /// Dense bf16 tensor-core TFLOP/s with FP32 accumulation (the FP32 rate without bf16 hardware).
+    pub bf16_tflops: f64,
+    /// Dense fp16 tensor-core TFLOP/s with FP32 accumulation.
+    pub fp16_tflops: f64,
+    /// Memory bandwidth in GB/s (10⁹ bytes per second).
+    pub bandwidth_gbs: f64,
+    /// Where the figures come from.
+    pub source: &'static str,
+}
+
+/// Dense peak rates and bandwidth for every GPU preset.
+pub const GPU_PERF: &[GpuPerf] = &[
+    GpuPerf {
+        preset: "h100-80gb",
+        fp32_tflops: 67.0,
+        tf32_tflops: 494.7,
+        bf16_tflops: 989.4,
+        fp16_tflops: 989.4,
+        bandwidth_gbs: 3350.0,
+        source: "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (sparse figures halved)",
+    },
+    GpuPerf {
+        preset: "h100-pcie",
+        fp32_tflops: 51.0,
+        tf32_tflops: 378.0,
+        bf16_tflops: 756.0,
+        fp16_tflops: 756.0,
+        bandwidth_gbs: 2000.0,
+        source: "NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (sparse figures halved)",
+    },
+    GpuPerf {
+        preset: "h100-nvl",
+        fp32_tflops: 60.0,
+        tf32_tflops: 417.5,
+        bf16_tflops: 835.5,
+        fp16_tflops: 835.5,
+        bandwidth_gbs: 3900.0,
+        source: "NVIDIA H100 Tensor Core GPU datasheet, H100 NVL column (sparse figures halved)",
+    },
+    GpuPerf {
+        preset: "h200",
+        fp32_tflops: 67.0,
+        tf32_tflops: 494.7,
+        bf16_tflops: 989.4,
+        fp16_tflops: 989.4,
+        bandwidth_gbs: 4800.0,
+        source: "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (sparse figures halved)",
+    },
+    GpuPerf {
+        preset: "b200",
+        fp32_tflops: 75.0,
+        tf32_tflops: 1125.0,
+        bf16_tflops: 2250.0,
+        fp16_tflops: 2250.0,
+        bandwidth_gbs: 8000.0,
+        source: "NVIDIA HGX B200 specifications (8-GPU totals divided by 8, sparse figures halved)",
+    },
+    GpuPerf {
+        preset: "a100-40gb",
+        fp32_tflops: 19.5,
+        tf32_tflops: 156.0,
+        bf16_tflops: 312.0,
+        fp16_tflops: 312.0,
+        bandwidth_gbs: 1555.0,
+        source: "NVIDIA A100 Tensor Core GPU datasheet, A100 40GB SXM column",
+    },
+    GpuPerf {
+        preset: "a100-80gb",
+        fp32_tflops: 19.5,
+        tf32_tflops: 156.0,
+        bf16_tflops: 312.0,
+        fp16_tflops: 312.0,
+        bandwidth_gbs: 2039.0,
+        source: "NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column",
+    },
+    GpuPerf {
+        preset: "v100-16gb",
+        fp32_tflops: 15.7,
+        tf32_tflops: 15.7,
+        bf16_tflops: 15.7,
+        fp16_tflops: 125.0,
+        bandwidth_gbs: 900.0,
+        source: "NVIDIA Tesla V100 datasheet, SXM2 column (no TF32 or bf16 hardware: FP32 rate)",
+    },
+    GpuPerf {
+        preset: "v100-32gb",
+        fp32_tflops: 15.7,
+        tf32_tflops: 15.7,
+        bf16_tflops: 15.7,
+        fp16_tflops: 125.0,
+        bandwidth_gbs: 900.0,
+        source: "NVIDIA Tesla V100 datasheet, SXM2 column (no TF32 or bf16 hardware: FP32 rate)",
+    },
+    GpuPerf {
+        preset: "a10g",
+        fp32_tflops: 35.0,
+        tf32_tflops: 35.0,
+        bf16_tflops: 70.0,
+        fp16_tflops: 70.0,
+        bandwidth_gbs: 600.0,
+        source: "approximate: NVIDIA publishes no A10G datasheet; figures as AWS G5 documentation and \
+                 Baseten's 'NVIDIA A10 vs A10G for ML model inference' give them",
+    },
+    GpuPerf {
+        preset: "a10",
+        fp32_tflops: 31.2,
+        tf32_tflops: 62.5,
+        bf16_tflops: 125.0,
+        fp16_tflops: 125.0,
+        bandwidth_gbs: 600.0,
+        source: "NVIDIA A10 Tensor Core GPU datasheet (sparse figures halved)",
+    },
+    GpuPerf {
+        preset: "l4",
+        fp32_tflops: 30.3,
+        tf32_tflops: 60.0,
+        bf16_tflops: 121.0,
+        fp16_tflops: 121.0,
+        bandwidth_gbs: 300.0,
+        source: "NVIDIA L4 Tensor Core GPU datasheet (sparse figures halved)",
+    },
+    GpuPerf {
+        preset: "l40s",
+        fp32_tflops: 91.6,
+        tf32_tflops: 183.0,
+        bf16_tflops: 362.05,
+        fp16_tflops: 362.05,
+        bandwidth_gbs: 864.0,
+        source: "NVIDIA L40S datasheet (sparse figures halved)",
+    },
+    GpuPerf {
+        preset: "a40",
+        fp32_tflops: 37.4,
+        tf32_tflops: 74.8,
+        bf16_tflops: 149.7,
+        fp16_tflops: 149.7,
+        bandwidth_gbs: 696.0,
+        source: "NVIDIA A40 datasheet (dense figures)",
+    },
+    GpuPerf {
+        preset: "a6000",
+        fp32_tflops: 38.7,
+        tf32_tflops: 77.4,
+        bf16_tflops: 154.8,
+        fp16_tflops: 154.8,
+        bandwidth_gbs: 768.0,
+        source: "NVIDIA RTX A6000 datasheet (sparse tensor figure 309.7 halved)",
+    },
+    GpuPerf {
+        preset: "rtx6000-ada",
+        fp32_tflops: 91.1,
+        tf32_tflops: 182.1,
+        bf16_tflops: 364.2,
+        fp16_tflops: 364.2,
+        bandwidth_gbs: 960.0,
+        source: "NVIDIA RTX 6000 Ada Generation datasheet and Ada architecture whitepaper (dense figures)",
+    },
+    GpuPerf {
+        preset: "t4",
+        fp32_tflops: 8.1,
+        tf32_tflops: 8.1,
+        bf16_tflops: 8.1,
+        fp16_tflops: 65.0,
+        bandwidth_gbs: 320.0,
+        source: "NVIDIA T4 datasheet (no TF32 or bf16 hardware: FP32 rate)",
+    },
+    GpuPerf {
+        preset: "rtx3090",
+        fp32_tflops: 35.6,
+        tf32_tflops: 35.6,
+        bf16_tflops: 71.0,
+        fp16_tflops: 71.0,
+        bandwidth_gbs: 936.0,
+        source: "NVIDIA Ampere GA102 GPU architecture whitepaper, appendix: RTX 3090, tensor rates with \
+                 FP32 accumulate, dense",
+    },
+    GpuPerf {
+        preset: "rtx4090",
+        fp32_tflops: 82.6,
+        tf32_tflops: 82.6,
+        bf16_tflops: 165.2,
+        fp16_tflops: 165.2,
+        bandwidth_gbs: 1008.0,
+        source: "NVIDIA Ada GPU architecture whitepaper, appendix: RTX 4090, tensor rates with FP32 \
+                 accumulate, dense",
+    },
+    GpuPerf {
+        preset: "rtx5090",
+        fp32_tflops: 104.8,
+        tf32_tflops: 104.8,
+        bf16_tflops: 209.5,
+        fp16_tflops: 209.5,
+        bandwidth_gbs: 1792.0,
+        source: "NVIDIA RTX Blackwell GPU architecture whitepaper: RTX 5090, tensor rates with FP32 \
+                 accumulate, dense",
+    },
+    GpuPerf {
+        preset: "mi300x",
+        fp32_tflops: 163.4,
+        tf32_tflops: 163.4,
+        bf16_tflops: 1307.4,
+        fp16_tflops: 1307.4,
+        bandwidth_gbs: 5300.0,
+        source: "AMD Instinct MI300X data sheet (dense; PyTorch's ROCm build does not use TF32/XF32 by \
+                 default: FP32 rate)",
+    },
+];
+
+/// The figures for a device: its preset's (matched by preset or device name), or the default
+/// preset's when the device is a bare capacity. The flag says whether they are the device's own.
+pub fn perf_for(device: &Device) -> (&'static GpuPerf, bool) {
+    let own = GPU_PERF
+        .iter()
+        .find(|p| find_preset(p.preset).is_some_and(|preset| preset.device_name == device.name));
+    match own {
+        Some(perf) => (perf, true),
+        None => (
+            GPU_PERF
+                .iter()
+                .find(|p| p.preset == DEFAULT_GPU)
+                .expect("the default GPU has figures"),
+            false,
+        ),
+    }
+}
+
+/// The work of one micro-batch's forward pass and of the optimizer, read from the graph once; cheap to
+/// price on any GPU.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepWork {
+    /// Per forward op: (FLOPs, bytes moved, whether its product runs on the convolution path).
+    ops: Vec<OpWork>,
+    /// Op index ranges that checkpointing reruns.
+    recomputed: Vec<(usize, usize)>,
+    /// Trainable parameter elements.
+    params: u64,
+    /// Trainable parameter tensors.
+    param_tensors: u64,
+    precision: Precision,
+    optimizer: OptimizerKind,
+    optimizer_impl: OptimizerImpl,
+    zero_grad: ZeroGrad,
+    accum: u32,
+    inference: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct OpWork {
+    flops: f64,
+    bytes: f64,
+    conv: bool,
+}
+
+/// The estimate for one step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepTime {
+    /// Forward pass of one micro-batch, ms.
+    pub forward_ms: f64,
+    /// Backward pass of one micro-batch, ms.
+    pub backward_ms: f64,
+    /// Recomputation in one micro-batch's backward, ms.
+    pub recompute_ms: f64,
+    /// The optimizer step (with gradient unscaling and zeroing), ms.
+    pub optimizer_ms: f64,
+    /// One optimizer step: `accum` micro-batches and the optimizer, ms.
+    pub step_ms: f64,
+    /// `step_ms` over one plain micro-step (forward, backward, optimizer).
+    pub factor: f64,
+    /// Matrix-product FLOPs of the whole step (recomputation included).
+    pub flops: f64,
+}
+
+impl StepWork {
+    /// Reads the work of `graph` under `recipe`.
+    pub fn of(graph: &Graph, recipe: &Recipe) -> StepWork {
+        let width = |spec: DTypeSpec, f32_op: bool| -> f64 {
+            match spec {
+                DTypeSpec::Fixed(dtype) => dtype.size() as f64,
+                DTypeSpec::Model => match recipe.precision {
+                    Precision::Fp32 => 4.0,
+                    Precision::Bf16 => 2.0,
+                    Precision::AmpBf16 | Precision::AmpFp16 if f32_op => 4.0,
+                    Precision::AmpBf16 | Precision::AmpFp16 => 2.0,
+                },
+            }
+        };
+        let numel = |v: vramsim_models::ValueId| -> f64 {
+            graph.values[v.0 as usize].shape.iter().product::<u64>() as f64
+        };
+        let bytes_of = |v: vramsim_models::ValueId, f32_op: bool| -> f64 {
+            numel(v) * width(graph.values[v.0 as usize].dtype, f32_op)
+        };
+        let ops = graph
+            .ops
+            .iter()
+            .map(|op| {
+                use OpKind::*;
+                let f32_op = matches!(
+                    op.kind,
+                    LayerNorm | Softmax { .. } | LogSoftmax { .. } | NllLoss | PowScalar(_) | Rsqrt
+                );
+                let moved = || -> f64 {
+                    op.inputs
+                        .iter()
+                        .chain(&op.outputs)
+                        .map(|&v| bytes_of(v, f32_op))
+                        .sum()
+                };
+                let product = |a: Option<&vramsim_models::ValueId>| -> f64 {
+                    let k = a
+                        .and_then(|&a| graph.values[a.0 as usize].shape.last().copied())
+                        .unwrap_or(0) as f64;
+                    2.0 * op.outputs.first().map_or(0.0, |&o| numel(o)) * k
+                };
+                let (flops, bytes, conv) = match &op.kind {
+                    View
+                    | Reshape
+                    | UnsafeView
+                    | Transpose(..)
+                    | T
+                    | Permute(_)
+                    | Expand
+                    | Unsqueeze(_)
+                    | Slice { .. }
+                    | Split { .. }
+                    | Select { .. } => (0.0, 0.0, false),
+                    Mm | Bmm => (product(op.inputs.first()), moved(), false),
+                    Addmm => (product(op.inputs.get(1)), moved(), false),
+                    Conv2d { .. } => {
+                        // weight [C_out, C_in/groups, kh, kw]
+                        let per_output = op.inputs.get(1).map_or(0.0, |&w| {
+                            let shape = &graph.values[w.0 as usize].shape;
+                            shape.iter().skip(1).product::<u64>() as f64
+                        });
+                        let out = op.outputs.first().map_or(0.0, |&o| numel(o));
+                        (2.0 * out * per_output, moved(), true)
+                    }
+                    Sdpa { .. } => {
+                        // q, k, v as [B, H, S, D]: QKᵀ and PV, 2·B·H·S_q·S_k·D each.
+                        let q = op.inputs.first().map_or(0.0, |&q| numel(q));
+                        let s_k = op
+                            .inputs
+                            .get(1)
+                            .and_then(|&k| {
+                                let shape = &graph.values[k.0 as usize].shape;
+                                shape.len().checked_sub(2).map(|i| shape[i])
+                            })
+                            .unwrap_or(0) as f64;
+                        (4.0 * q * s_k, moved(), false)
+                    }
+                    AutocastLower => match recipe.precision {
+                        // the cast of a float32 argument to 16 bits
+                        Precision::AmpBf16 | Precision::AmpFp16 => (
+                            0.0,
+                            op.inputs.first().map_or(0.0, |&v| numel(v) * 6.0),
+                            false,
+                        ),
+                        _ => (0.0, 0.0, false),
+                    },
+                    Factory { .. } => (
+                        0.0,
+                        op.outputs.iter().map(|&v| bytes_of(v, false)).sum(),
+                        false,
+                    ),
+                    ToDtype(dtype) => (
+                        0.0,
+                        op.inputs.first().map_or(0.0, |&v| {
+                            numel(v)
+                                * (width(graph.values[v.0 as usize].dtype, false)
+                                    + dtype.size() as f64)
+                        }),
+                        false,
+                    ),
+                    _ => (0.0, moved(), false),
+                };
+                OpWork { flops, bytes, conv }
+            })
+            .collect();
+        let trainable: Vec<&vramsim_models::graph::Param> =
+            graph.params.iter().filter(|p| p.trainable).collect();
+        let params = trainable
+            .iter()
+            .map(|p| p.shape.iter().product::<u64>())
+            .sum();
+        StepWork {
+            ops,
+            recomputed: if recipe.inference {
+                Vec::new()
+            } else {
+                recomputed_ranges(graph, recipe.checkpointing)
+            },
+            params,
+            param_tensors: trainable.len() as u64,
+            precision: recipe.precision,
+            optimizer: recipe.optimizer,
+            optimizer_impl: recipe.optimizer_impl,
+            zero_grad: recipe.zero_grad,
+            accum: recipe.accum,
+            inference: recipe.inference,
+        }
+    }
+
+    /// Prices the work on `gpu`.
+    pub fn time(&self, gpu: &GpuPerf) -> StepTime {
+        let (matmul_tflops, conv_tflops) = match self.precision {
+            Precision::Fp32 => (gpu.fp32_tflops, gpu.tf32_tflops),
+            Precision::Bf16 | Precision::AmpBf16 => (gpu.bf16_tflops, gpu.bf16_tflops),
+            Precision::AmpFp16 => (gpu.fp16_tflops, gpu.fp16_tflops),
+        };
+        let bandwidth = gpu.bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY;
+        let op_time = |w: &OpWork| -> f64 {
+            let rate = if w.conv { conv_tflops } else { matmul_tflops } * 1e12 * COMPUTE_EFFICIENCY;
+            let compute = if w.flops > 0.0 { w.flops / rate } else { 0.0 };
+            (compute.max(w.bytes / bandwidth)).max(if w.flops > 0.0 || w.bytes > 0.0 {
+                OP_FLOOR_S
+            } else {
+                0.0
+            })
+        };
+        let forward: f64 = self.ops.iter().map(op_time).sum();
+        let forward_flops: f64 = self.ops.iter().map(|w| w.flops).sum();
+        if self.inference {
+            return StepTime {
+                forward_ms: forward * 1e3,
+                backward_ms: 0.0,
+                recompute_ms: 0.0,
+                optimizer_ms: 0.0,
+                step_ms: forward * 1e3,
+                factor: 1.0,
+                flops: forward_flops,
+            };
+        }
+        let recompute: f64 = self
+            .recomputed
+            .iter()
+            .map(|&(a, b)| self.ops[a..b].iter().map(op_time).sum::<f64>())
+            .sum();
+        let recompute_flops: f64 = self
+            .recomputed
+            .iter()
+            .map(|&(a, b)| self.ops[a..b].iter().map(|w| w.flops).sum::<f64>())
+            .sum();
+        let backward = 2.0 * forward;
+        // parameters, gradients and optimizer state: float32 except under bf16
+        let width = if self.precision == Precision::Bf16 {
+            2.0
+        } else {
+            4.0
+        };
+        let params = self.params as f64;
+        let (passes, ops_per_tensor) = match (self.optimizer, self.optimizer_impl) {
+            (OptimizerKind::Sgd, OptimizerImpl::Fused) => (3.0, 1.0),
+            (OptimizerKind::Sgd, _) => (4.0, 2.0),
+            (OptimizerKind::SgdMomentum, OptimizerImpl::Fused) => (5.0, 1.0),
+            (OptimizerKind::SgdMomentum, _) => (8.0, 4.0),
+            (OptimizerKind::Adam | OptimizerKind::AdamW, OptimizerImpl::Fused) => (7.0, 1.0),
+            (OptimizerKind::Adam | OptimizerKind::AdamW, _) => (20.0, 9.0),
+            (OptimizerKind::Adafactor, _) => (14.0, 12.0),
+        };
+        let launches = match self.optimizer_impl {
+            OptimizerImpl::ForLoop => ops_per_tensor * self.param_tensors as f64,
+            _ => ops_per_tensor * (self.param_tensors as f64 / 64.0).ceil(),
+        };
+        let mut optimizer = passes * params * width / bandwidth + launches * OP_FLOOR_S;
+        if self.precision == Precision::AmpFp16 {
+            optimizer += 2.0 * params * width / bandwidth; // GradScaler unscale_
+        }
+        if self.zero_grad == ZeroGrad::Zero {
+            optimizer += params * width / bandwidth; // memset of the gradients
+        }
+        let accum = f64::from(self.accum.max(1));
+        // after the first micro-batch, AccumulateGrad adds into .grad in place (read two, write one)
+        let accumulate = (accum - 1.0) * 3.0 * params * width / bandwidth;
+        let micro = forward + backward + recompute;
+        let step = accum * micro + accumulate + optimizer;
+        let plain = forward + backward + optimizer;
+        StepTime {
+            forward_ms: forward * 1e3,
+            backward_ms: backward * 1e3,
+            recompute_ms: recompute * 1e3,
+            optimizer_ms: optimizer * 1e3,
+            step_ms: step * 1e3,
+            factor: if plain > 0.0 { step / plain } else { 1.0 },
+            flops: accum * (3.0 * forward_flops + recompute_flops),
+        }
+    }
+}
+
+/// The op ranges the lowering checkpoints (and so reruns in backward) under `checkpointing`: the same
+/// rule as `vramsim-models`' lowering.
+fn recomputed_ranges(graph: &Graph, checkpointing: Checkpointing) -> Vec<(usize, usize)> {
+    let blocks: Vec<(usize, usize)> = graph
+        .regions
+        .iter()
+        .filter(|r| r.kind == RegionKind::Block)
+        .map(|r| (r.start, r.end))
+        .collect();
+    match checkpointing {
+        Checkpointing::None => Vec::new(),
+        Checkpointing::Full => blocks,
+        Checkpointing::Every(k) => blocks
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| i % k.max(1) as usize == 0)
+            .map(|(_, r)| r)
+            .collect(),
+        Checkpointing::Selective => graph
+            .regions
+            .iter()
+            .filter(|r| r.kind == RegionKind::AttentionCore)
+            .map(|r| (r.start, r.end))
+            .collect(),
+        Checkpointing::Sqrt => {
+            // checkpoint_sequential(blocks, round(√n)): every segment but the last
+            let n = blocks.len();
+            let segments = ((n as f64).sqrt().round() as usize).max(1);
+            let size = (n / segments).max(1);
+            (0..segments.saturating_sub(1))
+                .filter(|s| s * size < n)
+                .map(|s| (blocks[s * size].0, blocks[((s + 1) * size).min(n) - 1].1))
+                .collect()
+        }
+    }
+}
+
+/// [`GPU_PERF`] as a table (`vramsim whatif --gpu-figures`).
+pub fn perf_table() -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<13}{:>8}{:>8}{:>8}{:>8}{:>9}  source",
+        "preset", "fp32", "tf32", "bf16", "fp16", "GB/s"
+    );
+    for p in GPU_PERF {
+        let _ = writeln!(
+            out,
+            "{:<13}{:>8}{:>8}{:>8}{:>8}{:>9}  {}",
+            p.preset,
+            p.fp32_tflops,
+            p.tf32_tflops,
+            p.bf16_tflops,
+            p.fp16_tflops,
+            p.bandwidth_gbs,
+            p.source
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vramsim_models::zoo;
+
+    #[test]
+    fn every_preset_has_figures() {
+        for preset in vramsim_sim::device::PRESETS {
+            assert!(
+                GPU_PERF.iter().any(|p| p.preset == preset.name),
+                "{} has no compute figures",
+                preset.name
+            );
+        }
+        for p in GPU_PERF {
+            assert!(find_preset(p.preset).is_some(), "{} is no preset", p.preset);
+            assert!(p.bf16_tflops >= p.fp32_tflops && p.bandwidth_gbs > 0.0);
+        }
+    }
+
+    #[test]
+    fn recomputation_costs_about_a_forward_and_accumulation_a_step() {
+        let gpu = GPU_PERF.iter().find(|p| p.preset == "h100-80gb").unwrap();
+        let time = |f: &dyn Fn(&mut Recipe)| {
+            let mut recipe = Recipe::new(8, 1024);
+            recipe.precision = Precision::AmpBf16;
+            f(&mut recipe);
+            let graph = zoo::build("gpt2-medium", &recipe).unwrap();
+            StepWork::of(&graph, &recipe).time(gpu)
+        };
+        let plain = time(&|_| {});
+        let full = time(&|r| r.checkpointing = Checkpointing::Full);
+        let accum = time(&|r| r.accum = 4);
+        // GPT-2 medium: 6·N·tokens ≈ 6 × 355M × 8192 ≈ 17.5 TFLOP (plus attention and the head)
+        assert!(plain.flops > 1.7e13 && plain.flops < 2.6e13, "{plain:?}");
+        assert!((full.recompute_ms - plain.forward_ms).abs() < 0.2 * plain.forward_ms);
+        assert!(full.factor > 1.2 && full.factor < 1.4, "{full:?}");
+        assert!(accum.factor > 3.5 && accum.factor < 4.1, "{accum:?}");
+        assert!((plain.factor - 1.0).abs() < 1e-9);
+        // bf16 tensor cores beat FP32 by far on an H100
+        let fp32 = time(&|r| r.precision = Precision::Fp32);
+        assert!(fp32.step_ms > 3.0 * plain.step_ms);
+    }
+}

@@ -1,0 +1,619 @@
+//! What `whatif`, `max-batch` and `recommend` share: `predict`'s options as a set that can be fixed or
+//! varied, grids over them, and the parallel evaluation of many configurations through `predict`'s own
+//! code ([`crate::predict::lower_step`], [`crate::predict::replay_step`]).
+//!
+//! The option set is read from `predict`'s command-line definition, so every option `predict` has can
+//! be varied and takes the values `predict` accepts, checked by the same parsers. A configuration is an
+//! argument list for `predict` (the options given on the command line, then the varied ones), parsed as
+//! `predict` parses it. Configurations that differ only in machine options (`--gpu`, `--alloc-conf`,
+//! ...) share one lowering: the model is built and lowered once per recipe, then replayed once per
+//! machine.
+
+use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use clap::{ArgAction, Args, Command, FromArgMatches};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rayon::prelude::*;
+use serde_json::Value;
+use vramsim_models::zoo::Arch;
+use vramsim_sim::engine::TimelinePoint;
+use vramsim_sim::report::Report;
+
+use crate::machine::MachineArgs;
+use crate::predict::{self, PredictArgs, Prediction};
+use crate::steptime::{perf_for, StepTime, StepWork};
+
+/// The most configurations one sweep evaluates.
+pub const MAX_POINTS: u128 = 1_000_000;
+
+/// `predict`'s options that only shape its output; a sweep has its own.
+const OUTPUT_OPTIONS: &[&str] = &["json", "plot", "trace_out", "help", "version"];
+
+/// One option of `predict`.
+#[derive(Clone, Debug)]
+pub struct OptionInfo {
+    /// The long name (`alloc-conf`).
+    pub long: String,
+    /// clap's id (`alloc_conf`).
+    pub id: String,
+    /// A flag: present or not, varied over `true`/`false`.
+    pub flag: bool,
+    /// An option of the machine (`--gpu`, `--alloc-conf`, ...), which does not change the lowering.
+    pub machine: bool,
+}
+
+/// `predict`'s options, as a sweep sees them.
+#[derive(Debug)]
+pub struct OptionSet {
+    command: Command,
+    options: Vec<OptionInfo>,
+}
+
+impl OptionSet {
+    /// The option set of `vramsim predict`, read once from its definition.
+    pub fn predict() -> &'static OptionSet {
+        static SET: OnceLock<OptionSet> = OnceLock::new();
+        SET.get_or_init(|| {
+            let command = PredictArgs::augment_args(Command::new("predict"));
+            let machine: Vec<String> = MachineArgs::augment_args(Command::new("machine"))
+                .get_arguments()
+                .map(|a| a.get_id().to_string())
+                .collect();
+            let options = command
+                .get_arguments()
+                .filter(|a| !OUTPUT_OPTIONS.contains(&a.get_id().as_str()))
+                .filter_map(|a| {
+                    Some(OptionInfo {
+                        long: a.get_long()?.to_string(),
+                        id: a.get_id().to_string(),
+                        flag: matches!(a.get_action(), ArgAction::SetTrue),
+                        machine: machine.iter().any(|m| m == a.get_id().as_str()),
+                    })
+                })
+                .collect();
+            OptionSet { command, options }
+        })
+    }
+
+    /// The option called `key` (`alloc-conf`, `alloc_conf` or `--alloc-conf`).
+    pub fn find(&self, key: &str) -> Option<&OptionInfo> {
+        let key = key.trim().trim_start_matches("--").replace('_', "-");
+        self.options.iter().find(|o| o.long == key)
+    }
+
+    /// Every option's long name, comma-separated (for error messages).
+    pub fn names(&self) -> String {
+        self.options
+            .iter()
+            .map(|o| o.long.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// Parses `predict`'s arguments (without the program name) as `predict` would.
+    pub fn parse(&self, args: &[String]) -> Result<PredictArgs> {
+        let matches = self
+            .command
+            .clone()
+            .try_get_matches_from(
+                std::iter::once("predict".to_string()).chain(args.iter().cloned()),
+            )
+            .map_err(|e| anyhow::anyhow!(clap_message(&e)))?;
+        PredictArgs::from_arg_matches(&matches).map_err(|e| anyhow::anyhow!(clap_message(&e)))
+    }
+}
+
+/// clap's error without the `error: ` prefix, the usage and the `--help` tip, on one line.
+fn clap_message(error: &clap::Error) -> String {
+    let text = error.render().to_string();
+    text.lines()
+        .map(str::trim)
+        .take_while(|line| !line.is_empty() && !line.starts_with("Usage:"))
+        .map(|line| line.strip_prefix("error: ").unwrap_or(line))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A setting of one option: its long name and value (`true`/`false` for flags).
+pub type Setting = (String, String);
+
+/// The `predict` options given on a sweep command's line; there every one is optional, and the
+/// sweep's own options (`--vary`, `--json`, ...) sit beside them.
+#[derive(Clone, Debug, Default)]
+pub struct FixedOptions {
+    /// The options given, in `predict`'s order, with their raw values (`None` for flags).
+    pub given: Vec<(String, Option<String>)>,
+}
+
+impl FromArgMatches for FixedOptions {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        let mut given = Vec::new();
+        for option in &OptionSet::predict().options {
+            if matches.value_source(&option.id) != Some(clap::parser::ValueSource::CommandLine) {
+                continue;
+            }
+            if option.flag {
+                if matches.get_flag(&option.id) {
+                    given.push((option.long.clone(), None));
+                }
+                continue;
+            }
+            for value in matches.get_raw(&option.id).into_iter().flatten() {
+                given.push((
+                    option.long.clone(),
+                    Some(value.to_string_lossy().into_owned()),
+                ));
+            }
+        }
+        Ok(FixedOptions { given })
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = FixedOptions::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
+
+impl Args for FixedOptions {
+    fn augment_args(mut cmd: Command) -> Command {
+        let set = OptionSet::predict();
+        for arg in set.command.get_arguments() {
+            if set.options.iter().any(|o| o.id == arg.get_id().as_str()) {
+                // the sweep supplies what it varies; `predict` checks the whole at each point
+                cmd = cmd.arg(
+                    arg.clone()
+                        .required(false)
+                        .help_heading("Options of predict"),
+                );
+            }
+        }
+        cmd
+    }
+
+    fn augment_args_for_update(cmd: Command) -> Command {
+        Self::augment_args(cmd)
+    }
+}
+
+impl FixedOptions {
+    /// Whether `--long` was given.
+    pub fn has(&self, long: &str) -> bool {
+        self.given.iter().any(|(l, _)| l == long)
+    }
+
+    /// The value given to `--long`, if any.
+    pub fn value(&self, long: &str) -> Option<&str> {
+        self.given
+            .iter()
+            .find(|(l, _)| l == long)
+            .and_then(|(_, v)| v.as_deref())
+    }
+
+    /// `predict`'s arguments for the fixed options with `settings` added (replacing fixed ones of the
+    /// same name).
+    pub fn args(&self, settings: &[Setting]) -> Vec<String> {
+        let set = OptionSet::predict();
+        let mut args = Vec::new();
+        for (long, value) in &self.given {
+            if settings.iter().any(|(l, _)| l == long) {
+                continue;
+            }
+            match value {
+                None => args.push(format!("--{long}")),
+                Some(v) => args.push(format!("--{long}={v}")),
+            }
+        }
+        for (long, value) in settings {
+            match set.find(long) {
+                Some(o) if o.flag => {
+                    if value == "true" {
+                        args.push(format!("--{long}"));
+                    }
+                }
+                _ => args.push(format!("--{long}={value}")),
+            }
+        }
+        args
+    }
+
+    /// The `vramsim predict` command line for the fixed options with `settings` (shell-quoted).
+    pub fn command_line(&self, settings: &[Setting]) -> String {
+        let mut line = String::from("vramsim predict");
+        for arg in self.args(settings) {
+            line.push(' ');
+            match arg.split_once('=') {
+                Some((key, value)) => {
+                    line.push_str(key);
+                    line.push(' ');
+                    line.push_str(&shell_quote(value));
+                }
+                None => line.push_str(&arg),
+            }
+        }
+        line
+    }
+}
+
+/// `value` as a POSIX shell word.
+fn shell_quote(value: &str) -> String {
+    if !value.is_empty()
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.:/=,+@%".contains(c))
+    {
+        value.to_string()
+    } else {
+        format!("'{}'", value.replace('\'', r"'\''"))
+    }
+}
+
+/// Checks what `predict` would reject only once it runs, without lowering: the machine and the model
+/// name.
+pub fn check(args: &PredictArgs) -> Result<()> {
+    args.machine.build()?;
+    if let Some(name) = &args.model {
+        Arch::from_name(name)?;
+    }
+    Ok(())
+}
+
+/// What a sweep needs besides the peaks.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Wants {
+    /// `predict --json`'s document for each configuration (and so the breakdown at the peak, which is
+    /// left empty otherwise).
+    pub json: bool,
+    /// Timeline points to keep (for plots; 0: none).
+    pub timeline_points: usize,
+}
+
+/// One configuration, evaluated by `predict`'s code.
+pub struct Evaluated {
+    /// The replay's report.
+    pub report: Report,
+    /// What `predict` adds to it.
+    pub prediction: Prediction,
+    /// `predict --json`'s document, when asked for.
+    pub json: Option<Value>,
+    /// The step-time estimate.
+    pub step: StepTime,
+    /// The GPU preset whose figures priced the step.
+    pub perf_preset: &'static str,
+    /// Whether those are the device's own figures (not the default preset's, for a bare capacity).
+    pub perf_own: bool,
+    /// Event index where the last iteration starts (for a plot of one step).
+    pub last_iteration_start: u64,
+}
+
+impl Evaluated {
+    /// Whether the step fits (no out-of-memory error).
+    pub fn fits(&self) -> bool {
+        self.report.fits()
+    }
+
+    /// Samples per optimizer step: micro-batch × accumulation.
+    pub fn effective_batch(&self) -> u64 {
+        self.prediction.recipe.batch * u64::from(self.prediction.recipe.accum)
+    }
+
+    /// Samples per second at the estimated step time.
+    pub fn samples_per_s(&self) -> f64 {
+        if self.step.step_ms > 0.0 {
+            self.effective_batch() as f64 * 1e3 / self.step.step_ms
+        } else {
+            0.0
+        }
+    }
+
+    /// The out-of-memory message, if any.
+    pub fn oom_message(&self) -> Option<&str> {
+        self.report.outcome.oom.as_ref().map(|o| o.message.as_str())
+    }
+
+    /// The timeline of the last iteration (the steady-state step).
+    pub fn last_step_timeline(&self) -> impl Iterator<Item = &TimelinePoint> {
+        let start = self.last_iteration_start;
+        let oom = self.report.outcome.oom.is_some();
+        self.report
+            .outcome
+            .timeline
+            .iter()
+            .filter(move |p| oom || p.event_index >= start)
+    }
+}
+
+/// Evaluates each configuration (`predict`'s arguments) in parallel, in order. Configurations that
+/// share everything but machine options are lowered once. A configuration that `predict` rejects
+/// gets its error message.
+pub fn evaluate(
+    configs: &[Vec<String>],
+    wants: Wants,
+    progress: &Progress,
+) -> Vec<Result<Evaluated, String>> {
+    let set = OptionSet::predict();
+    let parsed: Vec<Result<PredictArgs, String>> = configs
+        .par_iter()
+        .map(|args| set.parse(args).map_err(|e| format!("{e:#}")))
+        .collect();
+    // configurations grouped by everything that shapes the lowering
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut by_key: HashMap<Vec<&str>, usize> = HashMap::new();
+    for (i, args) in configs.iter().enumerate() {
+        if parsed[i].is_err() {
+            continue;
+        }
+        let key: Vec<&str> = args
+            .iter()
+            .map(String::as_str)
+            .filter(|a| {
+                let long = a.trim_start_matches("--").split('=').next().unwrap_or("");
+                !set.find(long).is_some_and(|o| o.machine)
+            })
+            .collect();
+        let slot = *by_key.entry(key).or_insert_with(|| {
+            groups.push(Vec::new());
+            groups.len() - 1
+        });
+        groups[slot].push(i);
+    }
+    let mut results: Vec<(usize, Result<Evaluated, String>)> = groups
+        .par_iter()
+        .flat_map_iter(|members| {
+            let first = parsed[members[0]]
+                .as_ref()
+                .expect("grouped configurations parse");
+            let lowered = predict::lower_step(first).map_err(|e| format!("{e:#}"));
+            if let (Ok(l), false) = (&lowered, wants.json) {
+                // Only `predict --json` shows the breakdown at the peak, the slowest part of a replay
+                // after the lowering: without JSON, prime the lowering's shared breakdown with an empty
+                // one (an out-of-memory configuration still gets its own).
+                let _ = l
+                    .peak
+                    .set(vramsim_models::peak_breakdown_until(&l.trace, 0));
+            }
+            let work = lowered
+                .as_ref()
+                .ok()
+                .map(|l| StepWork::of(&l.graph, &l.recipe));
+            let out: Vec<(usize, Result<Evaluated, String>)> = members
+                .par_iter()
+                .map(|&i| {
+                    let result = match (&lowered, &work) {
+                        (Ok(lowered), Some(work)) => {
+                            let args = parsed[i].as_ref().expect("parsed");
+                            replay_one(lowered, work, args, wants)
+                        }
+                        (Err(e), _) => Err(e.clone()),
+                        (Ok(_), None) => unreachable!("work exists for every lowering"),
+                    };
+                    progress.inc();
+                    (i, result)
+                })
+                .collect();
+            out
+        })
+        .collect();
+    for (i, p) in parsed.into_iter().enumerate() {
+        if let Err(e) = p {
+            results.push((i, Err(e)));
+            progress.inc();
+        }
+    }
+    results.sort_by_key(|(i, _)| *i);
+    results.into_iter().map(|(_, r)| r).collect()
+}
+
+fn replay_one(
+    lowered: &predict::Lowered,
+    work: &StepWork,
+    args: &PredictArgs,
+    wants: Wants,
+) -> Result<Evaluated, String> {
+    let (report, prediction) = predict::replay_step(lowered, &args.machine, wants.timeline_points)
+        .map_err(|e| format!("{e:#}"))?;
+    let (perf, perf_own) = perf_for(&report.device);
+    let step = work.time(perf);
+    let json = wants
+        .json
+        .then(|| predict::to_json(&report, &prediction, &lowered.trace));
+    Ok(Evaluated {
+        report,
+        prediction,
+        json,
+        step,
+        perf_preset: perf.preset,
+        perf_own,
+        last_iteration_start: last_iteration_start(&lowered.trace),
+    })
+}
+
+/// The event index where the trace's last iteration begins, from `meta.phases` (0 if unknown).
+fn last_iteration_start(trace: &vramsim_traces::Trace) -> u64 {
+    let Some(phases) = trace.meta.get("phases").and_then(Value::as_array) else {
+        return 0;
+    };
+    let iteration = |p: &Value| p.get("iteration").and_then(Value::as_u64);
+    let last = phases.iter().filter_map(iteration).max();
+    phases
+        .iter()
+        .find(|p| iteration(p) == last && last.is_some())
+        .and_then(|p| p.get("event").and_then(Value::as_u64))
+        .unwrap_or(0)
+}
+
+/// Evaluates one configuration (`predict`'s arguments).
+pub fn evaluate_one(args: &[String], wants: Wants) -> Result<Evaluated> {
+    let mut results = evaluate(&[args.to_vec()], wants, &Progress::hidden());
+    match results.pop() {
+        Some(Ok(evaluated)) => Ok(evaluated),
+        Some(Err(message)) => bail!("{message}"),
+        None => bail!("nothing was evaluated"),
+    }
+}
+
+/// A progress bar on stderr that appears only when the work takes longer than a moment and both stdout
+/// and stderr are terminals.
+pub struct Progress {
+    bar: ProgressBar,
+    start: Instant,
+    enabled: bool,
+    shown: AtomicBool,
+}
+
+/// How long work runs before its progress bar appears.
+const PROGRESS_DELAY: Duration = Duration::from_millis(400);
+
+impl Progress {
+    /// A bar for `len` steps, described by `message`.
+    pub fn new(len: u64, message: &str) -> Progress {
+        let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::hidden());
+        if let Ok(style) = ProgressStyle::with_template(
+            "{msg} [{bar:40.cyan/blue}] {pos}/{len} ({elapsed}, about {eta} left)",
+        ) {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar.set_message(message.to_string());
+        Progress {
+            bar,
+            start: Instant::now(),
+            enabled: std::io::stdout().is_terminal() && std::io::stderr().is_terminal(),
+            shown: AtomicBool::new(false),
+        }
+    }
+
+    /// A bar that never shows.
+    pub fn hidden() -> Progress {
+        Progress {
+            enabled: false,
+            ..Progress::new(0, "")
+        }
+    }
+
+    /// One step done.
+    pub fn inc(&self) {
+        self.bar.inc(1);
+        if self.enabled
+            && !self.shown.load(Ordering::Relaxed)
+            && self.start.elapsed() > PROGRESS_DELAY
+            && !self.shown.swap(true, Ordering::Relaxed)
+        {
+            self.bar.set_draw_target(ProgressDrawTarget::stderr());
+        }
+    }
+
+    /// Removes the bar (if it was shown).
+    pub fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+/// A `--headroom`: a share of the device's memory (`5%`) or a size (`2GiB`) that a fit must leave free.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Headroom {
+    /// A fraction of the total memory, 0 ≤ f < 1.
+    Fraction(f64),
+    /// Bytes.
+    Bytes(u64),
+}
+
+impl Headroom {
+    /// Reads `5%`, `0.05`, `2GiB`.
+    pub fn parse(text: &str) -> Result<Headroom, String> {
+        let t = text.trim();
+        if let Some(percent) = t.strip_suffix('%') {
+            let p: f64 = percent
+                .trim()
+                .parse()
+                .map_err(|_| format!("headroom {text:?} is not a percentage like 5%"))?;
+            if !(0.0..100.0).contains(&p) {
+                return Err(format!("headroom {text:?} must be from 0% to below 100%"));
+            }
+            return Ok(Headroom::Fraction(p / 100.0));
+        }
+        if let Ok(f) = t.parse::<f64>() {
+            if (0.0..1.0).contains(&f) {
+                return Ok(Headroom::Fraction(f));
+            }
+        }
+        vramsim_sim::device::parse_size(t)
+            .map(Headroom::Bytes)
+            .map_err(|e| format!("headroom {text:?}: give a percentage (5%), a fraction (0.05) or a size (2GiB): {e}"))
+    }
+
+    /// Bytes it keeps free on a device of `total` bytes.
+    pub fn bytes(self, total: u64) -> u64 {
+        match self {
+            Headroom::Fraction(f) => (total as f64 * f).round() as u64,
+            Headroom::Bytes(b) => b,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_predict_option_but_the_output_ones_can_be_set() {
+        let set = OptionSet::predict();
+        for key in [
+            "model",
+            "batch",
+            "precision",
+            "checkpoint",
+            "accum",
+            "gpu",
+            "alloc-conf",
+        ] {
+            assert!(set.find(key).is_some(), "{key}");
+        }
+        assert!(set.find("alloc_conf").is_some_and(|o| o.machine));
+        assert!(set.find("--gpu").is_some_and(|o| o.machine));
+        assert!(set.find("batch").is_some_and(|o| !o.machine));
+        assert!(set.find("inference").is_some_and(|o| o.flag));
+        for output in ["json", "plot", "trace-out", "help"] {
+            assert!(set.find(output).is_none(), "{output}");
+        }
+    }
+
+    #[test]
+    fn arguments_replace_fixed_options_and_quote_for_the_shell() {
+        let fixed = FixedOptions {
+            given: vec![
+                ("model".into(), Some("gpt2".into())),
+                ("batch".into(), Some("4".into())),
+                ("inference".into(), None),
+            ],
+        };
+        let settings = vec![
+            ("batch".to_string(), "8".to_string()),
+            ("alloc-conf".to_string(), String::new()),
+        ];
+        assert_eq!(
+            fixed.args(&settings),
+            ["--model=gpt2", "--inference", "--batch=8", "--alloc-conf="]
+        );
+        assert_eq!(
+            fixed.command_line(&settings),
+            "vramsim predict --model gpt2 --inference --batch 8 --alloc-conf ''"
+        );
+        let args = OptionSet::predict().parse(&fixed.args(&settings)).unwrap();
+        assert_eq!(args.batch, 8);
+        assert!(args.inference);
+    }
+
+    #[test]
+    fn headroom_reads_percentages_fractions_and_sizes() {
+        assert_eq!(Headroom::parse("5%"), Ok(Headroom::Fraction(0.05)));
+        assert_eq!(Headroom::parse("0.1"), Ok(Headroom::Fraction(0.1)));
+        assert_eq!(Headroom::parse("2GiB"), Ok(Headroom::Bytes(2 << 30)));
+        assert!(Headroom::parse("120%").is_err());
+        assert!(Headroom::parse("lots").is_err());
+        assert_eq!(Headroom::Fraction(0.05).bytes(1000), 50);
+    }
+}
