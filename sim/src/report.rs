@@ -8,6 +8,7 @@ use vramsim_traces::Category;
 use crate::device::Device;
 use crate::engine::ReplayOutcome;
 use crate::format::format_size;
+use crate::plot::{plot_timeline, PlotError, TimelinePlot, TimelineSample};
 
 /// A replay's outcome with what it ran on.
 #[derive(Clone, Debug)]
@@ -61,6 +62,46 @@ impl Report {
         } else {
             1.0 - self.outcome.allocated_at_reserved_peak as f64 / reserved as f64
         }
+    }
+
+    /// Memory the allocator can have: the device's total less the CUDA context and other processes.
+    pub fn usable_capacity(&self) -> u64 {
+        self.device.total_memory - self.device.non_allocator_bytes()
+    }
+
+    /// The phase starts for plots, as (event index, name).
+    pub fn phase_bands(&self) -> Vec<(f64, String)> {
+        self.outcome
+            .phase_marks
+            .iter()
+            .map(|(index, name)| (*index as f64, name.clone()))
+            .collect()
+    }
+
+    /// Draws allocated and reserved memory over the trace (needs a replay with timeline points), with its
+    /// phases, the usable capacity and the OOM point, to a `.png` or `.svg` file.
+    pub fn plot_timeline(&self, title: &str, path: &std::path::Path) -> Result<(), PlotError> {
+        let samples: Vec<TimelineSample> = self
+            .outcome
+            .timeline
+            .iter()
+            .map(|p| TimelineSample {
+                x: p.event_index as f64,
+                allocated: p.allocated,
+                reserved: p.reserved,
+            })
+            .collect();
+        plot_timeline(
+            &TimelinePlot {
+                title,
+                x_label: "event",
+                samples: &samples,
+                capacity: Some(self.usable_capacity()),
+                oom_at: self.outcome.oom.as_ref().map(|o| o.event_index as f64),
+                phases: &self.phase_bands(),
+            },
+            path,
+        )
     }
 
     /// Whether the trace ran to its end without running out of memory.

@@ -549,7 +549,7 @@ pub fn draw_timeline(p: &Probe, key: &str, path: &Path) -> Result<()> {
             title: &title,
             x_label: "event",
             samples: &samples,
-            capacity: Some(device.total_memory - device.non_allocator_bytes()),
+            capacity: Some(e.report.usable_capacity()),
             oom_at: e.report.outcome.oom.as_ref().map(|o| o.event_index as f64),
             phases: &phases,
         },

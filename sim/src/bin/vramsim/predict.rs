@@ -19,7 +19,6 @@ use vramsim_models::{
 };
 use vramsim_sim::engine::{Flow, Replay, ReplayOptions};
 use vramsim_sim::format::format_size;
-use vramsim_sim::plot::{plot_timeline, TimelinePlot, TimelineSample};
 use vramsim_sim::report::{group_digits, Report};
 use vramsim_traces::{Event, Trace};
 
@@ -610,33 +609,8 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
 }
 
 fn draw(report: &Report, p: &Prediction, path: &Path) -> Result<()> {
-    let samples: Vec<TimelineSample> = report
-        .outcome
-        .timeline
-        .iter()
-        .map(|t| TimelineSample {
-            x: t.event_index as f64,
-            allocated: t.allocated,
-            reserved: t.reserved,
-        })
-        .collect();
-    let phases: Vec<(f64, String)> = report
-        .outcome
-        .phase_marks
-        .iter()
-        .map(|(i, n)| (*i as f64, n.clone()))
-        .collect();
     let title = format!("{} · {}", p.arch.name(), recipe_line(p));
-    plot_timeline(
-        &TimelinePlot {
-            title: &title,
-            x_label: "event",
-            samples: &samples,
-            capacity: Some(report.device.total_memory - report.device.non_allocator_bytes()),
-            oom_at: report.outcome.oom.as_ref().map(|o| o.event_index as f64),
-            phases: &phases,
-        },
-        path,
-    )
-    .with_context(|| format!("cannot draw {}", path.display()))
+    report
+        .plot_timeline(&title, path)
+        .with_context(|| format!("cannot draw {}", path.display()))
 }

@@ -6,7 +6,6 @@ use anyhow::{Context, Result};
 use clap::Args;
 use vramsim_sim::engine::{Replay, ReplayOptions};
 use vramsim_sim::export::{snapshot_of, ExportOptions};
-use vramsim_sim::plot::{plot_timeline, TimelinePlot, TimelineSample};
 use vramsim_sim::report::Report;
 use vramsim_sim::summary::memory_summary;
 
@@ -110,22 +109,6 @@ pub fn run(mut args: ReplayArgs) -> Result<()> {
 }
 
 fn draw(report: &Report, path: &std::path::Path) -> Result<()> {
-    let samples: Vec<TimelineSample> = report
-        .outcome
-        .timeline
-        .iter()
-        .map(|p| TimelineSample {
-            x: p.event_index as f64,
-            allocated: p.allocated,
-            reserved: p.reserved,
-        })
-        .collect();
-    let phases: Vec<(f64, String)> = report
-        .outcome
-        .phase_marks
-        .iter()
-        .map(|(index, name)| (*index as f64, name.clone()))
-        .collect();
     let title = format!(
         "{} · {}{}",
         report.source,
@@ -136,16 +119,7 @@ fn draw(report: &Report, path: &std::path::Path) -> Result<()> {
             format!(" ({})", report.alloc_conf)
         }
     );
-    plot_timeline(
-        &TimelinePlot {
-            title: &title,
-            x_label: "event",
-            samples: &samples,
-            capacity: Some(report.device.total_memory - report.device.non_allocator_bytes()),
-            oom_at: report.outcome.oom.as_ref().map(|o| o.event_index as f64),
-            phases: &phases,
-        },
-        path,
-    )
-    .with_context(|| format!("cannot draw {}", path.display()))
+    report
+        .plot_timeline(&title, path)
+        .with_context(|| format!("cannot draw {}", path.display()))
 }
