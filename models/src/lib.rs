@@ -45,7 +45,7 @@ pub mod zoo;
 pub use breakdown::{peak_breakdown, peak_breakdown_until, PeakBreakdown};
 pub use dtype::DType;
 pub use graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, ValueId, T};
-pub use lower::{lower, LowerError};
+pub use lower::{checkpointed_ranges, lower, LowerError};
 pub use ops::{OpKind, SdpaBackend};
 pub use recipe::{
     Attention, Checkpointing, Fidelity, OptimizerImpl, OptimizerKind, Precision, Recipe,

@@ -643,43 +643,7 @@ impl<'g> Lowering<'g> {
             return;
         }
         let g = self.g;
-        let blocks: Vec<usize> = (0..g.regions.len())
-            .filter(|&i| g.regions[i].kind == RegionKind::Block)
-            .collect();
-        let ranges: Vec<(usize, usize)> = match self.r.checkpointing {
-            Checkpointing::None => vec![],
-            Checkpointing::Full => blocks
-                .iter()
-                .map(|&b| (g.regions[b].start, g.regions[b].end))
-                .collect(),
-            Checkpointing::Every(k) => blocks
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| i % k as usize == 0)
-                .map(|(_, &b)| (g.regions[b].start, g.regions[b].end))
-                .collect(),
-            Checkpointing::Selective => g
-                .regions
-                .iter()
-                .filter(|r| r.kind == RegionKind::AttentionCore)
-                .map(|r| (r.start, r.end))
-                .collect(),
-            Checkpointing::Sqrt => {
-                // torch.utils.checkpoint.checkpoint_sequential(blocks, segments=round(sqrt(n))):
-                // segments of n // segments blocks, every segment but the last checkpointed.
-                let n = blocks.len();
-                let segs = ((n as f64).sqrt().round() as usize).max(1);
-                let size = (n / segs).max(1);
-                (0..segs.saturating_sub(1))
-                    .filter(|s| s * size < n)
-                    .map(|s| {
-                        let lo = blocks[s * size];
-                        let hi = blocks[((s + 1) * size).min(n) - 1];
-                        (g.regions[lo].start, g.regions[hi].end)
-                    })
-                    .collect()
-            }
-        };
+        let ranges = checkpointed_ranges(g, self.r.checkpointing);
         for (start, end) in ranges {
             let id = self.ck_ranges.len() as u32;
             // The region's inputs: values made before it and used in it (parameters and buffers
@@ -764,6 +728,45 @@ impl<'g> Lowering<'g> {
                     self.drop_rt(g);
                 }
             }
+        }
+    }
+}
+
+/// The op ranges `[start, end)` that `checkpointing` wraps in non-reentrant `torch.utils.checkpoint`
+/// (and so reruns in backward): every block (`full`), blocks 0, K, 2K, ... (`every:K`), attention cores
+/// (`selective`), or `checkpoint_sequential(blocks, round(√n))`'s segments but the last (`sqrt`).
+pub fn checkpointed_ranges(g: &Graph, checkpointing: Checkpointing) -> Vec<(usize, usize)> {
+    let blocks: Vec<(usize, usize)> = g
+        .regions
+        .iter()
+        .filter(|r| r.kind == RegionKind::Block)
+        .map(|r| (r.start, r.end))
+        .collect();
+    match checkpointing {
+        Checkpointing::None => vec![],
+        Checkpointing::Full => blocks,
+        Checkpointing::Every(k) => blocks
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| i % (k as usize).max(1) == 0)
+            .map(|(_, range)| range)
+            .collect(),
+        Checkpointing::Selective => g
+            .regions
+            .iter()
+            .filter(|r| r.kind == RegionKind::AttentionCore)
+            .map(|r| (r.start, r.end))
+            .collect(),
+        Checkpointing::Sqrt => {
+            // torch.utils.checkpoint.checkpoint_sequential(blocks, segments=round(sqrt(n))):
+            // segments of n // segments blocks, every segment but the last checkpointed.
+            let n = blocks.len();
+            let segments = ((n as f64).sqrt().round() as usize).max(1);
+            let size = (n / segments).max(1);
+            (0..segments.saturating_sub(1))
+                .filter(|s| s * size < n)
+                .map(|s| (blocks[s * size].0, blocks[((s + 1) * size).min(n) - 1].1))
+                .collect()
         }
     }
 }

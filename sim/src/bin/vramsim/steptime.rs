@@ -63,8 +63,7 @@
 use std::fmt::Write as _;
 
 use vramsim_models::{
-    Checkpointing, DTypeSpec, Graph, OpKind, OptimizerImpl, OptimizerKind, Precision, Recipe,
-    RegionKind, ZeroGrad,
+    DTypeSpec, Graph, OpKind, OptimizerImpl, OptimizerKind, Precision, Recipe, ZeroGrad,
 };
 use vramsim_sim::device::{find_preset, Device, DEFAULT_GPU};
 
@@ -412,17 +411,8 @@ impl StepWork {
                     2.0 * op.outputs.first().map_or(0.0, |&o| numel(o)) * k
                 };
                 let (flops, bytes, conv) = match &op.kind {
-                    View
-                    | Reshape
-                    | UnsafeView
-                    | Transpose(..)
-                    | T
-                    | Permute(_)
-                    | Expand
-                    | Unsqueeze(_)
-                    | Slice { .. }
-                    | Split { .. }
-                    | Select { .. } => (0.0, 0.0, false),
+                    // views (and reshapes, whose copies the memory model counts) move no data here
+                    kind if kind.is_view() => (0.0, 0.0, false),
                     Mm | Bmm => (product(op.inputs.first()), moved(), false),
                     Addmm => (product(op.inputs.get(1)), moved(), false),
                     Conv2d { .. } => {
@@ -486,7 +476,7 @@ impl StepWork {
             recomputed: if recipe.inference {
                 Vec::new()
             } else {
-                recomputed_ranges(graph, recipe.checkpointing)
+                vramsim_models::checkpointed_ranges(graph, recipe.checkpointing)
             },
             params,
             param_tensors: trainable.len() as u64,
@@ -585,43 +575,6 @@ impl StepWork {
     }
 }
 
-/// The op ranges the lowering checkpoints (and so reruns in backward) under `checkpointing`: the same
-/// rule as `vramsim-models`' lowering.
-fn recomputed_ranges(graph: &Graph, checkpointing: Checkpointing) -> Vec<(usize, usize)> {
-    let blocks: Vec<(usize, usize)> = graph
-        .regions
-        .iter()
-        .filter(|r| r.kind == RegionKind::Block)
-        .map(|r| (r.start, r.end))
-        .collect();
-    match checkpointing {
-        Checkpointing::None => Vec::new(),
-        Checkpointing::Full => blocks,
-        Checkpointing::Every(k) => blocks
-            .into_iter()
-            .enumerate()
-            .filter(|(i, _)| i % k.max(1) as usize == 0)
-            .map(|(_, r)| r)
-            .collect(),
-        Checkpointing::Selective => graph
-            .regions
-            .iter()
-            .filter(|r| r.kind == RegionKind::AttentionCore)
-            .map(|r| (r.start, r.end))
-            .collect(),
-        Checkpointing::Sqrt => {
-            // checkpoint_sequential(blocks, round(√n)): every segment but the last
-            let n = blocks.len();
-            let segments = ((n as f64).sqrt().round() as usize).max(1);
-            let size = (n / segments).max(1);
-            (0..segments.saturating_sub(1))
-                .filter(|s| s * size < n)
-                .map(|s| (blocks[s * size].0, blocks[((s + 1) * size).min(n) - 1].1))
-                .collect()
-        }
-    }
-}
-
 /// [`GPU_PERF`] as a table (`vramsim whatif --gpu-figures`).
 pub fn perf_table() -> String {
     let mut out = String::new();
@@ -649,7 +602,7 @@ pub fn perf_table() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vramsim_models::zoo;
+    use vramsim_models::{zoo, Checkpointing};
 
     #[test]
     fn every_preset_has_figures() {
