@@ -20,6 +20,8 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
+use plotters::chart::MeshStyle;
+use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -97,32 +99,10 @@ const MUTED: RGBColor = RGBColor(90, 90, 100);
 
 /// Draws `plot` to `path`: a PNG for `.png`, an SVG for `.svg` (case-insensitive).
 pub fn plot_timeline(plot: &TimelinePlot, path: &Path) -> Result<(), PlotError> {
-    let ext = path
-        .extension()
-        .and_then(|e| e.to_str())
-        .map(str::to_ascii_lowercase);
-    let shown = path.display().to_string();
     if plot.samples.is_empty() {
         return Err(PlotError::NoSamples);
     }
-    register_fonts();
-    let fail = |message: String| PlotError::Draw {
-        path: shown.clone(),
-        message,
-    };
-    match ext.as_deref() {
-        Some("png") => {
-            let root = BitMapBackend::new(path, SIZE).into_drawing_area();
-            draw(&root, plot).map_err(fail)?;
-            root.present().map_err(|e| fail(e.to_string()))
-        }
-        Some("svg") => {
-            let root = SVGBackend::new(path, SIZE).into_drawing_area();
-            draw(&root, plot).map_err(fail)?;
-            root.present().map_err(|e| fail(e.to_string()))
-        }
-        _ => Err(PlotError::UnsupportedFormat { path: shown }),
-    }
+    render(path, SIZE, |root| draw(root, plot), |root| draw(root, plot))
 }
 
 /// Reduces `samples` to at most `max_points`, keeping peaks: the samples are cut into `max_points`
@@ -273,18 +253,7 @@ where
     // Head room above the highest line for the capacity label and the phase names.
     let y_top = unit.of(top_bytes) * 1.12;
 
-    let mut x_min = samples.iter().map(|s| s.x).fold(f64::INFINITY, f64::min);
-    let mut x_max = samples
-        .iter()
-        .map(|s| s.x)
-        .fold(f64::NEG_INFINITY, f64::max);
-    if let Some(oom) = plot.oom_at {
-        x_min = x_min.min(oom);
-        x_max = x_max.max(oom);
-    }
-    if x_max <= x_min {
-        x_max = x_min + 1.0;
-    }
+    let (x_min, x_max) = x_range(samples.iter().map(|s| s.x), plot.oom_at);
 
     // Header: title and legend.
     let (header, body) = root.split_vertically(HEADER);
@@ -294,56 +263,15 @@ where
         .map_err(err)?;
     draw_legend(&header, plot, peak_allocated, peak_reserved).map_err(err)?;
 
-    let mut chart = ChartBuilder::on(&body)
-        .margin_left(16)
-        .margin_right(32)
-        .margin_top(8)
-        .margin_bottom(12)
-        .x_label_area_size(56)
-        .y_label_area_size(72)
-        .build_cartesian_2d(x_min..x_max, 0f64..y_top)
-        .map_err(err)?;
+    let mut chart = xy_chart(&body, 32, x_min..x_max, y_top).map_err(err)?;
 
     // Phase bands go first so the grid and the data are drawn over them.
-    let bands: Vec<(f64, f64, &str)> = plot
-        .phases
-        .iter()
-        .enumerate()
-        .map(|(i, (start, name))| {
-            let end = plot.phases.get(i + 1).map_or(x_max, |next| next.0);
-            (start.max(x_min), end.min(x_max), name.as_str())
-        })
-        .filter(|(start, end, _)| end > start)
-        .collect();
-    chart
-        .draw_series(bands.iter().enumerate().filter(|(i, _)| i % 2 == 0).map(
-            |(_, (start, end, _))| Rectangle::new([(*start, 0.0), (*end, y_top)], BAND.filled()),
-        ))
-        .map_err(err)?;
-
-    let label_style = TextStyle::from((FONT, 15).into_font()).color(&MUTED);
-    let axis_style = TextStyle::from((FONT, 17).into_font()).color(&INK);
-    chart
-        .configure_mesh()
-        .x_desc(plot.x_label)
-        .y_desc(format!("memory ({})", unit.name))
-        .x_labels(10)
-        .y_labels(10)
-        .x_label_formatter(&|v| compact_number(*v, x_max.abs().max(x_min.abs())))
-        .y_label_formatter(&|v| trim_number(*v))
-        .label_style(label_style.clone())
-        .axis_desc_style(axis_style)
-        .light_line_style(TRANSPARENT)
-        .bold_line_style(RGBColor(215, 215, 220))
-        .axis_style(MUTED)
-        .draw()
-        .map_err(err)?;
+    let bands = phase_bands(plot.phases, x_min, x_max);
+    draw_phase_bands(&mut chart, &bands, y_top).map_err(err)?;
+    draw_memory_mesh(&mut chart, plot.x_label, &unit, x_min, x_max).map_err(err)?;
 
     // Two points per bucket, about two buckets per pixel column.
-    let (plot_left, plot_right) = {
-        let range = chart.plotting_area().get_pixel_range();
-        (range.0.start, range.0.end)
-    };
+    let (plot_left, plot_right) = pixel_x_range(&chart);
     let columns = usize::try_from(plot_right - plot_left).unwrap_or(1).max(1);
     let reserved = envelope(samples, |s| s.reserved, 2 * columns);
     let allocated = envelope(samples, |s| s.allocated, 2 * columns);
@@ -365,80 +293,202 @@ where
         ))
         .map_err(err)?;
 
-    let small = TextStyle::from((FONT, 15).into_font());
     if let Some(capacity) = plot.capacity {
-        let y = unit.of(capacity);
-        chart
-            .draw_series(DashedLineSeries::new(
-                [(x_min, y), (x_max, y)],
-                10,
-                7,
-                LIMIT.stroke_width(2),
-            ))
-            .map_err(err)?;
-        // Labelled at the left end, where memory use is usually still low and no OOM marker stands.
-        let (_, py) = chart.backend_coord(&(x_min, y));
-        let text = format!("capacity {}", format_size(capacity));
-        root.draw_text(
-            &text,
-            &small
-                .clone()
-                .color(&LIMIT)
-                .pos(Pos::new(HPos::Left, VPos::Bottom)),
-            (plot_left + 8, py - 5),
-        )
-        .map_err(err)?;
+        draw_capacity(root, &mut chart, &unit, capacity, x_min..x_max).map_err(err)?;
     }
-
     if let Some(oom) = plot.oom_at {
-        chart
-            .draw_series(LineSeries::new(
-                [(oom, 0.0), (oom, y_top)],
-                LIMIT.stroke_width(2),
-            ))
-            .map_err(err)?;
         // The marker sits on the allocated line where the failing request was made.
         let at = samples
             .iter()
             .min_by(|a, b| (a.x - oom).abs().total_cmp(&(b.x - oom).abs()))
             .map_or(0, |s| s.allocated);
-        chart
-            .draw_series(std::iter::once(Cross::new(
-                (oom, unit.of(at)),
-                8,
-                LIMIT.stroke_width(3),
-            )))
-            .map_err(err)?;
-        let (px, _) = chart.backend_coord(&(oom, y_top));
-        let (_, top) = chart.backend_coord(&(x_min, y_top));
-        let bold = TextStyle::from((FONT, 16).into_font().style(FontStyle::Bold)).color(&LIMIT);
-        // Put the label on whichever side of the line has room.
-        let (hpos, dx) = if px + 90 < plot_right {
-            (HPos::Left, 6)
-        } else {
-            (HPos::Right, -6)
-        };
-        root.draw_text(
-            "out of memory",
-            &bold.pos(Pos::new(hpos, VPos::Top)),
-            (px + dx, top + 24),
-        )
-        .map_err(err)?;
+        draw_oom_marker(root, &mut chart, oom, Some(unit.of(at)), x_min, y_top).map_err(err)?;
     }
+    draw_phase_names(root, &chart, &bands, x_min, y_top).map_err(err)?;
+    Ok(())
+}
 
-    // Phase names at the top of their bands, shortened (or left out) to fit the band.
+/// The chart's x and y coordinates: both in `f64`.
+type XyChart<'a, DB> = ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// The x range of a timeline: its samples' `xs`, widened to include the out-of-memory point, and at
+/// least 1 wide.
+fn x_range(xs: impl Iterator<Item = f64> + Clone, oom_at: Option<f64>) -> (f64, f64) {
+    let mut x_min = xs.clone().fold(f64::INFINITY, f64::min);
+    let mut x_max = xs.fold(f64::NEG_INFINITY, f64::max);
+    if let Some(oom) = oom_at {
+        x_min = x_min.min(oom);
+        x_max = x_max.max(oom);
+    }
+    if x_max <= x_min {
+        x_max = x_min + 1.0;
+    }
+    (x_min, x_max)
+}
+
+/// The chart of the timelines and the size curve, on `body`: `x` across, `0..y_top` up, with room left
+/// and below for the axis labels.
+fn xy_chart<'a, DB: DrawingBackend>(
+    body: &'a DrawingArea<DB, Shift>,
+    margin_right: u32,
+    x: std::ops::Range<f64>,
+    y_top: f64,
+) -> Result<XyChart<'a, DB>, DrawingAreaErrorKind<DB::ErrorType>> {
+    ChartBuilder::on(body)
+        .margin_left(16)
+        .margin_right(margin_right)
+        .margin_top(8)
+        .margin_bottom(12)
+        .x_label_area_size(56)
+        .y_label_area_size(72)
+        .build_cartesian_2d(x, 0f64..y_top)
+}
+
+/// The look every chart's axes and grid share: muted labels, no light grid lines, a pale bold grid.
+fn styled_mesh<'m, 'a, 'b, X: Ranged, Y: Ranged, DB: DrawingBackend>(
+    mesh: &'m mut MeshStyle<'a, 'b, X, Y, DB>,
+) -> &'m mut MeshStyle<'a, 'b, X, Y, DB> {
+    mesh.label_style(TextStyle::from((FONT, 15).into_font()).color(&MUTED))
+        .axis_desc_style(TextStyle::from((FONT, 17).into_font()).color(&INK))
+        .light_line_style(TRANSPARENT)
+        .bold_line_style(RGBColor(215, 215, 220))
+        .axis_style(MUTED)
+}
+
+/// The axes of a memory timeline: `x_label` across in compact numbers, memory in `unit` up.
+fn draw_memory_mesh<DB: DrawingBackend>(
+    chart: &mut XyChart<DB>,
+    x_label: &str,
+    unit: &Unit,
+    x_min: f64,
+    x_max: f64,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    styled_mesh(&mut chart.configure_mesh())
+        .x_desc(x_label)
+        .y_desc(format!("memory ({})", unit.name))
+        .x_labels(10)
+        .y_labels(10)
+        .x_label_formatter(&|v| compact_number(*v, x_max.abs().max(x_min.abs())))
+        .y_label_formatter(&|v| trim_number(*v))
+        .draw()
+}
+
+/// Each phase's start, end and name, clipped to `x_min..x_max`; phases left empty are dropped.
+fn phase_bands(phases: &[(f64, String)], x_min: f64, x_max: f64) -> Vec<(f64, f64, &str)> {
+    phases
+        .iter()
+        .enumerate()
+        .map(|(i, (start, name))| {
+            let end = phases.get(i + 1).map_or(x_max, |next| next.0);
+            (start.max(x_min), end.min(x_max), name.as_str())
+        })
+        .filter(|(start, end, _)| end > start)
+        .collect()
+}
+
+/// Every other phase as a light band over the chart's full height.
+fn draw_phase_bands<DB: DrawingBackend>(
+    chart: &mut XyChart<DB>,
+    bands: &[(f64, f64, &str)],
+    y_top: f64,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    chart.draw_series(bands.iter().enumerate().filter(|(i, _)| i % 2 == 0).map(
+        |(_, (start, end, _))| Rectangle::new([(*start, 0.0), (*end, y_top)], BAND.filled()),
+    ))?;
+    Ok(())
+}
+
+/// Phase names at the top of their bands, shortened (or left out) to fit the band.
+fn draw_phase_names<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    chart: &XyChart<DB>,
+    bands: &[(f64, f64, &str)],
+    x_min: f64,
+    y_top: f64,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
     let (_, top) = chart.backend_coord(&(x_min, y_top));
     let phase_style = TextStyle::from((FONT, 14).into_font()).color(&MUTED);
-    for (start, end, name) in &bands {
+    for (start, end, name) in bands {
         let (left, _) = chart.backend_coord(&(*start, y_top));
         let (right, _) = chart.backend_coord(&(*end, y_top));
         let room = (right - left - 8).max(0) as u32;
         if let Some(text) = fit_text(root, name, &phase_style, room) {
-            root.draw_text(&text, &phase_style, (left + 4, top + 4))
-                .map_err(err)?;
+            root.draw_text(&text, &phase_style, (left + 4, top + 4))?;
         }
     }
     Ok(())
+}
+
+/// The left and right pixel of the chart's plotting area.
+fn pixel_x_range<DB: DrawingBackend>(chart: &XyChart<DB>) -> (i32, i32) {
+    let range = chart.plotting_area().get_pixel_range();
+    (range.0.start, range.0.end)
+}
+
+/// The capacity as a dashed red line across `x`, with its size written above the line's left end.
+fn draw_capacity<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    chart: &mut XyChart<DB>,
+    unit: &Unit,
+    capacity: u64,
+    x: std::ops::Range<f64>,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    let y = unit.of(capacity);
+    chart.draw_series(DashedLineSeries::new(
+        [(x.start, y), (x.end, y)],
+        10,
+        7,
+        LIMIT.stroke_width(2),
+    ))?;
+    // Labelled at the left end, where memory use is usually still low and no OOM marker stands.
+    let (plot_left, _) = pixel_x_range(chart);
+    let (_, py) = chart.backend_coord(&(x.start, y));
+    let text = format!("capacity {}", format_size(capacity));
+    root.draw_text(
+        &text,
+        &TextStyle::from((FONT, 15).into_font())
+            .color(&LIMIT)
+            .pos(Pos::new(HPos::Left, VPos::Bottom)),
+        (plot_left + 8, py - 5),
+    )
+}
+
+/// The out-of-memory point as a red vertical line at `oom` (with a cross at `cross_y`, if given) and
+/// an "out of memory" label beside it near the top.
+fn draw_oom_marker<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    chart: &mut XyChart<DB>,
+    oom: f64,
+    cross_y: Option<f64>,
+    x_min: f64,
+    y_top: f64,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    chart.draw_series(LineSeries::new(
+        [(oom, 0.0), (oom, y_top)],
+        LIMIT.stroke_width(2),
+    ))?;
+    if let Some(y) = cross_y {
+        chart.draw_series(std::iter::once(Cross::new(
+            (oom, y),
+            8,
+            LIMIT.stroke_width(3),
+        )))?;
+    }
+    let (_, plot_right) = pixel_x_range(chart);
+    let (px, _) = chart.backend_coord(&(oom, y_top));
+    let (_, top) = chart.backend_coord(&(x_min, y_top));
+    let bold = TextStyle::from((FONT, 16).into_font().style(FontStyle::Bold)).color(&LIMIT);
+    // Put the label on whichever side of the line has room.
+    let (hpos, dx) = if px + 90 < plot_right {
+        (HPos::Left, 6)
+    } else {
+        (HPos::Right, -6)
+    };
+    root.draw_text(
+        "out of memory",
+        &bold.pos(Pos::new(hpos, VPos::Top)),
+        (px + dx, top + 24),
+    )
 }
 
 /// The legend under the title: one swatch and label per series, with the peaks.
@@ -835,18 +885,7 @@ where
         .max(1);
     let unit = Unit::for_max(top_bytes);
     let y_top = unit.of(top_bytes) * 1.12;
-    let mut x_min = samples.iter().map(|s| s.x).fold(f64::INFINITY, f64::min);
-    let mut x_max = samples
-        .iter()
-        .map(|s| s.x)
-        .fold(f64::NEG_INFINITY, f64::max);
-    if let Some(oom) = plot.oom_at {
-        x_min = x_min.min(oom);
-        x_max = x_max.max(oom);
-    }
-    if x_max <= x_min {
-        x_max = x_min + 1.0;
-    }
+    let (x_min, x_max) = x_range(samples.iter().map(|s| s.x), plot.oom_at);
 
     let mut entries: Vec<(Swatch, String)> = shown
         .iter()
@@ -881,45 +920,10 @@ where
     let (header, body) = root.split_vertically(TALL_HEADER);
     draw_header(&header, plot.title, &entries).map_err(err)?;
 
-    let mut chart = ChartBuilder::on(&body)
-        .margin_left(16)
-        .margin_right(32)
-        .margin_top(8)
-        .margin_bottom(12)
-        .x_label_area_size(56)
-        .y_label_area_size(72)
-        .build_cartesian_2d(x_min..x_max, 0f64..y_top)
-        .map_err(err)?;
-    let bands: Vec<(f64, f64, &str)> = plot
-        .phases
-        .iter()
-        .enumerate()
-        .map(|(i, (start, name))| {
-            let end = plot.phases.get(i + 1).map_or(x_max, |next| next.0);
-            (start.max(x_min), end.min(x_max), name.as_str())
-        })
-        .filter(|(start, end, _)| end > start)
-        .collect();
-    chart
-        .draw_series(bands.iter().enumerate().filter(|(i, _)| i % 2 == 0).map(
-            |(_, (start, end, _))| Rectangle::new([(*start, 0.0), (*end, y_top)], BAND.filled()),
-        ))
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc(plot.x_label)
-        .y_desc(format!("memory ({})", unit.name))
-        .x_labels(10)
-        .y_labels(10)
-        .x_label_formatter(&|v| compact_number(*v, x_max.abs().max(x_min.abs())))
-        .y_label_formatter(&|v| trim_number(*v))
-        .label_style(TextStyle::from((FONT, 15).into_font()).color(&MUTED))
-        .axis_desc_style(TextStyle::from((FONT, 17).into_font()).color(&INK))
-        .light_line_style(TRANSPARENT)
-        .bold_line_style(RGBColor(215, 215, 220))
-        .axis_style(MUTED)
-        .draw()
-        .map_err(err)?;
+    let mut chart = xy_chart(&body, 32, x_min..x_max, y_top).map_err(err)?;
+    let bands = phase_bands(plot.phases, x_min, x_max);
+    draw_phase_bands(&mut chart, &bands, y_top).map_err(err)?;
+    draw_memory_mesh(&mut chart, plot.x_label, &unit, x_min, x_max).map_err(err)?;
 
     // Stacked areas: each layer is drawn from zero to the top of its stack, highest stack first, so
     // that the next one down covers all but its own band.
@@ -944,65 +948,13 @@ where
         ))
         .map_err(err)?;
 
-    let (plot_left, plot_right) = {
-        let range = chart.plotting_area().get_pixel_range();
-        (range.0.start, range.0.end)
-    };
-    let small = TextStyle::from((FONT, 15).into_font());
     if let Some(capacity) = plot.capacity {
-        let y = unit.of(capacity);
-        chart
-            .draw_series(DashedLineSeries::new(
-                [(x_min, y), (x_max, y)],
-                10,
-                7,
-                LIMIT.stroke_width(2),
-            ))
-            .map_err(err)?;
-        let (_, py) = chart.backend_coord(&(x_min, y));
-        root.draw_text(
-            &format!("capacity {}", format_size(capacity)),
-            &small
-                .clone()
-                .color(&LIMIT)
-                .pos(Pos::new(HPos::Left, VPos::Bottom)),
-            (plot_left + 8, py - 5),
-        )
-        .map_err(err)?;
+        draw_capacity(root, &mut chart, &unit, capacity, x_min..x_max).map_err(err)?;
     }
     if let Some(oom) = plot.oom_at {
-        chart
-            .draw_series(LineSeries::new(
-                [(oom, 0.0), (oom, y_top)],
-                LIMIT.stroke_width(2),
-            ))
-            .map_err(err)?;
-        let (px, _) = chart.backend_coord(&(oom, y_top));
-        let (_, top) = chart.backend_coord(&(x_min, y_top));
-        let bold = TextStyle::from((FONT, 16).into_font().style(FontStyle::Bold)).color(&LIMIT);
-        let (hpos, dx) = if px + 90 < plot_right {
-            (HPos::Left, 6)
-        } else {
-            (HPos::Right, -6)
-        };
-        root.draw_text(
-            "out of memory",
-            &bold.pos(Pos::new(hpos, VPos::Top)),
-            (px + dx, top + 24),
-        )
-        .map_err(err)?;
+        draw_oom_marker(root, &mut chart, oom, None, x_min, y_top).map_err(err)?;
     }
-    let (_, top) = chart.backend_coord(&(x_min, y_top));
-    let phase_style = TextStyle::from((FONT, 14).into_font()).color(&MUTED);
-    for (start, end, name) in &bands {
-        let (left, _) = chart.backend_coord(&(*start, y_top));
-        let (right, _) = chart.backend_coord(&(*end, y_top));
-        let room = (right - left - 8).max(0) as u32;
-        if let Some(text) = fit_text(root, name, &phase_style, room) {
-            root.draw_text(&text, &phase_style, (left + 4, top + 4))
-                .map_err(err)?;
-        }
-    }
+    draw_phase_names(root, &chart, &bands, x_min, y_top).map_err(err)?;
     Ok(())
 }
 
@@ -1087,18 +1039,12 @@ where
         .y_label_area_size(label_width + 16)
         .build_cartesian_2d(0f64..x_top, 0f64..n)
         .map_err(err)?;
-    chart
-        .configure_mesh()
+    styled_mesh(&mut chart.configure_mesh())
         .x_desc(format!("memory ({})", unit.name))
         .x_labels(10)
         .x_label_formatter(&|v| trim_number(*v))
         .disable_y_mesh()
         .disable_y_axis()
-        .label_style(TextStyle::from((FONT, 15).into_font()).color(&MUTED))
-        .axis_desc_style(TextStyle::from((FONT, 17).into_font()).color(&INK))
-        .light_line_style(TRANSPARENT)
-        .bold_line_style(RGBColor(215, 215, 220))
-        .axis_style(MUTED)
         .draw()
         .map_err(err)?;
 
@@ -1217,17 +1163,8 @@ where
     }
     let (header, body) = root.split_vertically(TALL_HEADER);
     draw_header(&header, plot.title, &entries).map_err(err)?;
-    let mut chart = ChartBuilder::on(&body)
-        .margin_left(16)
-        .margin_right(40)
-        .margin_top(8)
-        .margin_bottom(12)
-        .x_label_area_size(56)
-        .y_label_area_size(72)
-        .build_cartesian_2d(x_min..x_max, 0f64..y_top)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
+    let mut chart = xy_chart(&body, 40, x_min..x_max, y_top).map_err(err)?;
+    styled_mesh(&mut chart.configure_mesh())
         .x_desc(plot.x_label)
         .y_desc(format!("peak device memory ({})", unit.name))
         .x_labels(12)
@@ -1241,18 +1178,10 @@ where
             }
         })
         .y_label_formatter(&|v| trim_number(*v))
-        .label_style(TextStyle::from((FONT, 15).into_font()).color(&MUTED))
-        .axis_desc_style(TextStyle::from((FONT, 17).into_font()).color(&INK))
-        .light_line_style(TRANSPARENT)
-        .bold_line_style(RGBColor(215, 215, 220))
-        .axis_style(MUTED)
         .draw()
         .map_err(err)?;
     let small = TextStyle::from((FONT, 15).into_font());
-    let (plot_left, plot_right) = {
-        let range = chart.plotting_area().get_pixel_range();
-        (range.0.start, range.0.end)
-    };
+    let (plot_left, plot_right) = pixel_x_range(&chart);
     for (bytes, label, dotted) in plot
         .capacity
         .map(|c| (c, format!("device memory {}", format_size(c)), false))
