@@ -3,8 +3,10 @@
 //! `data/calibration/synthetic-h100.json` is SYNTHETIC (hand-made, marked `"synthetic": true`): no GPU was
 //! available when these tests were written. A real `vramsim-validate calibrate` output has the same shape.
 
+mod common;
+use common::vramsim;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 use serde_json::{json, Value};
 use vramsim_sim::allocator::cuda_async::CudaAsyncConfig;
@@ -168,14 +170,6 @@ fn timed_allocators_charge_device_calls_to_the_host_clock() {
     bare["latencies"] = json!({});
     let bare = Calibration::from_json(&bare.to_string(), "bare.json").unwrap();
     assert!(bare.latency_model(false).is_none(), "no curves, no timing");
-}
-
-fn vramsim(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vramsim"))
-        .args(args)
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-        .output()
-        .expect("the vramsim binary runs")
 }
 
 fn trace_file(name: &str, text: &str) -> PathBuf {

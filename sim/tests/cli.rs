@@ -1,24 +1,10 @@
 //! The `vramsim` binary end to end: reports, JSON fields, and a clear error (exit status 2, no panic)
 //! for every kind of bad input.
 
+mod common;
+use common::{assert_fails, stderr, stdout, vramsim};
+
 use std::path::PathBuf;
-use std::process::{Command, Output};
-
-fn vramsim(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vramsim"))
-        .args(args)
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-        .output()
-        .expect("the vramsim binary runs")
-}
-
-fn stdout(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
 
 /// Writes `text` to a fresh file in the target's temp dir and returns its path.
 fn trace_file(name: &str, text: &str) -> PathBuf {
@@ -35,21 +21,6 @@ fn replay_json(path: &std::path::Path, extra: &[&str]) -> serde_json::Value {
     let output = vramsim(&args);
     assert!(output.status.success(), "stderr: {}", stderr(&output));
     serde_json::from_str(&stdout(&output)).expect("--json prints JSON")
-}
-
-/// Asserts a clean failure: exit status 2, one `error:` message containing every fragment, no panic.
-fn assert_fails(args: &[&str], fragments: &[&str]) {
-    let output = vramsim(args);
-    let err = stderr(&output);
-    assert_eq!(output.status.code(), Some(2), "args {args:?}: stderr {err}");
-    assert!(!err.contains("panicked"), "args {args:?} panicked: {err}");
-    assert!(err.starts_with("error: "), "args {args:?}: {err}");
-    for fragment in fragments {
-        assert!(
-            err.contains(fragment),
-            "args {args:?}: {err:?} lacks {fragment:?}"
-        );
-    }
 }
 
 #[test]

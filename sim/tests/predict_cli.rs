@@ -3,24 +3,17 @@
 //! models/tests/fixtures/capture/, never vramsim's own output), out-of-memory reports, HuggingFace
 //! config.json import, and a clear error (exit status 2, no panic) for every kind of bad input.
 
+mod common;
+use common::{stderr, stdout, vramsim};
+
+/// Asserts that `vramsim predict ARGS` fails cleanly (see `common::assert_fails`).
+fn assert_fails(args: &[&str], fragments: &[&str]) {
+    let mut all = vec!["predict"];
+    all.extend_from_slice(args);
+    common::assert_fails(&all, fragments);
+}
+
 use std::path::PathBuf;
-use std::process::{Command, Output};
-
-fn vramsim(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vramsim"))
-        .args(args)
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-        .output()
-        .expect("the vramsim binary runs")
-}
-
-fn stdout(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
 
 fn predict_json(args: &[&str]) -> serde_json::Value {
     let mut all = vec!["predict"];
@@ -39,23 +32,6 @@ fn tmp(name: &str) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("predict");
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
-}
-
-/// Asserts a clean failure: exit status 2, an `error:` message containing every fragment, no panic.
-fn assert_fails(args: &[&str], fragments: &[&str]) {
-    let mut all = vec!["predict"];
-    all.extend_from_slice(args);
-    let output = vramsim(&all);
-    let err = stderr(&output);
-    assert_eq!(output.status.code(), Some(2), "args {args:?}: stderr {err}");
-    assert!(!err.contains("panicked"), "args {args:?} panicked: {err}");
-    assert!(err.starts_with("error: "), "args {args:?}: {err}");
-    for fragment in fragments {
-        assert!(
-            err.contains(fragment),
-            "args {args:?}: {err:?} lacks {fragment:?}"
-        );
-    }
 }
 
 #[test]

@@ -1,25 +1,10 @@
 //! `vramsim whatif` end to end: every row is what `predict` says for its configuration, the outputs
 //! (table, JSON, CSV, bar chart), and a clear error (exit status 2) for every kind of bad grid.
 
-use std::process::{Command, Output};
+mod common;
+use common::{assert_fails, stderr, stdout, vramsim};
 
 use serde_json::Value;
-
-fn vramsim(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vramsim"))
-        .args(args)
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-        .output()
-        .expect("the vramsim binary runs")
-}
-
-fn stdout(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
 
 fn json(args: &[&str]) -> Value {
     let mut all = args.to_vec();
@@ -31,21 +16,6 @@ fn json(args: &[&str]) -> Value {
         stderr(&output)
     );
     serde_json::from_str(&stdout(&output)).expect("--json prints JSON")
-}
-
-/// Asserts a clean failure: exit status 2, one `error:` message containing every fragment, no panic.
-fn assert_fails(args: &[&str], fragments: &[&str]) {
-    let output = vramsim(args);
-    let err = stderr(&output);
-    assert_eq!(output.status.code(), Some(2), "args {args:?}: stderr {err}");
-    assert!(!err.contains("panicked"), "args {args:?} panicked: {err}");
-    assert!(err.starts_with("error: "), "args {args:?}: {err}");
-    for fragment in fragments {
-        assert!(
-            err.contains(fragment),
-            "args {args:?}: {err:?} lacks {fragment:?}"
-        );
-    }
 }
 
 const FIXED: &[&str] = &["--model", "gpt2", "--seq", "128", "--gpu", "t4"];

@@ -2,17 +2,10 @@
 //! max-batch returns fits and the next one does not, for several models and cards; the answer grows
 //! with the capacity; the recipes recommend lists reach the global batch and fit.
 
-use std::process::{Command, Output};
+mod common;
+use common::{stderr, vramsim};
 
 use serde_json::Value;
-
-fn vramsim(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vramsim"))
-        .args(args)
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-        .output()
-        .expect("the vramsim binary runs")
-}
 
 fn json(args: &[&str]) -> Value {
     let mut all = args.to_vec();
@@ -24,10 +17,6 @@ fn json(args: &[&str]) -> Value {
         String::from_utf8_lossy(&output.stderr)
     );
     serde_json::from_slice(&output.stdout).expect("--json prints JSON")
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
 /// `predict --json` of `recipe` with `--KEY VALUE` added.
