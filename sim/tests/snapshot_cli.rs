@@ -183,3 +183,22 @@ fn foreign_and_broken_pickles_are_errors() {
         &["truncated"],
     );
 }
+
+#[test]
+fn a_replayed_snapshot_names_its_own_device_in_the_oom_message() {
+    // The recorded OOM of Constructor-Sun happened on device 1 (its `oom` trace entry is in
+    // device_traces[1]): PyTorch's message names "GPU 1".
+    let Some(path) = snapshot(CONSTRUCTOR) else {
+        return;
+    };
+    let output = vramsim(&["replay", path.to_str().unwrap(), "--device", "1", "--json"]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let message = json["oom"]["message"]
+        .as_str()
+        .expect("the recorded OOM happens");
+    assert!(
+        message.contains(". GPU 1 has a total capacity of"),
+        "{message}"
+    );
+}

@@ -193,6 +193,7 @@ impl SnapshotInput {
     pub fn machine(&self, given: &MachineArgs) -> MachineArgs {
         let mut machine = given.clone();
         let s = self;
+        machine.device_index = s.import.device;
         if machine.alloc_conf.is_empty() {
             machine.alloc_conf = settings_string(&s.settings.config);
         }

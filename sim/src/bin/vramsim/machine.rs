@@ -67,6 +67,9 @@ pub struct MachineArgs {
     /// torch.cuda.set_per_process_memory_fraction(F), F in [0, 1].
     #[arg(long)]
     pub memory_fraction: Option<f64>,
+    /// The CUDA device index messages name (`GPU N`): the recorded device when replaying a snapshot.
+    #[arg(skip)]
+    pub device_index: u32,
 }
 
 /// A configured allocator with what describes it in reports.
@@ -101,6 +104,7 @@ impl MachineArgs {
             }
             (None, gpu, None) => Device::preset(gpu.as_deref().unwrap_or(DEFAULT_GPU))?,
         };
+        device.index = self.device_index;
         if let Some(context) = &self.context {
             device.context_bytes = parse_size(context).context("invalid --context")?;
         }
