@@ -322,13 +322,6 @@ impl CheckReport {
     /// The report as a table for people.
     pub fn to_table(&self) -> String {
         let mut t = String::new();
-        let pct = |a: u64, b: u64| {
-            if b == 0 {
-                "-".to_owned()
-            } else {
-                format!("{:.1}%", 100.0 * a as f64 / b as f64)
-            }
-        };
         let _ = writeln!(t, "device {}", self.device);
         let _ = writeln!(t, "  settings        {}", self.settings);
         let _ = writeln!(
@@ -378,33 +371,21 @@ impl CheckReport {
             if tally.recorded + tally.simulated == 0 {
                 continue;
             }
-            let _ = writeln!(
-                t,
-                "  {:<22} {:>10} {:>10} {:>10} {:>8}",
-                name,
-                tally.recorded,
-                tally.simulated,
-                tally.matched,
-                pct(tally.matched, tally.recorded)
-            );
+            matched_row(&mut t, name, tally.recorded, tally.simulated, tally.matched);
         }
-        let _ = writeln!(
-            t,
-            "  {:<22} {:>10} {:>10} {:>10} {:>8}",
+        matched_row(
+            &mut t,
             "segment events",
             self.segment_events_recorded,
             self.segment_events_simulated,
             self.segment_events_matched,
-            pct(self.segment_events_matched, self.segment_events_recorded)
         );
-        let _ = writeln!(
-            t,
-            "  {:<22} {:>10} {:>10} {:>10} {:>8}",
+        matched_row(
+            &mut t,
             "allocs (same offset)",
             self.alloc_events,
             self.allocs_simulated,
             self.same_offset_allocs,
-            pct(self.same_offset_allocs, self.alloc_events)
         );
         let _ = writeln!(
             t,
@@ -1173,4 +1154,18 @@ fn find_segment(segments: &[SegmentInfo], addr: u64) -> Option<&SegmentInfo> {
     let i = segments.partition_point(|s| s.address <= addr);
     let s = segments.get(i.checked_sub(1)?)?;
     (addr < s.address + s.total_size).then_some(s)
+}
+
+/// One row of the check table: recorded, simulated and matched counts, and the share matched.
+fn matched_row(t: &mut String, name: &str, recorded: u64, simulated: u64, matched: u64) {
+    let share = if recorded == 0 {
+        "-".to_owned()
+    } else {
+        format!("{:.1}%", 100.0 * matched as f64 / recorded as f64)
+    };
+    let _ = writeln!(
+        t,
+        "  {:<22} {:>10} {:>10} {:>10} {:>8}",
+        name, recorded, simulated, matched, share
+    );
 }
