@@ -161,11 +161,10 @@ fn expandable_segments() {
 }
 
 /// `empty_cache` unmaps the free 20 MiB page; the next 8 MiB request maps it again. The released page
-/// could have served that request, so a `malloc` would not have released it: the run is the program's
-/// `empty_cache`. The importer (in progress) takes it as the allocator's own last-resort release
-/// ("needed a new 20971520-byte segment that did not fit next to the 44040192 bytes reserved before"),
-/// drops the `empty_cache`, and the replay keeps the page mapped: reserved_bytes.allocated, num_device_free
-/// and num_sync_all_streams differ.
+/// could have served that request, so a `malloc` would not have released it: the importer must read the
+/// run as the program's `empty_cache`. Taking it for the allocator's own last-resort release would drop
+/// the `empty_cache` and keep the page mapped, and reserved_bytes.allocated, num_device_free and
+/// num_sync_all_streams would differ.
 #[test]
 fn expandable_segments_empty_cache() {
     round_trip(

@@ -135,18 +135,10 @@ fn the_answer_grows_with_the_capacity() {
 
 #[test]
 fn headroom_keeps_memory_free() {
-    let recipe = [
-        "--model",
-        "gpt2",
-        "--seq",
-        "256",
-        "--precision",
-        "amp-bf16",
-        "--gpu",
-        "t4",
-    ];
+    // the first case: gpt2, seq 256, amp-bf16, T4
+    let recipe = CASES[0];
     let mut plain = vec!["max-batch"];
-    plain.extend_from_slice(&recipe);
+    plain.extend_from_slice(recipe);
     let without = json(&plain)["max_batch"].as_u64().unwrap();
     let mut args = plain.clone();
     args.extend_from_slice(&["--headroom", "20%"]);
