@@ -49,7 +49,7 @@ pub use lower::{checkpointed_ranges, lower, LowerError};
 pub use ops::{OpKind, SdpaBackend};
 pub use recipe::{
     Attention, Checkpointing, Fidelity, OptimizerImpl, OptimizerKind, Precision, Recipe,
-    RecipeError, ZeroGrad,
+    RecipeError, Target, ZeroGrad,
 };
 
 use vramsim_traces::{Event, Trace};

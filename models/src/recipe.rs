@@ -99,6 +99,23 @@ pub enum Fidelity {
     MetaCapture,
 }
 
+/// The GPU a step runs on, as far as the kernels PyTorch picks depend on it (SDPA backends, cuBLAS
+/// workspace sizes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// `torch.cuda.get_device_capability()`: (major, minor).
+    pub compute_capability: (u32, u32),
+}
+
+impl Default for Target {
+    /// vramsim's default device, an 80 GB H100 (sm 9.0).
+    fn default() -> Self {
+        Target {
+            compute_capability: (9, 0),
+        }
+    }
+}
+
 /// Everything about a training step that is not the model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Recipe {
@@ -126,6 +143,8 @@ pub struct Recipe {
     pub attention: Attention,
     /// CUDA eager semantics or the meta-device capture's.
     pub fidelity: Fidelity,
+    /// The GPU the step runs on.
+    pub target: Target,
 }
 
 impl Default for Recipe {
@@ -143,6 +162,7 @@ impl Default for Recipe {
             inference: false,
             attention: Attention::Eager,
             fidelity: Fidelity::Cuda,
+            target: Target::default(),
         }
     }
 }

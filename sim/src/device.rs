@@ -121,6 +121,9 @@ pub struct GpuPreset {
     pub device_name: &'static str,
     /// What `torch.cuda.get_device_properties(0).total_memory` reports, in bytes.
     pub total_memory: u64,
+    /// `torch.cuda.get_device_capability()`: (major, minor). Kernel choices depend on it (SDPA
+    /// backends, cuBLAS workspace sizes). NVIDIA's CUDA GPUs table; ROCm reports gfx942 as (9, 4).
+    pub compute_capability: (u32, u32),
     /// Where the figure comes from, how precisely it is known, and other figures seen for the same board.
     pub source: &'static str,
 }
@@ -148,6 +151,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "h100-80gb",
         device_name: "NVIDIA H100 80GB HBM3",
         total_memory: 85_017_755_648, // 81,079 MiB, 79.18 GiB
+        compute_capability: (9, 0),
         source: "exact: deviceQuery 'Total amount of global memory: 81079 MBytes (85017755648 bytes)', \
                  CUDA driver 13.0 / runtime 12.5, in LandonTClipp/LandonTClipp.github.io blog post \
                  'GPU-based Containers as a Service' (2025-10-21); matches the OOM 'GPU 0 has a total \
@@ -160,6 +164,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "h100-pcie",
         device_name: "NVIDIA H100 PCIe",
         total_memory: 84_942_979_072, // 81,007 MiB, 79.11 GiB
+        compute_capability: (9, 0),
         source: "exact: openxla/xla xla/tools/hlo_opt/gpu_specs/h100_pcie.txtpb device_memory_size \
                  84942979072 (device_description_str 'NVIDIA H100 PCIe'); no OOM message from an H100 \
                  PCIe found to cross-check",
@@ -168,6 +173,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "h100-nvl",
         device_name: "NVIDIA H100 NVL",
         total_memory: 99_861_594_112, // 95,235 MiB, 93.00 GiB
+        compute_capability: (9, 0),
         source: "exact: deviceQuery '95235 MBytes (99861594112 bytes)', CUDA driver 12.4, \
                  thamada/nvidia-smi gls/H100NVLx2_deviceQuery.py; no OOM message found to cross-check",
     },
@@ -175,6 +181,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "h200",
         device_name: "NVIDIA H200",
         total_memory: 143_156 * MIB, // 139.80 GiB
+        compute_capability: (9, 0),
         source: "to the MiB: torch repr 'total_memory=143156MB' in ai-bot-pro/achatbot \
                  deploy/modal/src/llm/vllm/vlm/skywork_r1v.py (Modal H200); matches the OOM 'total \
                  capacity of 139.80 GiB' on 8xH200 in prime-rl benchmarks/results/BENCHMARKS.md; \
@@ -184,6 +191,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "b200",
         device_name: "NVIDIA B200",
         total_memory: 182_642 * MIB, // 178.36 GiB
+        compute_capability: (10, 0),
         source: "to the MiB: torch repr 'total_memory=182642MB' in ai-bot-pro/achatbot \
                  deploy/modal/src/llm/vllm/vlm/skywork_r1v.py (Modal B200); matches the OOM 'total \
                  capacity of 178.36 GiB' on 8xB200 in shyampathak22/prime-rl \
@@ -193,6 +201,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "a100-40gb",
         device_name: "NVIDIA A100-SXM4-40GB",
         total_memory: 42_331_013_120, // 40,370 MiB, 39.42 GiB
+        compute_capability: (8, 0),
         source: "exact: openxla/xla xla/tools/hlo_opt/gpu_specs/a100_sxm_40.txtpb device_memory_size \
                  42331013120. Other drivers: 42298834944 B (40339 MiB, 39.39 GiB, driver 12.2, \
                  deviceQuery in bottlerocket-os/bottlerocket#3873); older drivers 40536 MiB (39.59 GiB, \
@@ -203,6 +212,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "a100-80gb",
         device_name: "NVIDIA A100-SXM4-80GB",
         total_memory: 85_100_068_864, // 81,157 MiB, 79.26 GiB
+        compute_capability: (8, 0),
         source: "exact, two sources agree: deviceQuery '81158 MBytes (85100068864 bytes)', CUDA driver \
                  12.5, thamada/nvidia-smi nvsim/A100SXMx4_deviceQuery.py, and openxla/xla \
                  gpu_specs/a100_sxm_80.txtpb device_memory_size 85100068864. Other drivers: OOMs of \
@@ -213,6 +223,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "v100-16gb",
         device_name: "Tesla V100-SXM2-16GB",
         total_memory: 16_935_419_904, // 16,150 MiB, 15.77 GiB
+        compute_capability: (7, 0),
         source: "exact: openxla/xla xla/tools/hlo_opt/gpu_specs/v100.txtpb device_memory_size \
                  16935419904 ('Tesla V100-SXM2-16GB'); OOMs of 15.75-15.78 GiB appear in public logs \
                  under various drivers",
@@ -221,6 +232,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "v100-32gb",
         device_name: "Tesla V100-SXM2-32GB",
         total_memory: 32_502 * MIB, // 31.74 GiB
+        compute_capability: (7, 0),
         source: "approximate, about ±5 MiB: only from the OOM '31.74 GiB total capacity' on a V100 32GB \
                  (liucongg/ChatGLM-Finetuning#73, 2023); no repr or deviceQuery found",
     },
@@ -228,6 +240,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "a10g",
         device_name: "NVIDIA A10G",
         total_memory: 22_733 * MIB, // 22.20 GiB
+        compute_capability: (8, 6),
         source: "approximate, about ±5 MiB: only from the OOM '22.20 GiB total capacity' on an AWS \
                  g5.12xlarge (A10G) (XavierXiao/Dreambooth-Stable-Diffusion#18, 2023); a 2026 torch \
                  nightly (cu130) printed total_memory=22587MB (22.06 GiB), so newer drivers report less",
@@ -236,6 +249,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "a10",
         device_name: "NVIDIA A10",
         total_memory: 23_609_475_072, // 22,515 MiB, 21.99 GiB
+        compute_capability: (8, 6),
         source: "exact: deviceQuery-style '21.99 GBytes (23609475072 bytes)', CUDA driver 12.2, \
                  aalanwyr/face2cuda step2cuda/README.md; no OOM message found to cross-check",
     },
@@ -243,6 +257,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "l4",
         device_name: "NVIDIA L4",
         total_memory: 23_570_219_008, // 22,478 MiB, 21.95 GiB
+        compute_capability: (8, 9),
         source: "exact: deviceQuery '22478 MBytes (23570219008 bytes)', CUDA driver 12.4, \
                  thamada/nvidia-smi gls/L4_deviceQuery.py; no OOM message found to cross-check",
     },
@@ -250,6 +265,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "l40s",
         device_name: "NVIDIA L40S",
         total_memory: 47_803_596_800, // 45,589 MiB, 44.52 GiB
+        compute_capability: (8, 9),
         source: "exact: deviceQuery '45589 MBytes (47803596800 bytes)', CUDA driver 12.4, \
                  thamada/nvidia-smi nvsim/L40S_deviceQuery.py; OOMs of 44.52 GiB appear in public logs, \
                  and one of 44.53 GiB on an L40S under another driver (Wan-Video/Wan2.1#205)",
@@ -258,6 +274,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "a40",
         device_name: "NVIDIA A40",
         total_memory: 47_608_692_736, // 45,403 MiB, 44.34 GiB
+        compute_capability: (8, 6),
         source: "exact: deviceQuery '45403 MBytes (47608692736 bytes)', CUDA driver 12.4, \
                  thamada/nvidia-smi nvsim/A40x10_deviceQuery.py",
     },
@@ -265,6 +282,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "a6000",
         device_name: "NVIDIA RTX A6000",
         total_memory: 51_041_271_808, // 48,676 MiB, 47.54 GiB
+        compute_capability: (8, 6),
         source: "exact: openxla/xla xla/tools/hlo_opt/gpu_specs/a6000.txtpb device_memory_size \
                  51041271808 ('NVIDIA RTX A6000')",
     },
@@ -272,6 +290,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "rtx6000-ada",
         device_name: "NVIDIA RTX 6000 Ada Generation",
         total_memory: 51_002_867_712, // 48,640 MiB, 47.50 GiB
+        compute_capability: (8, 9),
         source: "exact: deviceQuery '48640 MBytes (51002867712 bytes)', CUDA driver 12.4, \
                  thamada/nvidia-smi gls/RTX6000Ada_x8_deviceQuery.py",
     },
@@ -279,6 +298,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "t4",
         device_name: "Tesla T4",
         total_memory: 15_095 * MIB, // 14.74 GiB
+        compute_capability: (7, 5),
         source: "to the MiB: deviceQuery 'Global Memory 15095 MBytes' on Colab, CUDA driver 12.4, \
                  sylvia-ymlin/cuda-kernels-from-scratch README.md, and a torch repr \
                  'total_memory=15095MB'. Other drivers: 15102-15109 MiB (14.75 GiB, e.g. the OOM in \
@@ -288,6 +308,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "rtx3090",
         device_name: "NVIDIA GeForce RTX 3090",
         total_memory: 25_327_697_920, // 24,154 MiB, 23.59 GiB
+        compute_capability: (8, 6),
         source: "exact: deviceQuery '24154 MBytes (25327697920 bytes)', CUDA driver 12.6, \
                  thamada/nvidia-smi gls/RTX3090_deviceQuery.py; matches the OOM 'total capacity of \
                  23.59 GiB' on an RTX 3090 (Stable-X/StableNormal#33). Older drivers: 24268 MiB \
@@ -297,6 +318,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "rtx4090",
         device_name: "NVIDIA GeForce RTX 4090",
         total_memory: 25_386_352_640, // 24,210 MiB, 23.64 GiB
+        compute_capability: (8, 9),
         source: "exact: deviceQuery '24210 MBytes (25386352640 bytes)', CUDA driver 12.4 (Linux), \
                  thamada/nvidia-smi gls/RTX4090_deviceQuery.py; matches the OOMs '23.64 GiB' on RTX \
                  4090s (3DTopia/Phidias-Diffusion#8, TMElyralab/MuseTalk#76). Windows reports more \
@@ -306,6 +328,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "rtx5090",
         device_name: "NVIDIA GeForce RTX 5090",
         total_memory: 33_677_180_928, // 32,117 MiB, 31.36 GiB
+        compute_capability: (12, 0),
         source: "exact: deviceQuery '32117 MBytes (33677180928 bytes)', CUDA driver 12.8 (Linux, \
                  570.133.04), aikitoria/open-gpu-kernel-modules#1; an OOM of 31.37 GiB on a 5090 under \
                  another driver/OS (Wan-Video/Wan2.1#465)",
@@ -314,6 +337,7 @@ pub const PRESETS: &[GpuPreset] = &[
         name: "mi300x",
         device_name: "AMD Instinct MI300X",
         total_memory: 196_592 * MIB, // 191.98 GiB
+        compute_capability: (9, 4),
         source: "to the MiB: hipDeviceProp 'Total Global Memory (MB) 196592', thamada/nvidia-smi \
                  nvsim/MI300X_x4_deviceQuery.py (ROCm; PyTorch's HIP allocator is the same caching \
                  allocator); no OOM message found to cross-check",

@@ -15,8 +15,9 @@ use vramsim_models::hf::{self, ImportOptions};
 use vramsim_models::zoo::Arch;
 use vramsim_models::{
     lower, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph, OptimizerImpl,
-    OptimizerKind, PeakBreakdown, Precision, Recipe,
+    OptimizerKind, PeakBreakdown, Precision, Recipe, Target,
 };
+use vramsim_sim::device::{find_preset, UnknownGpu, DEFAULT_GPU};
 use vramsim_sim::engine::{Flow, Replay, ReplayOptions};
 use vramsim_sim::format::format_size;
 use vramsim_sim::report::{group_digits, Report};
@@ -123,6 +124,18 @@ where
     T::Err: std::fmt::Display,
 {
     s.parse::<T>().map_err(|e| e.to_string())
+}
+
+/// The GPU the step's kernels are chosen for: the `--gpu` preset, else vramsim's default device
+/// (`--capacity` and `--calibration` describe memory only, so kernels are chosen as on the default).
+fn target(machine: &MachineArgs) -> Result<Target> {
+    let name = machine.gpu.as_deref().unwrap_or(DEFAULT_GPU);
+    let preset = find_preset(name).ok_or_else(|| UnknownGpu {
+        name: name.to_string(),
+    })?;
+    Ok(Target {
+        compute_capability: preset.compute_capability,
+    })
 }
 
 /// A lowered step: the model, the recipe and the trace, ready to replay on any machine.
@@ -256,6 +269,7 @@ pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
         iterations: args.iterations,
         inference: args.inference,
         attention: args.attention,
+        target: target(&args.machine)?,
         ..Recipe::default()
     };
     let t0 = Instant::now();
