@@ -145,6 +145,10 @@ pub struct Recipe {
     pub fidelity: Fidelity,
     /// The GPU the step runs on.
     pub target: Target,
+    /// Input images of image models as (height, width); `None`: the model's default (224 × 224).
+    pub image_size: Option<(u64, u64)>,
+    /// Classes of an image model's classifier; `None`: the model's default (1000).
+    pub num_classes: Option<u64>,
 }
 
 impl Default for Recipe {
@@ -163,6 +167,8 @@ impl Default for Recipe {
             attention: Attention::Eager,
             fidelity: Fidelity::Cuda,
             target: Target::default(),
+            image_size: None,
+            num_classes: None,
         }
     }
 }
