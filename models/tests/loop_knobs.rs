@@ -340,3 +340,137 @@ fn bad_knobs_are_errors_listing_the_choices() {
     r.optimizer_impl = OptimizerImpl::Fused;
     assert!(r.validate().is_err());
 }
+
+/// `(+size | -size)` of every alloc and free from the first `forward` marker on, and the same for
+/// the events of the `optimizer` phases only.
+fn sequences(t: &Trace) -> (Vec<i64>, Vec<i64>) {
+    let mut sizes: HashMap<&AllocId, u64> = HashMap::new();
+    let (mut all, mut opt) = (Vec::new(), Vec::new());
+    let (mut started, mut in_opt) = (false, false);
+    for e in &t.events {
+        let x = match e {
+            Event::Phase { name } => {
+                started |= &**name == "forward";
+                in_opt = &**name == "optimizer";
+                continue;
+            }
+            Event::Alloc { id, size, .. } => {
+                sizes.insert(id, *size);
+                *size as i64
+            }
+            Event::Free { id } => -(sizes[id] as i64),
+            _ => continue,
+        };
+        if started {
+            all.push(x);
+        }
+        if in_opt {
+            opt.push(x);
+        }
+    }
+    (all, opt)
+}
+
+#[test]
+fn knobs_agree_with_pytorch_meta_captures() {
+    // traces/python/make_knob_captures.py: torch 2.15, transformers 5.23, torchvision 0.29 on the
+    // meta device. (file, model, batch, seq, precision, optimizer, impl, zero_grad, whole trace
+    // event-identical; GPT-2's captures summarize mask and position-id temporaries)
+    let cases = [
+        (
+            "mlp__b64__fp32-sgd-nesterov",
+            "mlp",
+            64,
+            0,
+            "fp32",
+            "sgd-nesterov",
+            "foreach",
+            "none",
+            true,
+        ),
+        (
+            "mlp__b64__fp32-sgd-nesterov-for-loop",
+            "mlp",
+            64,
+            0,
+            "fp32",
+            "sgd-nesterov",
+            "for-loop",
+            "none",
+            true,
+        ),
+        (
+            "mlp__b64__fp32-adamw-zero",
+            "mlp",
+            64,
+            0,
+            "fp32",
+            "adamw",
+            "foreach",
+            "zero",
+            true,
+        ),
+        (
+            "mlp__b64__fp32-adafactor-hf",
+            "mlp",
+            64,
+            0,
+            "fp32",
+            "adafactor-hf",
+            "foreach",
+            "none",
+            true,
+        ),
+        (
+            "mlp__b64__bf16-adafactor-hf",
+            "mlp",
+            64,
+            0,
+            "bf16",
+            "adafactor-hf",
+            "foreach",
+            "none",
+            true,
+        ),
+        (
+            "resnet18__b2__fp32-adafactor-hf",
+            "resnet18",
+            2,
+            0,
+            "fp32",
+            "adafactor-hf",
+            "foreach",
+            "none",
+            true,
+        ),
+        (
+            "gpt2__b2s128__bf16-adafactor-hf",
+            "gpt2",
+            2,
+            128,
+            "bf16",
+            "adafactor-hf",
+            "foreach",
+            "none",
+            false,
+        ),
+    ];
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/knob_captures");
+    for (file, model, batch, seq, precision, optimizer, imp, zero, identical) in cases {
+        let theirs = vramsim_traces::read_trace(dir.join(format!("{file}.jsonl.gz"))).unwrap();
+        let mut r = Recipe::new(batch, seq);
+        r.precision = precision.parse().unwrap();
+        r.optimizer = optimizer.parse().unwrap();
+        r.optimizer_impl = imp.parse().unwrap();
+        r.zero_grad = zero.parse().unwrap();
+        r.fidelity = Fidelity::MetaCapture;
+        let ours = lower(&zoo::build(model, &r).unwrap(), &r).unwrap();
+        assert_eq!(peak_requested(&ours), peak_requested(&theirs), "{file}");
+        let (a, oa) = sequences(&ours);
+        let (b, ob) = sequences(&theirs);
+        assert_eq!(oa, ob, "{file}: optimizer phases");
+        if identical {
+            assert_eq!(a, b, "{file}: events");
+        }
+    }
+}
