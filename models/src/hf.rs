@@ -20,12 +20,15 @@
 //!   `num_attention_heads`, `num_key_value_heads`, `vocab_size`, `max_position_embeddings`, `head_dim`,
 //!   GPT-2's `n_*` names), `tie_word_embeddings`, the activation (`hidden_act`, GPT-2's
 //!   `activation_function`: `silu`, `gelu`, `gelu_new`, `gelu_pytorch_tanh`), the dropout
-//!   probabilities, the biases (`attention_bias`, `mlp_bias`; Qwen2's q/k/v biases are built in) and
-//!   the attention window (Mistral's `sliding_window`). A value the lowering cannot honour is an
-//!   error naming the field: an unknown activation, `attention_dropout` ≠ 0 for the LLaMA family,
+//!   probabilities (GPT-2's `embd_pdrop`, `attn_pdrop`, `resid_pdrop`; BERT's `hidden_dropout_prob`,
+//!   `attention_probs_dropout_prob`; the LLaMA family's `attention_dropout`: 0 means no dropout op at
+//!   all, since ATen's `dropout` returns its input for `p == 0` and runs `native_dropout` with its
+//!   mask only for `0 < p < 1` on CUDA), the biases (`attention_bias`, `mlp_bias`; Qwen2's q/k/v
+//!   biases are built in) and the attention window (Mistral's `sliding_window`). A value the
+//!   lowering cannot honour is an error naming the field: an unknown activation,
 //!   `pretraining_tp` ≠ 1, `position_embedding_type` other than `absolute`, `chunk_size_feed_forward`
-//!   ≠ 0 for BERT, `is_decoder`/`add_cross_attention`/`is_encoder_decoder` true, an untied GPT-2 or
-//!   BERT head, Qwen2's `use_sliding_window` true (two masks of different kinds), a `rope_scaling`
+//!   ≠ 0 for BERT, `is_decoder`/`add_cross_attention`/`is_encoder_decoder` true, Qwen2's
+//!   `use_sliding_window` true (two masks of different kinds), a `rope_scaling`
 //!   type outside `default`, `linear`, `dynamic`, `yarn`, `longrope`, `llama3`, `proportional`.
 //! * **memory-neutral, ignored** (an explicit allow-list): token ids, `initializer_range`, the norms'
 //!   epsilons (`rms_norm_eps`, `layer_norm_eps`, `layer_norm_epsilon`), `rope_theta` and the rope
@@ -499,12 +502,8 @@ fn gpt2(r: &mut Reader, name: Cow<'static, str>) -> Result<GptConfig, HfError> {
         attn_dropout: r.prob("attn_pdrop", 0.1)?,
         resid_dropout: r.prob("resid_pdrop", 0.1)?,
         activation: r.activation(&["activation_function"], Activation::GeluNew)?,
+        tie_embeddings: r.bool_or("tie_word_embeddings", true)?,
     };
-    r.require_bool(
-        "tie_word_embeddings",
-        true,
-        "GPT2LMHeadModel is modelled with lm_head tied to wte",
-    )?;
     r.require_bool(
         "scale_attn_weights",
         true,
@@ -550,6 +549,7 @@ fn bert(r: &mut Reader, name: Cow<'static, str>) -> Result<BertConfig, HfError> 
         hidden_dropout: r.prob("hidden_dropout_prob", 0.1)?,
         attention_dropout: r.prob("attention_probs_dropout_prob", 0.1)?,
         activation: r.activation(&["hidden_act"], Activation::Gelu)?,
+        tie_embeddings: r.bool_or("tie_word_embeddings", true)?,
     };
     if let Some((_, v)) = r.get(&["position_embedding_type"]) {
         if v.as_str() != Some("absolute") {
@@ -560,11 +560,6 @@ fn bert(r: &mut Reader, name: Cow<'static, str>) -> Result<BertConfig, HfError> 
             });
         }
     }
-    r.require_bool(
-        "tie_word_embeddings",
-        true,
-        "BertForMaskedLM is modelled with the decoder tied to the word embeddings",
-    )?;
     r.encoder_only()?;
     r.no_chunking(true)?;
     Ok(cfg)
@@ -667,16 +662,8 @@ fn llama(r: &mut Reader, name: Cow<'static, str>) -> Result<LlamaConfig, HfError
         mlp_bias,
         activation: r.activation(&["hidden_act"], Activation::Silu)?,
         sliding_window,
+        attention_dropout: r.prob("attention_dropout", 0.0)?,
     };
-    let p = r.prob("attention_dropout", 0.0)?;
-    if p != 0.0 {
-        return Err(HfError::Unsupported {
-            field: "attention_dropout".into(),
-            value: p.to_string(),
-            msg: "dropout on the attention probabilities is not modelled for this family (use 0.0)"
-                .into(),
-        });
-    }
     if let Some(tp) = r.u64_opt(&["pretraining_tp"])? {
         if tp != 1 {
             return Err(HfError::Unsupported {

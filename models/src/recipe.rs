@@ -42,13 +42,22 @@ pub enum OptimizerKind {
     Sgd,
     /// `torch.optim.SGD(lr, momentum=0.9)`.
     SgdMomentum,
+    /// `torch.optim.SGD(lr, momentum=0.9, nesterov=True)`: the momentum buffers of `sgd-momentum`;
+    /// the for-loop implementation also makes one `grad.add(buf, alpha=momentum)` per parameter.
+    SgdNesterov,
     /// `torch.optim.Adam`.
     Adam,
     /// `torch.optim.AdamW(weight_decay=0.01)`.
     #[default]
     AdamW,
-    /// `torch.optim.Adafactor`.
+    /// `torch.optim.Adafactor` (PyTorch's, foreach or for-loop).
     Adafactor,
+    /// HuggingFace's `transformers.optimization.Adafactor` as HF Trainer builds it for
+    /// `optim="adafactor"` (`scale_parameter=False, relative_step=False`, `beta1=None`,
+    /// `weight_decay=0`): a Python loop over the parameters, with factored second moments
+    /// `exp_avg_sq_row`/`exp_avg_sq_col` for tensors of 2 or more dimensions, float32 state and
+    /// float32 copies of 16-bit gradients and parameters.
+    AdafactorHf,
 }
 
 /// How the optimizer runs its math (`foreach`/`fused` arguments).
@@ -149,6 +158,13 @@ pub struct Recipe {
     pub image_size: Option<(u64, u64)>,
     /// Classes of an image model's classifier; `None`: the model's default (1000).
     pub num_classes: Option<u64>,
+    /// `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` between backward and the
+    /// optimizer step (after `scaler.unscale_` with a GradScaler); `None`: no clipping.
+    pub clip_grad_norm: Option<f64>,
+    /// `torch.amp.GradScaler` around the step; `None`: what a user gets by default (on for
+    /// `amp-fp16`, as HF Trainer and PyTorch's AMP recipe do, off otherwise). See
+    /// [`Recipe::uses_grad_scaler`].
+    pub grad_scaler: Option<bool>,
 }
 
 impl Default for Recipe {
@@ -169,6 +185,8 @@ impl Default for Recipe {
             target: Target::default(),
             image_size: None,
             num_classes: None,
+            clip_grad_norm: None,
+            grad_scaler: None,
         }
     }
 }
@@ -181,6 +199,14 @@ impl Recipe {
             seq,
             ..Recipe::default()
         }
+    }
+
+    /// Whether the step runs under a `GradScaler`: [`Recipe::grad_scaler`] when given, else only
+    /// for `amp-fp16` (HF Trainer creates one for `fp16=True` only; PyTorch's AMP recipe pairs it
+    /// with float16 autocast).
+    pub fn uses_grad_scaler(&self) -> bool {
+        self.grad_scaler
+            .unwrap_or(self.precision == Precision::AmpFp16)
     }
 
     /// Checks the fields that do not depend on the model.
@@ -206,12 +232,24 @@ impl Recipe {
                 msg: "every:K needs K ≥ 1".into(),
             });
         }
-        if self.optimizer_impl == OptimizerImpl::Fused && self.optimizer == OptimizerKind::Adafactor
+        if self.optimizer_impl == OptimizerImpl::Fused
+            && matches!(
+                self.optimizer,
+                OptimizerKind::Adafactor | OptimizerKind::AdafactorHf
+            )
         {
             return Err(RecipeError::Invalid {
                 field: "optimizer",
                 msg: "Adafactor has no fused implementation (use foreach or for-loop)".into(),
             });
+        }
+        if let Some(m) = self.clip_grad_norm {
+            if !(m.is_finite() && m > 0.0) {
+                return Err(RecipeError::Invalid {
+                    field: "clip-grad-norm",
+                    msg: format!("max_norm must be a positive finite number, got {m}"),
+                });
+            }
         }
         Ok(())
     }
@@ -272,9 +310,10 @@ macro_rules! named_enum {
 
 named_enum!(Precision, "precision", "fp32, bf16, amp-fp16, amp-bf16",
     ["fp32" => Precision::Fp32, "bf16" => Precision::Bf16, "amp-fp16" => Precision::AmpFp16, "amp-bf16" => Precision::AmpBf16]);
-named_enum!(OptimizerKind, "optimizer", "adamw, adam, sgd, sgd-momentum, adafactor",
+named_enum!(OptimizerKind, "optimizer", "adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf",
     ["adamw" => OptimizerKind::AdamW, "adam" => OptimizerKind::Adam, "sgd" => OptimizerKind::Sgd,
-     "sgd-momentum" => OptimizerKind::SgdMomentum, "adafactor" => OptimizerKind::Adafactor]);
+     "sgd-momentum" => OptimizerKind::SgdMomentum, "sgd-nesterov" => OptimizerKind::SgdNesterov,
+     "adafactor" => OptimizerKind::Adafactor, "adafactor-hf" => OptimizerKind::AdafactorHf]);
 named_enum!(OptimizerImpl, "optimizer implementation", "foreach, fused, for-loop",
     ["foreach" => OptimizerImpl::Foreach, "fused" => OptimizerImpl::Fused, "for-loop" => OptimizerImpl::ForLoop]);
 named_enum!(ZeroGrad, "zero_grad mode", "none, zero",
@@ -327,9 +366,11 @@ impl fmt::Display for OptimizerKind {
         f.write_str(match self {
             OptimizerKind::Sgd => "sgd",
             OptimizerKind::SgdMomentum => "sgd-momentum",
+            OptimizerKind::SgdNesterov => "sgd-nesterov",
             OptimizerKind::Adam => "adam",
             OptimizerKind::AdamW => "adamw",
             OptimizerKind::Adafactor => "adafactor",
+            OptimizerKind::AdafactorHf => "adafactor-hf",
         })
     }
 }
@@ -357,7 +398,7 @@ mod tests {
             Checkpointing::Every(2)
         );
         let e = "adamx".parse::<OptimizerKind>().unwrap_err();
-        assert_eq!(e.to_string(), "unknown optimizer \"adamx\": valid values are adamw, adam, sgd, sgd-momentum, adafactor");
+        assert_eq!(e.to_string(), "unknown optimizer \"adamx\": valid values are adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf");
         assert!("every:0".parse::<Checkpointing>().is_err());
         assert!("fp64"
             .parse::<Precision>()

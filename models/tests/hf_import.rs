@@ -5,7 +5,8 @@
 use std::path::PathBuf;
 use vramsim_models::hf::{self, HfError, ImportOptions};
 use vramsim_models::zoo::{self, Arch};
-use vramsim_models::{lower, peak_requested, Attention, Recipe};
+use vramsim_models::{lower, peak_requested, Attention, OpKind, Recipe, ZeroGrad};
+use vramsim_traces::{Category, Event, Trace};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -179,12 +180,12 @@ fn bad_configs_name_the_field() {
             vec!["model_type", "gpt2, bert"],
         ),
         (
-            vec![("hidden_act", json!("relu"))],
-            vec!["hidden_act", "\"relu\"", "silu, gelu"],
+            vec![("hidden_act", json!("quick_gelu"))],
+            vec!["hidden_act", "\"quick_gelu\"", "silu, gelu"],
         ),
         (
-            vec![("attention_dropout", json!(0.1))],
-            vec!["attention_dropout"],
+            vec![("attention_dropout", json!(1.0))],
+            vec!["attention_dropout", "[0, 1)"],
         ),
         (vec![("pretraining_tp", json!(2))], vec!["pretraining_tp"]),
         (
@@ -269,4 +270,167 @@ fn absurd_layer_counts_are_refused_before_building() {
     let cfg = hf::parse(&text, &ImportOptions::default()).unwrap();
     let e = cfg.arch.build(&Recipe::new(1, 8)).unwrap_err().to_string();
     assert!(e.contains("num_hidden_layers") && e.contains("4096"), "{e}");
+}
+
+/// A published config with `patch` applied.
+fn patch_file(file: &str, patch: &[(&str, serde_json::Value)]) -> hf::HfConfig {
+    let text = std::fs::read_to_string(fixture(file)).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for (k, val) in patch {
+        v[*k] = val.clone();
+    }
+    hf::parse(&v.to_string(), &ImportOptions::default()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// GPT-2's parameters by formula: wte `V·h`, wpe `P·h`, per layer ln_1, c_attn `h·3h + 3h`, c_proj
+/// `h·h + h`, ln_2, c_fc `h·4h + 4h`, mlp.c_proj `4h·h + h` (`12h² + 13h`), ln_f `2h`; plus an
+/// untied lm_head `V·h`.
+fn gpt2_params(v: u64, p: u64, h: u64, l: u64, tied: bool) -> u64 {
+    v * h + p * h + l * (12 * h * h + 13 * h) + 2 * h + if tied { 0 } else { v * h }
+}
+
+fn dropouts(g: &vramsim_models::Graph) -> usize {
+    g.ops
+        .iter()
+        .filter(|o| matches!(o.kind, OpKind::Dropout { .. }))
+        .count()
+}
+
+/// Requested bytes live when the first `backward` phase starts (the end of the first forward).
+fn live_at_first_backward(t: &Trace) -> u64 {
+    let mut live = std::collections::HashMap::new();
+    let mut cur = 0u64;
+    for e in &t.events {
+        match e {
+            Event::Alloc { id, size, .. } => {
+                live.insert(id.clone(), *size);
+                cur += size;
+            }
+            Event::Free { id } => cur -= live.remove(id).unwrap_or(0),
+            Event::Phase { name } if &**name == "backward" => return cur,
+            _ => {}
+        }
+    }
+    cur
+}
+
+#[test]
+fn config_fields_that_change_memory_are_honoured() {
+    use serde_json::json;
+    // tie_word_embeddings: false gives GPT2LMHeadModel its own lm_head (transformers 5.23 ties only
+    // when the config says so).
+    let base = import("gpt2.json");
+    let r = Recipe::new(1, 16);
+    let tied = base.arch.build(&r).unwrap().param_count();
+    assert_eq!(tied, gpt2_params(50257, 1024, 768, 12, true));
+    let untied = patch_file("gpt2.json", &[("tie_word_embeddings", json!(false))]);
+    let g = untied.arch.build(&r).unwrap();
+    assert_eq!(g.param_count(), gpt2_params(50257, 1024, 768, 12, false));
+    assert_eq!(g.param_count(), 163_037_184);
+    assert!(g.params.iter().any(|p| p.name == "lm_head.weight"));
+    // vocab_size and n_positions.
+    let small = patch_file(
+        "gpt2.json",
+        &[("vocab_size", json!(1000)), ("n_positions", json!(256))],
+    );
+    assert_eq!(
+        small.arch.build(&r).unwrap().param_count(),
+        gpt2_params(1000, 256, 768, 12, true)
+    );
+    assert_eq!(small.arch.max_positions(), Some(256));
+    // Dropouts: each p > 0 is one native_dropout (embd_pdrop once; attn_pdrop and twice
+    // resid_pdrop per block); p = 0 is no op at all (ATen `dropout` returns its input).
+    assert_eq!(dropouts(&base.arch.build(&r).unwrap()), 1 + 3 * 12);
+    let no_drop = patch_file(
+        "gpt2.json",
+        &[
+            ("embd_pdrop", json!(0.0)),
+            ("attn_pdrop", json!(0.0)),
+            ("resid_pdrop", json!(0.0)),
+        ],
+    );
+    assert_eq!(dropouts(&no_drop.arch.build(&r).unwrap()), 0);
+    let attn_only = patch_file(
+        "gpt2.json",
+        &[("embd_pdrop", json!(0.0)), ("resid_pdrop", json!(0.0))],
+    );
+    assert_eq!(dropouts(&attn_only.arch.build(&r).unwrap()), 12);
+
+    // BERT untied: the decoder gets its own weight [V, h] and bias [V]; cls.predictions.bias stays
+    // a parameter that the forward never uses.
+    let bert = patch_file(
+        "bert-base-uncased.json",
+        &[("tie_word_embeddings", json!(false))],
+    );
+    let mut r = Recipe::new(1, 16);
+    r.zero_grad = ZeroGrad::Zero;
+    let g = bert.arch.build(&r).unwrap();
+    assert_eq!(g.param_count(), 109_514_298 + 30522 * 768 + 30522);
+    let t = lower(&g, &r).unwrap();
+    // With zero_grad(set_to_none=False) every gradient stays: all but the unused bias's.
+    let grads: u64 = live_by_category(&t, Category::Gradient);
+    assert_eq!(grads, (g.param_count() - 30522) * 4);
+    // BERT's dropouts: hidden_dropout_prob after the embeddings and twice per layer,
+    // attention_probs_dropout_prob once per layer; hidden_act relu is one op per use.
+    let b0 = patch_file(
+        "bert-base-uncased.json",
+        &[
+            ("hidden_dropout_prob", json!(0.0)),
+            ("hidden_act", json!("relu")),
+        ],
+    );
+    let g = b0.arch.build(&r).unwrap();
+    assert_eq!(dropouts(&g), 12);
+    let relus = g
+        .ops
+        .iter()
+        .filter(|o| matches!(o.kind, OpKind::Relu))
+        .count();
+    assert_eq!(
+        relus,
+        12 + 1,
+        "intermediate per layer + the MLM head's transform"
+    );
+
+    // LLaMA's attention_dropout: with eager attention, each layer's probabilities [B, H, S, S]
+    // get a dropout output (float32 here) and a bool mask, both saved for backward: 5 bytes per
+    // element more at the end of the forward.
+    let (b, s) = (1u64, 32u64);
+    let mut r = Recipe::new(b, s);
+    r.attention = Attention::Eager;
+    let plain = import("TinyLlama-1.1B-intermediate-step-1431k-3T.json");
+    let dropped = hf::parse(
+        &patched(&[("attention_dropout", json!(0.1))]),
+        &ImportOptions::default(),
+    )
+    .unwrap();
+    let g0 = plain.arch.build(&r).unwrap();
+    let g1 = dropped.arch.build(&r).unwrap();
+    assert_eq!(dropouts(&g0), 0);
+    assert_eq!(dropouts(&g1), 22);
+    let extra = live_at_first_backward(&lower(&g1, &r).unwrap())
+        - live_at_first_backward(&lower(&g0, &r).unwrap());
+    assert_eq!(extra, 22 * b * 32 * s * s * (4 + 1));
+}
+
+/// Bytes of `category` still live at the end of the trace.
+fn live_by_category(t: &Trace, category: Category) -> u64 {
+    let mut live = std::collections::HashMap::new();
+    for e in &t.events {
+        match e {
+            Event::Alloc {
+                id,
+                size,
+                category: c,
+                ..
+            } if *c == category => {
+                live.insert(id.clone(), *size);
+            }
+            Event::Free { id } => {
+                live.remove(id);
+            }
+            _ => {}
+        }
+    }
+    live.values().sum()
 }

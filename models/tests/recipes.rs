@@ -1,6 +1,6 @@
 //! Every recipe option lowers to a consistent trace: ids allocated once and freed once, and at
 //! the end only parameters, buffers, optimizer state (and gradients with `zero_grad=zero`, the
-//! GradScaler's two scalars with float16 autocast) remain. Plus the errors a person gets.
+//! GradScaler's two scalars when a scaler runs) remain. Plus the errors a person gets.
 
 use std::collections::HashMap;
 use vramsim_models::*;
@@ -31,7 +31,15 @@ fn end_state(t: &Trace) -> HashMap<Category, u64> {
 fn every_option_lowers_to_a_consistent_trace() {
     let precisions = ["fp32", "bf16", "amp-fp16", "amp-bf16"];
     let ckpts = ["none", "full", "every:2", "selective", "sqrt"];
-    let optims = ["sgd", "sgd-momentum", "adam", "adamw", "adafactor"];
+    let optims = [
+        "sgd",
+        "sgd-momentum",
+        "adam",
+        "adamw",
+        "adafactor",
+        "sgd-nesterov",
+        "adafactor-hf",
+    ];
     let models = [
         "mlp",
         "gpt2",
@@ -62,10 +70,19 @@ fn every_option_lowers_to_a_consistent_trace() {
                     ZeroGrad::Zero
                 };
                 r.accum = 1 + (j as u32 % 2);
-                r.optimizer_impl = if r.optimizer == OptimizerKind::Adafactor {
+                r.optimizer_impl = if matches!(
+                    r.optimizer,
+                    OptimizerKind::Adafactor | OptimizerKind::AdafactorHf
+                ) {
                     OptimizerImpl::Foreach
                 } else {
                     ["foreach", "fused", "for-loop"][i % 3].parse().unwrap()
+                };
+                r.clip_grad_norm = if (i + j) % 3 == 0 { Some(1.0) } else { None };
+                r.grad_scaler = match (i + 2 * j) % 3 {
+                    0 => None,
+                    1 => Some(true),
+                    _ => Some(false),
                 };
                 let g = zoo::build(model, &r).unwrap();
                 let t = lower(&g, &r).unwrap_or_else(|e| panic!("{model} {}: {e}", r.name()));

@@ -832,7 +832,8 @@ impl<'g> Lowering<'g> {
         Fwd::New(vec![o], NodeKind::Op(OpKind::ToDtype(d)), vec![])
     }
 
-    /// `loss / accum` for gradient accumulation, and `scaler.scale(loss)` for float16 autocast.
+    /// `loss / accum` for gradient accumulation, and `scaler.scale(loss)` (`loss * scaler._scale`)
+    /// when the step runs under a GradScaler ([`crate::Recipe::uses_grad_scaler`]).
     pub(super) fn finish_loss(&mut self, loss: Rt) -> Rt {
         let mut loss = loss;
         if self.r.accum > 1 {
@@ -849,7 +850,7 @@ impl<'g> Lowering<'g> {
             self.drop_rt(loss);
             loss = out;
         }
-        if self.r.precision == crate::recipe::Precision::AmpFp16 {
+        if self.r.uses_grad_scaler() {
             if self.scaler.is_empty() {
                 // GradScaler._lazy_init_scale_growth_tracker: float32 scale, int32 growth tracker.
                 self.kind_now = Kind::Other;

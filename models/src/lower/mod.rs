@@ -705,6 +705,16 @@ impl<'g> Lowering<'g> {
         m.insert("checkpoint".into(), self.r.checkpointing.to_string().into());
         m.insert("accum".into(), self.r.accum.into());
         m.insert("iterations".into(), self.r.iterations.into());
+        m.insert(
+            "zero_grad".into(),
+            match self.r.zero_grad {
+                ZeroGrad::SetToNone => "none",
+                ZeroGrad::Zero => "zero",
+            }
+            .into(),
+        );
+        m.insert("clip_grad_norm".into(), self.r.clip_grad_norm.into());
+        m.insert("grad_scaler".into(), self.r.uses_grad_scaler().into());
         m.insert("params".into(), self.g.param_count().into());
         m.insert(
             "fidelity".into(),

@@ -43,6 +43,11 @@ pub struct BertConfig {
     pub attention_dropout: f64,
     /// `hidden_act` (of `intermediate` and of the MLM head's `transform`).
     pub activation: Activation,
+    /// `tie_word_embeddings` (default true): `cls.predictions.decoder.weight` is the word embeddings
+    /// and `decoder.bias` is `cls.predictions.bias`. False: transformers 5.23 ties neither
+    /// (`get_expanded_tied_weights_keys` returns nothing), so the decoder has its own weight and
+    /// bias, and `cls.predictions.bias` stays a parameter the forward never uses (no gradient).
+    pub tie_embeddings: bool,
 }
 
 /// `google-bert/bert-base-uncased`: 109,514,298 parameters with the MLM head.
@@ -58,6 +63,7 @@ pub const BERT_BASE: BertConfig = BertConfig {
     hidden_dropout: 0.1,
     attention_dropout: 0.1,
     activation: Activation::Gelu,
+    tie_embeddings: true,
 };
 
 /// `google-bert/bert-large-uncased`: 335,174,458 parameters with the MLM head.
@@ -174,7 +180,15 @@ pub fn bert(cfg: &BertConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Gr
             let y = b.activation("transform_act_fn", y, cfg.activation);
             b.layer_norm("LayerNorm", y)
         });
-        b.module("decoder", |b| b.linear_op(y, word_w, Some(bias)))
+        b.module("decoder", |b| {
+            if cfg.tie_embeddings {
+                b.linear_op(y, word_w, Some(bias))
+            } else {
+                let w = b.param("weight", &[cfg.vocab, h]);
+                let bb = b.param("bias", &[cfg.vocab]);
+                b.linear_op(y, w, Some(bb))
+            }
+        })
     });
     b.hold(logits);
     // CrossEntropyLoss()(prediction_scores.view(-1, V), labels.view(-1))

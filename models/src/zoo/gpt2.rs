@@ -36,6 +36,10 @@ pub struct GptConfig {
     /// fused `gelu(approximate="tanh")`, `gelu_pytorch_tanh`) is what Korthikanti et al.'s
     /// accounting assumes.
     pub activation: Activation,
+    /// `tie_word_embeddings` (default true): `lm_head.weight` is `transformer.wte.weight`; false:
+    /// `lm_head` is its own `nn.Linear(n_embd, vocab_size, bias=False)` (`_tied_weights_keys`
+    /// applies only when the config ties).
+    pub tie_embeddings: bool,
 }
 
 impl GptConfig {
@@ -52,6 +56,7 @@ impl GptConfig {
             attn_dropout: 0.1,
             resid_dropout: 0.1,
             activation: Activation::GeluNew,
+            tie_embeddings: true,
         }
     }
 }
@@ -147,8 +152,15 @@ pub fn gpt2(cfg: &GptConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Gra
         }
         (b.layer_norm("ln_f", x), wte)
     });
-    // lm_head: nn.Linear(h, V, bias=False) tied to wte.
-    let logits = b.module("lm_head", |b| b.linear_op(hidden, wte, None));
+    // lm_head: nn.Linear(h, V, bias=False), tied to wte unless the config unties it.
+    let logits = b.module("lm_head", |b| {
+        let w = if cfg.tie_embeddings {
+            wte
+        } else {
+            b.param("weight", &[cfg.vocab, h])
+        };
+        b.linear_op(hidden, w, None)
+    });
     b.hold(logits);
     let loss = b.causal_lm_loss(logits, labels);
     b.set_output(loss);

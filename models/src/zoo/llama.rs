@@ -1,8 +1,8 @@
 //! LLaMA-style decoders as HF transformers' `LlamaForCausalLM` (transformers 5.23,
 //! `modeling_llama.py`) runs them in training: `LlamaRMSNorm` in float32, SwiGLU MLP, rotary
 //! embeddings computed once per forward (`cos`/`sin` `[1, S, D]`), grouped-query attention with
-//! `repeat_kv` (`expand` + `reshape`, which copies) in eager mode, softmax in float32, no dropout
-//! (`attention_dropout = 0`), untied `lm_head` unless `tie_word_embeddings`, and the loss on
+//! `repeat_kv` (`expand` + `reshape`, which copies) in eager mode, softmax in float32, dropout on the
+//! probabilities only when `attention_dropout` > 0 (0 in every preset), untied `lm_head` unless `tie_word_embeddings`, and the loss on
 //! `logits.float()`. With SDPA on CUDA and no padding mask, HF passes `enable_gqa` instead of
 //! repeating K/V.
 
@@ -48,6 +48,9 @@ pub struct LlamaConfig {
     /// The attention window of every layer (Mistral's `sliding_window`; Qwen2's when
     /// `use_sliding_window`); `None`: full causal attention.
     pub sliding_window: Option<u64>,
+    /// `attention_dropout` (0 by default): `F.dropout` on the attention probabilities of eager
+    /// attention (`eager_attention_forward`), `dropout_p` of SDPA; 0 is no op at all.
+    pub attention_dropout: f64,
 }
 
 impl LlamaConfig {
@@ -89,6 +92,7 @@ const fn preset(
         mlp_bias: false,
         activation: Activation::Silu,
         sliding_window: None,
+        attention_dropout: 0.0,
     }
 }
 
@@ -198,7 +202,8 @@ pub fn llama(cfg: &LlamaConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<
                     let k = rope(k, b);
                     b.hold(q);
                     b.hold(k);
-                    let (o, probs) = b.attention_core_probs(q, k, v, mask, 0.0, true, attn);
+                    let (o, probs) =
+                        b.attention_core_probs(q, k, v, mask, cfg.attention_dropout, true, attn);
                     let o = b.contiguous(o);
                     let o = b.reshape(o, &[batch as i64, seq as i64, -1]);
                     let o = b.contiguous(o);

@@ -16,11 +16,13 @@ pub enum Activation {
     GeluTanh,
     /// `gelu_new` (`NewGELUActivation`): eight eager ops, five tensors saved.
     GeluNew,
+    /// `relu` (`nn.ReLU()`, not in place): one op, saves its result.
+    Relu,
 }
 
 impl Activation {
     /// The HF names accepted, comma-separated.
-    pub const NAMES: &'static str = "silu, gelu, gelu_pytorch_tanh, gelu_new";
+    pub const NAMES: &'static str = "silu, gelu, gelu_pytorch_tanh, gelu_new, relu";
 
     /// The activation HF calls `name`, if modelled.
     pub fn from_hf(name: &str) -> Option<Activation> {
@@ -29,6 +31,7 @@ impl Activation {
             "gelu" => Some(Activation::Gelu),
             "gelu_pytorch_tanh" => Some(Activation::GeluTanh),
             "gelu_new" => Some(Activation::GeluNew),
+            "relu" => Some(Activation::Relu),
             _ => None,
         }
     }
@@ -164,6 +167,7 @@ impl GraphBuilder {
             Activation::Gelu => self.module(name, |b| b.gelu(x, false)),
             Activation::GeluTanh => self.module(name, |b| b.gelu(x, true)),
             Activation::GeluNew => self.gelu_new(name, x),
+            Activation::Relu => self.module(name, |b| b.relu(x)),
         }
     }
 

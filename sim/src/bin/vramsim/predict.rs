@@ -15,7 +15,7 @@ use vramsim_models::hf::{self, ImportOptions};
 use vramsim_models::zoo::Arch;
 use vramsim_models::{
     lower, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph, OptimizerImpl,
-    OptimizerKind, PeakBreakdown, Precision, Recipe, Target,
+    OptimizerKind, PeakBreakdown, Precision, Recipe, Target, ZeroGrad,
 };
 use vramsim_sim::device::{find_preset, UnknownGpu, DEFAULT_GPU};
 use vramsim_sim::engine::{Flow, Replay, ReplayOptions};
@@ -60,7 +60,9 @@ pub struct PredictArgs {
     /// fp32, bf16 (model.to(bfloat16)), amp-fp16 (autocast + GradScaler), amp-bf16 (autocast).
     #[arg(long, default_value = "fp32", value_parser = named::<Precision>)]
     pub precision: Precision,
-    /// adamw, adam, sgd, sgd-momentum, adafactor.
+    /// adamw, adam, sgd, sgd-momentum (momentum=0.9), sgd-nesterov (momentum=0.9, nesterov=True),
+    /// adafactor (torch.optim.Adafactor), adafactor-hf (transformers' Adafactor, a per-parameter
+    /// loop, as HF Trainer's optim="adafactor" builds it).
     #[arg(long, default_value = "adamw", value_parser = named::<OptimizerKind>)]
     pub optimizer: OptimizerKind,
     /// How the optimizer runs: foreach (PyTorch's default on CUDA), fused, for-loop.
@@ -93,6 +95,37 @@ pub struct PredictArgs {
     /// Also write the lowered trace (vramsim JSON, or JSON Lines for .jsonl; gzip for .gz).
     #[arg(long, value_name = "FILE")]
     pub trace_out: Option<PathBuf>,
+    /// optimizer.zero_grad(set_to_none=...): none (True, PyTorch's default: gradients freed after
+    /// each step) or zero (False, zeroed in place: gradients stay allocated across steps).
+    #[arg(long, default_value = "none", value_parser = named::<ZeroGrad>)]
+    pub zero_grad: ZeroGrad,
+    /// torch.nn.utils.clip_grad_norm_(model.parameters(), MAX) between backward and the optimizer
+    /// step (foreach norms on CUDA; after scaler.unscale_ with a GradScaler).
+    #[arg(long, value_name = "MAX", value_parser = max_norm, allow_negative_numbers = true)]
+    pub clip_grad_norm: Option<f64>,
+    /// torch.amp.GradScaler around the step: true or false (default: true for amp-fp16, as HF
+    /// Trainer and PyTorch's AMP recipe do; false otherwise).
+    #[arg(long, value_name = "BOOL", value_parser = boolean("grad-scaler"))]
+    pub grad_scaler: Option<bool>,
+}
+
+/// A parser for `--clip-grad-norm`: a positive finite `max_norm`.
+fn max_norm(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!(
+            "clip-grad-norm takes max_norm, a positive number (e.g. 1.0), got {s}"
+        )),
+    }
+}
+
+/// A parser for an option that takes `true` or `false`.
+fn boolean(what: &'static str) -> impl Fn(&str) -> Result<bool, String> + Clone {
+    move |s: &str| match s.trim() {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        _ => Err(format!("{what} must be true or false, got {s}")),
+    }
 }
 
 /// A parser for a count of 1 or more.
@@ -270,6 +303,9 @@ pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
         inference: args.inference,
         attention: args.attention,
         target: target(&args.machine)?,
+        zero_grad: args.zero_grad,
+        clip_grad_norm: args.clip_grad_norm,
+        grad_scaler: args.grad_scaler,
         ..Recipe::default()
     };
     let t0 = Instant::now();
@@ -408,16 +444,27 @@ fn recipe_line(p: &Prediction) -> String {
     if r.inference {
         s.push_str(", inference (eval, no_grad)");
     } else {
-        let imp = match r.optimizer_impl {
-            OptimizerImpl::Foreach => "foreach",
-            OptimizerImpl::Fused => "fused",
-            OptimizerImpl::ForLoop => "for-loop",
+        let imp = match (r.optimizer, r.optimizer_impl) {
+            // transformers' Adafactor has only its Python loop
+            (OptimizerKind::AdafactorHf, _) => "for-loop",
+            (_, OptimizerImpl::Foreach) => "foreach",
+            (_, OptimizerImpl::Fused) => "fused",
+            (_, OptimizerImpl::ForLoop) => "for-loop",
         };
         let _ = write!(
             s,
             ", {} ({imp}), checkpoint {}, accum {}",
             r.optimizer, r.checkpointing, r.accum
         );
+        if r.zero_grad == ZeroGrad::Zero {
+            s.push_str(", zero_grad(set_to_none=False)");
+        }
+        if let Some(m) = r.clip_grad_norm {
+            let _ = write!(s, ", clip_grad_norm {m}");
+        }
+        if r.uses_grad_scaler() {
+            s.push_str(", GradScaler");
+        }
     }
     let _ = write!(s, ", {} iterations", r.iterations);
     if p.arch.max_positions().is_some() {
@@ -590,6 +637,12 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
             Attention::SdpaMemEfficient => "sdpa-mem-efficient",
         },
         "fidelity": trace.meta.get("fidelity").cloned().unwrap_or(Value::Null),
+        "zero_grad": match r.zero_grad {
+            ZeroGrad::SetToNone => "none",
+            ZeroGrad::Zero => "zero",
+        },
+        "clip_grad_norm": r.clip_grad_norm,
+        "grad_scaler": r.uses_grad_scaler(),
     });
     j["peak_phase"] = json!(b.phase);
     j["breakdown"] = json!({

@@ -41,8 +41,9 @@
 //!   parameter, gradient and both moments and writes three: 7 passes; the foreach implementation's
 //!   list ops make about 20; SGD 3 or 4; momentum 5 or 8; Adafactor about 14), at the parameters'
 //!   width, plus one 5 µs launch per op and 64 tensors (foreach, fused) or per op and tensor
-//!   (for-loop); GradScaler (`amp-fp16`) adds an unscale pass over the gradients, `zero_grad` with
-//!   `zero` a memset of them;
+//!   (for-loop); a GradScaler (`amp-fp16` by default, `--grad-scaler`) adds an unscale pass over the
+//!   gradients, `--clip-grad-norm` three (a norm read, an in-place scale), `zero_grad` with `zero` a
+//!   memset of them;
 //! * **inference** is one forward.
 //!
 //! The **step-time factor** is the step's time over that of one plain micro-step (forward, backward and
@@ -340,6 +341,8 @@ pub struct StepWork {
     zero_grad: ZeroGrad,
     accum: u32,
     inference: bool,
+    grad_scaler: bool,
+    clip_grad_norm: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -486,6 +489,8 @@ impl StepWork {
             zero_grad: recipe.zero_grad,
             accum: recipe.accum,
             inference: recipe.inference,
+            grad_scaler: recipe.uses_grad_scaler(),
+            clip_grad_norm: recipe.clip_grad_norm.is_some(),
         }
     }
 
@@ -540,19 +545,32 @@ impl StepWork {
         let (passes, ops_per_tensor) = match (self.optimizer, self.optimizer_impl) {
             (OptimizerKind::Sgd, OptimizerImpl::Fused) => (3.0, 1.0),
             (OptimizerKind::Sgd, _) => (4.0, 2.0),
-            (OptimizerKind::SgdMomentum, OptimizerImpl::Fused) => (5.0, 1.0),
+            (OptimizerKind::SgdMomentum | OptimizerKind::SgdNesterov, OptimizerImpl::Fused) => {
+                (5.0, 1.0)
+            }
             (OptimizerKind::SgdMomentum, _) => (8.0, 4.0),
+            // the in-place `_foreach_add_(grads, bufs)` (for-loop: `grad.add(buf)`) reads two, writes one
+            (OptimizerKind::SgdNesterov, _) => (11.0, 5.0),
             (OptimizerKind::Adam | OptimizerKind::AdamW, OptimizerImpl::Fused) => (7.0, 1.0),
             (OptimizerKind::Adam | OptimizerKind::AdamW, _) => (20.0, 9.0),
             (OptimizerKind::Adafactor, _) => (14.0, 12.0),
+            // transformers' loop: ~16 ops per parameter, each launched per tensor
+            (OptimizerKind::AdafactorHf, _) => (16.0, 16.0),
         };
         let launches = match self.optimizer_impl {
+            _ if self.optimizer == OptimizerKind::AdafactorHf => {
+                ops_per_tensor * self.param_tensors as f64
+            }
             OptimizerImpl::ForLoop => ops_per_tensor * self.param_tensors as f64,
             _ => ops_per_tensor * (self.param_tensors as f64 / 64.0).ceil(),
         };
         let mut optimizer = passes * params * width / bandwidth + launches * OP_FLOOR_S;
-        if self.precision == Precision::AmpFp16 {
+        if self.grad_scaler {
             optimizer += 2.0 * params * width / bandwidth; // GradScaler unscale_
+        }
+        if self.clip_grad_norm {
+            // clip_grad_norm_: _foreach_norm reads the gradients, _foreach_mul_ reads and writes them
+            optimizer += 3.0 * params * width / bandwidth;
         }
         if self.zero_grad == ZeroGrad::Zero {
             optimizer += params * width / bandwidth; // memset of the gradients
