@@ -158,6 +158,9 @@ pub struct Workspaces {
     /// The `CUBLAS_WORKSPACE_CONFIG` environment variable (`":4096:8"`), if set; `None` takes PyTorch's
     /// default for the target GPU.
     pub cublas_workspace_config: Option<String>,
+    /// The `CUBLASLT_WORKSPACE_SIZE` environment variable in KiB, if set; `None` takes 1024 KiB
+    /// ([`CUBLASLT_DEFAULT_WORKSPACE`]).
+    pub cublaslt_workspace_kib: Option<u64>,
     /// `torch.backends.cudnn.benchmark = True`: each new convolution configuration is benchmarked once,
     /// and the benchmark ends with `emptyCache()` (`Conv_v8.cpp` `run_single_conv`).
     pub cudnn_benchmark: bool,
@@ -187,6 +190,14 @@ impl Workspaces {
                 ),
             },
         }
+    }
+}
+
+impl Workspaces {
+    /// The cuBLASLt workspace of one per-call GEMM in bytes (`CublasLtWorkspace`).
+    pub fn cublaslt_workspace_bytes(&self) -> u64 {
+        self.cublaslt_workspace_kib
+            .map_or(CUBLASLT_DEFAULT_WORKSPACE, |kib| kib.saturating_mul(1024))
     }
 }
 

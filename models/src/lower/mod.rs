@@ -39,7 +39,6 @@ use crate::layout::Layout;
 use crate::ops::OpKind;
 use crate::recipe::{
     Checkpointing, CublasWorkspaceMode, Fidelity, Precision, Recipe, RecipeError, ZeroGrad,
-    CUBLASLT_DEFAULT_WORKSPACE,
 };
 use std::collections::{HashMap, HashSet};
 use vramsim_traces::{AllocId, Category, Event, Trace};
@@ -389,7 +388,8 @@ impl<'g> Lowering<'g> {
     ///
     /// * Per call (2.15's default): cuBLAS GEMMs take `getCurrentCUDABlasHandleWithWorkspace()`, which
     ///   allocates the chosen size and frees it when the scoped handle dies at the end of the call;
-    ///   `CublasLtWorkspace` does the same with `getCUDABlasLtWorkspaceSize()` (1 MiB, not clamped:
+    ///   `CublasLtWorkspace` does the same with `getCUDABlasLtWorkspaceSize()` (`CUBLASLT_WORKSPACE_SIZE`,
+    ///   1 MiB by default, not clamped:
     ///   Lt and cuBLAS are only unified when caching is on).
     /// * Persistent (`TORCH_CUBLAS_WORKSPACE_CACHE=1`, or ≤ 2.14): `setWorkspaceForHandle` allocates
     ///   the chosen size once per (handle, stream) and never frees it; handles are per thread, so the
@@ -403,9 +403,11 @@ impl<'g> Lowering<'g> {
             return;
         }
         let (size, name, persistent) = match self.r.workspaces.cublas_mode {
-            CublasWorkspaceMode::PerCall if lt => {
-                (CUBLASLT_DEFAULT_WORKSPACE, "cublaslt_workspace", false)
-            }
+            CublasWorkspaceMode::PerCall if lt => (
+                self.r.workspaces.cublaslt_workspace_bytes(),
+                "cublaslt_workspace",
+                false,
+            ),
             CublasWorkspaceMode::PerCall => (self.cublas_ws, "cublas_workspace", false),
             CublasWorkspaceMode::Persistent => {
                 let thread = usize::from(self.in_backward);
