@@ -608,7 +608,7 @@ impl<'g> Lowering<'g> {
                     let bias = x[0].shape();
                     let (m1, m2) = (x[1].shape(), x[2].shape());
                     x[0].layout.is_contiguous()
-                        && bias.iter().filter(|&&d| d != 1).count() <= 1
+                        && (bias.len() == 1 || bias.iter().filter(|&&d| d != 1).count() == 1)
                         && bias.last() == m2.get(1)
                         && matches!(x[1].dtype, DType::F32 | DType::F16 | DType::BF16)
                         && m1.len() == 2
