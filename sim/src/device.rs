@@ -87,10 +87,18 @@ pub const CONTEXT_MEASUREMENTS: &[ContextMeasurement] = &[
     },
     ContextMeasurement {
         gpu: "rtx3090",
+        cuda: 11,
+        bytes: 1685 * MIB,
+        source: "pytorch/pytorch issue #55277 (2022-04-12 comment): 1687 MB of GPU memory after \
+                 torch.Tensor(1).cuda() on an RTX 3090, torch 1.8.2+cu111 (721 MB on a GTX 1080 with \
+                 cu101); less the tensor's 2 MiB small-pool segment",
+    },
+    ContextMeasurement {
+        gpu: "rtx3090",
         cuda: 12,
         bytes: 256 * MIB,
-        source: "invoke-ai/InvokeAI issue #9413: 256 MiB bare context on an RTX 3090, torch \
-                 2.7.1+cu128",
+        source: "invoke-ai/InvokeAI issue #9413: nvidia-smi shows the process at 256 MiB, a bare \
+                 context, on an RTX 3090, torch 2.7.1+cu128, driver 610.43.03",
     },
     ContextMeasurement {
         gpu: "rtx6000-ada",
@@ -232,8 +240,8 @@ impl GpuPreset {
     /// 1. a measurement on this GPU with that CUDA ([`CONTEXT_MEASUREMENTS`]);
     /// 2. rule: a measurement with that CUDA on a preset of the same compute capability (the same
     ///    chip generation loads the same kernel images);
-    /// 3. rule, CUDA 11 only: the CUDA 11 measurement (a V100's), as eager module loading, not the
-    ///    GPU, dominates a CUDA 11 context;
+    /// 3. rule, CUDA 11 only: the CUDA 11 measurement on the nearest compute capability, as eager
+    ///    module loading of every kernel image dominates a CUDA 11 context;
     /// 4. assumption: [`DEFAULT_CONTEXT_BYTES`], inside the lazy-loading range of CUDA ≥ 12.
     pub fn context(&self, cuda: u32) -> ContextChoice {
         let choice = |bytes, source: String| ContextChoice {
@@ -262,14 +270,17 @@ impl GpuPreset {
                 ),
             );
         }
-        if let Some(m) = CONTEXT_MEASUREMENTS
+        let cc = |(major, minor): (u32, u32)| i64::from(major * 10 + minor);
+        let nearest = CONTEXT_MEASUREMENTS
             .iter()
-            .find(|m| m.cuda == cuda && cuda == 11)
-        {
+            .filter(|m| m.cuda == cuda && cuda == 11)
+            .filter_map(|m| find_preset(m.gpu).map(|p| (m, cc(p.compute_capability))))
+            .min_by_key(|(_, c)| (c - cc(self.compute_capability)).abs());
+        if let Some((m, _)) = nearest {
             return choice(
                 m.bytes,
                 format!(
-                    "rule: no CUDA 11 measurement on this architecture; CUDA 11 loads every kernel module eagerly, so the {}'s CUDA 11 figure is used, measured: {}",
+                    "rule: no CUDA 11 measurement on this architecture; CUDA 11 loads every kernel module eagerly, so the {}'s (the nearest compute capability measured) is used, measured: {}",
                     m.gpu, m.source
                 ),
             );

@@ -145,8 +145,15 @@ fn context_by_cuda_version() {
     // No CUDA 12 figure for sm 8.0 or 9.0: the 512 MiB assumption.
     assert_eq!(ctx("a100-80gb", 12).bytes, DEFAULT_CONTEXT_BYTES);
     assert!(ctx("h100-80gb", 13).source.starts_with("assumption:"));
-    // CUDA 11 loads modules eagerly: the V100's figure stands for every GPU without its own.
-    assert_eq!(ctx("h100-80gb", 11).bytes, 1339 * MIB);
+    // #55277: 1687 MB with one 1-element tensor (2 MiB segment) on an RTX 3090, torch 1.8.2+cu111.
+    assert_eq!(ctx("rtx3090", 11).bytes, 1685 * MIB);
+    assert_eq!(ctx("a6000", 11).bytes, 1685 * MIB);
+    // CUDA 11 loads modules eagerly: the nearest compute capability measured stands in. sm 9.0 and
+    // 8.0 are nearer 8.6 than 7.0; sm 7.5 is nearer 7.0.
+    assert_eq!(ctx("h100-80gb", 11).bytes, 1685 * MIB);
+    assert_eq!(ctx("a100-80gb", 11).bytes, 1685 * MIB);
+    assert_eq!(ctx("t4", 11).bytes, 1339 * MIB);
+    assert!(ctx("t4", 11).source.starts_with("rule:"));
     assert_eq!(
         find_preset("v100-16gb")
             .unwrap()
