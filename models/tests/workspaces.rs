@@ -224,6 +224,18 @@ fn cudnn_benchmark_empties_the_cache_once_per_new_convolution() {
         .filter(|e| matches!(e, Event::EmptyCache))
         .count();
     assert_eq!(empties, 11 + 21);
+    // With every block checkpointed, the autograd thread recomputes the blocks' forward
+    // convolutions, and cuDNN v8's benchmark cache is thread-local: the 10 forward configurations
+    // inside blocks (all but the stem's conv1) are benchmarked again.
+    r.checkpointing = Checkpointing::Full;
+    let t = lower(&zoo::build("resnet18", &r).unwrap(), &r).unwrap();
+    let empties = t
+        .events
+        .iter()
+        .filter(|e| matches!(e, Event::EmptyCache))
+        .count();
+    assert_eq!(empties, 11 + 21 + 10);
+    r.checkpointing = Checkpointing::None;
     r.workspaces.cudnn_benchmark = false;
     let t = lower(&zoo::build("resnet18", &r).unwrap(), &r).unwrap();
     assert!(!t.events.iter().any(|e| matches!(e, Event::EmptyCache)));

@@ -436,14 +436,17 @@ impl<'g> Lowering<'g> {
 
     /// `torch.backends.cudnn.benchmark = True`: the first convolution of a configuration (`key`: the
     /// pass and the shapes, dtypes and parameters of `CacheKeyWrapper`) runs `get_plans_from_find`, and
-    /// `run_single_conv` (`native/cudnn/Conv_v8.cpp`) then calls `emptyCache()` because
-    /// `_cudnn_get_conv_benchmark_empty_cache()` is true by default. The benchmark's own workspace
-    /// (the largest candidate plan's, up to the largest cached block or the free memory) is cuDNN's
-    /// and not modelled; it is freed before the `emptyCache`.
+    /// `run_single_conv` (`native/cudnn/Conv_v8.cpp`, the default cuDNN v8 API) then calls
+    /// `emptyCache()` because `_cudnn_get_conv_benchmark_empty_cache()` is true by default. The
+    /// `benchmark_cache` is `thread_local`: the autograd engine's thread benchmarks the forward
+    /// convolutions it recomputes for checkpointing again. The benchmark's own workspace (the largest
+    /// candidate plan's, up to the largest cached block or the free memory) is cuDNN's and not
+    /// modelled; it is freed before the `emptyCache`.
     pub(crate) fn conv_benchmark(&mut self, key: String) {
         if self.r.fidelity == Fidelity::MetaCapture || !self.r.workspaces.cudnn_benchmark {
             return;
         }
+        let key = format!("thread{} {key}", u8::from(self.in_backward));
         if self.conv_benchmarked.insert(key) {
             self.events.push(Event::EmptyCache);
         }
