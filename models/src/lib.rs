@@ -51,6 +51,7 @@ pub use recipe::{
     Attention, Checkpointing, Fidelity, OptimizerImpl, OptimizerKind, Precision, Recipe,
     RecipeError, Target, ZeroGrad,
 };
+pub use recipe::{CublasWorkspaceMode, Workspaces};
 
 use vramsim_traces::{Event, Trace};
 

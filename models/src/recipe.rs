@@ -125,6 +125,132 @@ impl Default for Target {
     }
 }
 
+/// How long ATen's cuBLAS workspaces live (`aten/src/ATen/cuda/CublasHandlePool.cpp`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CublasWorkspaceMode {
+    /// PyTorch 2.15's default on CUDA (`TORCH_CUBLAS_WORKSPACE_CACHE` unset):
+    /// `getCurrentCUDABlasHandleWithWorkspace` allocates a workspace of the chosen size from the caching
+    /// allocator for every cuBLAS GEMM and frees it when the call returns; a cuBLASLt GEMM
+    /// (`CublasLtWorkspace` in `CUDABlas.cpp`) allocates its own `CUBLASLT_WORKSPACE_SIZE` (1 MiB) the
+    /// same way.
+    #[default]
+    PerCall,
+    /// PyTorch ≤ 2.14, or 2.15 with `TORCH_CUBLAS_WORKSPACE_CACHE=1`: `setWorkspaceForHandle` allocates
+    /// one workspace per (cuBLAS handle, stream) at the first GEMM and keeps it in a map until
+    /// `torch._C._cuda_clearCublasWorkspaces()`. Handles are per thread, and the autograd engine runs
+    /// CUDA backward on its own device thread, so a training step holds two: one for the forward (the
+    /// main thread) and one for the backward. cuBLASLt GEMMs share the handle's workspace (2.15's
+    /// unified workspaces, the default when caching is on).
+    Persistent,
+}
+
+/// The default cuBLAS workspace of `parseChosenWorkspaceSize` (`CublasHandlePool.cpp`): `:4096:2:16:8`,
+/// i.e. 2 × 4 MiB + 8 × 16 KiB = 8,519,680 bytes.
+pub const CUBLAS_DEFAULT_WORKSPACE: u64 = 4096 * 1024 * 2 + 16 * 1024 * 8;
+
+/// The cuBLAS workspace on compute capability major 9, 10, 11 and 12 (Hopper, Blackwell):
+/// `4096 * 8 * 1024` = 32 MiB (`parseChosenWorkspaceSize`; in the 2.15 binary the test is
+/// `major - 9 < 4`).
+pub const CUBLAS_LARGE_WORKSPACE: u64 = 4096 * 8 * 1024;
+
+/// `CUBLASLT_WORKSPACE_SIZE`'s default, 1024 KiB (`parseCUDABlasLtWorkspaceSize`, "according to #73328").
+pub const CUBLASLT_DEFAULT_WORKSPACE: u64 = 1024 * 1024;
+
+/// Library workspaces that kernels take from the caching allocator (category `workspace`).
+///
+/// None of them is visible to the meta-device capture, so a [`Fidelity::MetaCapture`] lowering emits
+/// none.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Workspaces {
+    /// Lifetime of the cuBLAS workspaces.
+    pub cublas_mode: CublasWorkspaceMode,
+    /// The `CUBLAS_WORKSPACE_CONFIG` environment variable (`":4096:8"`), if set; `None` takes PyTorch's
+    /// default for the target GPU.
+    pub cublas_workspace_config: Option<String>,
+    /// The `CUBLASLT_WORKSPACE_SIZE` environment variable in KiB, if set; `None` takes 1024 KiB
+    /// ([`CUBLASLT_DEFAULT_WORKSPACE`]).
+    pub cublaslt_workspace_kib: Option<u64>,
+    /// `torch.backends.cudnn.benchmark = True`: each new convolution configuration is benchmarked once,
+    /// and the benchmark ends with `emptyCache()` (`Conv_v8.cpp` `run_single_conv`).
+    pub cudnn_benchmark: bool,
+}
+
+impl Workspaces {
+    /// The cuBLAS workspace in bytes for a GPU of `compute_capability`: `CUBLAS_WORKSPACE_CONFIG` as
+    /// `parseChosenWorkspaceSize` reads it (every `:SIZE:COUNT` match adds SIZE KiB × COUNT; a value with
+    /// no match gives the default, with PyTorch's warning as the second element), else the default:
+    /// [`CUBLAS_LARGE_WORKSPACE`] on compute capability major 9–12, [`CUBLAS_DEFAULT_WORKSPACE`]
+    /// elsewhere.
+    pub fn cublas_workspace_bytes(&self, compute_capability: (u32, u32)) -> (u64, Option<String>) {
+        let default = if (9..=12).contains(&compute_capability.0) {
+            CUBLAS_LARGE_WORKSPACE
+        } else {
+            CUBLAS_DEFAULT_WORKSPACE
+        };
+        match &self.cublas_workspace_config {
+            None => (default, None),
+            Some(config) => match parse_cublas_workspace_config(config) {
+                Ok(Some(bytes)) => (bytes, None),
+                Ok(None) | Err(_) => (
+                    default,
+                    Some(format!(
+                        "Could not parse CUBLAS_WORKSPACE_CONFIG, using default workspace size of {default} bytes."
+                    )),
+                ),
+            },
+        }
+    }
+}
+
+impl Workspaces {
+    /// The cuBLASLt workspace of one per-call GEMM in bytes (`CublasLtWorkspace`).
+    pub fn cublaslt_workspace_bytes(&self) -> u64 {
+        self.cublaslt_workspace_kib
+            .map_or(CUBLASLT_DEFAULT_WORKSPACE, |kib| kib.saturating_mul(1024))
+    }
+}
+
+/// Reads `CUBLAS_WORKSPACE_CONFIG` as `parseChosenWorkspaceSize` does: the sum of SIZE KiB × COUNT over
+/// every match of the regex `:([0-9]+):([0-9]+)` anywhere in the string (`:4096:8` = 32 MiB,
+/// `:4096:2:16:8` = 8,519,680 B, `:0:0` = no workspace). `Ok(None)` when nothing matches (PyTorch then
+/// warns and takes its default); an error when a number does not fit in 64 bits (`std::stoull` throws).
+pub fn parse_cublas_workspace_config(config: &str) -> Result<Option<u64>, RecipeError> {
+    let bad = || RecipeError::Invalid {
+        field: "cublas-workspace-config",
+        msg: format!("{config:?}: a SIZE or COUNT does not fit in 64 bits"),
+    };
+    let b = config.as_bytes();
+    let digits = |from: usize| b[from..].iter().take_while(|c| c.is_ascii_digit()).count();
+    let mut total: u64 = 0;
+    let mut matched = false;
+    let mut i = 0;
+    // std::regex_search semantics: leftmost match, then continue after it; `[0-9]+` is greedy.
+    while i < b.len() {
+        if b[i] == b':' {
+            let n1 = digits(i + 1);
+            if n1 > 0 && b.get(i + 1 + n1) == Some(&b':') {
+                let n2 = digits(i + 2 + n1);
+                if n2 > 0 {
+                    let size: u64 = config[i + 1..i + 1 + n1].parse().map_err(|_| bad())?;
+                    let count: u64 = config[i + 2 + n1..i + 2 + n1 + n2]
+                        .parse()
+                        .map_err(|_| bad())?;
+                    let add = size
+                        .checked_mul(1024)
+                        .and_then(|x| x.checked_mul(count))
+                        .ok_or_else(bad)?;
+                    total = total.checked_add(add).ok_or_else(bad)?;
+                    matched = true;
+                    i += 2 + n1 + n2;
+                    continue;
+                }
+            }
+        }
+        i += 1;
+    }
+    Ok(matched.then_some(total))
+}
+
 /// Everything about a training step that is not the model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Recipe {
@@ -165,6 +291,8 @@ pub struct Recipe {
     /// `amp-fp16`, as HF Trainer and PyTorch's AMP recipe do, off otherwise). See
     /// [`Recipe::uses_grad_scaler`].
     pub grad_scaler: Option<bool>,
+    /// cuBLAS / cuBLASLt / cuDNN workspaces.
+    pub workspaces: Workspaces,
 }
 
 impl Default for Recipe {
@@ -187,6 +315,7 @@ impl Default for Recipe {
             num_classes: None,
             clip_grad_norm: None,
             grad_scaler: None,
+            workspaces: Workspaces::default(),
         }
     }
 }
@@ -231,6 +360,9 @@ impl Recipe {
                 field: "checkpoint",
                 msg: "every:K needs K ≥ 1".into(),
             });
+        }
+        if let Some(config) = &self.workspaces.cublas_workspace_config {
+            parse_cublas_workspace_config(config)?;
         }
         if self.optimizer_impl == OptimizerImpl::Fused
             && matches!(

@@ -35,7 +35,7 @@ const TIB: u64 = 1 << 40;
 /// The preset used when none is named: an 80 GB H100 SXM, the most common training GPU in public reports.
 pub const DEFAULT_GPU: &str = "h100-80gb";
 
-/// Bytes a process's CUDA context takes on the device by default: 512 MiB.
+/// Bytes a process's CUDA context takes when no measurement applies ([`GpuPreset::context`]): 512 MiB.
 ///
 /// The context is memory PyTorch never sees: it is in `nvidia-smi` and lowers `cudaMemGetInfo` free, so
 /// it counts in device-used, but it is in none of the allocator's statistics (fact sheet §14.1). Its size
@@ -44,12 +44,101 @@ pub const DEFAULT_GPU: &str = "h100-80gb";
 /// it to roughly 300–600 MiB (287,047,680 B measured in PyTorch PR #86509; "around 400MB" in #109888;
 /// 256 MiB bare on an RTX 3090 with torch 2.7.1+cu128), eager loading to 0.7–1.7 GiB.
 ///
-/// One global figure is used rather than one per preset because no per-GPU measurements with a current
-/// stack were found (the H100/H200 figures are unconfirmed), and the spread between CUDA versions is larger
-/// than the spread between GPUs. 512 MiB sits in the upper half of the lazy-loading range on purpose: it
+/// Presets take a measured figure per CUDA major version where one was published
+/// ([`CONTEXT_MEASUREMENTS`]); this figure stands for the rest with CUDA 12 and 13 (the H100/H200
+/// figures are unconfirmed). 512 MiB sits in the upper half of the lazy-loading range on purpose: it
 /// also absorbs the first kernels' module loads, and erring high makes a predicted fit a safer promise.
-/// Override it per run (`Device::context_bytes`) when the real figure is known.
+/// Override it per run (`Device::context_bytes`, `--context`) when the real figure is known.
 pub const DEFAULT_CONTEXT_BYTES: u64 = 512 * MIB;
+
+/// The CUDA major versions `--cuda` accepts.
+pub const CUDA_VERSIONS: [u32; 3] = [11, 12, 13];
+
+/// The CUDA major version of what `pip install torch` installs today: torch 2.15.0 on PyPI is built
+/// with CUDA 13.2 (`torch.version.cuda == '13.2'`, wheel `2.15.0+cu132` requiring
+/// `nvidia-cuda-runtime` 13.2).
+pub const DEFAULT_CUDA: u32 = 13;
+
+/// A published CUDA context size: what a process holds on the GPU before its allocator holds anything.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextMeasurement {
+    /// The preset it was measured on.
+    pub gpu: &'static str,
+    /// The CUDA major version.
+    pub cuda: u32,
+    /// Bytes.
+    pub bytes: u64,
+    /// Where it comes from and how the figure is derived from what was printed.
+    pub source: &'static str,
+}
+
+/// Every CUDA context figure vramsim uses, with its source (fact sheet §14.1). Lazy module loading
+/// (CUDA ≥ 11.7 with `CUDA_MODULE_LOADING=LAZY`, set by PyTorch since 1.13; the default from CUDA
+/// 12.2) is why CUDA 12 and 13 contexts are a third of CUDA 11's.
+pub const CONTEXT_MEASUREMENTS: &[ContextMeasurement] = &[
+    ContextMeasurement {
+        gpu: "v100-16gb",
+        cuda: 11,
+        bytes: 1339 * MIB,
+        source: "HF transformers docs 'Model training anatomy' (model_memory_anatomy.md): NVML used \
+                 1343 MB after torch.ones((1, 1)).to('cuda') on a Tesla V100-SXM2 16GB, driver \
+                 460.91.03 (CUDA 11.2); less the 2 MiB small-pool segment of that tensor and the 2 MiB \
+                 the same page's nvidia-smi shows used but not by the process (2631 vs 2629 MiB)",
+    },
+    ContextMeasurement {
+        gpu: "rtx3090",
+        cuda: 11,
+        bytes: 1685 * MIB,
+        source: "pytorch/pytorch issue #55277 (2022-04-12 comment): 1687 MB of GPU memory after \
+                 torch.Tensor(1).cuda() on an RTX 3090, torch 1.8.2+cu111 (721 MB on a GTX 1080 with \
+                 cu101); less the tensor's 2 MiB small-pool segment",
+    },
+    ContextMeasurement {
+        gpu: "rtx3090",
+        cuda: 12,
+        bytes: 256 * MIB,
+        source: "invoke-ai/InvokeAI issue #9413: nvidia-smi shows the process at 256 MiB, a bare \
+                 context, on an RTX 3090, torch 2.7.1+cu128, driver 610.43.03",
+    },
+    ContextMeasurement {
+        gpu: "rtx6000-ada",
+        cuda: 13,
+        bytes: 426 * MIB,
+        source: "unslothai/unsloth-zoo PR #1053: 426 MiB on an RTX 6000 Ada, torch 2.10.0+cu130, after \
+                 torch.cuda.mem_get_info",
+    },
+];
+
+/// The CUDA context a preset gets under a CUDA major version, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ContextChoice {
+    /// Bytes.
+    pub bytes: u64,
+    /// The CUDA major version.
+    pub cuda: u32,
+    /// `measured`, `rule` or `assumption`, with the source.
+    pub source: String,
+}
+
+/// A CUDA major version `--cuda` does not know.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[error("unknown CUDA version {0:?}; valid versions are 11, 12, 13 (major versions)")]
+pub struct UnknownCuda(pub String);
+
+/// Reads a `--cuda` value: a major version (`12`), or `major.minor` (`12.8`, whose major counts).
+pub fn parse_cuda(input: &str) -> Result<u32, UnknownCuda> {
+    let s = input.trim();
+    let major = s.split('.').next().unwrap_or("");
+    match major.parse::<u32>() {
+        Ok(m)
+            if CUDA_VERSIONS.contains(&m)
+                && s.split('.').skip(1).all(|p| p.parse::<u32>().is_ok()) =>
+        {
+            Ok(m)
+        }
+        _ => Err(UnknownCuda(input.to_string())),
+    }
+}
 
 /// Memory held on the device by another process (shown by NVML in OOM messages).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,8 +176,8 @@ impl Device {
         }
     }
 
-    /// The device of a named preset (see [`PRESETS`]), with a [`DEFAULT_CONTEXT_BYTES`] CUDA context and no
-    /// other processes.
+    /// The device of a named preset (see [`PRESETS`]), with its CUDA context under [`DEFAULT_CUDA`]
+    /// ([`GpuPreset::context`]) and no other processes.
     ///
     /// Names are matched without regard to case, `-`, `_` or spaces (`H100_80GB`, `rtx-4090`), and `h100`
     /// and `h100-sxm` mean `h100-80gb`.
@@ -129,16 +218,79 @@ pub struct GpuPreset {
 }
 
 impl GpuPreset {
-    /// A [`Device`] with this preset's name and capacity, a [`DEFAULT_CONTEXT_BYTES`] context and no other
-    /// processes.
+    /// A [`Device`] with this preset's name and capacity, the CUDA context of [`GpuPreset::context`] under
+    /// [`DEFAULT_CUDA`], and no other processes.
     pub fn device(&self) -> Device {
+        self.device_with_cuda(DEFAULT_CUDA)
+    }
+
+    /// A [`Device`] with this preset's name and capacity and its CUDA context under CUDA `cuda`.
+    pub fn device_with_cuda(&self, cuda: u32) -> Device {
         Device {
             index: 0,
             name: self.device_name.to_string(),
             total_memory: self.total_memory,
-            context_bytes: DEFAULT_CONTEXT_BYTES,
+            context_bytes: self.context(cuda).bytes,
             other_processes: Vec::new(),
         }
+    }
+
+    /// The CUDA context this preset gets under CUDA major version `cuda`, first of:
+    ///
+    /// 1. a measurement on this GPU with that CUDA ([`CONTEXT_MEASUREMENTS`]);
+    /// 2. rule: a measurement with that CUDA on a preset of the same compute capability (the same
+    ///    chip generation loads the same kernel images);
+    /// 3. rule, CUDA 11 only: the CUDA 11 measurement on the nearest compute capability, as eager
+    ///    module loading of every kernel image dominates a CUDA 11 context;
+    /// 4. assumption: [`DEFAULT_CONTEXT_BYTES`], inside the lazy-loading range of CUDA ≥ 12.
+    pub fn context(&self, cuda: u32) -> ContextChoice {
+        let choice = |bytes, source: String| ContextChoice {
+            bytes,
+            cuda,
+            source,
+        };
+        if let Some(m) = CONTEXT_MEASUREMENTS
+            .iter()
+            .find(|m| m.gpu == self.name && m.cuda == cuda)
+        {
+            return choice(m.bytes, format!("measured: {}", m.source));
+        }
+        let same_arch = CONTEXT_MEASUREMENTS.iter().find(|m| {
+            m.cuda == cuda
+                && find_preset(m.gpu)
+                    .is_some_and(|p| p.compute_capability == self.compute_capability)
+        });
+        if let Some(m) = same_arch {
+            let (major, minor) = self.compute_capability;
+            return choice(
+                m.bytes,
+                format!(
+                    "rule: no measurement on this GPU; the {} (same compute capability {major}.{minor}) with CUDA {cuda}, measured: {}",
+                    m.gpu, m.source
+                ),
+            );
+        }
+        let cc = |(major, minor): (u32, u32)| i64::from(major * 10 + minor);
+        let nearest = CONTEXT_MEASUREMENTS
+            .iter()
+            .filter(|m| m.cuda == cuda && cuda == 11)
+            .filter_map(|m| find_preset(m.gpu).map(|p| (m, cc(p.compute_capability))))
+            .min_by_key(|(_, c)| (c - cc(self.compute_capability)).abs());
+        if let Some((m, _)) = nearest {
+            return choice(
+                m.bytes,
+                format!(
+                    "rule: no CUDA 11 measurement on this architecture; CUDA 11 loads every kernel module eagerly, so the {}'s (the nearest compute capability measured) is used, measured: {}",
+                    m.gpu, m.source
+                ),
+            );
+        }
+        choice(
+            DEFAULT_CONTEXT_BYTES,
+            format!(
+                "assumption: no measurement with CUDA {cuda} on this architecture; 512 MiB, inside the 300-600 MiB range of lazily loaded contexts (PyTorch PR #86509: 287,047,680 B; issue #109888: about 400 MB)"
+            ),
+        )
     }
 }
 

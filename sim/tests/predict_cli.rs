@@ -65,7 +65,17 @@ fn peaks_agree_with_pytorch_captures() {
             20_523_962_504,
         ),
     ];
+    // The captures run on the meta device, which has no cuBLAS: compare under the PyTorch settings
+    // that take no workspace either (CUBLAS_WORKSPACE_CONFIG=:0:0, CUBLASLT_WORKSPACE_SIZE=0).
+    let no_workspaces = [
+        "--cublas-workspace-config",
+        ":0:0",
+        "--cublaslt-workspace-size",
+        "0",
+    ];
     for (args, pytorch) in cases {
+        let args = [args, &no_workspaces[..]].concat();
+        let args = &args[..];
         let j = predict_json(args);
         assert_eq!(j["peak_requested_bytes"], pytorch, "{args:?}");
         assert_eq!(j["breakdown"]["peak_requested_bytes"], pytorch, "{args:?}");
@@ -487,4 +497,98 @@ fn training_loop_knobs() {
     assert!(out.status.success(), "{}", stderr(&out));
     let rows: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
     assert_eq!(rows.as_array().map(Vec::len), Some(4));
+}
+
+#[test]
+fn workspaces_and_context_in_the_report() {
+    // gpt2 b2 s128 fp32 peaks in the optimizer step (gpt2__b2s128__fp32-adamw.json). There no GEMM
+    // runs: 2.15's per-call workspaces are all freed, while TORCH_CUBLAS_WORKSPACE_CACHE=1 keeps one
+    // per thread (forward, backward) of :4096:2:16:8 = 8,519,680 B on an A100: 17,039,360 B.
+    let base = [
+        "--model",
+        "gpt2",
+        "--batch",
+        "2",
+        "--seq",
+        "128",
+        "--gpu",
+        "a100-80gb",
+    ];
+    let j = predict_json(&base);
+    assert_eq!(j["peak_phase"], "optimizer");
+    assert!(j["breakdown"]["by_category"].get("workspace").is_none());
+    assert_eq!(j["workspaces"]["cublas_bytes"], 8_519_680);
+    assert_eq!(j["workspaces"]["cublaslt_bytes"], 1_048_576);
+    assert_eq!(j["workspaces"]["cublas_mode"], "per-call");
+    let j = predict_json(&[&base[..], &["--cublas-workspace-cache"]].concat());
+    assert_eq!(j["workspaces"]["cublas_mode"], "persistent");
+    assert_eq!(j["breakdown"]["by_category"]["workspace"], 17_039_360);
+    // On an H100 (sm 9.0) the default is 32 MiB; CUBLAS_WORKSPACE_CONFIG=:4096:8 is 32 MiB anywhere.
+    let j = predict_json(&["--model", "gpt2", "--batch", "2", "--seq", "128"]);
+    assert_eq!(j["workspaces"]["cublas_bytes"], 33_554_432);
+    let j = predict_json(&[&base[..], &["--cublas-workspace-config", ":4096:8"]].concat());
+    assert_eq!(j["workspaces"]["cublas_bytes"], 33_554_432);
+    // The table says what the kernels take and where the context figure comes from.
+    let out = vramsim(&[&["predict"], &base[..]].concat());
+    let table = stdout(&out);
+    assert!(
+        table.contains("kernels    cuBLAS workspace 8.12 MiB per GEMM call"),
+        "{table}"
+    );
+    assert!(
+        table.contains("context    512.00 MiB, CUDA 13: assumption"),
+        "{table}"
+    );
+    // --cuda 11 on a V100: the HF docs' measurement, 1343 MB used less 2 + 2 MiB (see
+    // device_presets.rs) = 1339 MiB; --context still wins.
+    let v100 = [
+        "--model",
+        "bert-base",
+        "--batch",
+        "1",
+        "--seq",
+        "128",
+        "--gpu",
+        "v100-16gb",
+    ];
+    let j = predict_json(&[&v100[..], &["--cuda", "11"]].concat());
+    assert_eq!(j["context"]["bytes"], 1339u64 << 20);
+    assert_eq!(j["device"]["context_bytes"], 1339u64 << 20);
+    assert_eq!(j["context"]["cuda"], 11);
+    assert!(j["context"]["source"]
+        .as_str()
+        .unwrap()
+        .starts_with("measured: HF transformers docs"));
+    let j = predict_json(&[&v100[..], &["--cuda", "11", "--context", "700MiB"]].concat());
+    assert_eq!(j["device"]["context_bytes"], 700u64 << 20);
+    assert_eq!(j["context"]["source"], "given with --context");
+}
+
+#[test]
+fn bad_workspace_and_cuda_options() {
+    let base = ["--model", "gpt2", "--batch", "1", "--seq", "64"];
+    assert_fails(
+        &[&base[..], &["--cuda", "14"]].concat(),
+        &[
+            "unknown CUDA version \"14\"",
+            "valid versions are 11, 12, 13",
+        ],
+    );
+    assert_fails(
+        &[
+            &base[..],
+            &["--cublas-workspace-config", ":99999999999999999999999:1"],
+        ]
+        .concat(),
+        &["invalid cublas-workspace-config", "does not fit in 64 bits"],
+    );
+    // No `:SIZE:COUNT` at all: PyTorch warns and keeps its default; so does vramsim.
+    let mut all = vec!["predict"];
+    all.extend_from_slice(&base);
+    all.extend_from_slice(&["--cublas-workspace-config", "garbage"]);
+    let out = vramsim(&all);
+    assert!(out.status.success());
+    assert!(stderr(&out).contains(
+        "Could not parse CUBLAS_WORKSPACE_CONFIG, using default workspace size of 33554432 bytes."
+    ));
 }

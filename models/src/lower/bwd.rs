@@ -46,6 +46,8 @@ impl<'g> Lowering<'g> {
         if deps.get(&root.node).copied().unwrap_or(0) == 0 {
             ready.push((self.nodes[root.node as usize].seq, root.node));
         }
+        // CUDA backward runs on the autograd engine's device thread (its own cuBLAS handle).
+        self.in_backward = true;
         while let Some((_, n)) = ready.pop() {
             let inputs = buffers.remove(&n).unwrap_or_default();
             let outputs = self.evaluate(n, inputs);
@@ -65,6 +67,7 @@ impl<'g> Lowering<'g> {
                 }
             }
         }
+        self.in_backward = false;
         // Anything left in buffers (nodes never made ready) dies with the graph task.
         for (_, b) in buffers {
             for t in b.into_iter().flatten() {
@@ -476,15 +479,18 @@ impl<'g> Lowering<'g> {
                 out[0] =
                     Some(self.alloc(Layout::contiguous(&x.layout.shape), g.dtype, m, "aten.div"));
             }
+            // Every gradient GEMM is an `mm`/`bmm` (beta 0: the cuBLAS path), each with its workspace.
             Mm => {
                 // MmBackward0 computes mat2's gradient first, then self's.
                 if need(1) {
                     let l = Self::mm_grad_layout(&meta(1));
                     out[1] = Some(self.alloc(l, g.dtype, m, "aten.mm"));
+                    self.gemm_workspace(false, m);
                 }
                 if need(0) {
                     let l = Self::mm_grad_layout(&meta(0));
                     out[0] = Some(self.alloc(l, g.dtype, m, "aten.mm"));
+                    self.gemm_workspace(false, m);
                 }
             }
             Addmm => {
@@ -492,10 +498,12 @@ impl<'g> Lowering<'g> {
                 if need(1) {
                     let l = Self::mm_grad_layout(&meta(1));
                     out[1] = Some(self.alloc(l, g.dtype, m, "aten.mm"));
+                    self.gemm_workspace(false, m);
                 }
                 if need(2) {
                     let l = Self::mm_grad_layout(&meta(2));
                     out[2] = Some(self.alloc(l, g.dtype, m, "aten.mm"));
+                    self.gemm_workspace(false, m);
                 }
                 if need(0) {
                     out[0] = Some(self.dup(&g));
@@ -510,6 +518,7 @@ impl<'g> Lowering<'g> {
                         m,
                         "aten.bmm",
                     ));
+                    self.gemm_workspace(false, m);
                 }
                 if need(0) {
                     out[0] = Some(self.alloc(
@@ -518,6 +527,7 @@ impl<'g> Lowering<'g> {
                         m,
                         "aten.bmm",
                     ));
+                    self.gemm_workspace(false, m);
                 }
             }
             // derivatives.yaml _softmax: _softmax_backward_data(grad, result, dim, self's dtype).
@@ -601,6 +611,17 @@ impl<'g> Lowering<'g> {
                             m,
                             "aten.convolution_backward",
                         ));
+                        // grad_input and grad_weight are cuDNN convolutions of their own
+                        // (backward data, backward filter); the bias gradient is a sum.
+                        if i < 2 {
+                            let key = format!(
+                                "bwd{i} {op:?} {:?} {:?} {:?}",
+                                meta(0).layout.shape,
+                                meta(1).layout.shape,
+                                g.dtype
+                            );
+                            self.conv_benchmark(key);
+                        }
                     }
                 }
             }

@@ -600,6 +600,22 @@ impl<'g> Lowering<'g> {
                 };
                 let dt = x[a].dtype.promote(x[b].dtype);
                 let o = self.alloc(Layout::contiguous(&shape0()), dt, m, name);
+                // addmm_out_cuda_impl (`native/cuda/Blas.cpp`): the cuBLASLt path
+                // (`isInputCompliesAddmmCudaLt`) takes beta 1 with a contiguous bias that squeezes
+                // to 1-D of mat2's column count, a float/half/bfloat16 problem, and every dimension
+                // of mat1 and mat2 above 1; `mm`/`bmm` and every other `addmm` use cuBLAS.
+                let lt = matches!(kind, Addmm) && {
+                    let bias = x[0].shape();
+                    let (m1, m2) = (x[1].shape(), x[2].shape());
+                    x[0].layout.is_contiguous()
+                        && (bias.len() == 1 || bias.iter().filter(|&&d| d != 1).count() == 1)
+                        && bias.last() == m2.get(1)
+                        && matches!(x[1].dtype, DType::F32 | DType::F16 | DType::BF16)
+                        && m1.len() == 2
+                        && m2.len() == 2
+                        && m1.iter().chain(m2).all(|&d| d > 1)
+                };
+                self.gemm_workspace(lt, m);
                 let mut saves = Vec::new();
                 if x[a].requires_grad() {
                     saves.push(Save::In(b));
@@ -747,12 +763,15 @@ impl<'g> Lowering<'g> {
                 Fwd::New(vec![v], NodeKind::Op(Add), vec![])
             }
             // derivatives.yaml convolution: input and weight saved. cuDNN allocates the output and
-            // adds the bias in place (`output.add_(reshape_bias(...))`); its workspace comes from
-            // the caching allocator too but is not modelled (it depends on the algorithm cuDNN
-            // picks).
+            // adds the bias in place (`output.add_(reshape_bias(...))`). The plan's workspace comes
+            // from the caching allocator for the call (`run_conv_plan`), but its size is
+            // cuDNN-internal: vramsim's rule (unconfirmed) is that the heuristics' first engine
+            // config needs none, so only `cudnn.benchmark`'s `emptyCache` is modelled.
             Conv2d { .. } => {
                 let dt = x[0].dtype.promote(x[1].dtype);
                 let o = self.alloc(Layout::contiguous(&shape0()), dt, m, name);
+                let key = format!("fwd {kind:?} {:?} {:?} {dt:?}", x[0].shape(), x[1].shape());
+                self.conv_benchmark(key);
                 Fwd::New(vec![o], op_kind, vec![Save::In(0), Save::In(1)])
             }
             // derivatives.yaml native_batch_norm / cudnn_batch_norm: input, weight, running_mean,

@@ -37,8 +37,10 @@ use crate::dtype::DType;
 use crate::graph::{Graph, ModuleId, RegionKind, Source, ValueId};
 use crate::layout::Layout;
 use crate::ops::OpKind;
-use crate::recipe::{Checkpointing, Fidelity, Precision, Recipe, RecipeError, ZeroGrad};
-use std::collections::HashMap;
+use crate::recipe::{
+    Checkpointing, CublasWorkspaceMode, Fidelity, Precision, Recipe, RecipeError, ZeroGrad,
+};
+use std::collections::{HashMap, HashSet};
 use vramsim_traces::{AllocId, Category, Event, Trace};
 
 /// Why a graph could not be lowered under a recipe.
@@ -120,6 +122,8 @@ pub(crate) enum Kind {
     Activation,
     Temporary,
     OptimState,
+    /// A cuBLAS / cuBLASLt / cuDNN workspace.
+    Workspace,
     Other,
 }
 
@@ -217,6 +221,15 @@ pub(crate) struct Lowering<'g> {
     iteration: u32,
     micro: u32,
     pub scaler: Vec<Rt>,
+    /// The autograd engine's device thread is running (backward, and the recomputation of
+    /// checkpointed regions): GEMMs use that thread's cuBLAS handle.
+    in_backward: bool,
+    /// The cuBLAS workspace size (`CUBLAS_WORKSPACE_CONFIG` or the target's default).
+    cublas_ws: u64,
+    /// Persistent mode: whether the (main thread, backward thread) handle holds its workspace.
+    ws_held: [bool; 2],
+    /// `cudnn.benchmark`: convolution configurations benchmarked already (`benchmark_cache` keys).
+    conv_benchmarked: HashSet<String>,
 }
 
 /// Lowers a training step (or inference, per the recipe) of `graph` to an allocation trace.
@@ -356,6 +369,86 @@ impl<'g> Lowering<'g> {
             iteration: 0,
             micro: 0,
             scaler: Vec::new(),
+            in_backward: false,
+            cublas_ws: r
+                .workspaces
+                .cublas_workspace_bytes(r.target.compute_capability)
+                .0,
+            ws_held: [false; 2],
+            conv_benchmarked: HashSet::new(),
+        }
+    }
+
+    // ------------------------------------------------------------------ library workspaces
+
+    /// The workspace one GEMM takes from the caching allocator (`aten/src/ATen/cuda/CUDABlas.cpp`,
+    /// `CublasHandlePool.cpp` of PyTorch 2.15), called after the GEMM's output is allocated. `lt`: the
+    /// cuBLASLt path (`addmm` with a 1-D bias, `gemm_and_bias`); otherwise cuBLAS (`mm`, `bmm`, `addmm`
+    /// without a fusable bias, every backward GEMM, whose beta is 0).
+    ///
+    /// * Per call (2.15's default): cuBLAS GEMMs take `getCurrentCUDABlasHandleWithWorkspace()`, which
+    ///   allocates the chosen size and frees it when the scoped handle dies at the end of the call;
+    ///   `CublasLtWorkspace` does the same with `getCUDABlasLtWorkspaceSize()` (`CUBLASLT_WORKSPACE_SIZE`,
+    ///   1 MiB by default, not clamped:
+    ///   Lt and cuBLAS are only unified when caching is on).
+    /// * Persistent (`TORCH_CUBLAS_WORKSPACE_CACHE=1`, or ≤ 2.14): `setWorkspaceForHandle` allocates
+    ///   the chosen size once per (handle, stream) and never frees it; handles are per thread, so the
+    ///   forward (main thread) and the backward (the autograd engine's device thread) hold one each. A
+    ///   cuBLASLt GEMM first on a handle allocates `max(Lt size, chosen size)` into the same map
+    ///   (`getCUDABlasLtWorkspace`, unified), i.e. the same single workspace.
+    ///
+    /// The meta-device capture sees none of this: nothing under [`Fidelity::MetaCapture`].
+    pub(crate) fn gemm_workspace(&mut self, lt: bool, m: ModuleId) {
+        if self.r.fidelity == Fidelity::MetaCapture {
+            return;
+        }
+        let (size, name, persistent) = match self.r.workspaces.cublas_mode {
+            CublasWorkspaceMode::PerCall if lt => (
+                self.r.workspaces.cublaslt_workspace_bytes(),
+                "cublaslt_workspace",
+                false,
+            ),
+            CublasWorkspaceMode::PerCall => (self.cublas_ws, "cublas_workspace", false),
+            CublasWorkspaceMode::Persistent => {
+                let thread = usize::from(self.in_backward);
+                if self.ws_held[thread] {
+                    return;
+                }
+                self.ws_held[thread] = true;
+                (self.cublas_ws, "cublas_workspace", true)
+            }
+        };
+        if size == 0 {
+            // CUBLAS_WORKSPACE_CONFIG=:0:0: the allocator hands out nothing for 0 bytes.
+            return;
+        }
+        let path = &self.g.modules[m.0 as usize];
+        let tag: Box<str> = if path.is_empty() {
+            name.into()
+        } else {
+            format!("{path}:{name}").into()
+        };
+        let st = self.alloc_raw(size, Kind::Workspace, tag);
+        if !persistent {
+            self.release(st);
+        }
+    }
+
+    /// `torch.backends.cudnn.benchmark = True`: the first convolution of a configuration (`key`: the
+    /// pass and the shapes, dtypes and parameters of `CacheKeyWrapper`) runs `get_plans_from_find`, and
+    /// `run_single_conv` (`native/cudnn/Conv_v8.cpp`, the default cuDNN v8 API) then calls
+    /// `emptyCache()` because `_cudnn_get_conv_benchmark_empty_cache()` is true by default. The
+    /// `benchmark_cache` is `thread_local`: the autograd engine's thread benchmarks the forward
+    /// convolutions it recomputes for checkpointing again. The benchmark's own workspace (the largest
+    /// candidate plan's, up to the largest cached block or the free memory) is cuDNN's and not
+    /// modelled; it is freed before the `emptyCache`.
+    pub(crate) fn conv_benchmark(&mut self, key: String) {
+        if self.r.fidelity == Fidelity::MetaCapture || !self.r.workspaces.cudnn_benchmark {
+            return;
+        }
+        let key = format!("thread{} {key}", u8::from(self.in_backward));
+        if self.conv_benchmarked.insert(key) {
+            self.events.push(Event::EmptyCache);
         }
     }
 
@@ -681,6 +774,7 @@ impl<'g> Lowering<'g> {
                 Kind::Pending | Kind::Activation => Category::Activation,
                 Kind::Temporary => Category::Temporary,
                 Kind::OptimState => Category::OptimizerState,
+                Kind::Workspace => Category::Workspace,
                 Kind::Other => Category::Other,
             };
             let cat = if s.grad { Category::Gradient } else { cat };

@@ -10,7 +10,10 @@ use vramsim_sim::allocator::cuda_malloc::CudaMallocAllocator;
 use vramsim_sim::allocator::Allocator;
 use vramsim_sim::calibration::{Calibration, TimedAllocator};
 use vramsim_sim::config::{AllocatorConfig, Backend};
-use vramsim_sim::device::{parse_size, Device, OtherProcess, DEFAULT_GPU, PRESETS};
+use vramsim_sim::device::{
+    find_preset, parse_cuda, parse_size, ContextChoice, Device, OtherProcess, UnknownGpu,
+    CONTEXT_MEASUREMENTS, DEFAULT_CUDA, DEFAULT_GPU, PRESETS,
+};
 use vramsim_sim::format::format_size;
 
 /// The allocator models.
@@ -67,9 +70,18 @@ pub struct MachineArgs {
     /// torch.cuda.set_per_process_memory_fraction(F), F in [0, 1].
     #[arg(long)]
     pub memory_fraction: Option<f64>,
+    /// CUDA major version of the PyTorch build (11, 12 or 13; default 13, what `pip install torch`
+    /// gives): picks the preset's CUDA context (`vramsim gpus --sources`); --context overrides it.
+    #[arg(long, value_name = "VERSION", value_parser = cuda_version)]
+    pub cuda: Option<u32>,
     /// The CUDA device index messages name (`GPU N`): the recorded device when replaying a snapshot.
     #[arg(skip)]
     pub device_index: u32,
+}
+
+/// `--cuda`: a CUDA major version vramsim has context figures for.
+fn cuda_version(s: &str) -> Result<u32, String> {
+    parse_cuda(s).map_err(|e| e.to_string())
 }
 
 /// A configured allocator with what describes it in reports.
@@ -95,6 +107,32 @@ impl MachineArgs {
         }
     }
 
+    /// The CUDA context these options give the device, and where the figure comes from.
+    pub fn context_choice(&self) -> ContextChoice {
+        let cuda = self.cuda.unwrap_or(DEFAULT_CUDA);
+        let given = |source: &str| ContextChoice {
+            bytes: 0,
+            cuda,
+            source: source.to_string(),
+        };
+        if let Some(context) = &self.context {
+            return ContextChoice {
+                bytes: parse_size(context).unwrap_or(0),
+                ..given("given with --context")
+            };
+        }
+        if self.calibration.is_some() {
+            return given("measured by vramsim-validate calibrate (--calibration)");
+        }
+        if self.capacity.is_some() {
+            return given("none: --capacity describes memory only (give --context)");
+        }
+        match find_preset(self.gpu.as_deref().unwrap_or(DEFAULT_GPU)) {
+            Some(preset) => preset.context(cuda),
+            None => given("unknown preset"),
+        }
+    }
+
     /// The device these options describe, with the calibration read from --calibration if any.
     pub fn device(&self, calibration: Option<&Calibration>) -> Result<Device> {
         let mut device = match (calibration, &self.gpu, &self.capacity) {
@@ -102,7 +140,14 @@ impl MachineArgs {
             (None, _, Some(capacity)) => {
                 Device::with_capacity(parse_size(capacity).context("invalid --capacity")?)
             }
-            (None, gpu, None) => Device::preset(gpu.as_deref().unwrap_or(DEFAULT_GPU))?,
+            (None, gpu, None) => {
+                let name = gpu.as_deref().unwrap_or(DEFAULT_GPU);
+                find_preset(name)
+                    .ok_or_else(|| UnknownGpu {
+                        name: name.to_string(),
+                    })?
+                    .device_with_cuda(self.cuda.unwrap_or(DEFAULT_CUDA))
+            }
         };
         device.index = self.device_index;
         if let Some(context) = &self.context {
@@ -211,10 +256,23 @@ pub fn list_gpus(sources: bool) -> Result<()> {
         );
         if sources {
             println!("    source: {}", preset.source);
+            for cuda in vramsim_sim::device::CUDA_VERSIONS {
+                let c = preset.context(cuda);
+                println!(
+                    "    context, CUDA {cuda}: {} ({}){}",
+                    format_size(c.bytes),
+                    c.source,
+                    if cuda == DEFAULT_CUDA {
+                        " [default --cuda]"
+                    } else {
+                        ""
+                    }
+                );
+            }
         }
     }
     if !sources {
-        println!("\ntotal_memory is what torch.cuda.get_device_properties().total_memory reports; --sources says where each figure comes from.");
+        println!("\ntotal_memory is what torch.cuda.get_device_properties().total_memory reports; --sources says where each figure comes from, and gives the CUDA context per CUDA version ({} measurements; --cuda picks one, default {DEFAULT_CUDA}).", CONTEXT_MEASUREMENTS.len());
     }
     Ok(())
 }

@@ -17,7 +17,8 @@ use vramsim_models::{
     lower, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph, OptimizerImpl,
     OptimizerKind, PeakBreakdown, Precision, Recipe, Target, ZeroGrad,
 };
-use vramsim_sim::device::{find_preset, UnknownGpu, DEFAULT_GPU};
+use vramsim_models::{CublasWorkspaceMode, Workspaces};
+use vramsim_sim::device::{find_preset, ContextChoice, UnknownGpu, DEFAULT_GPU};
 use vramsim_sim::engine::{Flow, Replay, ReplayOptions};
 use vramsim_sim::format::format_size;
 use vramsim_sim::report::{group_digits, Report};
@@ -95,6 +96,21 @@ pub struct PredictArgs {
     /// Also write the lowered trace (vramsim JSON, or JSON Lines for .jsonl; gzip for .gz).
     #[arg(long, value_name = "FILE")]
     pub trace_out: Option<PathBuf>,
+    /// CUBLAS_WORKSPACE_CONFIG, e.g. ":4096:8" (32 MiB): the cuBLAS workspace of every GEMM (default
+    /// :4096:2:16:8 = 8,519,680 B, 32 MiB on compute capability 9-12).
+    #[arg(long, value_name = "CONFIG", allow_hyphen_values = true)]
+    pub cublas_workspace_config: Option<String>,
+    /// TORCH_CUBLAS_WORKSPACE_CACHE=1 (also PyTorch ≤ 2.14): one cuBLAS workspace per thread kept for
+    /// good (forward and backward threads: two), instead of 2.15's one per GEMM call.
+    #[arg(long)]
+    pub cublas_workspace_cache: bool,
+    /// CUBLASLT_WORKSPACE_SIZE in KiB: the cuBLASLt workspace of each fused-bias addmm (default 1024).
+    #[arg(long, value_name = "KIB")]
+    pub cublaslt_workspace_size: Option<u64>,
+    /// torch.backends.cudnn.benchmark = True: each new convolution shape is benchmarked once and the
+    /// allocator's cache emptied after it (its benchmark workspace is not modelled).
+    #[arg(long)]
+    pub cudnn_benchmark: bool,
     /// optimizer.zero_grad(set_to_none=...): none (True, PyTorch's default: gradients freed after
     /// each step) or zero (False, zeroed in place: gradients stay allocated across steps).
     #[arg(long, default_value = "none", value_parser = named::<ZeroGrad>)]
@@ -218,6 +234,8 @@ pub struct Prediction {
     pub oom_tag: Option<String>,
     /// Notes for the user.
     pub warnings: Vec<String>,
+    /// The CUDA context the machine got and where its figure comes from.
+    pub context: ContextChoice,
 }
 
 /// Runs `vramsim predict`.
@@ -306,8 +324,24 @@ pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
         zero_grad: args.zero_grad,
         clip_grad_norm: args.clip_grad_norm,
         grad_scaler: args.grad_scaler,
+        workspaces: Workspaces {
+            cublas_mode: if args.cublas_workspace_cache {
+                CublasWorkspaceMode::Persistent
+            } else {
+                CublasWorkspaceMode::PerCall
+            },
+            cublas_workspace_config: args.cublas_workspace_config.clone(),
+            cublaslt_workspace_kib: args.cublaslt_workspace_size,
+            cudnn_benchmark: args.cudnn_benchmark,
+        },
         ..Recipe::default()
     };
+    recipe.validate()?;
+    let (_, cublas_warning) = recipe
+        .workspaces
+        .cublas_workspace_bytes(recipe.target.compute_capability);
+    // PyTorch's own TORCH_WARN for a CUBLAS_WORKSPACE_CONFIG with no `:SIZE:COUNT`.
+    warnings.extend(cublas_warning);
     let t0 = Instant::now();
     let graph = arch.build(&recipe)?;
     let trace = lower(&graph, &recipe)?;
@@ -404,6 +438,7 @@ pub fn replay_step(
         breakdown,
         oom_tag,
         warnings: lowered.warnings.clone(),
+        context: machine.context_choice(),
     };
     Ok((report, prediction))
 }
@@ -427,6 +462,22 @@ fn short_dtype(dtype: &str) -> &str {
         "float16" => "fp16",
         other => other,
     }
+}
+
+/// What the library workspaces are: the cuBLAS size and lifetime, cuBLASLt's, cudnn.benchmark.
+fn workspace_line(r: &Recipe) -> String {
+    let w = &r.workspaces;
+    let (cublas, _) = w.cublas_workspace_bytes(r.target.compute_capability);
+    let mode = match w.cublas_mode {
+        CublasWorkspaceMode::PerCall => "per GEMM call (PyTorch 2.15's default)",
+        CublasWorkspaceMode::Persistent => "kept per thread (TORCH_CUBLAS_WORKSPACE_CACHE=1)",
+    };
+    format!(
+        "cuBLAS workspace {} {mode}, cuBLASLt {} per fused-bias addmm; cudnn.benchmark {} (category workspace)",
+        format_size(cublas),
+        format_size(w.cublaslt_workspace_bytes()),
+        if w.cudnn_benchmark { "on" } else { "off" }
+    )
 }
 
 fn recipe_line(p: &Prediction) -> String {
@@ -509,6 +560,14 @@ pub fn to_table(report: &Report, p: &Prediction) -> String {
         group_digits(p.params)
     );
     let _ = writeln!(out, "recipe     {}", recipe_line(p));
+    let _ = writeln!(out, "kernels    {}", workspace_line(&p.recipe));
+    let _ = writeln!(
+        out,
+        "context    {}, CUDA {}: {}",
+        format_size(report.device.context_bytes),
+        p.context.cuda,
+        p.context.source
+    );
     let _ = writeln!(
         out,
         "lowered    {} events in {:.1} ms, replayed in {:.1} ms",
@@ -643,6 +702,21 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
         },
         "clip_grad_norm": r.clip_grad_norm,
         "grad_scaler": r.uses_grad_scaler(),
+    });
+    let w = &r.workspaces;
+    j["workspaces"] = json!({
+        "cublas_bytes": w.cublas_workspace_bytes(r.target.compute_capability).0,
+        "cublaslt_bytes": w.cublaslt_workspace_bytes(),
+        "cublas_mode": match w.cublas_mode {
+            CublasWorkspaceMode::PerCall => "per-call",
+            CublasWorkspaceMode::Persistent => "persistent",
+        },
+        "cudnn_benchmark": w.cudnn_benchmark,
+    });
+    j["context"] = json!({
+        "bytes": report.device.context_bytes,
+        "cuda": p.context.cuda,
+        "source": p.context.source,
     });
     j["peak_phase"] = json!(b.phase);
     j["breakdown"] = json!({
