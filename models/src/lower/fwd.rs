@@ -54,6 +54,12 @@ impl<'g> Lowering<'g> {
             self.end_frame(f);
         }
         self.clear_autocast_cache();
+        // Kept outputs whose rebinding op did not run (none in a well-formed graph) go now; this
+        // forward's outputs are what the loop holds from here on.
+        for (_, rt) in std::mem::take(&mut self.kept) {
+            self.drop_rt(rt);
+        }
+        self.kept = std::mem::take(&mut self.kept_next);
         self.settle_pending(start);
         let out = g.output.expect("checked");
         let rt = self.vals[out.0 as usize]
@@ -86,6 +92,18 @@ impl<'g> Lowering<'g> {
         for rt in it {
             self.drop_rt(rt);
         }
+        // `--keep-outputs` (not in a checkpoint's recomputation): the training loop's names take
+        // one more reference on what the model returns.
+        if self.r.keep_outputs && self.recompute_saved.is_none() {
+            for &(v, rebind) in &g.kept_outputs {
+                if op.outputs.contains(&v) {
+                    if let Some(rt) = self.vals[v.0 as usize].clone() {
+                        let d = self.dup(&rt);
+                        self.kept_next.push((rebind.0 as usize, d));
+                    }
+                }
+            }
+        }
         let rel = std::mem::take(&mut self.release_after[i]);
         for &v in &rel {
             if let Some(rt) = self.vals[v.0 as usize].take() {
@@ -93,6 +111,19 @@ impl<'g> Lowering<'g> {
             }
         }
         self.release_after[i] = rel;
+        // The assignment that rebinds a kept name runs when op `i` returns (after the callee's
+        // locals are gone): the previous step's tensor loses its last Python reference.
+        if !self.kept.is_empty() && self.recompute_saved.is_none() {
+            let mut k = 0;
+            while k < self.kept.len() {
+                if self.kept[k].0 == i {
+                    let (_, rt) = self.kept.remove(k);
+                    self.drop_rt(rt);
+                } else {
+                    k += 1;
+                }
+            }
+        }
     }
 
     /// Runs one op on `ins` (borrowed handles); returns owned output handles.
@@ -808,6 +839,23 @@ impl<'g> Lowering<'g> {
                 l.shape.remove(*dim);
                 l.strides.remove(*dim);
                 Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
+            }
+            // aten.index (advanced indexing): a new tensor; derivatives.yaml index.Tensor saves
+            // the indices (and self's sizes).
+            Index => {
+                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                Fwd::New(vec![o], op_kind, vec![Save::In(1), Save::In(2)])
+            }
+            // mse_loss (aten/src/ATen/native/Loss.cpp, structured): the scalar result (input's
+            // options) is allocated first, then the elementwise loss of the promoted dtype, reduced
+            // into it by `mean_out` and freed. derivatives.yaml mse_loss: self and target saved.
+            MseLoss => {
+                let o = self.alloc(Layout::contiguous(&[]), x[0].dtype, m, name);
+                let dt = x[0].dtype.promote(x[1].dtype);
+                let l = elementwise_layout(x[0].shape(), &[&x[0].layout, &x[1].layout]);
+                let t = self.alloc(l, dt, m, name);
+                self.drop_rt(t);
+                Fwd::New(vec![o], op_kind, vec![Save::In(0), Save::In(1)])
             }
             Factory { temps, .. } => {
                 for (s, d) in temps {

@@ -217,6 +217,11 @@ pub(crate) struct Lowering<'g> {
     iteration: u32,
     micro: u32,
     pub scaler: Vec<Rt>,
+    /// `--keep-outputs`: the previous step's outputs the training loop still holds, each with the
+    /// op of the forward whose return rebinds its name.
+    kept: Vec<(usize, Rt)>,
+    /// The outputs of the running forward, kept once it ends.
+    kept_next: Vec<(usize, Rt)>,
 }
 
 /// Lowers a training step (or inference, per the recipe) of `graph` to an allocation trace.
@@ -356,6 +361,8 @@ impl<'g> Lowering<'g> {
             iteration: 0,
             micro: 0,
             scaler: Vec::new(),
+            kept: Vec::new(),
+            kept_next: Vec::new(),
         }
     }
 
