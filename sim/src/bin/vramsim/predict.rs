@@ -14,8 +14,8 @@ use serde_json::{json, Value};
 use vramsim_models::hf::{self, ImportOptions};
 use vramsim_models::zoo::Arch;
 use vramsim_models::{
-    lower, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph, OptimizerImpl,
-    OptimizerKind, PeakBreakdown, Precision, Recipe, Target,
+    lower, parse_image_size, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph,
+    Head, Loss, OptimizerImpl, OptimizerKind, PeakBreakdown, Precision, Recipe, Target,
 };
 use vramsim_sim::device::{find_preset, UnknownGpu, DEFAULT_GPU};
 use vramsim_sim::engine::{Flow, Replay, ReplayOptions};
@@ -54,7 +54,7 @@ pub struct PredictArgs {
     #[arg(long, value_name = "B", value_parser = count("batch"), allow_negative_numbers = true)]
     pub batch: u64,
     /// Tokens per sequence for language models (default: 1024, or the model's positions if fewer);
-    /// image models take 224×224 images and ignore it.
+    /// image models take --image-size images and ignore it.
     #[arg(long, value_name = "S", value_parser = count("seq"), allow_negative_numbers = true)]
     pub seq: Option<u64>,
     /// fp32, bf16 (model.to(bfloat16)), amp-fp16 (autocast + GradScaler), amp-bf16 (autocast).
@@ -93,6 +93,29 @@ pub struct PredictArgs {
     /// Also write the lowered trace (vramsim JSON, or JSON Lines for .jsonl; gzip for .gz).
     #[arg(long, value_name = "FILE")]
     pub trace_out: Option<PathBuf>,
+    /// Head of a language model: lm (GPT-2, LLaMA), masked-lm (BERT), seq-cls:N, token-cls:N,
+    /// none (the base model; the loop's loss is last_hidden_state.mean()). Default: the family's
+    /// own (lm, or masked-lm for BERT).
+    #[arg(long, value_name = "HEAD", value_parser = named::<Head>)]
+    pub head: Option<Head>,
+    /// Loss: hf (HF's loss functions: logits.float() and shifted labels for causal LMs) or plain
+    /// (F.cross_entropy on the logits as they are, nanoGPT-style).
+    #[arg(long, default_value = "hf", value_parser = named::<Loss>)]
+    pub loss: Loss,
+    /// The training loop keeps the model's outputs (logits, loss) until the next forward returns.
+    #[arg(long)]
+    pub keep_outputs: bool,
+    /// Input images of an image model: H (square) or HxW (default 224).
+    #[arg(long, value_name = "H[xW]", value_parser = image_size)]
+    pub image_size: Option<(u64, u64)>,
+    /// Classes of an image model's classifier (default 1000).
+    #[arg(long, value_name = "N", value_parser = count("num-classes"), allow_negative_numbers = true)]
+    pub num_classes: Option<u64>,
+}
+
+/// A parser for `--image-size` (`H` or `HxW`).
+fn image_size(s: &str) -> Result<(u64, u64), String> {
+    parse_image_size(s).map_err(|e| e.to_string())
 }
 
 /// A parser for a count of 1 or more.
@@ -270,6 +293,11 @@ pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
         inference: args.inference,
         attention: args.attention,
         target: target(&args.machine)?,
+        head: args.head,
+        loss: args.loss,
+        keep_outputs: args.keep_outputs,
+        image_size: args.image_size,
+        num_classes: args.num_classes,
         ..Recipe::default()
     };
     let t0 = Instant::now();
@@ -427,6 +455,29 @@ fn recipe_line(p: &Prediction) -> String {
             Attention::SdpaMemEfficient => "sdpa-mem-efficient",
         };
         let _ = write!(s, ", {att} attention");
+    }
+    let _ = write!(s, "{}", head_text(p));
+    if r.keep_outputs {
+        s.push_str(", loop keeps outputs");
+    }
+    s
+}
+
+/// The head and loss of a language model (`, head seq-cls:2, hf loss`), or the images and classes
+/// of an image model (`, 3×384×384 images, 10 classes`), as the step was built.
+fn head_text(p: &Prediction) -> String {
+    let r = &p.recipe;
+    if let Ok(Some(head)) = p.arch.head(r) {
+        return format!(", head {head}, {} loss", r.loss);
+    }
+    let mut s = String::new();
+    if let Ok((h, w)) = p.arch.image_size(r) {
+        if h > 0 {
+            let _ = write!(s, ", 3×{h}×{w} images");
+        }
+    }
+    if let Ok(n) = p.arch.num_classes(r) {
+        let _ = write!(s, ", {n} classes");
     }
     s
 }
@@ -590,6 +641,11 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
             Attention::SdpaMemEfficient => "sdpa-mem-efficient",
         },
         "fidelity": trace.meta.get("fidelity").cloned().unwrap_or(Value::Null),
+        "head": p.arch.head(r).ok().flatten().map(|h| h.to_string()),
+        "loss": r.loss.to_string(),
+        "keep_outputs": r.keep_outputs,
+        "image_size": p.arch.image_size(r).ok().filter(|s| s.0 > 0).map(|(h, w)| json!([h, w])),
+        "num_classes": p.arch.num_classes(r).ok().filter(|&n| n > 0),
     });
     j["peak_phase"] = json!(b.phase);
     j["breakdown"] = json!({
