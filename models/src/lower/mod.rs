@@ -11,7 +11,9 @@
 //!   An `alloc` event is written when a storage is created and a `free` when its last reference
 //!   goes, which is when `c10::StorageImpl` dies and the caching allocator's `free` runs.
 //! * **Forward.** Ops run in program order. A value's Python reference goes after its last use
-//!   (or at the end of the module whose local holds it); what autograd saves stays.
+//!   (or at the end of the module whose local holds it); what autograd saves stays. With
+//!   `keep_outputs`, the training loop's names hold what [`Graph::kept_outputs`] lists (logits,
+//!   loss) until the op of the next forward whose return rebinds them.
 //! * **Backward** runs the autograd engine's algorithm (`torch/csrc/autograd/engine.cpp`): one node
 //!   per differentiable op, with the op's sequence number; a ready queue that always runs the ready
 //!   node with the highest sequence number (`AccumulateGrad` first); per node, the formula of

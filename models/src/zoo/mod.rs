@@ -11,9 +11,10 @@
 //! | `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl` | transformers 5.23 `GPT2LMHeadModel` |
 //! | `tinyllama-1.1b`, `llama2-7b`, `llama2-13b`, `llama2-70b`, `llama3-8b` | transformers 5.23 `LlamaForCausalLM` |
 //!
-//! Image models take `(batch, 3, 224, 224)` inputs and a 1000-class cross-entropy (the recipe's
-//! `seq` is ignored); language models take `seq` tokens and compute their own loss from labels, as
-//! HF does. [`Arch`] is a buildable architecture with its configuration, which is also what
+//! Image models take `(batch, 3, H, W)` inputs (the recipe's `image_size`, 224 × 224 by default)
+//! and a `num_classes`-class cross-entropy (1000 by default; the recipe's `seq` is ignored);
+//! language models take `seq` tokens and compute their loss from labels with the recipe's head
+//! (the family's own by default) and loss ([`heads`]). [`Arch`] is a buildable architecture with its configuration, which is also what
 //! [`crate::hf`] makes of a `config.json`.
 
 pub mod bert;
