@@ -97,17 +97,22 @@ fn bert_sequence_classification_adds_the_pooler_classifier_and_their_saved_tenso
     r.head = Some(Head::None);
     let (g0, t0) = build("bert-base", &r);
     assert_eq!(g0.param_count(), bert_base_model_params());
-    // What the head adds to what is alive when backward starts (float32): dropout's output
+    // What is alive when backward starts (float32), seq-cls over the base model: dropout's output
     // [B, 768] (saved by the classifier's addmm) and its bool mask (saved by the dropout), the
     // log_softmax output [B, N] (saved), nll_loss's total_weight (a float32 scalar; both losses
     // are one float32 scalar). The logits [B, N] themselves die with forward's locals (nothing
-    // saves addmm's output). The labels [B] int64 are an input.
+    // saves addmm's output). And the pooler's saved tensors: tanh's result [B, 768] and the
+    // dense's input, a `[:, 0]` view of the last hidden state [B, S, 768]. Under the base model's
+    // `last_hidden_state.mean()` the loss does not reach the pooler, so its autograd nodes, and
+    // what they saved, die with the output object when the forward returns (mean saves
+    // nothing). The labels [B] int64 are an input.
     let with = live_at_phase(&t, "backward", 0);
     let base = live_at_phase(&t0, "backward", 0);
     let head = b * 768 * 4 + b * 768 + b * n * 4 + 4;
+    let pooler = b * 768 * 4 + b * s * 768 * 4;
     assert_eq!(
         cat(&with, Category::Activation) - cat(&base, Category::Activation),
-        head as i64
+        (head + pooler) as i64
     );
     assert_eq!(
         cat(&with, Category::Input) - cat(&base, Category::Input),

@@ -680,13 +680,19 @@ impl<'g> Lowering<'g> {
                     z
                 });
             }
-            // derivatives.yaml mse_loss: mse_loss_backward = zeros_like(self), then
-            // mse_loss_backward_out into it.
+            // derivatives.yaml mse_loss: mse_loss_backward (Loss.cpp) = zeros_like(self), then
+            // mse_loss_backward_out into it: the input's dtype on CUDA. The meta device has no
+            // native kernel and its registration returns the promoted dtype (a float32 gradient
+            // for a bfloat16 input and float32 targets, cast back by validate_outputs).
             MseLoss => {
                 let x = meta(0);
+                let dt = match (self.r.fidelity, ins.get(1).cloned().flatten()) {
+                    (Fidelity::MetaCapture, Some(t)) => x.dtype.promote(t.dtype),
+                    _ => x.dtype,
+                };
                 out[0] = Some(self.alloc(
                     Layout::contiguous(&x.layout.shape),
-                    x.dtype,
+                    dt,
                     m,
                     "aten.mse_loss_backward",
                 ));

@@ -13,7 +13,9 @@
 //! * **Forward.** Ops run in program order. A value's Python reference goes after its last use
 //!   (or at the end of the module whose local holds it); what autograd saves stays. With
 //!   `keep_outputs`, the training loop's names hold what [`Graph::kept_outputs`] lists (logits,
-//!   loss) until the op of the next forward whose return rebinds them.
+//!   loss) until the op of the next forward whose return rebinds them. When the forward ends,
+//!   autograd nodes the loss does not reach (an unused pooler) die with the outputs that made
+//!   them, and release what they saved.
 //! * **Backward** runs the autograd engine's algorithm (`torch/csrc/autograd/engine.cpp`): one node
 //!   per differentiable op, with the op's sequence number; a ready queue that always runs the ready
 //!   node with the highest sequence number (`AccumulateGrad` first); per node, the formula of

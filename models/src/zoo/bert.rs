@@ -231,8 +231,8 @@ pub fn bert_with_head(
             loss
         }
         (Head::None, _) | (_, None) => {
-            // `out = model(...)` holds last_hidden_state and pooler_output; the pooler gets no
-            // gradient (its autograd graph goes with the step's).
+            // `out = model(...)` holds last_hidden_state and pooler_output; the loss does not
+            // reach the pooler, whose autograd nodes die with `out` when the forward returns.
             b.keep_output(x);
             if let Some(p) = pooled {
                 b.keep_output(p);

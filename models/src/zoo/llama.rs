@@ -160,6 +160,8 @@ pub fn llama_with_head(
             let w = b.param("weight", &[cfg.vocab, h]);
             (b.embedding_op(w, ids), w)
         });
+        // `inputs_embeds` is a local of LlamaModel.forward: alive until it returns.
+        b.hold(emb);
         // position_ids = (arange(S) + past).unsqueeze(0): [1, S] int64.
         let pos = b.factory(
             "aten.add",
@@ -261,7 +263,11 @@ pub fn llama_with_head(
                 b.add(residual, f)
             });
         }
-        (b.rms_norm("norm", x), w)
+        // `hidden_states = self.norm(hidden_states)`: the last layer's output is rebound when
+        // the norm returns.
+        let out = b.rms_norm("norm", x);
+        b.hold_through(x);
+        (out, w)
     });
     let out = match (head, labels) {
         (Head::SeqCls(n), Some(labels)) => {
