@@ -17,7 +17,8 @@
 //! and `GenericForTokenClassification` calls `ForTokenClassification`, which upcasts
 //! `logits.float()` first (`--loss plain` drops that copy). The base models have no loss: the
 //! training loop takes `last_hidden_state.mean()` (one documented choice; any scalar reduction
-//! of the hidden state allocates the same).
+//! of the hidden state allocates the same). Every case is checked against a meta-device capture
+//! (`tests/captures/heads/`).
 
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, GraphBuilder, T};
