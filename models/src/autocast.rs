@@ -3,7 +3,7 @@
 //! Mirrors the CUDA op lists of `aten/src/ATen/autocast_mode.cpp` for the ops this crate models:
 //! `lower_precision_fp` (cast float inputs to the autocast dtype) holds `linear`, `matmul`, `mm`,
 //! `addmm`, `bmm`, `baddbmm`, the convolutions and `scaled_dot_product_attention`; `fp32` holds
-//! `layer_norm`/`native_layer_norm`, `pow`, `rsqrt`, `nll_loss` and the losses; `fp32_set_opt_dtype`
+//! `layer_norm`/`native_layer_norm`, `pow`, `rsqrt`, `nll_loss`, `mse_loss` and the losses; `fp32_set_opt_dtype`
 //! holds `softmax`, `log_softmax`, `sum`, `prod`, `cumsum`; `promote` holds `cat`, `stack`,
 //! `addcmul`, `addcdiv`, `index_put`. Ops in no list run in whatever dtype their inputs have
 //! (type promotion). Casts of leaf tensors that require grad (the parameters) are cached for the
@@ -34,9 +34,13 @@ pub fn policy(kind: &OpKind) -> Policy {
     use OpKind::*;
     match kind {
         Mm | Addmm | Bmm | Sdpa { .. } | Conv2d { .. } => Policy::Lower,
-        Softmax { .. } | LogSoftmax { .. } | NllLoss | LayerNorm | PowScalar(_) | Rsqrt => {
-            Policy::Fp32
-        }
+        Softmax { .. }
+        | LogSoftmax { .. }
+        | NllLoss
+        | MseLoss
+        | LayerNorm
+        | PowScalar(_)
+        | Rsqrt => Policy::Fp32,
         Cat { .. } => Policy::Promote,
         _ => Policy::None,
     }

@@ -165,6 +165,11 @@ pub struct Graph {
     pub holds: Vec<(ValueId, OpId)>,
     /// Free-form facts about the model for trace metadata (the reference implementation, ...).
     pub meta: serde_json::Map<String, serde_json::Value>,
+    /// What the training loop holds of the model's outputs (`logits, loss = model(x, y)`), in the
+    /// order its names are rebound, each with the op of the forward after which the assignment
+    /// runs: with [`crate::Recipe::keep_outputs`], the previous step's tensor stays alive until
+    /// that op of the next forward.
+    pub kept_outputs: Vec<(ValueId, OpId)>,
 }
 
 impl Graph {
@@ -267,6 +272,7 @@ impl GraphBuilder {
                 regions: Vec::new(),
                 holds: Vec::new(),
                 meta: serde_json::Map::new(),
+                kept_outputs: Vec::new(),
             },
             stack: Vec::new(),
             module_ids: Default::default(),
@@ -528,6 +534,15 @@ impl GraphBuilder {
                 self.fail(op, format!("shapes {sa:?} and {sb:?} do not broadcast"));
                 sa
             }
+        }
+    }
+
+    /// The training loop binds `v` to a Python name when the last op appended so far returns
+    /// (`logits, loss = model(x, y)` after the forward, `loss = criterion(output, y)` after the
+    /// loss): see [`Graph::kept_outputs`].
+    pub fn keep_output(&mut self, v: T) {
+        if let Some(last) = self.g.ops.len().checked_sub(1) {
+            self.g.kept_outputs.push((v, OpId(last as u32)));
         }
     }
 

@@ -207,6 +207,13 @@ pub enum OpKind {
         /// Index.
         index: u64,
     },
+    /// `x[rows, cols]`: advanced indexing of the first two dimensions of `x` by two int64 index
+    /// tensors of one shape (`aten.index`), a new tensor. Saves the indices (`IndexBackward0`);
+    /// its backward is `index_put_` (accumulate) into zeros of the input's size.
+    Index,
+    /// `F.mse_loss(input, target)` with mean reduction (`aten.mse_loss`): a scalar; saves input
+    /// and target.
+    MseLoss,
     /// Autocast's `lower_precision_fp` cast of a composite's argument (`linear`, `matmul` are in
     /// the list, so their arguments are cast, and cached when they are parameters, before the
     /// ATen ops they decompose into): identity when autocast is off.
@@ -277,6 +284,8 @@ impl OpKind {
             MeanDims { .. } => "aten.mean",
             AdaptiveAvgPool2d { .. } => "aten._adaptive_avg_pool2d",
             Select { .. } => "aten.select",
+            Index => "aten.index",
+            MseLoss => "aten.mse_loss",
             Factory { name, .. } => name,
         }
     }
@@ -742,6 +751,31 @@ impl GraphBuilder {
             &[logp, target],
             &[(vec![], d), (vec![], d)],
         )[0]
+    }
+
+    /// `x[rows, cols]` with two int64 index tensors of shape `[N]`: `[N, x.shape[2..]]`.
+    pub fn index2(&mut self, x: T, rows: T, cols: T) -> T {
+        let s = self.shape(x);
+        let n = self.shape(rows);
+        if s.len() < 2 || n != self.shape(cols) {
+            self.fail(
+                "aten.index",
+                format!(
+                    "indices {n:?} and {:?} into {s:?}: two index tensors of one shape over the first two dimensions",
+                    self.shape(cols)
+                ),
+            );
+        }
+        let mut out = n.clone();
+        out.extend(s.iter().skip(2));
+        let d = self.dtype(x);
+        self.op1(OpKind::Index, &[x, rows, cols], out, d)
+    }
+
+    /// `F.mse_loss(input, target)` (mean reduction): the scalar loss, in the input's dtype.
+    pub fn mse_loss(&mut self, input: T, target: T) -> T {
+        let d = self.dtype(input);
+        self.op1(OpKind::MseLoss, &[input, target], vec![], d)
     }
 
     /// `F.cross_entropy(logits, target)` = `log_softmax` + `nll_loss`.

@@ -251,6 +251,39 @@ pub fn parse_cublas_workspace_config(config: &str) -> Result<Option<u64>, Recipe
     Ok(matched.then_some(total))
 }
 
+/// The head an HF model is built with (which `*For...` class), `--head`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Head {
+    /// Causal language modelling: `GPT2LMHeadModel`, `LlamaForCausalLM` (`ForCausalLMLoss`).
+    Lm,
+    /// Masked language modelling: `BertForMaskedLM`.
+    MaskedLm,
+    /// `*ForSequenceClassification` with `num_labels = N`: one prediction per sequence (BERT's
+    /// pooler output, GPT-2/LLaMA's last non-padding token); MSE regression for N = 1, cross-entropy
+    /// otherwise.
+    SeqCls(u64),
+    /// `*ForTokenClassification` with `num_labels = N`: one prediction per token.
+    TokenCls(u64),
+    /// The base model (`GPT2Model`, `LlamaModel`, `BertModel`) with the training loop's loss
+    /// `last_hidden_state.mean()`.
+    None,
+}
+
+/// How a language model's loss is computed from its logits, `--loss`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Loss {
+    /// The model computes it from `labels` with HF's loss functions (`loss_utils.py`):
+    /// `ForCausalLMLoss` upcasts `logits.float()` and shifts the labels; token classification of
+    /// the generic (LLaMA) heads upcasts too; BERT's and GPT-2's classification heads call
+    /// `CrossEntropyLoss` on the logits as they are.
+    #[default]
+    Hf,
+    /// The training loop calls the model without labels and takes
+    /// `F.cross_entropy(logits.view(-1, V), targets.view(-1))` on the logits as they are (no float
+    /// copy, no shift: the targets come shifted, as nanoGPT's do).
+    Plain,
+}
+
 /// Everything about a training step that is not the model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Recipe {
@@ -293,6 +326,14 @@ pub struct Recipe {
     pub grad_scaler: Option<bool>,
     /// cuBLAS / cuBLASLt / cuDNN workspaces.
     pub workspaces: Workspaces,
+    /// The head of an HF model (`--head`); `None`: the family's own (`lm` for GPT-2 and LLaMA,
+    /// `masked-lm` for BERT).
+    pub head: Option<Head>,
+    /// How the loss is computed from the logits (`--loss`).
+    pub loss: Loss,
+    /// The training loop keeps the model's outputs (logits, loss) until the next forward returns
+    /// and rebinds them (`--keep-outputs`).
+    pub keep_outputs: bool,
 }
 
 impl Default for Recipe {
@@ -316,6 +357,9 @@ impl Default for Recipe {
             clip_grad_norm: None,
             grad_scaler: None,
             workspaces: Workspaces::default(),
+            head: None,
+            loss: Loss::Hf,
+            keep_outputs: false,
         }
     }
 }
@@ -359,6 +403,26 @@ impl Recipe {
             return Err(RecipeError::Invalid {
                 field: "checkpoint",
                 msg: "every:K needs K ≥ 1".into(),
+            });
+        }
+        if let Some(Head::SeqCls(0) | Head::TokenCls(0)) = self.head {
+            return Err(RecipeError::Invalid {
+                field: "head",
+                msg: "seq-cls:N and token-cls:N need N ≥ 1 labels".into(),
+            });
+        }
+        if let Some((h, w)) = self.image_size {
+            if h == 0 || w == 0 {
+                return Err(RecipeError::Invalid {
+                    field: "image-size",
+                    msg: format!("{h}x{w}: both sides must be 1 or more"),
+                });
+            }
+        }
+        if self.num_classes == Some(0) {
+            return Err(RecipeError::Invalid {
+                field: "num-classes",
+                msg: "must be 1 or more".into(),
             });
         }
         if let Some(config) = &self.workspaces.cublas_workspace_config {
@@ -454,6 +518,84 @@ named_enum!(Attention, "attention", "eager, sdpa-flash, sdpa-mem-efficient",
     ["eager" => Attention::Eager, "sdpa-flash" => Attention::SdpaFlash, "sdpa" => Attention::SdpaFlash,
      "sdpa-mem-efficient" => Attention::SdpaMemEfficient]);
 
+named_enum!(Loss, "loss", "hf, plain", ["hf" => Loss::Hf, "plain" => Loss::Plain]);
+
+impl FromStr for Head {
+    type Err = RecipeError;
+    fn from_str(s: &str) -> Result<Self, RecipeError> {
+        let unknown = || RecipeError::Unknown {
+            field: "head",
+            value: s.to_string(),
+            valid: "lm, masked-lm, seq-cls:N, token-cls:N, none",
+        };
+        match s {
+            "lm" => Ok(Head::Lm),
+            "masked-lm" => Ok(Head::MaskedLm),
+            "none" => Ok(Head::None),
+            _ => {
+                let (kind, n) = s.split_once(':').ok_or_else(unknown)?;
+                let n: u64 = n.trim().parse().map_err(|_| unknown())?;
+                if n == 0 {
+                    return Err(RecipeError::Invalid {
+                        field: "head",
+                        msg: format!(
+                            "{s}: {kind}:N needs N ≥ 1 labels (valid heads: lm, masked-lm, seq-cls:N, token-cls:N, none)"
+                        ),
+                    });
+                }
+                match kind {
+                    "seq-cls" => Ok(Head::SeqCls(n)),
+                    "token-cls" => Ok(Head::TokenCls(n)),
+                    _ => Err(unknown()),
+                }
+            }
+        }
+    }
+}
+
+impl fmt::Display for Head {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Head::Lm => f.write_str("lm"),
+            Head::MaskedLm => f.write_str("masked-lm"),
+            Head::SeqCls(n) => write!(f, "seq-cls:{n}"),
+            Head::TokenCls(n) => write!(f, "token-cls:{n}"),
+            Head::None => f.write_str("none"),
+        }
+    }
+}
+
+impl fmt::Display for Loss {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Loss::Hf => "hf",
+            Loss::Plain => "plain",
+        })
+    }
+}
+
+/// Parses `--image-size`: `H` (a square) or `HxW`, each side 1 or more.
+pub fn parse_image_size(s: &str) -> Result<(u64, u64), RecipeError> {
+    let invalid = |msg: &str| RecipeError::Invalid {
+        field: "image-size",
+        msg: format!("{s:?}: {msg}"),
+    };
+    let side = |t: &str| -> Result<u64, RecipeError> {
+        match t.trim().parse::<u64>() {
+            Ok(0) => Err(invalid("sides must be 1 or more")),
+            Ok(n) => Ok(n),
+            Err(_) => Err(invalid("expected H or HxW in pixels (e.g. 384 or 384x256)")),
+        }
+    };
+    match s.split_once(['x', 'X', '×']) {
+        Some((h, w)) => Ok((side(h)?, side(w)?)),
+        None => {
+            let n = side(s)?;
+            Ok((n, n))
+        }
+    }
+}
+
 impl FromStr for Checkpointing {
     type Err = RecipeError;
     fn from_str(s: &str) -> Result<Self, RecipeError> {
@@ -537,6 +679,35 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("fp32, bf16, amp-fp16, amp-bf16"));
+    }
+
+    #[test]
+    fn heads_losses_and_image_sizes_parse_with_their_valid_values() {
+        assert_eq!("seq-cls:2".parse::<Head>().unwrap(), Head::SeqCls(2));
+        assert_eq!("token-cls:9".parse::<Head>().unwrap(), Head::TokenCls(9));
+        assert_eq!("none".parse::<Head>().unwrap(), Head::None);
+        assert_eq!(Head::SeqCls(3).to_string(), "seq-cls:3");
+        let e = "seq-cls:0".parse::<Head>().unwrap_err().to_string();
+        assert!(e.contains("N ≥ 1"), "{e}");
+        let e = "classifier".parse::<Head>().unwrap_err().to_string();
+        assert!(
+            e.contains("lm, masked-lm, seq-cls:N, token-cls:N, none"),
+            "{e}"
+        );
+        assert!("plain".parse::<Loss>().is_ok());
+        assert!("mse"
+            .parse::<Loss>()
+            .unwrap_err()
+            .to_string()
+            .contains("hf, plain"));
+        assert_eq!(parse_image_size("384").unwrap(), (384, 384));
+        assert_eq!(parse_image_size("384x256").unwrap(), (384, 256));
+        assert!(parse_image_size("0").is_err());
+        assert!(parse_image_size("224x0").is_err());
+        assert!(parse_image_size("big").is_err());
+        let mut r = Recipe::new(1, 8);
+        r.head = Some(Head::SeqCls(0));
+        assert!(r.validate().is_err());
     }
 
     #[test]

@@ -592,3 +592,166 @@ fn bad_workspace_and_cuda_options() {
         "Could not parse CUBLAS_WORKSPACE_CONFIG, using default workspace size of 33554432 bytes."
     ));
 }
+
+#[test]
+fn heads_losses_and_image_sizes() {
+    // Published: bert-base-uncased as BertForSequenceClassification(num_labels=2) has 109,483,778
+    // parameters (BertModel's 109,482,240 + Linear(768, 2)).
+    let j = predict_json(&[
+        "--model",
+        "bert-base",
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+        "--head",
+        "seq-cls:2",
+    ]);
+    assert_eq!(j["params"], 109_483_778u64);
+    assert_eq!(j["recipe"]["head"], "seq-cls:2");
+    assert_eq!(j["recipe"]["loss"], "hf");
+    assert!(j["reference"]
+        .as_str()
+        .unwrap()
+        .contains("BertForSequenceClassification"));
+    // The zoo's defaults are the families' own heads.
+    let j = predict_json(&["--model", "gpt2", "--batch", "1", "--seq", "32"]);
+    assert_eq!(j["recipe"]["head"], "lm");
+    assert_eq!(j["recipe"]["keep_outputs"], false);
+    let j = predict_json(&[
+        "--model",
+        "gpt2",
+        "--batch",
+        "1",
+        "--seq",
+        "32",
+        "--loss",
+        "plain",
+        "--keep-outputs",
+    ]);
+    assert_eq!(j["recipe"]["loss"], "plain");
+    assert_eq!(j["recipe"]["keep_outputs"], true);
+    // An imported config takes a head too: TinyLlama's LlamaModel is its 1,100,048,384
+    // parameters less the untied lm_head (32000 × 2048), plus score Linear(2048, 2, bias=False).
+    let j = predict_json(&[
+        "--hf-config",
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../models/tests/hf/TinyLlama-1.1B-intermediate-step-1431k-3T.json"
+        ),
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+        "--head",
+        "seq-cls:2",
+    ]);
+    assert_eq!(j["params"], 1_100_048_384u64 - 32000 * 2048 + 2048 * 2);
+    // torchvision's resnet50(num_classes=10): 25,557,032 − (2048·1000 + 1000) + (2048·10 + 10).
+    let output = vramsim(&[
+        "predict",
+        "--model",
+        "resnet50",
+        "--batch",
+        "4",
+        "--image-size",
+        "160",
+        "--num-classes",
+        "10",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = stdout(&output);
+    assert!(text.contains("23,528,522 parameters"), "{text}");
+    assert!(text.contains("3×160×160 images, 10 classes"), "{text}");
+    let output = vramsim(&[
+        "predict",
+        "--model",
+        "bert-base",
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+        "--head",
+        "token-cls:9",
+        "--keep-outputs",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(stdout(&output).contains("head token-cls:9, hf loss, loop keeps outputs"));
+}
+
+#[test]
+fn bad_heads_and_sizes_list_the_valid_choices() {
+    let lm = ["--model", "gpt2", "--batch", "1", "--seq", "32"];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        let mut v: Vec<&str> = lm.to_vec();
+        v.extend_from_slice(extra);
+        v
+    };
+    assert_fails(
+        &with(&["--head", "seq-cls:0"]),
+        &["seq-cls:0", "lm, masked-lm, seq-cls:N, token-cls:N, none"],
+    );
+    assert_fails(
+        &with(&["--head", "classifier"]),
+        &["lm, masked-lm, seq-cls:N, token-cls:N, none"],
+    );
+    assert_fails(&with(&["--loss", "mse"]), &["hf, plain"]);
+    assert_fails(&with(&["--num-classes", "3"]), &["seq-cls:3"]);
+    assert_fails(
+        &["--model", "resnet50", "--batch", "2", "--head", "lm"],
+        &["--head", "--num-classes", "seq-cls:N"],
+    );
+    assert_fails(
+        &[
+            "--model",
+            "tinyllama-1.1b",
+            "--batch",
+            "2",
+            "--head",
+            "masked-lm",
+        ],
+        &["masked-lm", "lm, seq-cls:N, token-cls:N, none"],
+    );
+    assert_fails(
+        &["--model", "bert-base", "--batch", "2", "--head", "lm"],
+        &["masked-lm, seq-cls:N, token-cls:N, none"],
+    );
+    assert_fails(
+        &["--model", "resnet50", "--batch", "2", "--image-size", "0"],
+        &["image-size", "1 or more"],
+    );
+    assert_fails(
+        &[
+            "--model",
+            "resnet50",
+            "--batch",
+            "2",
+            "--image-size",
+            "224x",
+        ],
+        &["image-size", "384x256"],
+    );
+    assert_fails(
+        &["--model", "resnet50", "--batch", "2", "--num-classes", "0"],
+        &["num-classes"],
+    );
+    assert_fails(
+        &[
+            "--model",
+            "vit-b-16",
+            "--batch",
+            "2",
+            "--image-size",
+            "384x256",
+        ],
+        &["square"],
+    );
+    assert_fails(
+        &["--model", "vit-b-16", "--batch", "2", "--image-size", "200"],
+        &["patch size 16"],
+    );
+    assert_fails(
+        &["--model", "mlp", "--batch", "2", "--image-size", "224"],
+        &["features"],
+    );
+}

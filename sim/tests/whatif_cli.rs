@@ -291,3 +291,36 @@ fn bad_grids_are_refused_with_what_would_be_valid() {
         &["--model", "--hf-config"],
     );
 }
+
+#[test]
+fn heads_losses_and_kept_outputs_vary_like_any_predict_option() {
+    let args = whatif(&[
+        "--batch",
+        "2",
+        "--vary",
+        "head=lm,seq-cls:2,none",
+        "--vary",
+        "keep-outputs=false,true",
+    ]);
+    let rows = json(&refs(&args));
+    let rows = rows.as_array().expect("a list of rows");
+    assert_eq!(rows.len(), 6);
+    for row in rows {
+        let options = &row["options"];
+        let mut predict: Vec<String> = vec!["predict".into(), "--batch=2".into()];
+        predict.extend(FIXED.iter().map(|s| s.to_string()));
+        predict.push(format!("--head={}", options["head"].as_str().unwrap()));
+        if options["keep-outputs"] == "true" {
+            predict.push("--keep-outputs".into());
+        }
+        let expected = json(&refs(&predict));
+        assert_eq!(
+            row["peak_requested_bytes"],
+            expected["peak_requested_bytes"]
+        );
+        assert_eq!(row["params"], expected["params"]);
+        assert_eq!(row["recipe"]["head"], options["head"]);
+    }
+    let bad = whatif(&["--batch", "2", "--vary", "head=lm,seq-cls:0"]);
+    assert_fails(&refs(&bad), &["seq-cls:0"]);
+}

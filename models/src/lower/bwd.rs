@@ -675,6 +675,49 @@ impl<'g> Lowering<'g> {
                     "aten.select_backward",
                 ));
             }
+            // derivatives.yaml index.Tensor: `index_backward(zeros_like(self), indices, grad)`
+            // (FunctionsManual.cpp): `_index_put_impl_(zeros_like_self, indices, grad,
+            // accumulate=true)` in place; with subclass-like tensors (a dispatch mode) the
+            // out-of-place `zeros_like_self.index_put(...)`. The int64 sort buffers of CUDA's
+            // accumulating `index_put_` (a few of the index count) are not modelled.
+            Index => {
+                let x = meta(0);
+                let z = self.alloc(
+                    Layout::contiguous(&x.layout.shape),
+                    g.dtype,
+                    m,
+                    "aten.zeros_like",
+                );
+                out[0] = Some(if self.r.fidelity == Fidelity::MetaCapture {
+                    let o = self.alloc(
+                        Layout::contiguous(&x.layout.shape),
+                        g.dtype,
+                        m,
+                        "aten.index_put",
+                    );
+                    self.drop_rt(z);
+                    o
+                } else {
+                    z
+                });
+            }
+            // derivatives.yaml mse_loss: mse_loss_backward (Loss.cpp) = zeros_like(self), then
+            // mse_loss_backward_out into it: the input's dtype on CUDA. The meta device has no
+            // native kernel and its registration returns the promoted dtype (a float32 gradient
+            // for a bfloat16 input and float32 targets, cast back by validate_outputs).
+            MseLoss => {
+                let x = meta(0);
+                let dt = match (self.r.fidelity, ins.get(1).cloned().flatten()) {
+                    (Fidelity::MetaCapture, Some(t)) => x.dtype.promote(t.dtype),
+                    _ => x.dtype,
+                };
+                out[0] = Some(self.alloc(
+                    Layout::contiguous(&x.layout.shape),
+                    dt,
+                    m,
+                    "aten.mse_loss_backward",
+                ));
+            }
             // derivatives.yaml native_dropout: native_dropout_backward(grad, mask, scale).
             Dropout { .. } => {
                 out[0] = Some(self.alloc(

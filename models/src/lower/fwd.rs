@@ -36,6 +36,7 @@ impl<'g> Lowering<'g> {
         let g = self.g;
         self.kind_now = Kind::Pending;
         let start = self.storages.len();
+        let first_node = self.nodes.len();
         for i in 0..g.ops.len() {
             let region = self.op_region[i];
             if let Some(f) = self.active_frame {
@@ -54,13 +55,56 @@ impl<'g> Lowering<'g> {
             self.end_frame(f);
         }
         self.clear_autocast_cache();
+        // Kept outputs whose rebinding op did not run (none in a well-formed graph) go now; this
+        // forward's outputs are what the loop holds from here on.
+        for (_, rt) in std::mem::take(&mut self.kept) {
+            self.drop_rt(rt);
+        }
+        self.kept = std::mem::take(&mut self.kept_next);
         self.settle_pending(start);
         let out = g.output.expect("checked");
         let rt = self.vals[out.0 as usize]
             .take()
             .expect("the output is alive");
+        self.release_dead_branches(first_node, &rt);
         self.kind_now = Kind::Temporary;
         Ok(rt)
+    }
+
+    /// Autograd nodes of this forward that the loss does not reach (BertModel's pooler under a
+    /// loss on the hidden state) live only as long as the tensors they made: those die with the
+    /// model's output object when the forward returns (`loss = model(...).loss`), so the nodes go
+    /// then, newest first, and release what they saved. Nodes the training loop still reaches
+    /// through kept outputs (`--keep-outputs`) stay to the end of backward, as all nodes do.
+    fn release_dead_branches(&mut self, first_node: usize, loss: &Rt) {
+        if first_node >= self.nodes.len() {
+            return;
+        }
+        let mut reached = vec![false; self.nodes.len()];
+        let mut stack: Vec<u32> = loss.edge.iter().map(|e| e.node).collect();
+        stack.extend(
+            self.kept
+                .iter()
+                .filter_map(|(_, rt)| rt.edge.map(|e| e.node)),
+        );
+        while let Some(n) = stack.pop() {
+            let Some(seen) = reached.get_mut(n as usize) else {
+                continue;
+            };
+            if std::mem::replace(seen, true) {
+                continue;
+            }
+            stack.extend(self.nodes[n as usize].next.iter().flatten().map(|e| e.node));
+        }
+        for n in (first_node..self.nodes.len()).rev() {
+            let node = &self.nodes[n];
+            if reached[n] || node.ckpt.is_some() || !matches!(node.kind, NodeKind::Op(_)) {
+                continue;
+            }
+            for t in std::mem::take(&mut self.nodes[n].saved) {
+                self.drop_rt(t);
+            }
+        }
     }
 
     fn exec_graph_op(&mut self, i: usize) {
@@ -86,6 +130,18 @@ impl<'g> Lowering<'g> {
         for rt in it {
             self.drop_rt(rt);
         }
+        // `--keep-outputs` (not in a checkpoint's recomputation): the training loop's names take
+        // one more reference on what the model returns.
+        if self.r.keep_outputs && self.recompute_saved.is_none() {
+            for &(v, rebind) in &g.kept_outputs {
+                if op.outputs.contains(&v) {
+                    if let Some(rt) = self.vals[v.0 as usize].clone() {
+                        let d = self.dup(&rt);
+                        self.kept_next.push((rebind.0 as usize, d));
+                    }
+                }
+            }
+        }
         let rel = std::mem::take(&mut self.release_after[i]);
         for &v in &rel {
             if let Some(rt) = self.vals[v.0 as usize].take() {
@@ -93,6 +149,19 @@ impl<'g> Lowering<'g> {
             }
         }
         self.release_after[i] = rel;
+        // The assignment that rebinds a kept name runs when op `i` returns (after the callee's
+        // locals are gone): the previous step's tensor loses its last Python reference.
+        if !self.kept.is_empty() && self.recompute_saved.is_none() {
+            let mut k = 0;
+            while k < self.kept.len() {
+                if self.kept[k].0 == i {
+                    let (_, rt) = self.kept.remove(k);
+                    self.drop_rt(rt);
+                } else {
+                    k += 1;
+                }
+            }
+        }
     }
 
     /// Runs one op on `ins` (borrowed handles); returns owned output handles.
@@ -827,6 +896,27 @@ impl<'g> Lowering<'g> {
                 l.shape.remove(*dim);
                 l.strides.remove(*dim);
                 Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
+            }
+            // aten.index (advanced indexing): a new tensor; derivatives.yaml index.Tensor saves
+            // the indices (and self's sizes).
+            Index => {
+                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                Fwd::New(vec![o], op_kind, vec![Save::In(1), Save::In(2)])
+            }
+            // mse_loss (aten/src/ATen/native/Loss.cpp, structured): the meta function's
+            // `build_borrowing_binary_op` gives the scalar result the promoted dtype; then the
+            // elementwise loss (promoted dtype) is reduced into it by `mean_out` and freed.
+            // derivatives.yaml mse_loss: self and target saved.
+            MseLoss => {
+                let dt = x[0].dtype.promote(x[1].dtype);
+                let o = self.alloc(Layout::contiguous(&[]), dt, m, name);
+                // (The meta device runs the meta function only: no elementwise temporary.)
+                if self.r.fidelity == Fidelity::Cuda {
+                    let l = elementwise_layout(x[0].shape(), &[&x[0].layout, &x[1].layout]);
+                    let t = self.alloc(l, dt, m, name);
+                    self.drop_rt(t);
+                }
+                Fwd::New(vec![o], op_kind, vec![Save::In(0), Save::In(1)])
             }
             Factory { temps, .. } => {
                 for (s, d) in temps {

@@ -11,7 +11,11 @@
 //!   An `alloc` event is written when a storage is created and a `free` when its last reference
 //!   goes, which is when `c10::StorageImpl` dies and the caching allocator's `free` runs.
 //! * **Forward.** Ops run in program order. A value's Python reference goes after its last use
-//!   (or at the end of the module whose local holds it); what autograd saves stays.
+//!   (or at the end of the module whose local holds it); what autograd saves stays. With
+//!   `keep_outputs`, the training loop's names hold what [`Graph::kept_outputs`] lists (logits,
+//!   loss) until the op of the next forward whose return rebinds them. When the forward ends,
+//!   autograd nodes the loss does not reach (an unused pooler) die with the outputs that made
+//!   them, and release what they saved.
 //! * **Backward** runs the autograd engine's algorithm (`torch/csrc/autograd/engine.cpp`): one node
 //!   per differentiable op, with the op's sequence number; a ready queue that always runs the ready
 //!   node with the highest sequence number (`AccumulateGrad` first); per node, the formula of
@@ -230,6 +234,11 @@ pub(crate) struct Lowering<'g> {
     ws_held: [bool; 2],
     /// `cudnn.benchmark`: convolution configurations benchmarked already (`benchmark_cache` keys).
     conv_benchmarked: HashSet<String>,
+    /// `--keep-outputs`: the previous step's outputs the training loop still holds, each with the
+    /// op of the forward whose return rebinds its name.
+    kept: Vec<(usize, Rt)>,
+    /// The outputs of the running forward, kept once it ends.
+    kept_next: Vec<(usize, Rt)>,
 }
 
 /// Lowers a training step (or inference, per the recipe) of `graph` to an allocation trace.
@@ -376,6 +385,8 @@ impl<'g> Lowering<'g> {
                 .0,
             ws_held: [false; 2],
             conv_benchmarked: HashSet::new(),
+            kept: Vec::new(),
+            kept_next: Vec::new(),
         }
     }
 

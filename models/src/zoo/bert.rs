@@ -13,9 +13,11 @@
 //!   embeddings with the head's own bias, and `CrossEntropyLoss` over all `B·S` positions on the
 //!   logits as they are (no float upcast). No pooler (`add_pooling_layer=False`).
 
+use super::heads;
 use super::nn::{Activation, AttnImpl};
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind};
+use crate::recipe::Head;
 use std::borrow::Cow;
 
 /// A BERT configuration (`BertConfig` fields from the model's config.json).
@@ -78,17 +80,40 @@ pub const BERT_LARGE: BertConfig = BertConfig {
 
 /// Builds `BertForMaskedLM(cfg)` at `batch` × `seq` with the MLM loss over every position.
 pub fn bert(cfg: &BertConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Graph, GraphError> {
+    bert_with_head(cfg, batch, seq, attn, Head::MaskedLm)
+}
+
+/// Builds BERT with `head` (see [`super::heads`]) at `batch` × `seq`. Every BERT head computes
+/// its loss with `CrossEntropyLoss` (`MSELoss` for `seq-cls:1`) on the logits as they are, so
+/// `--loss` changes nothing here. `BertModel` has its pooler (dense + tanh on `[CLS]`) under
+/// `seq-cls` and `none` (`add_pooling_layer=True`, `AutoModel`'s default), not under
+/// `masked-lm` and `token-cls` (`add_pooling_layer=False`).
+pub fn bert_with_head(
+    cfg: &BertConfig,
+    batch: u64,
+    seq: u64,
+    attn: AttnImpl,
+    head: Head,
+) -> Result<Graph, GraphError> {
     let (h, nh) = (cfg.hidden, cfg.heads);
     let hd = h / nh;
     let mut b = GraphBuilder::new(&cfg.name, batch, seq);
+    let class = match head {
+        Head::Lm | Head::MaskedLm => "BertForMaskedLM",
+        Head::SeqCls(_) => "BertForSequenceClassification",
+        Head::TokenCls(_) => "BertForTokenClassification",
+        Head::None => "BertModel",
+    };
     b.meta(
         "reference",
-        "transformers 5.23 BertForMaskedLM (modeling_bert.py)".into(),
+        format!("transformers 5.23 {class} (modeling_bert.py)").into(),
     );
     let i64t = DTypeSpec::Fixed(DType::I64);
     let ids = b.input("input_ids", &[batch, seq], i64t);
-    let labels = b.input("labels", &[batch, seq], i64t);
-    let (x, word_w) = b.module("bert", |b| {
+    let labels = heads::labels_input(&mut b, head, batch, seq);
+    let pooler = matches!(head, Head::SeqCls(_) | Head::None);
+    let prefix = if head == Head::None { "" } else { "bert" };
+    let (x, word_w, pooled) = b.module(prefix, |b| {
         let (x, word_w) = b.module("embeddings", |b| {
             let word_w = b.param("word_embeddings.weight", &[cfg.vocab, h]);
             let pos_w = b.param("position_embeddings.weight", &[cfg.positions, h]);
@@ -170,8 +195,72 @@ pub fn bert(cfg: &BertConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Gr
             });
         }
         b.pop_module("encoder");
-        (x, word_w)
+        // `sequence_output` is a local of BertModel.forward; BertPooler: `hidden[:, 0]`, dense,
+        // tanh.
+        b.hold(x);
+        let pooled = pooler.then(|| {
+            b.module("pooler", |b| {
+                let first = b.select(x, 1, 0);
+                let p = b.linear("dense", first, h, true);
+                b.module("activation", |b| b.tanh(p))
+            })
+        });
+        (x, word_w, pooled)
     });
+    let out = match (head, labels) {
+        (Head::SeqCls(n), Some(labels)) => {
+            // `outputs` (last_hidden_state, pooler_output) is a local of forward.
+            b.hold(x);
+            let pooled = pooled.expect("seq-cls builds the pooler");
+            b.hold(pooled);
+            let d = b.module("dropout", |b| b.dropout(pooled, cfg.hidden_dropout));
+            b.hold(d);
+            let logits = b.linear("classifier", d, n, true);
+            b.hold(logits);
+            let loss = heads::sequence_classification_loss(
+                &mut b,
+                logits,
+                labels,
+                n,
+                ("MSELoss", "CrossEntropyLoss"),
+            );
+            b.keep_output(logits);
+            loss
+        }
+        (Head::TokenCls(n), Some(labels)) => {
+            b.hold(x);
+            let logits =
+                heads::token_classifier(&mut b, x, cfg.hidden_dropout, "classifier", n, true);
+            b.hold(logits);
+            let loss = heads::plain_cross_entropy(&mut b, "CrossEntropyLoss", logits, labels);
+            b.keep_output(logits);
+            loss
+        }
+        (Head::None, _) | (_, None) => {
+            // `out = model(...)` holds last_hidden_state and pooler_output; the loss does not
+            // reach the pooler, whose autograd nodes die with `out` when the forward returns.
+            b.keep_output(x);
+            if let Some(p) = pooled {
+                b.keep_output(p);
+            }
+            heads::hidden_state_loss(&mut b, x)
+        }
+        (_, Some(labels)) => masked_lm_head(&mut b, cfg, x, word_w, labels),
+    };
+    b.keep_output(out);
+    b.set_output(out);
+    b.finish()
+}
+
+/// `BertOnlyMLMHead` and `CrossEntropyLoss()(prediction_scores.view(-1, V), labels.view(-1))`.
+fn masked_lm_head(
+    b: &mut GraphBuilder,
+    cfg: &BertConfig,
+    x: crate::graph::ValueId,
+    word_w: crate::graph::ValueId,
+    labels: crate::graph::ValueId,
+) -> crate::graph::ValueId {
+    let h = cfg.hidden;
     let logits = b.module("cls.predictions", |b| {
         // BertLMPredictionHead registers its own `bias` (tied to decoder.bias) before its children.
         let bias = b.param("bias", &[cfg.vocab]);
@@ -197,8 +286,8 @@ pub fn bert(cfg: &BertConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Gr
         let tgt = b.view(labels, &[-1]);
         b.cross_entropy(flat, tgt)
     });
-    b.set_output(loss);
-    b.finish()
+    b.keep_output(logits);
+    loss
 }
 
 /// `BertSelfOutput` / `BertOutput`: `h = dense(h)`, `h = dropout(h)`, `h = LayerNorm(h + input)`;

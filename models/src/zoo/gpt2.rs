@@ -4,9 +4,11 @@
 //! eager attention with an additive `[B, 1, S, S]` causal mask (or SDPA), and the loss on
 //! `logits.float()` (`ForCausalLMLoss`).
 
+use super::heads;
 use super::nn::{Activation, AttnImpl};
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind};
+use crate::recipe::{Head, Loss};
 use std::borrow::Cow;
 
 /// A GPT-2 configuration (`GPT2Config` fields).
@@ -72,18 +74,47 @@ pub const GPT2_XL: GptConfig = GptConfig::new("gpt2-xl", 1600, 48, 25);
 
 /// Builds `GPT2LMHeadModel(cfg)` at `batch` × `seq` with the loss from `labels`.
 pub fn gpt2(cfg: &GptConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Graph, GraphError> {
+    gpt2_with_head(cfg, batch, seq, attn, Head::Lm, Loss::Hf)
+}
+
+/// The dropout of `GPT2ForTokenClassification` when the config has neither `classifier_dropout`
+/// nor `hidden_dropout` (GPT-2's configs have neither).
+pub const CLASSIFIER_DROPOUT: f64 = 0.1;
+
+/// Builds GPT-2 with `head` (see [`super::heads`]) at `batch` × `seq`, its loss computed as
+/// `loss` says.
+pub fn gpt2_with_head(
+    cfg: &GptConfig,
+    batch: u64,
+    seq: u64,
+    attn: AttnImpl,
+    head: Head,
+    loss: Loss,
+) -> Result<Graph, GraphError> {
     let (h, nh) = (cfg.hidden, cfg.heads);
     let hd = h / nh;
     let mut b = GraphBuilder::new(&cfg.name, batch, seq);
+    let class = match head {
+        Head::Lm | Head::MaskedLm => "GPT2LMHeadModel",
+        Head::SeqCls(_) => "GPT2ForSequenceClassification",
+        Head::TokenCls(_) => "GPT2ForTokenClassification",
+        Head::None => "GPT2Model",
+    };
     b.meta(
         "reference",
-        "transformers 5.23 GPT2LMHeadModel (modeling_gpt2.py)".into(),
+        format!("transformers 5.23 {class} (modeling_gpt2.py)").into(),
     );
     let i64t = DTypeSpec::Fixed(DType::I64);
     let ids = b.input("input_ids", &[batch, seq], i64t);
     let am = b.input("attention_mask", &[batch, seq], i64t);
-    let labels = b.input("labels", &[batch, seq], i64t);
-    let (hidden, wte) = b.module("transformer", |b| {
+    let labels = heads::labels_input(&mut b, head, batch, seq);
+    // The base model's parameters: `transformer.*` under a head, top-level for `GPT2Model`.
+    let prefix = if head == Head::None {
+        ""
+    } else {
+        "transformer"
+    };
+    let (hidden, wte) = b.module(prefix, |b| {
         let (emb, wte) = b.module("wte", |b| {
             let w = b.param("weight", &[cfg.vocab, h]);
             (b.embedding_op(w, ids), w)
@@ -152,17 +183,55 @@ pub fn gpt2(cfg: &GptConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Gra
         }
         (b.layer_norm("ln_f", x), wte)
     });
-    // lm_head: nn.Linear(h, V, bias=False), tied to wte unless the config unties it.
-    let logits = b.module("lm_head", |b| {
-        let w = if cfg.tie_embeddings {
-            wte
-        } else {
-            b.param("weight", &[cfg.vocab, h])
-        };
-        b.linear_op(hidden, w, None)
-    });
-    b.hold(logits);
-    let loss = b.causal_lm_loss(logits, labels);
-    b.set_output(loss);
+    let out = match (head, labels) {
+        (Head::SeqCls(n), Some(labels)) => {
+            // `transformer_outputs` and `logits` are locals of forward.
+            b.hold(hidden);
+            let logits = b.linear("score", hidden, n, false);
+            b.hold(logits);
+            let pooled = heads::last_token_pool(&mut b, logits, ids);
+            b.hold(pooled);
+            let loss = heads::sequence_classification_loss(
+                &mut b,
+                pooled,
+                labels,
+                n,
+                ("MSELoss", "CrossEntropyLoss"),
+            );
+            b.keep_output(pooled);
+            loss
+        }
+        (Head::TokenCls(n), Some(labels)) => {
+            b.hold(hidden);
+            let logits =
+                heads::token_classifier(&mut b, hidden, CLASSIFIER_DROPOUT, "classifier", n, true);
+            b.hold(logits);
+            let loss = heads::plain_cross_entropy(&mut b, "CrossEntropyLoss", logits, labels);
+            b.keep_output(logits);
+            loss
+        }
+        (Head::None, _) | (_, None) => {
+            // `out = model(...)`, then `loss = out.last_hidden_state.mean()`.
+            b.keep_output(hidden);
+            heads::hidden_state_loss(&mut b, hidden)
+        }
+        (_, Some(labels)) => {
+            // lm_head: nn.Linear(h, V, bias=False), tied to wte unless the config unties it.
+            let logits = b.module("lm_head", |b| {
+                let w = if cfg.tie_embeddings {
+                    wte
+                } else {
+                    b.param("weight", &[cfg.vocab, h])
+                };
+                b.linear_op(hidden, w, None)
+            });
+            b.hold(logits);
+            let loss = heads::causal_lm_loss(&mut b, logits, labels, loss);
+            b.keep_output(logits);
+            loss
+        }
+    };
+    b.keep_output(out);
+    b.set_output(out);
     b.finish()
 }

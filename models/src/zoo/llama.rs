@@ -6,9 +6,11 @@
 //! `logits.float()`. With SDPA on CUDA and no padding mask, HF passes `enable_gqa` instead of
 //! repeating K/V.
 
+use super::heads;
 use super::nn::{Activation, AttnImpl};
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind};
+use crate::recipe::{Head, Loss};
 use std::borrow::Cow;
 
 /// A LLaMA-style configuration (`LlamaConfig` fields from the model's config.json; Mistral and
@@ -109,19 +111,61 @@ pub const LLAMA3_8B: LlamaConfig = preset("llama3-8b", 4096, 14336, 32, 32, 8, 1
 
 /// Builds `LlamaForCausalLM(cfg)` at `batch` × `seq` with the loss from `labels`.
 pub fn llama(cfg: &LlamaConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Graph, GraphError> {
+    llama_with_head(cfg, batch, seq, attn, Head::Lm, Loss::Hf)
+}
+
+/// The dropout of `GenericForTokenClassification` when the config has neither
+/// `classifier_dropout` nor `hidden_dropout` (LLaMA's, Mistral's and Qwen2's have neither).
+pub const CLASSIFIER_DROPOUT: f64 = 0.1;
+
+/// Builds the LLaMA-style decoder with `head` (see [`super::heads`]) at `batch` × `seq`, its loss
+/// computed as `loss` says.
+pub fn llama_with_head(
+    cfg: &LlamaConfig,
+    batch: u64,
+    seq: u64,
+    attn: AttnImpl,
+    head: Head,
+    loss: Loss,
+) -> Result<Graph, GraphError> {
     let (h, nh, nkv) = (cfg.hidden, cfg.heads, cfg.kv_heads);
     let hd = cfg.head_dim();
     let mut b = GraphBuilder::new(&cfg.name, batch, seq);
-    b.meta("reference", cfg.reference.into());
+    let reference = match head {
+        Head::Lm | Head::MaskedLm => cfg.reference.to_string(),
+        _ => {
+            let class = match head {
+                Head::SeqCls(_) => "ForSequenceClassification (modeling_layers.py GenericForSequenceClassification)",
+                Head::TokenCls(_) => "ForTokenClassification (modeling_layers.py GenericForTokenClassification)",
+                _ => "Model",
+            };
+            // "transformers 5.23 LlamaForCausalLM (modeling_llama.py)" → "... LlamaModel (...)".
+            let (base, file) = cfg
+                .reference
+                .split_once(" (")
+                .unwrap_or((cfg.reference, ""));
+            let base = base.strip_suffix("ForCausalLM").unwrap_or(base);
+            if class == "Model" && !file.is_empty() {
+                format!("{base}Model ({file}")
+            } else {
+                format!("{base}{class}")
+            }
+        }
+    };
+    b.meta("reference", reference.into());
     let i64t = DTypeSpec::Fixed(DType::I64);
     let ids = b.input("input_ids", &[batch, seq], i64t);
     let am = b.input("attention_mask", &[batch, seq], i64t);
-    let labels = b.input("labels", &[batch, seq], i64t);
-    let (hidden, embed_w) = b.module("model", |b| {
+    let labels = heads::labels_input(&mut b, head, batch, seq);
+    // The base model's parameters: `model.*` under a head, top-level for `LlamaModel`.
+    let prefix = if head == Head::None { "" } else { "model" };
+    let (hidden, embed_w) = b.module(prefix, |b| {
         let (emb, w) = b.module("embed_tokens", |b| {
             let w = b.param("weight", &[cfg.vocab, h]);
             (b.embedding_op(w, ids), w)
         });
+        // `inputs_embeds` is a local of LlamaModel.forward: alive until it returns.
+        b.hold(emb);
         // position_ids = (arange(S) + past).unsqueeze(0): [1, S] int64.
         let pos = b.factory(
             "aten.add",
@@ -224,19 +268,54 @@ pub fn llama(cfg: &LlamaConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<
                 b.add(residual, f)
             });
         }
-        (b.rms_norm("norm", x), w)
+        // `hidden_states = self.norm(hidden_states)`: the last layer's output is rebound when
+        // the norm returns.
+        let out = b.rms_norm("norm", x);
+        b.hold_through(x);
+        (out, w)
     });
-    let logits = b.module("lm_head", |b| {
-        let w = if cfg.tie_embeddings {
-            embed_w
-        } else {
-            b.param("weight", &[cfg.vocab, h])
-        };
-        b.linear_op(hidden, w, None)
-    });
-    b.hold(logits);
-    let loss = b.causal_lm_loss(logits, labels);
-    b.set_output(loss);
+    let out = match (head, labels) {
+        (Head::SeqCls(n), Some(labels)) => {
+            b.hold(hidden);
+            let logits = b.linear("score", hidden, n, false);
+            b.hold(logits);
+            let pooled = heads::last_token_pool(&mut b, logits, ids);
+            b.hold(pooled);
+            let loss = heads::sequence_classification_loss(&mut b, pooled, labels, n, ("", ""));
+            b.keep_output(pooled);
+            loss
+        }
+        (Head::TokenCls(n), Some(labels)) => {
+            b.hold(hidden);
+            // `score = nn.Linear(H, N, bias=config.token_classification_bias)` (default True).
+            let logits =
+                heads::token_classifier(&mut b, hidden, CLASSIFIER_DROPOUT, "score", n, true);
+            b.hold(logits);
+            let loss = heads::for_token_classification_loss(&mut b, logits, labels, loss);
+            b.keep_output(logits);
+            loss
+        }
+        (Head::None, _) | (_, None) => {
+            b.keep_output(hidden);
+            heads::hidden_state_loss(&mut b, hidden)
+        }
+        (_, Some(labels)) => {
+            let logits = b.module("lm_head", |b| {
+                let w = if cfg.tie_embeddings {
+                    embed_w
+                } else {
+                    b.param("weight", &[cfg.vocab, h])
+                };
+                b.linear_op(hidden, w, None)
+            });
+            b.hold(logits);
+            let loss = heads::causal_lm_loss(&mut b, logits, labels, loss);
+            b.keep_output(logits);
+            loss
+        }
+    };
+    b.keep_output(out);
+    b.set_output(out);
     b.finish()
 }
 

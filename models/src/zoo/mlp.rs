@@ -31,10 +31,12 @@ pub fn mlp(dims: &[u64], batch: u64) -> Result<Graph, GraphError> {
         }
     }
     // `F.cross_entropy(model(x), y)`: the logits live until cross_entropy returns.
+    b.keep_output(h);
     b.push_module("");
     b.hold(h);
     let loss = b.cross_entropy(h, labels);
     b.pop_module("");
+    b.keep_output(loss);
     b.set_output(loss);
     b.finish()
 }

@@ -11,13 +11,15 @@
 //! | `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl` | transformers 5.23 `GPT2LMHeadModel` |
 //! | `tinyllama-1.1b`, `llama2-7b`, `llama2-13b`, `llama2-70b`, `llama3-8b` | transformers 5.23 `LlamaForCausalLM` |
 //!
-//! Image models take `(batch, 3, 224, 224)` inputs and a 1000-class cross-entropy (the recipe's
-//! `seq` is ignored); language models take `seq` tokens and compute their own loss from labels, as
-//! HF does. [`Arch`] is a buildable architecture with its configuration, which is also what
+//! Image models take `(batch, 3, H, W)` inputs (the recipe's `image_size`, 224 × 224 by default)
+//! and a `num_classes`-class cross-entropy (1000 by default; the recipe's `seq` is ignored);
+//! language models take `seq` tokens and compute their loss from labels with the recipe's head
+//! (the family's own by default) and loss ([`heads`]). [`Arch`] is a buildable architecture with its configuration, which is also what
 //! [`crate::hf`] makes of a `config.json`.
 
 pub mod bert;
 pub mod gpt2;
+pub mod heads;
 pub mod llama;
 pub mod mlp;
 pub mod nn;
@@ -27,7 +29,8 @@ pub mod vit;
 
 use crate::graph::{Graph, GraphError};
 use crate::ops::SdpaBackend;
-use crate::recipe::{Attention, Precision, Recipe};
+use crate::recipe::{Attention, Head, Precision, Recipe};
+use heads::Family;
 pub use nn::{Activation, AttnImpl};
 
 /// Every zoo name, in the order `vramsim predict` lists them.
@@ -188,6 +191,9 @@ impl Arch {
             }
         }
         let seq = recipe.seq;
+        let head = self.head(recipe)?;
+        let image = self.image_size(recipe)?;
+        let classes = self.num_classes(recipe)?;
         let layers = match self {
             Arch::Bert(c) => c.layers,
             Arch::Gpt2(c) => c.layers,
@@ -201,7 +207,7 @@ impl Arch {
                 msg: format!("{layers} is more than the {MAX_LAYERS} layers vramsim builds"),
             });
         }
-        for shape in self.largest_tensors(batch, seq) {
+        for shape in self.largest_tensors(batch, seq, image) {
             if !crate::graph::fits_in_memory(&shape) {
                 return Err(ZooError::TooLarge {
                     model: self.name().to_string(),
@@ -209,13 +215,31 @@ impl Arch {
                 });
             }
         }
+        let head = head.unwrap_or(Head::None);
         Ok(match self {
-            Arch::Mlp => mlp::mlp(&mlp::MLP_DIMS, batch)?,
-            Arch::ResNet(c) => resnet::resnet(c, batch)?,
-            Arch::Vgg16 => vgg::vgg16(batch)?,
-            Arch::Vit(c) => vit::vit(c, batch, vit_backend(recipe))?,
-            Arch::Bert(c) => bert::bert(c, batch, seq, attn)?,
-            Arch::Gpt2(c) => gpt2::gpt2(c, batch, seq, attn)?,
+            Arch::Mlp => {
+                let mut dims = mlp::MLP_DIMS;
+                dims[dims.len() - 1] = classes;
+                mlp::mlp(&dims, batch)?
+            }
+            Arch::ResNet(c) => {
+                let c = resnet::ResNetConfig {
+                    classes,
+                    ..c.clone()
+                };
+                resnet::resnet_hw(&c, batch, image)?
+            }
+            Arch::Vgg16 => vgg::vgg16_with(batch, image, classes)?,
+            Arch::Vit(c) => {
+                let c = vit::VitConfig {
+                    image: image.0,
+                    classes,
+                    ..c.clone()
+                };
+                vit::vit(&c, batch, vit_backend(recipe))?
+            }
+            Arch::Bert(c) => bert::bert_with_head(c, batch, seq, attn, head)?,
+            Arch::Gpt2(c) => gpt2::gpt2_with_head(c, batch, seq, attn, head, recipe.loss)?,
             Arch::Llama(c) => {
                 if let (Some(w), AttnImpl::Sdpa(_)) = (c.sliding_window, attn) {
                     if seq > w {
@@ -228,10 +252,158 @@ impl Arch {
                         });
                     }
                 }
-                llama::llama(c, batch, seq, attn)?
+                llama::llama_with_head(c, batch, seq, attn, head, recipe.loss)?
             }
         })
     }
+
+    /// The HF family of a language model (`None` for the image models and the MLP).
+    pub fn family(&self) -> Option<Family> {
+        match self {
+            Arch::Gpt2(_) => Some(Family::Gpt2),
+            Arch::Llama(_) => Some(Family::Llama),
+            Arch::Bert(_) => Some(Family::Bert),
+            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Vit(_) => None,
+        }
+    }
+
+    /// The head the recipe builds on a language model (`recipe.head`, else the family's own);
+    /// `None` for the image models and the MLP, which take no `--head`.
+    pub fn head(&self, recipe: &Recipe) -> Result<Option<Head>, ZooError> {
+        let unsupported = |msg: String| ZooError::Unsupported {
+            model: self.name().to_string(),
+            field: "head",
+            msg,
+        };
+        match (self.family(), recipe.head) {
+            (Some(f), None) => Ok(Some(f.default_head())),
+            (Some(f), Some(h)) if f.accepts(h) => Ok(Some(h)),
+            (Some(f), Some(h)) => Err(unsupported(format!(
+                "{h} is not built for this family: valid heads are {}",
+                heads::valid_heads(f)
+            ))),
+            (None, None) => Ok(None),
+            (None, Some(h)) => Err(unsupported(format!(
+                "{h}: --head applies to the language models (gpt2 and llama: lm, seq-cls:N, token-cls:N, none; bert: masked-lm, seq-cls:N, token-cls:N, none); {} keeps its classifier: set its classes with --num-classes N",
+                self.name()
+            ))),
+        }
+    }
+
+    /// The input images `(height, width)` of an image model under the recipe (its default
+    /// 224 × 224 when `recipe.image_size` is `None`), checked against what the model accepts;
+    /// `(0, 0)` for the other models, which take no `--image-size`.
+    pub fn image_size(&self, recipe: &Recipe) -> Result<(u64, u64), ZooError> {
+        let bad = |msg: String| ZooError::Unsupported {
+            model: self.name().to_string(),
+            field: "image-size",
+            msg,
+        };
+        let default = match self {
+            Arch::ResNet(c) => (c.image, c.image),
+            Arch::Vit(c) => (c.image, c.image),
+            Arch::Vgg16 => (224, 224),
+            Arch::Mlp => {
+                return match recipe.image_size {
+                    Some((h, w)) => Err(bad(format!(
+                        "{h}x{w}: the MLP takes {} features per sample, not images",
+                        mlp::MLP_DIMS[0]
+                    ))),
+                    None => Ok((0, 0)),
+                }
+            }
+            Arch::Bert(_) | Arch::Gpt2(_) | Arch::Llama(_) => {
+                return match recipe.image_size {
+                    Some((h, w)) => Err(bad(format!(
+                        "{h}x{w}: language models take --seq, not images"
+                    ))),
+                    None => Ok((0, 0)),
+                }
+            }
+        };
+        let (h, w) = recipe.image_size.unwrap_or(default);
+        if h == 0 || w == 0 {
+            return Err(bad(format!("{h}x{w}: both sides must be 1 or more")));
+        }
+        match self {
+            // F.batch_norm in training (`_verify_batch_size`): "Expected more than 1 value per
+            // channel when training" when N·H·W is 1; layer4's map is the smallest. Each stride-2
+            // stage (conv1, maxpool, layer2..4) maps a side n to ⌊(n - 1) / 2⌋ + 1.
+            Arch::ResNet(_)
+                if !recipe.inference
+                    && recipe
+                        .batch
+                        .saturating_mul(resnet_side(h))
+                        .saturating_mul(resnet_side(w))
+                        == 1 =>
+            {
+                return Err(bad(format!(
+                    "{h}x{w} at batch {}: layer4's BatchNorm sees one value per channel, and PyTorch raises \"Expected more than 1 value per channel when training\" (use a larger batch or image)",
+                    recipe.batch
+                )));
+            }
+            // Five MaxPool2d(2, 2): a side under 32 pools to 0 ("Output size is too small").
+            Arch::Vgg16 if h < 32 || w < 32 => {
+                return Err(bad(format!(
+                    "{h}x{w}: VGG-16's five 2x2 max pools need 32 pixels or more on each side"
+                )));
+            }
+            Arch::Vit(c) => {
+                // VisionTransformer takes one `image_size` and `_process_input` asserts
+                // `h == w == image_size`; `__init__` asserts image_size % patch_size == 0.
+                if h != w {
+                    return Err(bad(format!(
+                        "{h}x{w}: torchvision's VisionTransformer takes square images (one image_size; _process_input asserts h == w == image_size)"
+                    )));
+                }
+                if h % c.patch != 0 {
+                    return Err(bad(format!(
+                        "{h}: not a multiple of the patch size {} (\"Input shape indivisible by patch size!\")",
+                        c.patch
+                    )));
+                }
+            }
+            _ => {}
+        }
+        Ok((h, w))
+    }
+
+    /// The classes of an image model's (or the MLP's) classifier under the recipe (1000 by
+    /// default); 0 for the language models, which take `--head seq-cls:N` instead.
+    pub fn num_classes(&self, recipe: &Recipe) -> Result<u64, ZooError> {
+        let default = match self {
+            Arch::ResNet(c) => c.classes,
+            Arch::Vit(c) => c.classes,
+            Arch::Vgg16 => 1000,
+            Arch::Mlp => mlp::MLP_DIMS[mlp::MLP_DIMS.len() - 1],
+            Arch::Bert(_) | Arch::Gpt2(_) | Arch::Llama(_) => {
+                return match recipe.num_classes {
+                    Some(n) => Err(ZooError::Unsupported {
+                        model: self.name().to_string(),
+                        field: "num-classes",
+                        msg: format!(
+                            "{n}: --num-classes applies to image models; a language model takes --head seq-cls:{n} or token-cls:{n}"
+                        ),
+                    }),
+                    None => Ok(0),
+                }
+            }
+        };
+        match recipe.num_classes {
+            Some(0) => Err(ZooError::Unsupported {
+                model: self.name().to_string(),
+                field: "num-classes",
+                msg: "must be 1 or more".into(),
+            }),
+            Some(n) => Ok(n),
+            None => Ok(default),
+        }
+    }
+}
+
+/// A ResNet's layer4 side for an input side `n`: five stride-2 stages, each `⌊(n - 1) / 2⌋ + 1`.
+fn resnet_side(n: u64) -> u64 {
+    (0..5).fold(n, |n, _| (n.max(1) - 1) / 2 + 1)
 }
 
 /// The most layers a language model may have (the graph is built op by op, in host memory).
@@ -241,16 +413,19 @@ impl Arch {
     /// The shapes of the largest tensors a step makes (`[B, H, S, S]` scores, `[B, S, V]` logits, the
     /// first feature maps, ...): if they fit in [`crate::graph::MAX_TENSOR_BYTES`], so does every
     /// tensor of the graph, and no shape arithmetic can overflow while building it.
-    fn largest_tensors(&self, b: u64, s: u64) -> Vec<Vec<u64>> {
+    fn largest_tensors(&self, b: u64, s: u64, (ih, iw): (u64, u64)) -> Vec<Vec<u64>> {
         match self {
             Arch::Mlp => vec![vec![b, 4096]],
-            Arch::ResNet(c) => vec![
-                vec![b, 256, c.image / 4, c.image / 4],
-                vec![b, 64, c.image / 2, c.image / 2],
+            Arch::ResNet(_) => vec![
+                vec![b, 256, ih.div_ceil(4), iw.div_ceil(4)],
+                vec![b, 64, ih.div_ceil(2), iw.div_ceil(2)],
+                vec![b, 3, ih, iw],
             ],
-            Arch::Vgg16 => vec![vec![b, 64, 224, 224], vec![25088, 4096]],
+            Arch::Vgg16 => vec![vec![b, 64, ih, iw], vec![25088, 4096]],
             Arch::Vit(c) => {
-                let l = (c.image / c.patch).pow(2) + 1;
+                let l = (ih / c.patch)
+                    .saturating_mul(iw / c.patch)
+                    .saturating_add(1);
                 vec![
                     vec![3, l, b, c.hidden],
                     vec![b, l, c.mlp],

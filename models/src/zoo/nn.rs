@@ -147,6 +147,9 @@ impl GraphBuilder {
             let a = b.add_scalar(var);
             let r = b.rsqrt(a);
             let hs = b.mul(x32, r);
+            // `hidden_states` (the float32 product) is a local until forward returns, after
+            // `self.weight * hidden_states.to(input_dtype)`.
+            b.hold(hs);
             let hs = b.to_dtype_of(hs, x);
             b.mul(w, hs)
         })

@@ -73,33 +73,47 @@ pub const RESNET152: ResNetConfig = cfg("resnet152", Block::Bottleneck, [3, 8, 3
 /// The image and label inputs of a torchvision classifier: `(batch, 3, side, side)` in the model
 /// dtype and `(batch,)` int64.
 pub(crate) fn image_inputs(b: &mut GraphBuilder, batch: u64, side: u64) -> (T, T) {
-    let x = b.input("images", &[batch, 3, side, side], DTypeSpec::Model);
+    image_inputs_hw(b, batch, (side, side))
+}
+
+/// [`image_inputs`] for `(batch, 3, height, width)` images.
+pub(crate) fn image_inputs_hw(b: &mut GraphBuilder, batch: u64, (h, w): (u64, u64)) -> (T, T) {
+    let x = b.input("images", &[batch, 3, h, w], DTypeSpec::Model);
     let labels = b.input("labels", &[batch], DTypeSpec::Fixed(DType::I64));
     (x, labels)
 }
 
-/// `F.cross_entropy(model(x), y)`: the logits live until `cross_entropy` returns.
+/// `output = model(images)` then `loss = F.cross_entropy(output, target)` (torchvision's
+/// reference `train_one_epoch`): the logits live until `cross_entropy` returns; with
+/// `--keep-outputs` the loop's `output` and `loss` are rebound when each statement returns.
 pub(crate) fn classifier_loss(b: &mut GraphBuilder, logits: T, labels: T) {
+    b.keep_output(logits);
     b.push_module("");
     b.hold(logits);
     let loss = b.cross_entropy(logits, labels);
     b.pop_module("");
+    b.keep_output(loss);
     b.set_output(loss);
 }
 
 /// Builds `torchvision.models.resnetN()` for `batch` images with the cross-entropy loss.
 pub fn resnet(cfg: &ResNetConfig, batch: u64) -> Result<Graph, GraphError> {
+    resnet_hw(cfg, batch, (cfg.image, cfg.image))
+}
+
+/// [`resnet`] on `(height, width)` images (torchvision's ResNets take any size: `avgpool` is
+/// adaptive).
+pub fn resnet_hw(cfg: &ResNetConfig, batch: u64, hw: (u64, u64)) -> Result<Graph, GraphError> {
     let mut b = GraphBuilder::new(cfg.name, batch, 0);
     b.meta(
         "reference",
         format!(
-            "torchvision 0.29 {} (torchvision/models/resnet.py), 3x{s}x{s} images, 1000-class F.cross_entropy",
-            cfg.name,
-            s = cfg.image
+            "torchvision 0.29 {}(num_classes={}) (torchvision/models/resnet.py), 3x{}x{} images, F.cross_entropy",
+            cfg.name, cfg.classes, hw.0, hw.1
         )
         .into(),
     );
-    let (images, labels) = image_inputs(&mut b, batch, cfg.image);
+    let (images, labels) = image_inputs_hw(&mut b, batch, hw);
     let x = b.conv2d("conv1", images, 64, 7, 2, 3, false);
     let x = b.batch_norm2d("bn1", x);
     let x = b.module("relu", |b| b.relu_(x));

@@ -9,7 +9,7 @@
 //! torchvision's VGG has no blocks; for checkpointing each of the five stages (its convolutions,
 //! ReLUs and pool) is a block.
 
-use super::resnet::{classifier_loss, image_inputs};
+use super::resnet::{classifier_loss, image_inputs_hw};
 use crate::graph::{Graph, GraphBuilder, GraphError, RegionKind};
 
 /// VGG configuration "D" (VGG-16): output channels of each convolution, 0 for a max pool.
@@ -20,12 +20,22 @@ pub const VGG16_CFG: [u64; 18] = [
 /// Builds `torchvision.models.vgg16()` (138,357,544 parameters) for `batch` images with the
 /// cross-entropy loss.
 pub fn vgg16(batch: u64) -> Result<Graph, GraphError> {
+    vgg16_with(batch, (224, 224), 1000)
+}
+
+/// `torchvision.models.vgg16(num_classes=classes)` on `(height, width)` images (32 or more on each
+/// side: five 2×2 max pools; `avgpool` adapts any map to 7×7).
+pub fn vgg16_with(batch: u64, hw: (u64, u64), classes: u64) -> Result<Graph, GraphError> {
     let mut b = GraphBuilder::new("vgg16", batch, 0);
     b.meta(
         "reference",
-        "torchvision 0.29 vgg16 (torchvision/models/vgg.py, cfg D), 3x224x224 images, 1000-class F.cross_entropy".into(),
+        format!(
+            "torchvision 0.29 vgg16(num_classes={classes}) (torchvision/models/vgg.py, cfg D), 3x{}x{} images, F.cross_entropy",
+            hw.0, hw.1
+        )
+        .into(),
     );
-    let (images, labels) = image_inputs(&mut b, batch, 224);
+    let (images, labels) = image_inputs_hw(&mut b, batch, hw);
     let x = b.module("features", |b| {
         let mut x = images;
         let mut idx = 0;
@@ -59,7 +69,7 @@ pub fn vgg16(batch: u64) -> Result<Graph, GraphError> {
         let y = b.linear("3", y, 4096, true);
         let y = b.module("4", |b| b.relu_(y));
         let y = b.module("5", |b| b.dropout(y, 0.5));
-        b.linear("6", y, 1000, true)
+        b.linear("6", y, classes, true)
     });
     classifier_loss(&mut b, logits, labels);
     b.finish()

@@ -61,8 +61,9 @@ pub fn vit(cfg: &VitConfig, batch: u64, backend: SdpaBackend) -> Result<Graph, G
     b.meta(
         "reference",
         format!(
-            "torchvision 0.29 {} (torchvision/models/vision_transformer.py), 3x{s}x{s} images, 1000-class F.cross_entropy",
+            "torchvision 0.29 {}(image_size={s}, num_classes={}) (torchvision/models/vision_transformer.py), 3x{s}x{s} images, F.cross_entropy",
             cfg.name.replace('-', "_"),
+            cfg.classes,
             s = cfg.image
         )
         .into(),

@@ -14,8 +14,8 @@ use serde_json::{json, Value};
 use vramsim_models::hf::{self, ImportOptions};
 use vramsim_models::zoo::Arch;
 use vramsim_models::{
-    lower, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph, OptimizerImpl,
-    OptimizerKind, PeakBreakdown, Precision, Recipe, Target, ZeroGrad,
+    lower, parse_image_size, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph,
+    Head, Loss, OptimizerImpl, OptimizerKind, PeakBreakdown, Precision, Recipe, Target, ZeroGrad,
 };
 use vramsim_models::{CublasWorkspaceMode, Workspaces};
 use vramsim_sim::device::{find_preset, ContextChoice, UnknownGpu, DEFAULT_GPU};
@@ -55,7 +55,7 @@ pub struct PredictArgs {
     #[arg(long, value_name = "B", value_parser = count("batch"), allow_negative_numbers = true)]
     pub batch: u64,
     /// Tokens per sequence for language models (default: 1024, or the model's positions if fewer);
-    /// image models take 224×224 images and ignore it.
+    /// image models take --image-size images and ignore it.
     #[arg(long, value_name = "S", value_parser = count("seq"), allow_negative_numbers = true)]
     pub seq: Option<u64>,
     /// fp32, bf16 (model.to(bfloat16)), amp-fp16 (autocast + GradScaler), amp-bf16 (autocast).
@@ -123,6 +123,29 @@ pub struct PredictArgs {
     /// Trainer and PyTorch's AMP recipe do; false otherwise).
     #[arg(long, value_name = "BOOL", value_parser = boolean("grad-scaler"))]
     pub grad_scaler: Option<bool>,
+    /// Head of a language model: lm (GPT-2, LLaMA), masked-lm (BERT), seq-cls:N, token-cls:N,
+    /// none (the base model; the loop's loss is last_hidden_state.mean()). Default: the family's
+    /// own (lm, or masked-lm for BERT).
+    #[arg(long, value_name = "HEAD", value_parser = named::<Head>)]
+    pub head: Option<Head>,
+    /// Loss: hf (HF's loss functions: logits.float() and shifted labels for causal LMs) or plain
+    /// (F.cross_entropy on the logits as they are, nanoGPT-style).
+    #[arg(long, default_value = "hf", value_parser = named::<Loss>)]
+    pub loss: Loss,
+    /// The training loop keeps the model's outputs (logits, loss) until the next forward returns.
+    #[arg(long)]
+    pub keep_outputs: bool,
+    /// Input images of an image model: H (square) or HxW (default 224).
+    #[arg(long, value_name = "H[xW]", value_parser = image_size)]
+    pub image_size: Option<(u64, u64)>,
+    /// Classes of an image model's classifier (default 1000).
+    #[arg(long, value_name = "N", value_parser = count("num-classes"), allow_negative_numbers = true)]
+    pub num_classes: Option<u64>,
+}
+
+/// A parser for `--image-size` (`H` or `HxW`).
+fn image_size(s: &str) -> Result<(u64, u64), String> {
+    parse_image_size(s).map_err(|e| e.to_string())
 }
 
 /// A parser for `--clip-grad-norm`: a positive finite `max_norm`.
@@ -334,6 +357,11 @@ pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
             cublaslt_workspace_kib: args.cublaslt_workspace_size,
             cudnn_benchmark: args.cudnn_benchmark,
         },
+        head: args.head,
+        loss: args.loss,
+        keep_outputs: args.keep_outputs,
+        image_size: args.image_size,
+        num_classes: args.num_classes,
         ..Recipe::default()
     };
     recipe.validate()?;
@@ -526,6 +554,29 @@ fn recipe_line(p: &Prediction) -> String {
         };
         let _ = write!(s, ", {att} attention");
     }
+    let _ = write!(s, "{}", head_text(p));
+    if r.keep_outputs {
+        s.push_str(", loop keeps outputs");
+    }
+    s
+}
+
+/// The head and loss of a language model (`, head seq-cls:2, hf loss`), or the images and classes
+/// of an image model (`, 3×384×384 images, 10 classes`), as the step was built.
+fn head_text(p: &Prediction) -> String {
+    let r = &p.recipe;
+    if let Ok(Some(head)) = p.arch.head(r) {
+        return format!(", head {head}, {} loss", r.loss);
+    }
+    let mut s = String::new();
+    if let Ok((h, w)) = p.arch.image_size(r) {
+        if h > 0 {
+            let _ = write!(s, ", 3×{h}×{w} images");
+        }
+    }
+    if let Ok(n) = p.arch.num_classes(r) {
+        let _ = write!(s, ", {n} classes");
+    }
     s
 }
 
@@ -702,6 +753,11 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
         },
         "clip_grad_norm": r.clip_grad_norm,
         "grad_scaler": r.uses_grad_scaler(),
+        "head": p.arch.head(r).ok().flatten().map(|h| h.to_string()),
+        "loss": r.loss.to_string(),
+        "keep_outputs": r.keep_outputs,
+        "image_size": p.arch.image_size(r).ok().filter(|s| s.0 > 0).map(|(h, w)| json!([h, w])),
+        "num_classes": p.arch.num_classes(r).ok().filter(|&n| n > 0),
     });
     let w = &r.workspaces;
     j["workspaces"] = json!({

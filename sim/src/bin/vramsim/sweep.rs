@@ -569,9 +569,18 @@ mod tests {
             "accum",
             "gpu",
             "alloc-conf",
+            "head",
+            "loss",
+            "keep-outputs",
+            "image-size",
+            "num-classes",
         ] {
             assert!(set.find(key).is_some(), "{key}");
         }
+        assert!(set
+            .find("keep-outputs")
+            .is_some_and(|o| o.flag && !o.machine));
+        assert!(set.find("head").is_some_and(|o| !o.flag && !o.machine));
         assert!(set.find("alloc_conf").is_some_and(|o| o.machine));
         assert!(set.find("--gpu").is_some_and(|o| o.machine));
         assert!(set.find("batch").is_some_and(|o| !o.machine));
