@@ -40,17 +40,19 @@ pub mod layout;
 mod lower;
 pub mod ops;
 pub mod recipe;
+pub mod sdpa;
 pub mod zoo;
 
 pub use breakdown::{peak_breakdown, peak_breakdown_until, PeakBreakdown};
 pub use dtype::DType;
 pub use graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, ValueId, T};
 pub use lower::{checkpointed_ranges, lower, LowerError};
-pub use ops::{OpKind, SdpaBackend};
+pub use ops::{FusedSdpa, OpKind};
 pub use recipe::{
     Attention, Checkpointing, Fidelity, OptimizerImpl, OptimizerKind, Precision, Recipe,
     RecipeError, Target, ZeroGrad,
 };
+pub use sdpa::{SdpaBackend, SdpaCall};
 
 use vramsim_traces::{Event, Trace};
 

@@ -130,7 +130,7 @@ pub fn bert(cfg: &BertConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Gr
                         for t in [q, k, v] {
                             b.hold(t);
                         }
-                        let (o, probs) = b.attention_core_probs(
+                        let (o, probs) = b.attention_core_probs_with(
                             q,
                             k,
                             v,
@@ -138,6 +138,7 @@ pub fn bert(cfg: &BertConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Gr
                             cfg.attention_dropout,
                             false,
                             attn,
+                            false,
                         );
                         let o = b.contiguous(o);
                         let o = b.reshape(o, &[batch as i64, seq as i64, -1]);

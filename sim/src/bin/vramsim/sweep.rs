@@ -6,8 +6,9 @@
 //! be varied and takes the values `predict` accepts, checked by the same parsers. A configuration is an
 //! argument list for `predict` (the options given on the command line, then the varied ones), parsed as
 //! `predict` parses it. Configurations that differ only in machine options (`--gpu`, `--alloc-conf`,
-//! ...) share one lowering: the model is built and lowered once per recipe, then replayed once per
-//! machine.
+//! ...) share one lowering when their GPUs have the same compute capability (the kernels PyTorch picks,
+//! such as the SDPA backend, depend on it: `Recipe.target`): the model is built and lowered once per
+//! recipe and capability, then replayed once per machine.
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
@@ -43,7 +44,8 @@ pub struct OptionInfo {
     pub id: String,
     /// A flag: present or not, varied over `true`/`false`.
     pub flag: bool,
-    /// An option of the machine (`--gpu`, `--alloc-conf`, ...), which does not change the lowering.
+    /// An option of the machine (`--gpu`, `--alloc-conf`, ...), which changes the lowering only
+    /// through the GPU's compute capability.
     pub machine: bool,
 }
 
@@ -328,8 +330,8 @@ impl Evaluated {
 }
 
 /// Evaluates each configuration (`predict`'s arguments) in parallel, in order. Configurations that
-/// share everything but machine options are lowered once. A configuration that `predict` rejects
-/// gets its error message.
+/// share everything but machine options, on GPUs of the same compute capability, are lowered once.
+/// A configuration that `predict` rejects gets its error message.
 pub fn evaluate(
     configs: &[Vec<String>],
     wants: Wants,
@@ -340,14 +342,19 @@ pub fn evaluate(
         .par_iter()
         .map(|args| set.parse(args).map_err(|e| format!("{e:#}")))
         .collect();
-    // configurations grouped by everything that shapes the lowering
+    // configurations grouped by everything that shapes the lowering: the recipe's options and the
+    // compute capability the kernels are chosen for
     let mut groups: Vec<Vec<usize>> = Vec::new();
-    let mut by_key: HashMap<Vec<&str>, usize> = HashMap::new();
+    type Key<'a> = (Vec<&'a str>, Option<(u32, u32)>);
+    let mut by_key: HashMap<Key, usize> = HashMap::new();
     for (i, args) in configs.iter().enumerate() {
-        if parsed[i].is_err() {
+        let Ok(p) = &parsed[i] else {
             continue;
-        }
-        let key: Vec<&str> = args
+        };
+        let cc = predict::target(&p.machine)
+            .ok()
+            .map(|t| t.compute_capability);
+        let options: Vec<&str> = args
             .iter()
             .map(String::as_str)
             .filter(|a| {
@@ -355,7 +362,7 @@ pub fn evaluate(
                 !set.find(long).is_some_and(|o| o.machine)
             })
             .collect();
-        let slot = *by_key.entry(key).or_insert_with(|| {
+        let slot = *by_key.entry((options, cc)).or_insert_with(|| {
             groups.push(Vec::new());
             groups.len() - 1
         });
