@@ -104,7 +104,7 @@ pub enum ZooError {
 }
 
 /// The attention kernel a step runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {
     /// HF's `eager_attention_forward`.
     Eager,
@@ -298,6 +298,16 @@ impl Arch {
         }))
     }
 
+    /// Everything the graph and its lowering take from `recipe.target`: two recipes that differ
+    /// only in their target and agree on this lower to the same trace (sweeps share one lowering
+    /// between such GPUs). Today that is the attention kernel; a new choice made from the target
+    /// belongs here too.
+    pub fn target_choices(&self, recipe: &Recipe) -> Result<TargetChoices, ZooError> {
+        Ok(TargetChoices {
+            attention: self.attention_kernel(recipe)?.map(|k| k.kernel),
+        })
+    }
+
     /// Builds the graph at the recipe's batch (and sequence length, for language models).
     pub fn build(&self, recipe: &Recipe) -> Result<Graph, ZooError> {
         if recipe.batch == 0 {
@@ -369,6 +379,13 @@ impl Arch {
             }
         })
     }
+}
+
+/// What a step's lowering takes from the GPU it runs on ([`Arch::target_choices`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TargetChoices {
+    /// The attention kernel (`None` for models without attention).
+    pub attention: Option<Kernel>,
 }
 
 /// The most layers a language model may have (the graph is built op by op, in host memory).

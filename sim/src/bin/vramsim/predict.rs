@@ -228,6 +228,35 @@ pub fn run(args: PredictArgs) -> Result<()> {
 
 /// Builds the model `args` name (zoo or config.json) and lowers its step under their recipe.
 pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
+    let (arch, recipe, warnings) = step_recipe(args)?;
+    let t0 = Instant::now();
+    let attention = arch.attention_kernel(&recipe)?;
+    let graph = arch.build(&recipe)?;
+    let trace = lower(&graph, &recipe)?;
+    let lower_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let reference = graph
+        .meta
+        .get("reference")
+        .and_then(|v| v.as_str())
+        .unwrap_or("")
+        .to_string();
+    Ok(Lowered {
+        arch,
+        reference,
+        recipe,
+        graph,
+        seq_given: args.seq.is_some(),
+        trace,
+        lower_ms,
+        warnings,
+        attention,
+        peak: std::sync::OnceLock::new(),
+    })
+}
+
+/// The architecture `args` name (zoo or config.json), the recipe they describe, and notes for the
+/// user (ignored options, unknown config fields, the config's dtype).
+pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
     let mut warnings = Vec::new();
     let arch = match (&args.model, &args.hf_config) {
         (Some(name), _) => Arch::from_name(name)?,
@@ -279,29 +308,7 @@ pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
         target: target(&args.machine)?,
         ..Recipe::default()
     };
-    let t0 = Instant::now();
-    let attention = arch.attention_kernel(&recipe)?;
-    let graph = arch.build(&recipe)?;
-    let trace = lower(&graph, &recipe)?;
-    let lower_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let reference = graph
-        .meta
-        .get("reference")
-        .and_then(|v| v.as_str())
-        .unwrap_or("")
-        .to_string();
-    Ok(Lowered {
-        arch,
-        reference,
-        recipe,
-        graph,
-        seq_given: args.seq.is_some(),
-        trace,
-        lower_ms,
-        warnings,
-        attention,
-        peak: std::sync::OnceLock::new(),
-    })
+    Ok((arch, recipe, warnings))
 }
 
 /// Replays a lowered step on the machine `machine` describes (keeping a timeline of
