@@ -17,8 +17,9 @@
 //! module code), [`ops`] (the op library and its shape rules, in-place ops included), [`lower()`]
 //! (the step as eager PyTorch runs it: forward, autograd engine, checkpointing, optimizer; the
 //! autograd memory rules of each op live in `lower/fwd.rs` and `lower/bwd.rs`), [`recipe`]
-//! ([`Recipe`]: batch, precision, optimizer, checkpointing, accumulation), [`autocast`] (the CUDA
-//! autocast op lists), [`zoo`] (MLP, ResNet-18/34/50/101/152, VGG-16, ViT-B/16, BERT-base/large,
+//! ([`Recipe`]: batch, precision, optimizer, checkpointing, accumulation, attention, target GPU),
+//! [`sdpa`] (PyTorch's SDPA backend choice and its reasons), [`autocast`] (the CUDA autocast op
+//! lists), [`zoo`] (MLP, ResNet-18/34/50/101/152, VGG-16, ViT-B/16, BERT-base/large,
 //! GPT-2, LLaMA; [`zoo::Arch`]), [`hf`] (HuggingFace `config.json` import for the gpt2, bert,
 //! llama, mistral and qwen2 families), [`breakdown`] (what is live at a trace's peak, by category
 //! and module), [`layout`] (strides: which views alias, which reshapes copy).
