@@ -132,7 +132,8 @@ fn in_range(cc: (u32, u32), lo: (u32, u32), hi: (u32, u32)) -> bool {
 }
 
 /// `check_prefer_cudnn_attention()` for the modelled build: bundled cuDNN > 9.15.0, major 9 or
-/// 10, minor 0 or 3 (CUDA < 13 wheels).
+/// 10, minor 0 or 3 (the `CUDA_VERSION < 13000` branch; CUDA 13 builds drop the minor test, which
+/// changes nothing for the CUDA presets: all their sm 9.x/10.x parts are x.0).
 pub fn prefers_cudnn(target: Target) -> bool {
     let (major, minor) = target.compute_capability;
     (major == 9 || major == 10) && (minor == 0 || minor == 3)

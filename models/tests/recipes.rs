@@ -378,8 +378,15 @@ fn sdpa_backends_allocate_what_pytorch_allocates() {
     let softmax = layer0_allocs(&t, "aten._softmax", true);
     assert_eq!(softmax, [4 * b * h * s * s]);
 
-    // fp32 on the H100: memory-efficient attention (logsumexp padded to 32).
+    // Under no_grad cuDNN computes no softmax stats (compute_logsumexp is false).
     r.target = Target::default();
+    r.inference = true;
+    let t = lowered(&r);
+    let op = "aten._scaled_dot_product_cudnn_attention";
+    assert_eq!(layer0_allocs(&t, op, true), [8, 8, 2 * b * s * h * d]);
+    r.inference = false;
+
+    // fp32 on the H100: memory-efficient attention (logsumexp padded to 32).
     r.precision = Precision::Fp32;
     let t = lowered(&r);
     let op = "aten._scaled_dot_product_efficient_attention";

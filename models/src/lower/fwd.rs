@@ -706,6 +706,9 @@ impl<'g> Lowering<'g> {
                 let s = x[0].shape().to_vec();
                 let (b, h, sq, d) = (s[0], s[1], s[2], s[3]);
                 let dv = x[2].shape()[3];
+                // `compute_logsumexp` (mem-efficient, cuDNN) is `should_compute_logsumexp`: an
+                // input requires grad with grad mode on; not under no_grad.
+                let lse_rows = if self.r.inference { 0 } else { sq };
                 let mut saves = vec![
                     Save::In(0),
                     Save::In(1),
@@ -728,7 +731,8 @@ impl<'g> Lowering<'g> {
                         vec![o, lse, rng, unused]
                     }
                     // _efficient_attention_forward: output BMHK, logsumexp float32
-                    // [B, H, ceil(L/32)*32] (kAlignLSE) when an input requires grad; the philox
+                    // [B, H, ceil(L/32)*32] (kAlignLSE) when an input requires grad (else
+                    // [B, H, 0]); the philox
                     // seed and offset are CPU tensors outside graph capture (no device memory).
                     FusedSdpa::MemEfficient => {
                         let o = self.alloc(
@@ -738,7 +742,7 @@ impl<'g> Lowering<'g> {
                             name,
                         );
                         let lse = self.alloc(
-                            Layout::contiguous(&[b, h, ceil_to(sq, 32)]),
+                            Layout::contiguous(&[b, h, ceil_to(lse_rows, 32)]),
                             DType::F32,
                             m,
                             name,
@@ -748,7 +752,8 @@ impl<'g> Lowering<'g> {
                     // _scaled_dot_product_cudnn_attention_cuda (native/cudnn/MHA.cpp
                     // run_cudnn_SDP_fprop): the seed and offset int64 `zeros({1})` on q's device
                     // first, then the output `alloc_with_matching_layout(q, ...)` (q's stride
-                    // order) and the softmax stats float32 [B, H, L, 1]. cuDNN's per-call
+                    // order) and the softmax stats float32 [B, H, L, 1] (only with
+                    // compute_logsumexp: none under no_grad). cuDNN's per-call
                     // workspace (`mha_graph->get_workspace_size()`, from the caching allocator) is
                     // whatever the cuDNN frontend's execution plan asks for: not knowable without
                     // cuDNN, so not modelled.
@@ -764,8 +769,12 @@ impl<'g> Lowering<'g> {
                             m,
                             name,
                         );
-                        let lse =
-                            self.alloc(Layout::contiguous(&[b, h, sq, 1]), DType::F32, m, name);
+                        let lse = self.alloc(
+                            Layout::contiguous(&[b, h, lse_rows, 1]),
+                            DType::F32,
+                            m,
+                            name,
+                        );
                         saves.extend([Save::Out(2), Save::Out(3)]);
                         vec![o, lse, seed, offset]
                     }
