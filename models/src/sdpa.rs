@@ -149,13 +149,12 @@ pub fn priority(target: Target) -> [SdpaBackend; 4] {
     }
 }
 
-/// `check_batch_size_and_num_heads_dense<supports_gqa=true, requires_same_num_heads>`: without
-/// `enable_gqa` all head counts must agree; with it, q's must be a multiple of k's (and v's), and
-/// flash and mem-efficient also need k and v to have as many heads.
-fn check_heads(c: &SdpaCall, requires_same_kv_heads: bool) -> Result<(), String> {
+/// `check_batch_size_and_num_heads_dense<supports_gqa=true, ...>`: without `enable_gqa` all head
+/// counts must agree; with it (`check_grouped_query_attention`), q's must be a multiple of k's and
+/// v's (flash and mem-efficient also need k and v to have as many heads, which a call with one
+/// `heads_kv` always has).
+fn check_heads(c: &SdpaCall) -> Result<(), String> {
     if c.enable_gqa {
-        // k and v always have the same heads here; requires_same_kv_heads only matters otherwise.
-        let _ = requires_same_kv_heads;
         if c.heads_kv == 0 || !c.heads_q.is_multiple_of(c.heads_kv) {
             return Err(format!(
                 "the number of heads in key/value ({}) must divide the number of heads in query ({}) (check_grouped_query_attention)",
@@ -221,7 +220,7 @@ pub fn can_use_flash(c: &SdpaCall, target: Target) -> Result<String, String> {
             dtype_name(c.dtype)
         ));
     }
-    check_heads(c, true)?;
+    check_heads(c)?;
     nonzero_seq(c)?;
     Ok(format!(
         "{}, head dim {} ≤ 256, no mask",
@@ -263,7 +262,7 @@ pub fn can_use_mem_efficient(c: &SdpaCall, target: Target) -> Result<String, Str
         ));
     }
     nonzero_seq(c)?;
-    check_heads(c, true)?;
+    check_heads(c)?;
     let ok = if cc.0 >= 8 {
         matches!(c.dtype, DType::F16 | DType::BF16 | DType::F32)
     } else {
@@ -326,7 +325,7 @@ pub fn can_use_cudnn(c: &SdpaCall, target: Target) -> Result<String, String> {
         ));
     }
     nonzero_seq(c)?;
-    check_heads(c, false)?;
+    check_heads(c)?;
     if c.batch > 65535 || c.heads_q > 65535 {
         return Err(format!(
             "cuDNN SDPA does not support batch size or num_heads greater than 65535, got {} and {} (check_cudnn_tensor_shapes)",

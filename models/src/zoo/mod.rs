@@ -353,14 +353,7 @@ impl Arch {
             Arch::Mlp => mlp::mlp(&mlp::MLP_DIMS, batch)?,
             Arch::ResNet(c) => resnet::resnet(c, batch)?,
             Arch::Vgg16 => vgg::vgg16(batch)?,
-            Arch::Vit(c) => vit::vit(
-                c,
-                batch,
-                match attn {
-                    AttnImpl::Sdpa(b) => b,
-                    AttnImpl::Eager => vit_backend(self, recipe)?,
-                },
-            )?,
+            Arch::Vit(c) => vit::vit(c, batch, vit_backend(self, recipe)?)?,
             Arch::Bert(c) => bert::bert(c, batch, seq, attn)?,
             Arch::Gpt2(c) => gpt2::gpt2(c, batch, seq, attn)?,
             Arch::Llama(c) => {
@@ -454,16 +447,19 @@ pub fn attn_impl(arch: &Arch, r: &Recipe) -> Result<AttnImpl, ZooError> {
 /// The SDPA kernel torchvision's `nn.MultiheadAttention` gets: the same selection as the HF
 /// models ([`Arch::attention_kernel`]; `eager` chooses as `auto` does, torchvision having no eager
 /// path): memory-efficient attention for float32, FlashAttention-2 or cuDNN for 16-bit inputs
-/// depending on the GPU.
+/// depending on the GPU. An error for an architecture without torchvision attention.
 pub fn vit_backend(arch: &Arch, r: &Recipe) -> Result<SdpaBackend, ZooError> {
-    Ok(match arch.attention_kernel(r)? {
+    match arch.attention_kernel(r)? {
         Some(KernelChoice {
             kernel: Kernel::Sdpa(b),
             ..
-        }) => b,
-        // A ViT always has attention; a model without would not get here.
-        _ => SdpaBackend::Math,
-    })
+        }) if matches!(arch, Arch::Vit(_)) => Ok(b),
+        _ => Err(ZooError::Unsupported {
+            model: arch.name().to_string(),
+            field: "attention",
+            msg: "is not torchvision's nn.MultiheadAttention".into(),
+        }),
+    }
 }
 
 /// Builds zoo model `name` at the recipe's batch and sequence length.
