@@ -5,7 +5,9 @@
 //! Prints the peaks (overall and per phase) of both traces and the first events where the two
 //! sequences of allocation sizes differ.
 
-use vramsim_models::{lower, zoo, Checkpointing, Fidelity, OptimizerKind, Precision, Recipe};
+use vramsim_models::{
+    lower, zoo, Attention, Checkpointing, Fidelity, OptimizerKind, Precision, Recipe,
+};
 use vramsim_traces::{read_trace, Event};
 
 fn main() {
@@ -40,6 +42,8 @@ fn main() {
     };
     r.accum = rc["accum"].as_u64().unwrap() as u32;
     r.iterations = rc["iterations"].as_u64().unwrap() as u32;
+    // The captures ran eager attention.
+    r.attention = Attention::Eager;
     r.fidelity = if cuda {
         Fidelity::Cuda
     } else {

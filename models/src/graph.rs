@@ -109,6 +109,9 @@ pub struct Op {
     pub outputs: Vec<ValueId>,
     /// The module whose forward runs it.
     pub module: ModuleId,
+    /// Whether autocast applies (false inside a composite that autocast's wrapper calls with
+    /// autocast excluded, such as SDPA's math backend).
+    pub autocast: bool,
 }
 
 /// What a region is, for activation checkpointing.
@@ -235,6 +238,7 @@ pub struct GraphBuilder {
     stack: Vec<String>,
     module_ids: std::collections::HashMap<String, ModuleId>,
     hold_stack: Vec<Vec<ValueId>>,
+    no_autocast: bool,
     error: Option<GraphError>,
 }
 
@@ -277,6 +281,7 @@ impl GraphBuilder {
             stack: Vec::new(),
             module_ids: Default::default(),
             hold_stack: vec![Vec::new()],
+            no_autocast: false,
             error: None,
         };
         b.intern(String::new());
@@ -360,6 +365,15 @@ impl GraphBuilder {
                 end,
             });
         }
+        r
+    }
+
+    /// Run `f` with autocast excluded for the ops it appends (ATen's `ExcludeDispatchKeyGuard`
+    /// around a composite autocast already cast the arguments of).
+    pub fn without_autocast<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let before = std::mem::replace(&mut self.no_autocast, true);
+        let r = f(self);
+        self.no_autocast = before;
         r
     }
 
@@ -490,6 +504,7 @@ impl GraphBuilder {
             inputs: inputs.to_vec(),
             outputs: outputs.clone(),
             module,
+            autocast: !self.no_autocast,
         });
         outputs
     }

@@ -17,8 +17,9 @@
 //! module code), [`ops`] (the op library and its shape rules, in-place ops included), [`lower()`]
 //! (the step as eager PyTorch runs it: forward, autograd engine, checkpointing, optimizer; the
 //! autograd memory rules of each op live in `lower/fwd.rs` and `lower/bwd.rs`), [`recipe`]
-//! ([`Recipe`]: batch, precision, optimizer, checkpointing, accumulation), [`autocast`] (the CUDA
-//! autocast op lists), [`zoo`] (MLP, ResNet-18/34/50/101/152, VGG-16, ViT-B/16, BERT-base/large,
+//! ([`Recipe`]: batch, precision, optimizer, checkpointing, accumulation, attention, target GPU),
+//! [`sdpa`] (PyTorch's SDPA backend choice and its reasons), [`autocast`] (the CUDA autocast op
+//! lists), [`zoo`] (MLP, ResNet-18/34/50/101/152, VGG-16, ViT-B/16, BERT-base/large,
 //! GPT-2, LLaMA; [`zoo::Arch`]), [`hf`] (HuggingFace `config.json` import for the gpt2, bert,
 //! llama, mistral and qwen2 families), [`breakdown`] (what is live at a trace's peak, by category
 //! and module), [`layout`] (strides: which views alias, which reshapes copy).
@@ -40,19 +41,21 @@ pub mod layout;
 mod lower;
 pub mod ops;
 pub mod recipe;
+pub mod sdpa;
 pub mod zoo;
 
 pub use breakdown::{peak_breakdown, peak_breakdown_until, PeakBreakdown};
 pub use dtype::DType;
 pub use graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, ValueId, T};
 pub use lower::{checkpointed_ranges, lower, LowerError};
-pub use ops::{OpKind, SdpaBackend};
+pub use ops::{FusedSdpa, OpKind};
 pub use recipe::{parse_image_size, Head, Loss};
 pub use recipe::{
     Attention, Checkpointing, Fidelity, OptimizerImpl, OptimizerKind, Precision, Recipe,
     RecipeError, Target, ZeroGrad,
 };
 pub use recipe::{CublasWorkspaceMode, Workspaces};
+pub use sdpa::{SdpaBackend, SdpaCall};
 
 use vramsim_traces::{Event, Trace};
 

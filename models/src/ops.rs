@@ -13,13 +13,18 @@ use crate::dtype::DType;
 use crate::graph::{DTypeSpec, GraphBuilder, T};
 use crate::layout::numel;
 
-/// Which attention kernel `F.scaled_dot_product_attention` runs.
+pub use crate::sdpa::SdpaBackend;
+
+/// A fused SDPA kernel: one ATen op with its own outputs, saved tensors and backward (the math
+/// backend is written as its composite ops instead, see [`GraphBuilder::sdpa_with`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SdpaBackend {
+pub enum FusedSdpa {
     /// FlashAttention-2 (`_scaled_dot_product_flash_attention`).
     Flash,
     /// Memory-efficient attention (`_scaled_dot_product_efficient_attention`).
     MemEfficient,
+    /// cuDNN attention (`_scaled_dot_product_cudnn_attention`).
+    Cudnn,
 }
 
 /// An ATen-level op and its attributes.
@@ -141,10 +146,10 @@ pub enum OpKind {
         /// Dimension.
         dim: usize,
     },
-    /// `scaled_dot_product_attention(q, k, v)` with a fused backend (`is_causal=True`, no mask).
+    /// `scaled_dot_product_attention(q, k, v)` with a fused backend (no mask).
     Sdpa {
         /// The kernel.
-        backend: SdpaBackend,
+        backend: FusedSdpa,
     },
     // ---- in place (PyTorch's autograd rules for in-place ops; version counters aside) ----
     /// `relu_` (`nn.ReLU(inplace=True)`): no allocation; the node (`ReluBackward0`) saves the
@@ -270,11 +275,14 @@ impl OpKind {
             Embedding => "aten.embedding",
             Cat { .. } => "aten.cat",
             Sdpa {
-                backend: SdpaBackend::Flash,
+                backend: FusedSdpa::Flash,
             } => "aten._scaled_dot_product_flash_attention",
             Sdpa {
-                backend: SdpaBackend::MemEfficient,
+                backend: FusedSdpa::MemEfficient,
             } => "aten._scaled_dot_product_efficient_attention",
+            Sdpa {
+                backend: FusedSdpa::Cudnn,
+            } => "aten._scaled_dot_product_cudnn_attention",
             AutocastLower => "aten._to_copy",
             ReluInplace => "aten.relu_",
             AddInplace { .. } => "aten.add_",
@@ -835,20 +843,124 @@ impl GraphBuilder {
         self.op1(OpKind::Cat { dim }, xs, s, d)
     }
 
-    /// `F.scaled_dot_product_attention(q, k, v, is_causal=True)` with a fused backend; `q` is
-    /// `[B, H, S, D]`, `k`/`v` `[B, Hkv, S, D]` (grouped-query attention with `enable_gqa`).
+    /// `F.scaled_dot_product_attention(q, k, v)` without mask or dropout on `backend`: see
+    /// [`GraphBuilder::sdpa_with`].
     pub fn sdpa(&mut self, q: T, k: T, v: T, backend: SdpaBackend) -> T {
+        self.sdpa_with(q, k, v, backend, false, 0.0)
+    }
+
+    /// `F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)` (no mask;
+    /// `enable_gqa=True` when k and v have fewer heads) on `backend`; `q` is `[B, H, L, D]`,
+    /// `k`/`v` `[B, Hkv, S, D]`. A fused backend is one op (output and logsumexp; the other
+    /// outputs are allocated by the lowering); the math backend is its composite.
+    pub fn sdpa_with(
+        &mut self,
+        q: T,
+        k: T,
+        v: T,
+        backend: SdpaBackend,
+        causal: bool,
+        dropout: f64,
+    ) -> T {
+        let fused = match backend {
+            SdpaBackend::Flash => FusedSdpa::Flash,
+            SdpaBackend::MemEfficient => FusedSdpa::MemEfficient,
+            SdpaBackend::Cudnn => FusedSdpa::Cudnn,
+            SdpaBackend::Math => return self.sdpa_math(q, k, v, causal, dropout),
+        };
         let s = self.shape(q);
         let d = self.dtype(q);
         let lse = vec![s[0], s[1], s[2]];
-        // Outputs (attn_output, logsumexp); the logsumexp length is padded by the kernel.
+        // Outputs (attn_output, logsumexp); the logsumexp's padding and the kernels' small
+        // outputs (rng state, seed, offset) are the lowering's.
         self.op(
-            OpKind::Sdpa { backend },
+            OpKind::Sdpa { backend: fused },
             &[q, k, v],
             &[(s, d), (lse, DTypeSpec::Fixed(DType::F32))],
         )[0]
     }
 
+    /// `_scaled_dot_product_attention_math` (`aten/src/ATen/native/transformers/attention.cpp`),
+    /// the composite every other backend falls back to, as its ATen ops run with autocast
+    /// excluded (the autocast wrapper of `scaled_dot_product_attention` casts q, k, v to the
+    /// autocast dtype and calls it under `ExcludeDispatchKeyGuard(Autocast)`):
+    /// 16-bit q, k, v `.to(float32)` (`allow_fp16_bf16_reduction_math_sdp` is off by default),
+    /// `q * √scale`; with `is_causal` a `[L, S]` boolean `ones().tril()` turned into an additive
+    /// mask of q's dtype (`convert_boolean_attn_mask`: `where(mask.logical_not(), -inf, 0)`);
+    /// for GQA `repeat_interleave` of k and v (`pre_process_group_query_attention_input`,
+    /// written as the expand-and-copy it amounts to); `matmul(q, kᵀ * √scale)`; `attn.add_(mask)`;
+    /// `_safe_softmax`; `dropout`; `matmul(attn, v).to(origin_dtype)` and the discarded
+    /// `attn.to(origin_dtype)` of the returned tuple (made first: GCC evaluates the tuple's
+    /// arguments right to left). The C++ locals (`query_acc`, `key_acc`, `value_acc`, the mask,
+    /// the tuple) live until the function returns.
+    fn sdpa_math(&mut self, q: T, k: T, v: T, causal: bool, dropout: f64) -> T {
+        let (qs, ks) = (self.shape(q), self.shape(k));
+        let (bsz, h, l, d) = (qs[0], qs[1], qs[2], qs[3]);
+        let (hkv, s) = (ks[1], ks[2]);
+        // The autocast wrapper's casts, held until the call returns.
+        self.push_module("");
+        let q = self.autocast_lower(q);
+        let k = self.autocast_lower(k);
+        let v = self.autocast_lower(v);
+        for t in [q, k, v] {
+            self.hold(t);
+        }
+        let out = self.without_autocast(|b| {
+            let q_acc = b.to_dtype(q, DType::F32);
+            let k_acc = b.to_dtype(k, DType::F32);
+            let v_acc = b.to_dtype(v, DType::F32);
+            for t in [q_acc, k_acc, v_acc] {
+                b.hold(t);
+            }
+            let query = b.mul_scalar(q_acc);
+            let mask = if causal {
+                // at::ones({L, S}, bool).tril(), then convert_boolean_attn_mask: where(
+                // mask.logical_not(), -inf, 0) in q's dtype. The boolean temporaries are
+                // written as the factory's short-lived ones, each freed before the next; in
+                // PyTorch the tril'd mask is still held while logical_not and where run (L·S
+                // bytes more for that moment, not modelled).
+                let m = b.factory(
+                    "aten.where",
+                    &[],
+                    &[l, s],
+                    DTypeSpec::Fixed(DType::F32),
+                    vec![(vec![l, s], DType::Bool), (vec![l, s], DType::Bool)],
+                );
+                b.hold(m);
+                Some(m)
+            } else {
+                None
+            };
+            let (k_e, v_e) = if hkv != h && hkv > 0 {
+                let rep = h / hkv;
+                let ri = |x: T, b: &mut GraphBuilder| {
+                    let u = b.unsqueeze(x, 2);
+                    let e = b.expand(u, &[bsz, hkv, rep, s, d]);
+                    b.reshape(e, &[bsz as i64, h as i64, s as i64, d as i64])
+                };
+                let ke = ri(k_acc, b);
+                let ve = ri(v_acc, b);
+                (ke, ve)
+            } else {
+                (k_acc, v_acc)
+            };
+            let kt = b.transpose(k_e, -2, -1);
+            let kt = b.mul_scalar(kt);
+            let attn = b.matmul(query, kt);
+            let attn = match mask {
+                Some(m) => b.add_(attn, m),
+                None => attn,
+            };
+            let attn = b.softmax(attn, -1, false);
+            let attn = b.dropout(attn, dropout);
+            let discarded = b.to_dtype_of(attn, q);
+            b.hold(discarded);
+            let o = b.matmul(attn, v_e);
+            b.to_dtype_of(o, q)
+        });
+        self.pop_module("");
+        out
+    }
     /// `F.conv2d(x, w, b, stride, padding, dilation, groups)` on `x` `[N, C, H, W]` and `w`
     /// `[O, C/groups, kH, kW]`: output `[N, O, H', W']` with
     /// `H' = ⌊(H + 2·pad − dil·(kH − 1) − 1) / stride⌋ + 1`.

@@ -82,16 +82,41 @@ pub enum ZeroGrad {
     Zero,
 }
 
-/// Attention implementation of the HF models (`attn_implementation`).
+/// Attention implementation (`--attention`): what transformers' `attn_implementation` and
+/// PyTorch's SDPA backend choice give by default, or one of them forced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Attention {
-    /// `eager`: explicit matmuls, softmax and dropout.
+    /// What a user gets by default: transformers' `attn_implementation=None` → `"sdpa"` for
+    /// classes with `_supports_sdpa` (GPT-2, BERT, LLaMA, Mistral, Qwen2 do), and PyTorch's
+    /// backend choice for the recipe's GPU ([`crate::sdpa::select`]). torchvision's
+    /// `nn.MultiheadAttention` always calls SDPA in training. `sdpa` (transformers'
+    /// `attn_implementation="sdpa"`) parses to this: the same for these families.
     #[default]
+    Auto,
+    /// `eager`: HF's explicit matmuls, softmax and dropout (ViT: as `auto`, torchvision has no
+    /// eager path).
     Eager,
-    /// `sdpa` with the FlashAttention-2 backend.
+    /// SDPA forced to FlashAttention-2 (`sdpa_kernel(SDPBackend.FLASH_ATTENTION)`).
     SdpaFlash,
-    /// `sdpa` with the memory-efficient backend.
+    /// SDPA forced to the memory-efficient kernel.
     SdpaMemEfficient,
+    /// SDPA forced to the composite math implementation.
+    SdpaMath,
+    /// SDPA forced to cuDNN attention.
+    SdpaCudnn,
+}
+
+impl fmt::Display for Attention {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Attention::Auto => "auto",
+            Attention::Eager => "eager",
+            Attention::SdpaFlash => "sdpa-flash",
+            Attention::SdpaMemEfficient => "sdpa-mem-efficient",
+            Attention::SdpaMath => "sdpa-math",
+            Attention::SdpaCudnn => "sdpa-cudnn",
+        })
+    }
 }
 
 /// How faithfully to follow a dispatch-mode capture rather than CUDA eager PyTorch.
@@ -349,7 +374,7 @@ impl Default for Recipe {
             zero_grad: ZeroGrad::SetToNone,
             iterations: 2,
             inference: false,
-            attention: Attention::Eager,
+            attention: Attention::Auto,
             fidelity: Fidelity::Cuda,
             target: Target::default(),
             image_size: None,
@@ -514,9 +539,10 @@ named_enum!(OptimizerImpl, "optimizer implementation", "foreach, fused, for-loop
     ["foreach" => OptimizerImpl::Foreach, "fused" => OptimizerImpl::Fused, "for-loop" => OptimizerImpl::ForLoop]);
 named_enum!(ZeroGrad, "zero_grad mode", "none, zero",
     ["none" => ZeroGrad::SetToNone, "zero" => ZeroGrad::Zero]);
-named_enum!(Attention, "attention", "eager, sdpa-flash, sdpa-mem-efficient",
-    ["eager" => Attention::Eager, "sdpa-flash" => Attention::SdpaFlash, "sdpa" => Attention::SdpaFlash,
-     "sdpa-mem-efficient" => Attention::SdpaMemEfficient]);
+named_enum!(Attention, "attention", "auto, eager, sdpa, sdpa-flash, sdpa-mem-efficient, sdpa-math, sdpa-cudnn",
+    ["auto" => Attention::Auto, "eager" => Attention::Eager, "sdpa" => Attention::Auto,
+     "sdpa-flash" => Attention::SdpaFlash, "sdpa-mem-efficient" => Attention::SdpaMemEfficient,
+     "sdpa-math" => Attention::SdpaMath, "sdpa-cudnn" => Attention::SdpaCudnn]);
 
 named_enum!(Loss, "loss", "hf, plain", ["hf" => Loss::Hf, "plain" => Loss::Plain]);
 

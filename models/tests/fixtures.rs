@@ -9,7 +9,9 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use vramsim_models::{lower, zoo, Checkpointing, Fidelity, OptimizerKind, Precision, Recipe};
+use vramsim_models::{
+    lower, zoo, Attention, Checkpointing, Fidelity, OptimizerKind, Precision, Recipe,
+};
 use vramsim_traces::{AllocId, Event, Trace};
 
 /// Max over the trace of live requested bytes, computed from scratch (no allocator).
@@ -50,6 +52,9 @@ fn recipe_of(fx: &serde_json::Value) -> Option<Recipe> {
     };
     r.accum = rc["accum"].as_u64()? as u32;
     r.iterations = rc["iterations"].as_u64()? as u32;
+    // The captures ran HF's eager attention (and the meta device sees no SDPA backend choice):
+    // pin it, whatever the default is.
+    r.attention = Attention::Eager;
     if rc
         .get("attn_implementation")
         .and_then(|a| a.as_str())

@@ -137,7 +137,7 @@ fn sliding_window_is_modelled_where_memory_does_not_depend_on_it() {
     r.attention = Attention::Eager;
     assert!(m.build(&r).is_ok(), "eager: the same [B,1,S,S] mask");
     r.seq = 4096;
-    r.attention = Attention::SdpaFlash;
+    r.attention = Attention::Auto;
     assert!(m.build(&r).is_ok(), "SDPA within the window: causal kernel");
     r.seq = 8192;
     let e = m.build(&r).unwrap_err().to_string();

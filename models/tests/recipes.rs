@@ -61,7 +61,9 @@ fn every_option_lowers_to_a_consistent_trace() {
                 r.precision = p.parse().unwrap();
                 r.checkpointing = c.parse().unwrap();
                 r.optimizer = optims[(i + j) % optims.len()].parse().unwrap();
-                r.attention = ["eager", "sdpa-flash", "sdpa-mem-efficient"][(i + 2 * j) % 3]
+                // Every attention the default H100 target can run for every precision (flash
+                // and cuDNN refuse fp32: see `forced_backends_lower_consistently`).
+                r.attention = ["eager", "auto", "sdpa-mem-efficient", "sdpa-math"][(i + 2 * j) % 4]
                     .parse()
                     .unwrap();
                 r.zero_grad = if (i + j) % 2 == 0 {
@@ -243,6 +245,8 @@ fn autocast_runs_matmuls_in_16_bit_and_softmax_layer_norm_loss_in_float32() {
     let mut r = Recipe::new(b, s);
     r.precision = Precision::AmpBf16;
     r.iterations = 1;
+    // Eager attention: its softmax is one of the ops checked.
+    r.attention = Attention::Eager;
     let t = lower(&zoo::build("gpt2", &r).unwrap(), &r).unwrap();
     let first = |tag: &str| -> u64 {
         t.events
@@ -280,4 +284,176 @@ fn autocast_runs_matmuls_in_16_bit_and_softmax_layer_norm_loss_in_float32() {
         .filter(|e| matches!(e, Event::Alloc { size, tag: Some(x), .. } if &**x == "transformer.h.0.attn.c_attn:aten._to_copy" && *size == h * 3 * h * 2))
         .count();
     assert_eq!(copies, 1);
+}
+
+/// The allocations of layer 0's attention tagged `op`, in order, from the first iteration's
+/// forward (`fwd = true`) or backward.
+fn layer0_allocs(t: &Trace, op: &str, fwd: bool) -> Vec<u64> {
+    let mut phase = String::new();
+    let mut out = Vec::new();
+    for e in &t.events {
+        match e {
+            Event::Phase { name, .. } => phase = name.to_string(),
+            Event::Alloc {
+                size, tag: Some(x), ..
+            } if x.contains("layers.0.self_attn:")
+                && x.ends_with(op)
+                && (phase == "forward") == fwd
+                && (phase == "forward" || phase == "backward") =>
+            {
+                out.push(*size);
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+#[test]
+fn sdpa_backends_allocate_what_pytorch_allocates() {
+    // TinyLlama: 32 query heads, 4 kv heads, head dim 64; amp-bf16, one iteration.
+    let (b, s, h, hkv, d) = (2u64, 128u64, 32u64, 4u64, 64u64);
+    let arch = zoo::Arch::from_name("tinyllama-1.1b").unwrap();
+    let mut r = Recipe::new(b, s);
+    r.precision = Precision::AmpBf16;
+    r.iterations = 1;
+    let lowered = |r: &Recipe| lower(&arch.build(r).unwrap(), r).unwrap();
+
+    // H100 (sm 9.0): cuDNN. MHA.cpp: seed and offset int64 [1], output bf16 in q's layout,
+    // softmax stats float32 [B, H, L, 1]; backward dq [B, H, L, D], dk and dv at the kv heads
+    // (cuDNN does GQA itself), no modelled workspace.
+    let k = arch.attention_kernel(&r).unwrap().unwrap();
+    assert_eq!(
+        k.kernel,
+        zoo::Kernel::Sdpa(SdpaBackend::Cudnn),
+        "{}",
+        k.reason
+    );
+    let t = lowered(&r);
+    let op = "aten._scaled_dot_product_cudnn_attention";
+    assert_eq!(
+        layer0_allocs(&t, op, true),
+        [8, 8, 2 * b * s * h * d, 4 * b * h * s]
+    );
+    let bwd = "aten._scaled_dot_product_cudnn_attention_backward";
+    assert_eq!(
+        layer0_allocs(&t, bwd, false),
+        [2 * b * h * s * d, 2 * b * hkv * s * d, 2 * b * hkv * s * d]
+    );
+
+    // A100 (sm 8.0): FlashAttention-2. mha_fwd: output, softmax_lse float32 [B, H, L], rng_state
+    // uint64 [2], an unused uint64 scalar; mha_bwd: dq, dk, dv, softmax_d [B, H, ⌈L⌉₁₂₈],
+    // dq_accum [B, ⌈L⌉₁₂₈, H, ⌈D⌉₃₂] float32, dk/dv expanded to the query heads.
+    r.target = Target {
+        compute_capability: (8, 0),
+    };
+    let t = lowered(&r);
+    let op = "aten._scaled_dot_product_flash_attention";
+    assert_eq!(
+        layer0_allocs(&t, op, true),
+        [2 * b * s * h * d, 4 * b * h * s, 16, 8]
+    );
+    let bwd = "aten._scaled_dot_product_flash_attention_backward";
+    assert_eq!(
+        layer0_allocs(&t, bwd, false),
+        [
+            2 * b * h * s * d,
+            2 * b * hkv * s * d,
+            2 * b * hkv * s * d,
+            4 * b * h * 128,
+            4 * b * 128 * h * 64,
+            2 * b * s * h * d,
+            2 * b * s * h * d
+        ]
+    );
+
+    // V100 (sm 7.0): no flash or cuDNN, and memory-efficient attention takes no bf16 below
+    // sm80: the math composite. Its forward makes float32 copies of q, k, v ([B, H, L, D] and
+    // [B, Hkv, L, D]), the causal mask float32 [L, S], k and v repeated to the query heads, the
+    // float32 scores and softmax [B, H, L, S], and no fused op at all.
+    r.target = Target {
+        compute_capability: (7, 0),
+    };
+    let k = arch.attention_kernel(&r).unwrap().unwrap();
+    assert_eq!(
+        k.kernel,
+        zoo::Kernel::Sdpa(SdpaBackend::Math),
+        "{}",
+        k.reason
+    );
+    let t = lowered(&r);
+    assert!(layer0_allocs(&t, "attention", true).is_empty());
+    let to_copy = layer0_allocs(&t, "aten._to_copy", true);
+    for want in [4 * b * h * s * d, 4 * b * hkv * s * d] {
+        assert!(to_copy.contains(&want), "{to_copy:?} lacks {want}");
+    }
+    // ones().tril() and its logical_not (bool [L, S]) are live with where()'s float32 result.
+    assert_eq!(
+        layer0_allocs(&t, "aten.where", true),
+        [s * s, s * s, 4 * s * s]
+    );
+    let softmax = layer0_allocs(&t, "aten._softmax", true);
+    assert_eq!(softmax, [4 * b * h * s * s]);
+
+    // Under no_grad cuDNN computes no softmax stats (compute_logsumexp is false).
+    r.target = Target::default();
+    r.inference = true;
+    let t = lowered(&r);
+    let op = "aten._scaled_dot_product_cudnn_attention";
+    assert_eq!(layer0_allocs(&t, op, true), [8, 8, 2 * b * s * h * d]);
+    r.inference = false;
+
+    // fp32 on the H100: memory-efficient attention (logsumexp padded to 32).
+    r.precision = Precision::Fp32;
+    let t = lowered(&r);
+    let op = "aten._scaled_dot_product_efficient_attention";
+    assert_eq!(
+        layer0_allocs(&t, op, true),
+        [4 * b * s * h * d, 4 * b * h * s.div_ceil(32) * 32]
+    );
+}
+
+#[test]
+fn forced_backends_lower_consistently_or_say_why_not() {
+    let arch = zoo::Arch::from_name("gpt2").unwrap();
+    let mut r = Recipe::new(1, 64);
+    r.precision = Precision::Bf16;
+    for a in ["sdpa-flash", "sdpa-mem-efficient", "sdpa-math"] {
+        r.attention = a.parse().unwrap();
+        let g = arch.build(&r).unwrap();
+        lower(&g, &r).unwrap();
+    }
+    // GPT-2's attention dropout 0.1 is not a multiple of 1/16: cuDNN refuses it in training
+    // (check_cudnn_dropout) but runs it in eval (no dropout); the auto choice on the H100 in
+    // training is FlashAttention.
+    r.attention = Attention::SdpaCudnn;
+    let e = arch.build(&r).unwrap_err().to_string();
+    assert!(e.contains("check_cudnn_dropout"), "{e}");
+    r.inference = true;
+    lower(&arch.build(&r).unwrap(), &r).unwrap();
+    r.inference = false;
+    r.attention = Attention::Auto;
+    let k = arch.attention_kernel(&r).unwrap().unwrap();
+    assert_eq!(
+        k.kernel,
+        zoo::Kernel::Sdpa(SdpaBackend::Flash),
+        "{}",
+        k.reason
+    );
+    assert!(k.reason.contains("check_cudnn_dropout"), "{}", k.reason);
+    // Forced flash on fp32: PyTorch's "No available kernel", with the failing check.
+    r.precision = Precision::Fp32;
+    r.attention = Attention::SdpaFlash;
+    let e = arch.build(&r).unwrap_err().to_string();
+    assert!(e.contains("sdpa-flash") && e.contains("fp32"), "{e}");
+    assert!(e.contains("No available kernel"), "{e}");
+    // Eager stays eager for the HF models, and models without attention have no kernel.
+    r.attention = Attention::Eager;
+    let k = arch.attention_kernel(&r).unwrap().unwrap();
+    assert_eq!(k.kernel, zoo::Kernel::Eager);
+    assert!(zoo::Arch::from_name("resnet18")
+        .unwrap()
+        .attention_kernel(&r)
+        .unwrap()
+        .is_none());
 }

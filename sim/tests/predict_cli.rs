@@ -36,16 +36,35 @@ fn tmp(name: &str) -> PathBuf {
 
 #[test]
 fn peaks_agree_with_pytorch_captures() {
-    // (args, PyTorch's peak_requested_bytes from the capture fixture of the same recipe)
+    // (args, PyTorch's peak_requested_bytes from the capture fixture of the same recipe); the
+    // captures ran HF's eager attention, so the language models pin it.
     let cases: [(&[&str], u64); 4] = [
         // gpt2__b8s1024__fp32-adamw.json
         (
-            &["--model", "gpt2", "--batch", "8", "--seq", "1024"],
+            &[
+                "--model",
+                "gpt2",
+                "--batch",
+                "8",
+                "--seq",
+                "1024",
+                "--attention",
+                "eager",
+            ],
             25_970_555_912,
         ),
         // bert-base__b16s512__fp32-adamw.json
         (
-            &["--model", "bert-base", "--batch", "16", "--seq", "512"],
+            &[
+                "--model",
+                "bert-base",
+                "--batch",
+                "16",
+                "--seq",
+                "512",
+                "--attention",
+                "eager",
+            ],
             14_867_225_280,
         ),
         // resnet18__b64__fp32-adamw.json
@@ -61,6 +80,8 @@ fn peaks_agree_with_pytorch_captures() {
                 "1024",
                 "--precision",
                 "bf16",
+                "--attention",
+                "eager",
             ],
             20_523_962_504,
         ),
@@ -86,7 +107,16 @@ fn peaks_agree_with_pytorch_captures() {
 
 #[test]
 fn json_has_the_documented_fields() {
-    let j = predict_json(&["--model", "gpt2", "--batch", "2", "--seq", "128"]);
+    let j = predict_json(&[
+        "--model",
+        "gpt2",
+        "--batch",
+        "2",
+        "--seq",
+        "128",
+        "--attention",
+        "eager",
+    ]);
     for key in [
         "peak_allocated_bytes",
         "peak_requested_bytes",
@@ -148,8 +178,18 @@ fn the_table_says_what_fits_and_where_the_memory_goes() {
 
 #[test]
 fn out_of_memory_names_the_op_and_pytorchs_message() {
+    // Eager attention's [B, H, S, S] scores do not fit a 24 GB card at this size.
     let j = predict_json(&[
-        "--model", "gpt2", "--batch", "8", "--seq", "1024", "--gpu", "rtx4090",
+        "--model",
+        "gpt2",
+        "--batch",
+        "8",
+        "--seq",
+        "1024",
+        "--gpu",
+        "rtx4090",
+        "--attention",
+        "eager",
     ]);
     assert_eq!(j["fits"], false);
     let oom = &j["oom"];
@@ -165,7 +205,17 @@ fn out_of_memory_names_the_op_and_pytorchs_message() {
         "the breakdown is what is live when the error is raised"
     );
     let output = vramsim(&[
-        "predict", "--model", "gpt2", "--batch", "8", "--seq", "1024", "--gpu", "rtx4090",
+        "predict",
+        "--model",
+        "gpt2",
+        "--batch",
+        "8",
+        "--seq",
+        "1024",
+        "--gpu",
+        "rtx4090",
+        "--attention",
+        "eager",
     ]);
     assert_eq!(
         output.status.code(),
@@ -753,5 +803,165 @@ fn bad_heads_and_sizes_list_the_valid_choices() {
     assert_fails(
         &["--model", "mlp", "--batch", "2", "--image-size", "224"],
         &["features"],
+    );
+}
+
+#[test]
+fn attention_defaults_to_what_transformers_and_pytorch_pick() {
+    // Llama-3-8B, bf16 autocast on an H100 (sm 9.0): transformers' default attn_implementation is
+    // "sdpa" (LlamaPreTrainedModel._supports_sdpa) and PyTorch 2.15 with its bundled cuDNN puts
+    // cuDNN attention first on sm 9.0 (sdp_utils.cpp check_prefer_cudnn_attention); bf16, head
+    // dim 128, no mask, no dropout pass every cuDNN check.
+    let llama = [
+        "--model",
+        "llama3-8b",
+        "--batch",
+        "2",
+        "--seq",
+        "8192",
+        "--precision",
+        "amp-bf16",
+    ];
+    let with = |extra: &[&str]| {
+        let mut args = llama.to_vec();
+        args.extend_from_slice(extra);
+        predict_json(&args)
+    };
+    let h100 = with(&["--gpu", "h100-80gb"]);
+    assert_eq!(
+        h100["attention"]["kernel"], "sdpa-cudnn",
+        "{}",
+        h100["attention"]
+    );
+    let reason = h100["attention"]["reason"].as_str().unwrap();
+    for fragment in [
+        "_supports_sdpa",
+        "cuDNN attention",
+        "check_prefer_cudnn_attention",
+        "bf16",
+        "head dim 128",
+    ] {
+        assert!(reason.contains(fragment), "{fragment:?} not in {reason}");
+    }
+    assert_eq!(h100["recipe"]["attention"], "auto");
+    // Eager attention materializes [2, 32, 8192, 8192] scores (4 GiB in bf16, 8 GiB as the
+    // float32 softmax) per layer and runs out of memory inside the first layers' attention; the
+    // fused kernel does not. (The step itself cannot fit 80 GB: float32 weights, gradients and
+    // AdamW's two moments take 16 bytes × 8.03 B parameters = 128 GB.)
+    let eager = with(&["--gpu", "h100-80gb", "--attention", "eager"]);
+    let eager_tag = eager["oom"]["tag"].as_str().unwrap();
+    assert!(eager_tag.contains("self_attn"), "{eager_tag}");
+    assert!(
+        h100["oom"].is_null() || !h100["oom"]["tag"].as_str().unwrap().contains("self_attn"),
+        "{}",
+        h100["oom"]
+    );
+    assert!(
+        h100["breakdown"]["event_index"].as_u64() > eager["breakdown"]["event_index"].as_u64(),
+        "the SDPA step gets further than the eager one"
+    );
+    // The table says which kernel and why.
+    let mut args = vec!["predict"];
+    args.extend_from_slice(&llama);
+    args.extend_from_slice(&["--gpu", "h100-80gb"]);
+    let text = stdout(&vramsim(&args));
+    assert!(text.contains("sdpa-cudnn attention"), "{text}");
+    assert!(
+        text.contains("attention  transformers attn_implementation None"),
+        "{text}"
+    );
+
+    // A100 (sm 8.0): the default order, FlashAttention-2 first.
+    let a100 = with(&["--gpu", "a100-80gb"]);
+    assert_eq!(
+        a100["attention"]["kernel"], "sdpa-flash",
+        "{}",
+        a100["attention"]
+    );
+    // fp32 on the H100: neither cuDNN nor flash take fp32; memory-efficient attention does.
+    let mut args = llama.to_vec();
+    args[7] = "fp32";
+    args.extend_from_slice(&["--gpu", "h100-80gb"]);
+    let fp32 = predict_json(&args);
+    assert_eq!(fp32["attention"]["kernel"], "sdpa-mem-efficient");
+    // Models without attention have none.
+    let r = predict_json(&["--model", "resnet18", "--batch", "2"]);
+    assert!(r["attention"].is_null());
+}
+
+#[test]
+fn gpt2_medium_max_batch_is_no_longer_limited_by_eager_attention() {
+    let max_batch = |attention: &str| {
+        let output = vramsim(&[
+            "max-batch",
+            "--model",
+            "gpt2-medium",
+            "--gpu",
+            "rtx4090",
+            "--attention",
+            attention,
+            "--json",
+        ]);
+        assert!(output.status.success(), "{}", stderr(&output));
+        let j: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
+        j["max_batch"].as_u64().unwrap()
+    };
+    let (eager, auto) = (max_batch("eager"), max_batch("auto"));
+    assert!(auto > eager, "auto {auto} vs eager {eager}");
+    // At the default's largest batch, eager attention runs out of memory in an attention op.
+    let b = auto.to_string();
+    let j = predict_json(&[
+        "--model",
+        "gpt2-medium",
+        "--batch",
+        &b,
+        "--gpu",
+        "rtx4090",
+        "--attention",
+        "eager",
+    ]);
+    assert_eq!(j["fits"], false);
+    // fp32 on sm 8.9: memory-efficient attention (FlashAttention needs 16-bit inputs).
+    let j = predict_json(&["--model", "gpt2-medium", "--batch", &b, "--gpu", "rtx4090"]);
+    assert_eq!(j["attention"]["kernel"], "sdpa-mem-efficient");
+    assert_eq!(j["fits"], true);
+}
+
+#[test]
+fn bad_attention_values_are_clear_errors() {
+    assert_fails(
+        &["--model", "gpt2", "--batch", "1", "--attention", "flash"],
+        &[
+            "unknown attention \"flash\"",
+            "auto, eager, sdpa, sdpa-flash, sdpa-mem-efficient, sdpa-math, sdpa-cudnn",
+        ],
+    );
+    // FlashAttention takes fp16/bf16 only (check_dtypes_flash_attention): PyTorch raises.
+    assert_fails(
+        &[
+            "--model",
+            "gpt2",
+            "--batch",
+            "1",
+            "--attention",
+            "sdpa-flash",
+        ],
+        &["--attention sdpa-flash", "fp32", "No available kernel"],
+    );
+    // No FlashAttention or cuDNN attention below sm80 (a T4 is sm 7.5).
+    assert_fails(
+        &[
+            "--model",
+            "gpt2",
+            "--batch",
+            "1",
+            "--precision",
+            "amp-fp16",
+            "--gpu",
+            "t4",
+            "--attention",
+            "sdpa-cudnn",
+        ],
+        &["sm 7.5", "check_cudnn_hardware_support"],
     );
 }

@@ -6,7 +6,7 @@ use super::{Edge, Kind, Lowering, Meta, NodeKind, Rt};
 use crate::dtype::DType;
 use crate::graph::ModuleId;
 use crate::layout::{elementwise_layout, Layout};
-use crate::ops::{OpKind, SdpaBackend};
+use crate::ops::{FusedSdpa, OpKind};
 use crate::recipe::Fidelity;
 use std::collections::{BinaryHeap, HashMap};
 
@@ -753,8 +753,10 @@ impl<'g> Lowering<'g> {
                     }
                 }
             }
-            // derivatives.yaml _scaled_dot_product_{flash,efficient}_attention: the fused backward
-            // (grad_q/k/v plus the kernel's float32 workspaces).
+            // derivatives.yaml _scaled_dot_product_{flash,efficient,cudnn}_attention: the fused
+            // backward (grad_q/k/v in their inputs' stride order — flash `empty_like(q)`,
+            // mem-efficient `empty_strided(query.sizes(), query.strides())`, cuDNN
+            // `empty_like(query)` — plus the kernel's float32 workspaces).
             Sdpa { backend } => {
                 let q = meta(0);
                 let kk = meta(1);
@@ -766,26 +768,18 @@ impl<'g> Lowering<'g> {
                     q.layout.shape[3],
                 );
                 let name = match backend {
-                    SdpaBackend::Flash => "aten._scaled_dot_product_flash_attention_backward",
-                    SdpaBackend::MemEfficient => {
+                    FusedSdpa::Flash => "aten._scaled_dot_product_flash_attention_backward",
+                    FusedSdpa::MemEfficient => {
                         "aten._scaled_dot_product_efficient_attention_backward"
                     }
+                    FusedSdpa::Cudnn => "aten._scaled_dot_product_cudnn_attention_backward",
                 };
-                let dq = self.alloc(
-                    Layout::contiguous(&[b, s, h, d]).transpose(1, 2),
-                    q.dtype,
-                    m,
-                    name,
-                );
-                let kv_layout = |x: &Meta| {
-                    let sh = &x.layout.shape;
-                    Layout::contiguous(&[sh[0], sh[2], sh[1], sh[3]]).transpose(1, 2)
-                };
-                let dk = self.alloc(kv_layout(&kk), kk.dtype, m, name);
-                let dv = self.alloc(kv_layout(&v), v.dtype, m, name);
+                let dq = self.alloc(q.layout.empty_like(), q.dtype, m, name);
+                let dk = self.alloc(kk.layout.empty_like(), kk.dtype, m, name);
+                let dv = self.alloc(v.layout.empty_like(), v.dtype, m, name);
                 let mut ws = Vec::new();
                 match backend {
-                    SdpaBackend::Flash => {
+                    FusedSdpa::Flash => {
                         // mha_bwd: softmax_d [B, H, round(S, 128)] and dq_accum
                         // [B, round(S, 128), H, round(D, 32)] in float32; dk/dv expanded to H heads
                         // for grouped-query attention.
@@ -813,9 +807,16 @@ impl<'g> Lowering<'g> {
                             ));
                         }
                     }
-                    SdpaBackend::MemEfficient => {
+                    FusedSdpa::MemEfficient => {
                         // _efficient_attention_backward: delta [B, H, S] float32.
                         ws.push(self.alloc(Layout::contiguous(&[b, h, s]), DType::F32, m, name));
+                    }
+                    FusedSdpa::Cudnn => {
+                        // run_cudnn_SDP_bprop: cuDNN handles GQA itself (dk/dv at the kv heads)
+                        // and asks for a workspace of `mha_graph->get_workspace_size()` bytes
+                        // from the caching allocator, which depends on the execution plan the
+                        // cuDNN frontend picks at run time: not modelled. grad_output already
+                        // has the output's strides here, so no matching copy is made.
                     }
                 }
                 for w in ws.into_iter().rev() {

@@ -6,7 +6,7 @@ use crate::autocast::{policy, Policy};
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, ModuleId, ValueId};
 use crate::layout::{elementwise_layout, Layout};
-use crate::ops::{OpKind, SdpaBackend};
+use crate::ops::{FusedSdpa, OpKind};
 use crate::recipe::Fidelity;
 use std::collections::HashMap;
 
@@ -175,7 +175,12 @@ impl<'g> Lowering<'g> {
     ) -> Vec<Rt> {
         // Softmax/log_softmax with dtype=float32 on a bfloat16 input: `input.toType(float)` first
         // (`aten/src/ATen/native/SoftMax.cpp`); CUDA's half_to_float path only exists for float16.
-        let ac_f32 = self.autocast.is_some()
+        // Ops of a composite run under autocast's ExcludeDispatchKeyGuard see no autocast.
+        let autocast = match gop {
+            Some(i) if !self.g.ops[i].autocast => None,
+            _ => self.autocast,
+        };
+        let ac_f32 = autocast.is_some()
             && matches!(kind, OpKind::Softmax { .. } | OpKind::LogSoftmax { .. });
         if let OpKind::Softmax { dim, to_f32 } = *kind {
             if (to_f32 || ac_f32) && ins[0].dtype == DType::BF16 {
@@ -201,7 +206,7 @@ impl<'g> Lowering<'g> {
             }
         }
         // Autocast: cast float inputs as the op's list says.
-        let pol = match (self.autocast, kind) {
+        let pol = match (autocast, kind) {
             (None, _) => Policy::None,
             (Some(_), OpKind::AutocastLower) => Policy::Lower,
             (Some(_), k) if ac_f32 => {
@@ -221,9 +226,7 @@ impl<'g> Lowering<'g> {
         let mut casted: Vec<Rt> = Vec::with_capacity(ins.len());
         for x in ins {
             let target = match pol {
-                Policy::Lower => self
-                    .autocast
-                    .filter(|&d| x.dtype.is_float() && x.dtype != d),
+                Policy::Lower => autocast.filter(|&d| x.dtype.is_float() && x.dtype != d),
                 Policy::Fp32 => {
                     Some(DType::F32).filter(|_| matches!(x.dtype, DType::F16 | DType::BF16))
                 }
@@ -782,35 +785,86 @@ impl<'g> Lowering<'g> {
                 let o = self.alloc(Layout::contiguous(&shape0()), dt, m, name);
                 Fwd::New(vec![o], op_kind, vec![])
             }
-            // derivatives.yaml _scaled_dot_product_{flash,efficient}_attention: q, k, v, output and
-            // logsumexp saved.
+            // derivatives.yaml _scaled_dot_product_{flash,efficient,cudnn}_attention: the node
+            // saves q, k, v, the output, the logsumexp and the kernel's random-number state.
             Sdpa { backend } => {
-                // Output in [B, S, H, D] memory, returned as its [B, H, S, D] transpose; logsumexp
-                // float32 [B, H, S] (flash) or [B, H, ceil(S/32)*32] (memory-efficient).
                 let s = x[0].shape().to_vec();
                 let (b, h, sq, d) = (s[0], s[1], s[2], s[3]);
-                let o = self.alloc(
-                    Layout::contiguous(&[b, sq, h, d]).transpose(1, 2),
-                    x[0].dtype,
-                    m,
-                    name,
-                );
-                let lse_len = match backend {
-                    SdpaBackend::Flash => sq,
-                    SdpaBackend::MemEfficient => ceil_to(sq, 32),
+                let dv = x[2].shape()[3];
+                // `compute_logsumexp` (mem-efficient, cuDNN) is `should_compute_logsumexp`: an
+                // input requires grad with grad mode on; not under no_grad.
+                let lse_rows = if self.r.inference { 0 } else { sq };
+                let mut saves = vec![
+                    Save::In(0),
+                    Save::In(1),
+                    Save::In(2),
+                    Save::Out(0),
+                    Save::Out(1),
+                ];
+                let outs = match backend {
+                    // _flash_attention_forward (flash_api.cpp mha_fwd): output in q's memory order
+                    // ([B, L, H, D] for HF's transposed q), returned as [B, H, L, D]; softmax_lse float32 [B, H, L]; rng_state
+                    // uint64 [2] and an unused uint64 0-d tensor on the device, always (2.15 meta
+                    // kernels); both saved (philox_seed, philox_offset).
+                    FusedSdpa::Flash => {
+                        // `out = empty_like(q_t)` with q_t = q.transpose(1, 2): q's stride order.
+                        let o = self.alloc(x[0].layout.empty_like(), x[0].dtype, m, name);
+                        let lse = self.alloc(Layout::contiguous(&[b, h, sq]), DType::F32, m, name);
+                        let rng = self.alloc(Layout::contiguous(&[2]), DType::I64, m, name);
+                        let unused = self.alloc(Layout::contiguous(&[]), DType::I64, m, name);
+                        saves.extend([Save::Out(2), Save::Out(3)]);
+                        vec![o, lse, rng, unused]
+                    }
+                    // _efficient_attention_forward: output BMHK, logsumexp float32
+                    // [B, H, ceil(L/32)*32] (kAlignLSE) when an input requires grad (else
+                    // [B, H, 0]); the philox
+                    // seed and offset are CPU tensors outside graph capture (no device memory).
+                    FusedSdpa::MemEfficient => {
+                        let o = self.alloc(
+                            Layout::contiguous(&[b, sq, h, d]).transpose(1, 2),
+                            x[0].dtype,
+                            m,
+                            name,
+                        );
+                        let lse = self.alloc(
+                            Layout::contiguous(&[b, h, ceil_to(lse_rows, 32)]),
+                            DType::F32,
+                            m,
+                            name,
+                        );
+                        vec![o, lse]
+                    }
+                    // _scaled_dot_product_cudnn_attention_cuda (native/cudnn/MHA.cpp
+                    // run_cudnn_SDP_fprop): the seed and offset int64 `zeros({1})` on q's device
+                    // first, then the output `alloc_with_matching_layout(q, ...)` (q's stride
+                    // order) and the softmax stats float32 [B, H, L, 1] (only with
+                    // compute_logsumexp: none under no_grad). cuDNN's per-call
+                    // workspace (`mha_graph->get_workspace_size()`, from the caching allocator) is
+                    // whatever the cuDNN frontend's execution plan asks for: not knowable without
+                    // cuDNN, so not modelled.
+                    FusedSdpa::Cudnn => {
+                        let seed = self.alloc(Layout::contiguous(&[1]), DType::I64, m, name);
+                        let offset = self.alloc(Layout::contiguous(&[1]), DType::I64, m, name);
+                        let ql = &x[0].layout;
+                        let mut order: Vec<usize> = (0..4).collect();
+                        order.sort_by(|&i, &j| ql.strides[j].cmp(&ql.strides[i]));
+                        let o = self.alloc(
+                            crate::layout::dense_in_order(&[b, h, sq, dv], &order),
+                            x[0].dtype,
+                            m,
+                            name,
+                        );
+                        let lse = self.alloc(
+                            Layout::contiguous(&[b, h, lse_rows, 1]),
+                            DType::F32,
+                            m,
+                            name,
+                        );
+                        saves.extend([Save::Out(2), Save::Out(3)]);
+                        vec![o, lse, seed, offset]
+                    }
                 };
-                let lse = self.alloc(Layout::contiguous(&[b, h, lse_len]), DType::F32, m, name);
-                Fwd::New(
-                    vec![o, lse],
-                    op_kind,
-                    vec![
-                        Save::In(0),
-                        Save::In(1),
-                        Save::In(2),
-                        Save::Out(0),
-                        Save::Out(1),
-                    ],
-                )
+                Fwd::New(outs, op_kind, saves)
             }
             // In place: the output is the input's own storage, under a new autograd node.
             // derivatives.yaml relu_ (threshold_): the result is saved; add_: nothing is saved.

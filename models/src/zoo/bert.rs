@@ -161,7 +161,7 @@ pub fn bert_with_head(
                         for t in [q, k, v] {
                             b.hold(t);
                         }
-                        let (o, probs) = b.attention_core_probs(
+                        let (o, probs) = b.attention_core_probs_with(
                             q,
                             k,
                             v,
@@ -169,6 +169,7 @@ pub fn bert_with_head(
                             cfg.attention_dropout,
                             false,
                             attn,
+                            false,
                         );
                         let o = b.contiguous(o);
                         let o = b.reshape(o, &[batch as i64, seq as i64, -1]);

@@ -27,9 +27,11 @@ pub mod resnet;
 pub mod vgg;
 pub mod vit;
 
+use crate::dtype::DType;
 use crate::graph::{Graph, GraphError};
 use crate::ops::SdpaBackend;
 use crate::recipe::{Attention, Head, Precision, Recipe};
+use crate::sdpa::{self, SdpaCall, Unavailable};
 use heads::Family;
 pub use nn::{Activation, AttnImpl};
 
@@ -99,6 +101,37 @@ pub enum ZooError {
     /// The graph could not be built.
     #[error(transparent)]
     Graph(#[from] GraphError),
+    /// The forced SDPA backend cannot run the model's attention.
+    #[error("{0}")]
+    Attention(#[from] Unavailable),
+}
+
+/// The attention kernel a step runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// HF's `eager_attention_forward`.
+    Eager,
+    /// `F.scaled_dot_product_attention` on this backend.
+    Sdpa(SdpaBackend),
+}
+
+impl Kernel {
+    /// The `--attention` value that forces this kernel (`eager`, `sdpa-cudnn`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Eager => "eager",
+            Kernel::Sdpa(b) => b.option_name(),
+        }
+    }
+}
+
+/// The attention kernel of a step and why it is the one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelChoice {
+    /// The kernel.
+    pub kernel: Kernel,
+    /// Why, naming transformers' and PyTorch's rules.
+    pub reason: String,
 }
 
 /// A buildable architecture with its configuration: a zoo entry or an imported `config.json`.
@@ -171,12 +204,122 @@ impl Arch {
         }
     }
 
+    /// The `F.scaled_dot_product_attention` call the model's attention makes under `recipe`
+    /// (`None` for models without attention): dtype after autocast, heads, lengths, head
+    /// sizes, and HF's `sdpa_attention_forward` arguments — no mask (HF drops an all-ones mask,
+    /// `masking_utils._ignore_causal_mask_sdpa`), `is_causal = q_len > 1 and module.is_causal`,
+    /// `dropout_p` the attention dropout in training, `enable_gqa=True` for modules with
+    /// `num_key_value_groups` (LLaMA family) when there is no mask. torchvision's
+    /// `F.multi_head_attention_forward` calls it with `attn_mask=None`, `is_causal=False` and its
+    /// `dropout` (0 for ViT-B/16).
+    pub fn sdpa_call(&self, recipe: &Recipe) -> Option<SdpaCall> {
+        let dtype = match recipe.precision {
+            Precision::Fp32 => DType::F32,
+            Precision::Bf16 | Precision::AmpBf16 => DType::BF16,
+            Precision::AmpFp16 => DType::F16,
+        };
+        let (b, s) = (recipe.batch, recipe.seq);
+        let training = !recipe.inference;
+        let drop = |p: f64| if training { p } else { 0.0 };
+        let call = |heads: u64, kv: u64, seq: u64, hd: u64, dropout: f64, causal: bool| SdpaCall {
+            dtype,
+            batch: b,
+            heads_q: heads,
+            heads_kv: kv,
+            seq_q: seq,
+            seq_kv: seq,
+            head_dim: hd,
+            head_dim_v: hd,
+            mask: false,
+            dropout,
+            is_causal: causal && seq > 1,
+            enable_gqa: false,
+            requires_grad: training,
+        };
+        match self {
+            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 => None,
+            Arch::Vit(c) => {
+                let l = (c.image / c.patch).pow(2) + 1;
+                Some(call(
+                    c.heads,
+                    c.heads,
+                    l,
+                    c.hidden / c.heads.max(1),
+                    0.0,
+                    false,
+                ))
+            }
+            Arch::Bert(c) => Some(call(
+                c.heads,
+                c.heads,
+                s,
+                c.hidden / c.heads.max(1),
+                drop(c.attention_dropout),
+                false,
+            )),
+            Arch::Gpt2(c) => Some(call(
+                c.heads,
+                c.heads,
+                s,
+                c.hidden / c.heads.max(1),
+                drop(c.attn_dropout),
+                true,
+            )),
+            Arch::Llama(c) => Some(SdpaCall {
+                enable_gqa: true,
+                ..call(c.heads, c.kv_heads, s, c.head_dim(), 0.0, true)
+            }),
+        }
+    }
+
+    /// The attention kernel the step runs under `recipe` on `recipe.target`, and why; `None` for
+    /// models without attention. `auto` follows transformers' default `attn_implementation`
+    /// (`modeling_utils.get_correct_attn_implementation`: `None` → `"sdpa"` for classes with
+    /// `_supports_sdpa`, which GPT-2, BERT and LLaMA/Mistral/Qwen2 have) and PyTorch's backend
+    /// choice ([`sdpa::select`]); a forced backend that cannot run the call is an error.
+    pub fn attention_kernel(&self, recipe: &Recipe) -> Result<Option<KernelChoice>, ZooError> {
+        let Some(call) = self.sdpa_call(recipe) else {
+            return Ok(None);
+        };
+        let vit = matches!(self, Arch::Vit(_));
+        if recipe.attention == Attention::Eager && !vit {
+            return Ok(Some(KernelChoice {
+                kernel: Kernel::Eager,
+                reason: "eager: --attention eager (HF eager_attention_forward: explicit matmuls, softmax, dropout)".into(),
+            }));
+        }
+        let choice = sdpa::choose(recipe.attention, &call, recipe.target)?;
+        let why = match (vit, recipe.attention) {
+            (true, Attention::Eager) => "torchvision nn.MultiheadAttention has no eager path (need_weights=False calls SDPA in training); ",
+            (true, _) => "torchvision nn.MultiheadAttention calls SDPA in training; ",
+            (false, Attention::Auto) => "transformers attn_implementation None → \"sdpa\" (_supports_sdpa); ",
+            (false, _) => "",
+        };
+        Ok(Some(KernelChoice {
+            kernel: Kernel::Sdpa(choice.backend),
+            reason: format!("{why}{}", choice.reason),
+        }))
+    }
+
+    /// Everything the graph and its lowering take from `recipe.target`: two recipes that differ
+    /// only in their target and agree on this lower to the same trace (sweeps share one lowering
+    /// between such GPUs). Today that is the attention kernel; a new choice made from the target
+    /// belongs here too.
+    pub fn target_choices(&self, recipe: &Recipe) -> Result<TargetChoices, ZooError> {
+        Ok(TargetChoices {
+            attention: self.attention_kernel(recipe)?.map(|k| k.kernel),
+            cublas_workspace: recipe
+                .workspaces
+                .cublas_workspace_bytes(recipe.target.compute_capability)
+                .0,
+        })
+    }
+
     /// Builds the graph at the recipe's batch (and sequence length, for language models).
     pub fn build(&self, recipe: &Recipe) -> Result<Graph, ZooError> {
         if recipe.batch == 0 {
             return Err(ZooError::ZeroBatch);
         }
-        let attn = attn_impl(recipe);
         let batch = recipe.batch;
         if let Some(max) = self.max_positions() {
             if recipe.seq == 0 {
@@ -215,6 +358,7 @@ impl Arch {
                 });
             }
         }
+        let attn = attn_impl(self, recipe)?;
         let head = head.unwrap_or(Head::None);
         Ok(match self {
             Arch::Mlp => {
@@ -236,7 +380,7 @@ impl Arch {
                     classes,
                     ..c.clone()
                 };
-                vit::vit(&c, batch, vit_backend(recipe))?
+                vit::vit(&c, batch, vit_backend(self, recipe)?)?
             }
             Arch::Bert(c) => bert::bert_with_head(c, batch, seq, attn, head)?,
             Arch::Gpt2(c) => gpt2::gpt2_with_head(c, batch, seq, attn, head, recipe.loss)?,
@@ -406,6 +550,16 @@ fn resnet_side(n: u64) -> u64 {
     (0..5).fold(n, |n, _| (n.max(1) - 1) / 2 + 1)
 }
 
+/// What a step's lowering takes from the GPU it runs on ([`Arch::target_choices`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TargetChoices {
+    /// The attention kernel (`None` for models without attention).
+    pub attention: Option<Kernel>,
+    /// The cuBLAS workspace size (`parseChosenWorkspaceSize`: 32 MiB on sm 9–12, 8,519,680 B
+    /// elsewhere, unless `CUBLAS_WORKSPACE_CONFIG` says otherwise).
+    pub cublas_workspace: u64,
+}
+
 /// The most layers a language model may have (the graph is built op by op, in host memory).
 pub const MAX_LAYERS: u64 = 4096;
 
@@ -460,24 +614,33 @@ impl Arch {
     }
 }
 
-/// The attention implementation a recipe asks for.
-pub fn attn_impl(r: &Recipe) -> AttnImpl {
-    match r.attention {
-        Attention::Eager => AttnImpl::Eager,
-        Attention::SdpaFlash => AttnImpl::Sdpa(SdpaBackend::Flash),
-        Attention::SdpaMemEfficient => AttnImpl::Sdpa(SdpaBackend::MemEfficient),
-    }
+/// How the step's attention core runs ([`Arch::attention_kernel`]); eager for models without
+/// attention.
+pub fn attn_impl(arch: &Arch, r: &Recipe) -> Result<AttnImpl, ZooError> {
+    Ok(match arch.attention_kernel(r)? {
+        Some(KernelChoice {
+            kernel: Kernel::Sdpa(b),
+            ..
+        }) => AttnImpl::Sdpa(b),
+        _ => AttnImpl::Eager,
+    })
 }
 
-/// The SDPA kernel torchvision's `nn.MultiheadAttention` gets on CUDA: the recipe's `sdpa-*`
-/// choice, else memory-efficient attention for float32 (FlashAttention needs 16-bit inputs) and
-/// FlashAttention-2 for 16-bit ones.
-pub fn vit_backend(r: &Recipe) -> SdpaBackend {
-    match r.attention {
-        Attention::SdpaFlash => SdpaBackend::Flash,
-        Attention::SdpaMemEfficient => SdpaBackend::MemEfficient,
-        Attention::Eager if r.precision == Precision::Fp32 => SdpaBackend::MemEfficient,
-        Attention::Eager => SdpaBackend::Flash,
+/// The SDPA kernel torchvision's `nn.MultiheadAttention` gets: the same selection as the HF
+/// models ([`Arch::attention_kernel`]; `eager` chooses as `auto` does, torchvision having no eager
+/// path): memory-efficient attention for float32, FlashAttention-2 or cuDNN for 16-bit inputs
+/// depending on the GPU. An error for an architecture without torchvision attention.
+pub fn vit_backend(arch: &Arch, r: &Recipe) -> Result<SdpaBackend, ZooError> {
+    match arch.attention_kernel(r)? {
+        Some(KernelChoice {
+            kernel: Kernel::Sdpa(b),
+            ..
+        }) if matches!(arch, Arch::Vit(_)) => Ok(b),
+        _ => Err(ZooError::Unsupported {
+            model: arch.name().to_string(),
+            field: "attention",
+            msg: "is not torchvision's nn.MultiheadAttention".into(),
+        }),
     }
 }
 

@@ -42,7 +42,8 @@ impl Activation {
 pub enum AttnImpl {
     /// HF `eager_attention_forward`.
     Eager,
-    /// `F.scaled_dot_product_attention(is_causal=True)` with a fused backend.
+    /// `F.scaled_dot_product_attention` (no mask, HF's `is_causal`, `dropout_p` in training) on
+    /// this backend ([`crate::sdpa`] says which one PyTorch picks).
     Sdpa(SdpaBackend),
 }
 
@@ -252,7 +253,8 @@ impl GraphBuilder {
     }
 
     /// [`GraphBuilder::attention_core`], also returning the (dropped-out) attention probabilities
-    /// of eager attention, which the caller keeps alive as long as HF's code does.
+    /// of eager attention, which the caller keeps alive as long as HF's code does. A decoder's
+    /// core: SDPA runs with `is_causal=True` (HF's `sdpa_attention_forward` without a mask).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_core_probs(
         &mut self,
@@ -264,13 +266,33 @@ impl GraphBuilder {
         softmax_f32: bool,
         imp: AttnImpl,
     ) -> (T, Option<T>) {
+        self.attention_core_probs_with(q, k, v, mask, dropout, softmax_f32, imp, true)
+    }
+
+    /// [`GraphBuilder::attention_core_probs`] with SDPA's `is_causal` given: `false` for an
+    /// encoder (BERT's `is_causal` is `config.is_decoder`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_core_probs_with(
+        &mut self,
+        q: T,
+        k: T,
+        v: T,
+        mask: Option<T>,
+        dropout: f64,
+        softmax_f32: bool,
+        imp: AttnImpl,
+        causal: bool,
+    ) -> (T, Option<T>) {
         let qs = self.shape(q);
         let ks = self.shape(k);
         let (bsz, h, s, d) = (qs[0], qs[1], qs[2], qs[3]);
         let hkv = ks[1];
         self.region(RegionKind::AttentionCore, "", |b| match imp {
             AttnImpl::Sdpa(backend) => {
-                let o = b.sdpa(q, k, v, backend);
+                // sdpa_attention_forward: is_causal = q_len > 1 and no mask and module.is_causal;
+                // dropout_p = the module's attention dropout in training, 0 in eval (the
+                // lowering drops dropout in inference).
+                let o = b.sdpa_with(q, k, v, backend, causal && s > 1, dropout);
                 (b.transpose(o, 1, 2), None)
             }
             AttnImpl::Eager => {

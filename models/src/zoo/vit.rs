@@ -11,8 +11,9 @@
 //! `at::linear` on a non-contiguous 3-D tensor (`matmul` — which folds it with a copy — then
 //! `add_(bias)`), `_in_projection_packed` makes a contiguous `(3, L, N, E)` copy and selects q, k
 //! and v from it (each `select` backward allocates zeros of that size), and with
-//! `need_weights=False` the core is `F.scaled_dot_product_attention`: memory-efficient attention for
-//! float32 on CUDA, FlashAttention-2 for 16-bit (or the recipe's `sdpa-*` choice). The output is
+//! `need_weights=False` the core is `F.scaled_dot_product_attention` on the backend PyTorch picks
+//! for the GPU (`crate::sdpa`: memory-efficient for float32, FlashAttention-2 or cuDNN for 16-bit),
+//! or the recipe's `sdpa-*` choice. The output is
 //! `permute(2, 0, 1, 3).reshape(L·N, E)` (a copy), `out_proj` (`addmm`) and a transpose back, so
 //! the residual `x + input` and both LayerNorm inputs of the next block are non-contiguous, and
 //! `layer_norm` copies them (`expect_contiguous`).

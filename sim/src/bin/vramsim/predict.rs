@@ -12,7 +12,7 @@ use anyhow::{Context, Result};
 use clap::{ArgGroup, Args};
 use serde_json::{json, Value};
 use vramsim_models::hf::{self, ImportOptions};
-use vramsim_models::zoo::Arch;
+use vramsim_models::zoo::{Arch, KernelChoice};
 use vramsim_models::{
     lower, parse_image_size, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph,
     Head, Loss, OptimizerImpl, OptimizerKind, PeakBreakdown, Precision, Recipe, Target, ZeroGrad,
@@ -78,9 +78,12 @@ pub struct PredictArgs {
     /// Optimizer steps to simulate (2 or more reach the steady state).
     #[arg(long, default_value_t = 2, value_parser = count32("iterations"), allow_negative_numbers = true)]
     pub iterations: u32,
-    /// Attention of the language models: eager, sdpa-flash, sdpa-mem-efficient (ViT: its SDPA
-    /// kernel; eager lets the precision choose, as PyTorch does).
-    #[arg(long, default_value = "eager", value_parser = named::<Attention>)]
+    /// Attention: auto (transformers' default "sdpa" and the kernel PyTorch picks for the --gpu:
+    /// cuDNN on H100/H200/B200, FlashAttention-2 on A100/Ada/Blackwell consumer cards for 16-bit
+    /// inputs, memory-efficient for fp32, math where no fused kernel runs), eager (HF's explicit
+    /// attention; ViT has none and chooses as auto), or a forced SDPA kernel: sdpa-flash,
+    /// sdpa-mem-efficient, sdpa-cudnn, sdpa-math (an error when it cannot run the step's inputs).
+    #[arg(long, default_value = "auto", value_parser = named::<Attention>)]
     pub attention: Attention,
     /// Inference: model.eval() under torch.no_grad(), forward only.
     #[arg(long)]
@@ -200,7 +203,7 @@ where
 
 /// The GPU the step's kernels are chosen for: the `--gpu` preset, else vramsim's default device
 /// (`--capacity` and `--calibration` describe memory only, so kernels are chosen as on the default).
-fn target(machine: &MachineArgs) -> Result<Target> {
+pub fn target(machine: &MachineArgs) -> Result<Target> {
     let name = machine.gpu.as_deref().unwrap_or(DEFAULT_GPU);
     let preset = find_preset(name).ok_or_else(|| UnknownGpu {
         name: name.to_string(),
@@ -228,6 +231,8 @@ pub struct Lowered {
     pub lower_ms: f64,
     /// Notes for the user (ignored options, unknown config fields, the config's dtype).
     pub warnings: Vec<String>,
+    /// The attention kernel and why (`None` for models without attention).
+    pub attention: Option<KernelChoice>,
     /// The breakdown at the trace's peak, which no machine changes: computed at the first replay that
     /// does not run out of memory, shared by the others (sweeps replay one lowering on many machines).
     pub peak: std::sync::OnceLock<PeakBreakdown>,
@@ -259,6 +264,8 @@ pub struct Prediction {
     pub warnings: Vec<String>,
     /// The CUDA context the machine got and where its figure comes from.
     pub context: ContextChoice,
+    /// The attention kernel and why (`None` for models without attention).
+    pub attention: Option<KernelChoice>,
 }
 
 /// Runs `vramsim predict`.
@@ -295,6 +302,35 @@ pub fn run(args: PredictArgs) -> Result<()> {
 
 /// Builds the model `args` name (zoo or config.json) and lowers its step under their recipe.
 pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
+    let (arch, recipe, warnings) = step_recipe(args)?;
+    let t0 = Instant::now();
+    let attention = arch.attention_kernel(&recipe)?;
+    let graph = arch.build(&recipe)?;
+    let trace = lower(&graph, &recipe)?;
+    let lower_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let reference = graph
+        .meta
+        .get("reference")
+        .and_then(|v| v.as_str())
+        .unwrap_or("")
+        .to_string();
+    Ok(Lowered {
+        arch,
+        reference,
+        recipe,
+        graph,
+        seq_given: args.seq.is_some(),
+        trace,
+        lower_ms,
+        warnings,
+        attention,
+        peak: std::sync::OnceLock::new(),
+    })
+}
+
+/// The architecture `args` name (zoo or config.json), the recipe they describe, and notes for the
+/// user (ignored options, unknown config fields, the config's dtype).
+pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
     let mut warnings = Vec::new();
     let arch = match (&args.model, &args.hf_config) {
         (Some(name), _) => Arch::from_name(name)?,
@@ -370,27 +406,7 @@ pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
         .cublas_workspace_bytes(recipe.target.compute_capability);
     // PyTorch's own TORCH_WARN for a CUBLAS_WORKSPACE_CONFIG with no `:SIZE:COUNT`.
     warnings.extend(cublas_warning);
-    let t0 = Instant::now();
-    let graph = arch.build(&recipe)?;
-    let trace = lower(&graph, &recipe)?;
-    let lower_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let reference = graph
-        .meta
-        .get("reference")
-        .and_then(|v| v.as_str())
-        .unwrap_or("")
-        .to_string();
-    Ok(Lowered {
-        arch,
-        reference,
-        recipe,
-        graph,
-        seq_given: args.seq.is_some(),
-        trace,
-        lower_ms,
-        warnings,
-        peak: std::sync::OnceLock::new(),
-    })
+    Ok((arch, recipe, warnings))
 }
 
 /// Replays a lowered step on the machine `machine` describes (keeping a timeline of
@@ -467,6 +483,7 @@ pub fn replay_step(
         oom_tag,
         warnings: lowered.warnings.clone(),
         context: machine.context_choice(),
+        attention: lowered.attention.clone(),
     };
     Ok((report, prediction))
 }
@@ -546,13 +563,11 @@ fn recipe_line(p: &Prediction) -> String {
         }
     }
     let _ = write!(s, ", {} iterations", r.iterations);
-    if p.arch.max_positions().is_some() {
-        let att = match r.attention {
-            Attention::Eager => "eager",
-            Attention::SdpaFlash => "sdpa-flash",
-            Attention::SdpaMemEfficient => "sdpa-mem-efficient",
-        };
-        let _ = write!(s, ", {att} attention");
+    if let Some(k) = &p.attention {
+        let _ = write!(s, ", {} attention", k.kernel.name());
+        if r.attention != Attention::Auto && r.attention.to_string() != k.kernel.name() {
+            let _ = write!(s, " (--attention {})", r.attention);
+        }
     }
     let _ = write!(s, "{}", head_text(p));
     if r.keep_outputs {
@@ -619,6 +634,9 @@ pub fn to_table(report: &Report, p: &Prediction) -> String {
         p.context.cuda,
         p.context.source
     );
+    if let Some(k) = &p.attention {
+        let _ = writeln!(out, "attention  {}", k.reason);
+    }
     let _ = writeln!(
         out,
         "lowered    {} events in {:.1} ms, replayed in {:.1} ms",
@@ -741,11 +759,7 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
         "accum": r.accum,
         "iterations": r.iterations,
         "inference": r.inference,
-        "attention": match r.attention {
-            Attention::Eager => "eager",
-            Attention::SdpaFlash => "sdpa-flash",
-            Attention::SdpaMemEfficient => "sdpa-mem-efficient",
-        },
+        "attention": r.attention.to_string(),
         "fidelity": trace.meta.get("fidelity").cloned().unwrap_or(Value::Null),
         "zero_grad": match r.zero_grad {
             ZeroGrad::SetToNone => "none",
@@ -774,6 +788,13 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
         "cuda": p.context.cuda,
         "source": p.context.source,
     });
+    j["attention"] = match &p.attention {
+        Some(k) => json!({
+            "kernel": k.kernel.name(),
+            "reason": k.reason,
+        }),
+        None => Value::Null,
+    };
     j["peak_phase"] = json!(b.phase);
     j["breakdown"] = json!({
         "at": if report.outcome.oom.is_some() { "oom" } else { "peak_requested" },

@@ -6,8 +6,10 @@
 //! be varied and takes the values `predict` accepts, checked by the same parsers. A configuration is an
 //! argument list for `predict` (the options given on the command line, then the varied ones), parsed as
 //! `predict` parses it. Configurations that differ only in machine options (`--gpu`, `--alloc-conf`,
-//! ...) share one lowering: the model is built and lowered once per recipe, then replayed once per
-//! machine.
+//! ...) share one lowering when what the lowering takes from their GPUs' compute capability agrees
+//! (`Recipe.target`: the kernels PyTorch picks, such as the SDPA backend; `Arch::target_choices`): GPUs
+//! of one capability always share, others when they get the same kernels. The model is built and
+//! lowered once per recipe and set of kernels, then replayed once per machine.
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
@@ -20,7 +22,7 @@ use clap::{ArgAction, Args, Command, FromArgMatches};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rayon::prelude::*;
 use serde_json::Value;
-use vramsim_models::zoo::Arch;
+use vramsim_models::zoo::{Arch, TargetChoices};
 use vramsim_sim::engine::TimelinePoint;
 use vramsim_sim::report::Report;
 
@@ -43,7 +45,8 @@ pub struct OptionInfo {
     pub id: String,
     /// A flag: present or not, varied over `true`/`false`.
     pub flag: bool,
-    /// An option of the machine (`--gpu`, `--alloc-conf`, ...), which does not change the lowering.
+    /// An option of the machine (`--gpu`, `--alloc-conf`, ...), which changes the lowering only
+    /// through the GPU's compute capability.
     pub machine: bool,
 }
 
@@ -328,8 +331,9 @@ impl Evaluated {
 }
 
 /// Evaluates each configuration (`predict`'s arguments) in parallel, in order. Configurations that
-/// share everything but machine options are lowered once. A configuration that `predict` rejects
-/// gets its error message.
+/// share everything but machine options, on GPUs for which the lowering makes the same choices
+/// (`Arch::target_choices`: same compute capability, or the same kernels), are lowered once. A
+/// configuration that `predict` rejects gets its error message.
 pub fn evaluate(
     configs: &[Vec<String>],
     wants: Wants,
@@ -340,14 +344,24 @@ pub fn evaluate(
         .par_iter()
         .map(|args| set.parse(args).map_err(|e| format!("{e:#}")))
         .collect();
-    // configurations grouped by everything that shapes the lowering
+    // configurations grouped by everything that shapes the lowering: the recipe's options and what
+    // the lowering takes from the GPU (or its compute capability, where that cannot be told)
     let mut groups: Vec<Vec<usize>> = Vec::new();
-    let mut by_key: HashMap<Vec<&str>, usize> = HashMap::new();
+    type Key<'a> = (Vec<&'a str>, TargetKey);
+    let mut by_key: HashMap<Key, usize> = HashMap::new();
+    let target_keys: Vec<TargetKey> = parsed
+        .par_iter()
+        .map(|p| match p {
+            Ok(p) => target_key(p),
+            Err(_) => TargetKey::Unknown(None),
+        })
+        .collect();
     for (i, args) in configs.iter().enumerate() {
         if parsed[i].is_err() {
             continue;
         }
-        let key: Vec<&str> = args
+        let cc = target_keys[i];
+        let options: Vec<&str> = args
             .iter()
             .map(String::as_str)
             .filter(|a| {
@@ -355,7 +369,7 @@ pub fn evaluate(
                 !set.find(long).is_some_and(|o| o.machine)
             })
             .collect();
-        let slot = *by_key.entry(key).or_insert_with(|| {
+        let slot = *by_key.entry((options, cc)).or_insert_with(|| {
             groups.push(Vec::new());
             groups.len() - 1
         });
@@ -408,14 +422,50 @@ pub fn evaluate(
     results.into_iter().map(|(_, r)| r).collect()
 }
 
+/// What a configuration's lowering takes from its GPU: the choices the models crate makes from the
+/// target, or, when they cannot be told here (the error then comes from the lowering), the compute
+/// capability.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum TargetKey {
+    /// `Arch::target_choices` of the configuration's recipe.
+    Choices(TargetChoices),
+    /// The compute capability, if the GPU is known.
+    Unknown(Option<(u32, u32)>),
+}
+
+fn target_key(args: &PredictArgs) -> TargetKey {
+    match predict::step_recipe(args) {
+        Ok((arch, recipe, _)) => match arch.target_choices(&recipe) {
+            Ok(choices) => TargetKey::Choices(choices),
+            Err(_) => TargetKey::Unknown(Some(recipe.target.compute_capability)),
+        },
+        Err(_) => TargetKey::Unknown(
+            predict::target(&args.machine)
+                .ok()
+                .map(|t| t.compute_capability),
+        ),
+    }
+}
+
 fn replay_one(
     lowered: &predict::Lowered,
     work: &StepWork,
     args: &PredictArgs,
     wants: Wants,
 ) -> Result<Evaluated, String> {
-    let (report, prediction) = predict::replay_step(lowered, &args.machine, wants.timeline_points)
-        .map_err(|e| format!("{e:#}"))?;
+    let (report, mut prediction) =
+        predict::replay_step(lowered, &args.machine, wants.timeline_points)
+            .map_err(|e| format!("{e:#}"))?;
+    // The shared lowering was made for the group's first GPU: this configuration's own GPU gets the
+    // same kernels, but its own reasons (its compute capability).
+    let target = predict::target(&args.machine).map_err(|e| format!("{e:#}"))?;
+    if target != prediction.recipe.target {
+        prediction.recipe.target = target;
+        prediction.attention = lowered
+            .arch
+            .attention_kernel(&prediction.recipe)
+            .map_err(|e| format!("{e:#}"))?;
+    }
     let (perf, perf_own) = perf_for(&report.device);
     let step = work.time(perf);
     let json = wants
@@ -614,6 +664,55 @@ mod tests {
         let args = OptionSet::predict().parse(&fixed.args(&settings)).unwrap();
         assert_eq!(args.batch, 8);
         assert!(args.inference);
+    }
+
+    #[test]
+    fn lowerings_are_shared_only_where_the_gpus_get_the_same_kernels() {
+        // bf16 Llama attention: cuDNN on sm 9.0 (H100, H200), FlashAttention-2 on sm 8.0 (A100) and
+        // sm 8.9 (RTX 4090): sdp_utils.cpp's priority order.
+        let configs: Vec<Vec<String>> = ["h100-80gb", "a100-80gb", "h200", "rtx4090"]
+            .iter()
+            .map(|gpu| {
+                [
+                    "--model=tinyllama-1.1b",
+                    "--batch=1",
+                    "--seq=64",
+                    "--precision=bf16",
+                    &format!("--gpu={gpu}"),
+                ]
+                .iter()
+                .map(|s| s.to_string())
+                .collect()
+            })
+            .collect();
+        let results = evaluate(&configs, Wants::default(), &Progress::hidden());
+        let attention = |i: usize| {
+            let e = results[i].as_ref().expect("evaluates");
+            e.prediction.attention.clone().expect("attention")
+        };
+        use vramsim_models::zoo::Kernel;
+        use vramsim_models::SdpaBackend;
+        assert_eq!(attention(0).kernel, Kernel::Sdpa(SdpaBackend::Cudnn));
+        assert_eq!(attention(1).kernel, Kernel::Sdpa(SdpaBackend::Flash));
+        assert_eq!(attention(2).kernel, Kernel::Sdpa(SdpaBackend::Cudnn));
+        assert_eq!(attention(3).kernel, Kernel::Sdpa(SdpaBackend::Flash));
+        // Each configuration gets its own GPU's reason, shared lowering or not.
+        assert!(
+            attention(3).reason.contains("sm 8.9"),
+            "{}",
+            attention(3).reason
+        );
+        assert!(
+            attention(1).reason.contains("sm 8.0"),
+            "{}",
+            attention(1).reason
+        );
+        // H100 and H200 share one lowering (timed once), A100 and RTX 4090 another; the two
+        // lowerings differ (cuDNN's and flash's allocations).
+        let e = |i: usize| results[i].as_ref().unwrap();
+        assert_eq!(e(0).prediction.lower_ms, e(2).prediction.lower_ms);
+        assert_eq!(e(1).prediction.lower_ms, e(3).prediction.lower_ms);
+        assert_ne!(e(0).prediction.events, e(1).prediction.events);
     }
 
     #[test]
