@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use vramsim_models::{lower, zoo, Fidelity, Head, Loss, Recipe};
+use vramsim_models::{lower, zoo, Attention, Fidelity, Head, Loss, Recipe};
 use vramsim_traces::{AllocId, Event, Trace};
 
 /// `(phase, peak of live requested bytes)` of each phase segment, as `summarize()` of
@@ -49,6 +49,8 @@ fn recipe_of(fx: &serde_json::Value) -> Recipe {
         .map(|a| (a[0].as_u64().unwrap(), a[1].as_u64().unwrap()));
     r.num_classes = rc["num_classes"].as_u64();
     r.fidelity = Fidelity::MetaCapture;
+    // The captures ran HF's eager attention (the capture tool's `attn_implementation="eager"`).
+    r.attention = Attention::Eager;
     r
 }
 

@@ -320,7 +320,9 @@ fn config_fields_that_change_memory_are_honoured() {
     // tie_word_embeddings: false gives GPT2LMHeadModel its own lm_head (transformers 5.23 ties only
     // when the config says so).
     let base = import("gpt2.json");
-    let r = Recipe::new(1, 16);
+    // Eager attention: its dropouts are graph ops (under SDPA, attn_pdrop is the kernel's dropout_p).
+    let mut r = Recipe::new(1, 16);
+    r.attention = Attention::Eager;
     let tied = base.arch.build(&r).unwrap().param_count();
     assert_eq!(tied, gpt2_params(50257, 1024, 768, 12, true));
     let untied = patch_file("gpt2.json", &[("tie_word_embeddings", json!(false))]);
@@ -364,6 +366,7 @@ fn config_fields_that_change_memory_are_honoured() {
     );
     let mut r = Recipe::new(1, 16);
     r.zero_grad = ZeroGrad::Zero;
+    r.attention = Attention::Eager;
     let g = bert.arch.build(&r).unwrap();
     assert_eq!(g.param_count(), 109_514_298 + 30522 * 768 + 30522);
     let t = lower(&g, &r).unwrap();

@@ -12,6 +12,7 @@ const MIB: u64 = 1 << 20;
 
 fn gpt2(cc: (u32, u32), mode: CublasWorkspaceMode, iterations: u32) -> Trace {
     let mut r = Recipe::new(2, 64);
+    r.attention = Attention::Eager; // the GEMM counts below are eager attention's
     r.iterations = iterations;
     r.target = Target {
         compute_capability: cc,
@@ -169,11 +170,13 @@ fn workspace_config_sizes() {
     // std::stoull throws on a number beyond 64 bits: an error, listed as such.
     assert!(parse_cublas_workspace_config(":99999999999999999999999:1").is_err());
     let mut r = Recipe::new(1, 64);
+    r.attention = Attention::Eager; // the GEMM counts below are eager attention's
     r.workspaces.cublas_workspace_config = Some(":99999999999999999999999:1".into());
     assert!(r.validate().is_err());
     // `:4096:8` on an A100 gives 32 MiB per GEMM; `:0:0` no workspace at all.
     for (config, size) in [(":4096:8", 32 * MIB), (":0:0", 0)] {
         let mut r = Recipe::new(2, 64);
+        r.attention = Attention::Eager; // the GEMM counts below are eager attention's
         r.iterations = 1;
         r.target = Target {
             compute_capability: (8, 0),
@@ -196,6 +199,7 @@ fn workspace_config_sizes() {
 #[test]
 fn meta_capture_sees_no_workspace() {
     let mut r = Recipe::new(2, 64);
+    r.attention = Attention::Eager; // the GEMM counts below are eager attention's
     r.fidelity = Fidelity::MetaCapture;
     r.workspaces.cublas_mode = CublasWorkspaceMode::Persistent;
     r.workspaces.cudnn_benchmark = true;

@@ -417,8 +417,7 @@ impl<'g> Lowering<'g> {
     }
 
     pub(super) fn clear_autocast_cache(&mut self) {
-        let cache: Vec<Rt> = self.autocast_cache.drain().map(|(_, v)| v).collect();
-        for c in cache {
+        for c in std::mem::take(&mut self.autocast_cache).into_values() {
             self.drop_rt(c);
         }
     }

@@ -44,7 +44,7 @@ use crate::ops::OpKind;
 use crate::recipe::{
     Checkpointing, CublasWorkspaceMode, Fidelity, Precision, Recipe, RecipeError, ZeroGrad,
 };
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use vramsim_traces::{AllocId, Category, Event, Trace};
 
 /// Why a graph could not be lowered under a recipe.
@@ -207,7 +207,11 @@ pub(crate) struct Lowering<'g> {
     params: Vec<Rt>,
     param_grads: Vec<Option<Rt>>,
     acc_nodes: Vec<Option<u32>>,
-    autocast_cache: HashMap<usize, Rt>,
+    /// Autocast's cast cache (`autocast_mode.cpp` `cached_casts`), keyed by parameter index. PyTorch's
+    /// map frees its entries together, in hash order, when the outermost autocast exits; a BTreeMap
+    /// frees them in parameter order, so the lowering stays deterministic (the order of frees made at
+    /// one point changes neither the allocator's final state nor its statistics).
+    autocast_cache: BTreeMap<usize, Rt>,
     frames: Vec<Frame>,
     ck_ranges: Vec<CkRange>,
     /// Region index of each op when its region is checkpointed.
@@ -362,7 +366,7 @@ impl<'g> Lowering<'g> {
             params: Vec::new(),
             param_grads: vec![None; g.params.len()],
             acc_nodes: vec![None; g.params.len()],
-            autocast_cache: HashMap::new(),
+            autocast_cache: BTreeMap::new(),
             frames: Vec::new(),
             ck_ranges: Vec::new(),
             op_region: vec![None; g.ops.len()],
