@@ -591,17 +591,37 @@ impl<'g> Lowering<'g> {
             }
             // convolution_backward (cuDNN: backward_input, then backward_weight; the bias gradient
             // `grad.sum([0, 2, 3])` after both), each only when its input needs it.
+            //
+            // Memory format (`Convolution.cpp` `convolution_backward`): the backend format of the
+            // forward (channels-last when the input or weight suggested it), `grad_output` made
+            // `contiguous(that format)` first (a copy when it arrives in another, freed on return),
+            // grad_input and grad_weight allocated in it (`cudnn_convolution_backward_input` /
+            // `_weight`: `cudnn_conv_suggest_memory_format`); the bias gradient is `[C]`.
             Conv2d { .. } => {
+                let cl = super::fwd::conv_channels_last(&meta(0).layout, &meta(1).layout);
+                let gcopy = if super::fwd::in_conv_format(&g.layout, cl) {
+                    None
+                } else {
+                    Some(self.alloc(
+                        super::fwd::conv_layout(&g.layout.shape, cl),
+                        g.dtype,
+                        m,
+                        "aten.clone",
+                    ))
+                };
                 for (i, o) in out.iter_mut().enumerate().take(3) {
                     if need(i) {
                         let x = meta(i);
                         *o = Some(self.alloc(
-                            Layout::contiguous(&x.layout.shape),
+                            super::fwd::conv_layout(&x.layout.shape, cl),
                             x.dtype,
                             m,
                             "aten.convolution_backward",
                         ));
                     }
+                }
+                if let Some(t) = gcopy {
+                    self.drop_rt(t);
                 }
             }
             // cudnn_batch_norm_backward / native_batch_norm_backward: grad_input, grad_weight and

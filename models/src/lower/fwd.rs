@@ -750,9 +750,24 @@ impl<'g> Lowering<'g> {
             // adds the bias in place (`output.add_(reshape_bias(...))`); its workspace comes from
             // the caching allocator too but is not modelled (it depends on the algorithm cuDNN
             // picks).
+            //
+            // Memory format (`aten/src/ATen/native/Convolution.cpp` `_convolution` with
+            // `cudnn_conv_suggest_memory_format`, `ConvUtils.h`): channels-last when the input or
+            // the weight suggests it (a `permute(0, 3, 1, 2)` of a contiguous NHWC tensor does),
+            // else contiguous; the input is made `contiguous(that format)` first (a copy freed on
+            // return when it is in neither), and the output is allocated in that format.
             Conv2d { .. } => {
                 let dt = x[0].dtype.promote(x[1].dtype);
-                let o = self.alloc(Layout::contiguous(&shape0()), dt, m, name);
+                let cl = conv_channels_last(&x[0].layout, &x[1].layout);
+                let copy = if in_conv_format(&x[0].layout, cl) {
+                    None
+                } else {
+                    Some(self.alloc(conv_layout(x[0].shape(), cl), x[0].dtype, m, "aten.clone"))
+                };
+                let o = self.alloc(conv_layout(&shape0(), cl), dt, m, name);
+                if let Some(t) = copy {
+                    self.drop_rt(t);
+                }
                 Fwd::New(vec![o], op_kind, vec![Save::In(0), Save::In(1)])
             }
             // derivatives.yaml native_batch_norm / cudnn_batch_norm: input, weight, running_mean,
@@ -877,5 +892,29 @@ impl<'g> Lowering<'g> {
             loss = out;
         }
         loss
+    }
+}
+
+/// Whether cuDNN runs a convolution over `input` and `weight` channels-last
+/// (`cudnn_conv_suggest_memory_format`: either suggests `ChannelsLast`).
+pub(super) fn conv_channels_last(input: &Layout, weight: &Layout) -> bool {
+    input.is_channels_last_2d() || weight.is_channels_last_2d()
+}
+
+/// A dense layout of `shape` in the convolution's memory format.
+pub(super) fn conv_layout(shape: &[u64], channels_last: bool) -> Layout {
+    if channels_last && shape.len() == 4 {
+        Layout::channels_last(shape)
+    } else {
+        Layout::contiguous(shape)
+    }
+}
+
+/// Whether `l` is already `contiguous(memory_format)` for the convolution's format.
+pub(super) fn in_conv_format(l: &Layout, channels_last: bool) -> bool {
+    if channels_last {
+        l.is_channels_last_contiguous()
+    } else {
+        l.is_contiguous()
     }
 }
