@@ -10,6 +10,7 @@
 //! | `bert-base`, `bert-large` | transformers 5.23 `BertForMaskedLM` |
 //! | `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl` | transformers 5.23 `GPT2LMHeadModel` |
 //! | `tinyllama-1.1b`, `llama2-7b`, `llama2-13b`, `llama2-70b`, `llama3-8b` | transformers 5.23 `LlamaForCausalLM` |
+//! | `timm/resnet18` ... `timm/convnext_large` ([`timm::MODELS`]) | timm 0.6 `timm.create_model(name)` |
 //!
 //! Image models take `(batch, 3, 224, 224)` inputs and a 1000-class cross-entropy (the recipe's
 //! `seq` is ignored); language models take `seq` tokens and compute their own loss from labels, as
@@ -22,6 +23,7 @@ pub mod llama;
 pub mod mlp;
 pub mod nn;
 pub mod resnet;
+pub mod timm;
 pub mod vgg;
 pub mod vit;
 
@@ -31,7 +33,7 @@ use crate::recipe::{Attention, Precision, Recipe};
 pub use nn::{Activation, AttnImpl};
 
 /// Every zoo name, in the order `vramsim predict` lists them.
-pub const NAMES: [&str; 19] = [
+pub const NAMES: [&str; 38] = [
     "mlp",
     "resnet18",
     "resnet34",
@@ -51,6 +53,25 @@ pub const NAMES: [&str; 19] = [
     "llama2-13b",
     "llama2-70b",
     "llama3-8b",
+    "timm/resnet18",
+    "timm/resnet26",
+    "timm/resnet34",
+    "timm/resnet50",
+    "timm/resnet101",
+    "timm/resnet152",
+    "timm/vit_tiny_patch16_224",
+    "timm/vit_small_patch16_224",
+    "timm/vit_base_patch32_224",
+    "timm/vit_base_patch16_224",
+    "timm/vit_base_patch16_384",
+    "timm/vit_large_patch16_224",
+    "timm/deit_tiny_patch16_224",
+    "timm/deit_small_patch16_224",
+    "timm/deit_base_patch16_224",
+    "timm/convnext_tiny",
+    "timm/convnext_small",
+    "timm/convnext_base",
+    "timm/convnext_large",
 ];
 
 /// Why a zoo model could not be built.
@@ -115,6 +136,8 @@ pub enum Arch {
     Gpt2(gpt2::GptConfig),
     /// HF `LlamaForCausalLM` (and Mistral, Qwen2).
     Llama(llama::LlamaConfig),
+    /// A timm 0.6 model (`timm/<name>`).
+    Timm(timm::TimmConfig),
 }
 
 impl Arch {
@@ -140,7 +163,10 @@ impl Arch {
             "llama2-13b" => Arch::Llama(llama::LLAMA2_13B),
             "llama2-70b" => Arch::Llama(llama::LLAMA2_70B),
             "llama3-8b" => Arch::Llama(llama::LLAMA3_8B),
-            _ => return Err(ZooError::Unknown(name.to_string())),
+            _ => match timm::TimmConfig::from_name(name) {
+                Some(c) => Arch::Timm(c),
+                None => return Err(ZooError::Unknown(name.to_string())),
+            },
         })
     }
 
@@ -154,6 +180,7 @@ impl Arch {
             Arch::Bert(c) => &c.name,
             Arch::Gpt2(c) => &c.name,
             Arch::Llama(c) => &c.name,
+            Arch::Timm(c) => c.name(),
         }
     }
 
@@ -161,7 +188,7 @@ impl Arch {
     /// models without a sequence (images, the MLP), which ignore the recipe's `seq`.
     pub fn max_positions(&self) -> Option<u64> {
         match self {
-            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Vit(_) => None,
+            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Vit(_) | Arch::Timm(_) => None,
             Arch::Bert(c) => Some(c.positions),
             Arch::Gpt2(c) => Some(c.positions),
             Arch::Llama(c) => Some(c.positions),
@@ -201,6 +228,9 @@ impl Arch {
                 msg: format!("{layers} is more than the {MAX_LAYERS} layers vramsim builds"),
             });
         }
+        if let Arch::Timm(c) = self {
+            return build_timm(c, recipe);
+        }
         for shape in self.largest_tensors(batch, seq) {
             if !crate::graph::fits_in_memory(&shape) {
                 return Err(ZooError::TooLarge {
@@ -214,6 +244,7 @@ impl Arch {
             Arch::ResNet(c) => resnet::resnet(c, batch)?,
             Arch::Vgg16 => vgg::vgg16(batch)?,
             Arch::Vit(c) => vit::vit(c, batch, vit_backend(recipe))?,
+            Arch::Timm(c) => return build_timm(c, recipe),
             Arch::Bert(c) => bert::bert(c, batch, seq, attn)?,
             Arch::Gpt2(c) => gpt2::gpt2(c, batch, seq, attn)?,
             Arch::Llama(c) => {
@@ -272,6 +303,7 @@ impl Arch {
                 vec![c.vocab, c.hidden],
                 vec![c.inner, c.hidden],
             ],
+            Arch::Timm(c) => c.largest_tensors(b, c.default_image(), 1000),
             Arch::Llama(c) => vec![
                 vec![b, c.heads, s, s],
                 vec![b, s, c.vocab],
@@ -304,6 +336,35 @@ pub fn vit_backend(r: &Recipe) -> SdpaBackend {
         Attention::Eager if r.precision == Precision::Fp32 => SdpaBackend::MemEfficient,
         Attention::Eager => SdpaBackend::Flash,
     }
+}
+
+/// Builds a timm model at the recipe's batch, `image_size` (default: the model's, 224×224 or
+/// 384×384) and `num_classes` (default 1000), checking both and the tensor sizes first.
+fn build_timm(c: &timm::TimmConfig, recipe: &Recipe) -> Result<Graph, ZooError> {
+    let image = recipe.image_size.unwrap_or_else(|| c.default_image());
+    let classes = recipe.num_classes.unwrap_or(1000);
+    let unsupported = |field: &'static str, msg: String| ZooError::Unsupported {
+        model: c.name().to_string(),
+        field,
+        msg,
+    };
+    if classes == 0 {
+        return Err(unsupported(
+            "num_classes",
+            "must be 1 or more (timm's num_classes=0 drops the head and the loss)".into(),
+        ));
+    }
+    c.check_image(image)
+        .map_err(|msg| unsupported("image_size", msg))?;
+    for shape in c.largest_tensors(recipe.batch, image, classes) {
+        if !crate::graph::fits_in_memory(&shape) {
+            return Err(ZooError::TooLarge {
+                model: c.name().to_string(),
+                shape,
+            });
+        }
+    }
+    Ok(c.build(recipe.batch, image, classes)?)
 }
 
 /// Builds zoo model `name` at the recipe's batch and sequence length.
