@@ -49,6 +49,10 @@ pub enum OpKind {
         /// First index.
         start: u64,
     },
+    /// `x.as_strided_(sizes, strides)` with the same sizes (a restride in place, e.g. the
+    /// channels-last restride of `adaptive_avg_pool2d`'s 1×1 output): a view; its backward
+    /// (`as_strided_backward`) scatters the gradient into zeros of the storage.
+    AsStridedInplace,
     /// `split_with_sizes(sizes, dim)`: one view per output.
     Split {
         /// Dimension.
@@ -237,6 +241,7 @@ impl OpKind {
             Expand => "aten.expand",
             Unsqueeze(_) => "aten.unsqueeze",
             Slice { .. } => "aten.slice",
+            AsStridedInplace => "aten.as_strided_",
             Split { .. } => "aten.split_with_sizes",
             Clone { .. } => "aten.clone",
             ToDtype(_) | ToDtypeOf => "aten._to_copy",
@@ -294,6 +299,7 @@ impl OpKind {
                 | Expand
                 | Unsqueeze(_)
                 | Slice { .. }
+                | AsStridedInplace
                 | Split { .. }
                 | Select { .. }
         )
@@ -408,6 +414,14 @@ impl GraphBuilder {
         s[dim] = end.min(s[dim]).saturating_sub(start);
         let d = self.dtype(x);
         self.op1(OpKind::Slice { dim, start }, &[x], s, d)
+    }
+
+    /// `x.as_strided_(x.size(), strides)`: restrides `x` in place without changing its sizes (no
+    /// memory); the gradient then goes through `as_strided_backward`, which allocates zeros of
+    /// the storage (see [`OpKind::AsStridedInplace`]).
+    pub fn as_strided_inplace(&mut self, x: T) -> T {
+        let (s, d) = (self.shape(x), self.dtype(x));
+        self.op1(OpKind::AsStridedInplace, &[x], s, d)
     }
 
     /// `x.split(sizes, dim)` (`split_with_sizes`): views.

@@ -504,6 +504,10 @@ impl<'g> Lowering<'g> {
                 let l = x[0].layout.unsqueeze(*d);
                 Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
             }
+            AsStridedInplace => {
+                let l = x[0].layout.clone();
+                Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
+            }
             Slice { dim, .. } => {
                 let len = shape0()[*dim];
                 let l = x[0].layout.narrow(*dim, len);
@@ -633,8 +637,9 @@ impl<'g> Lowering<'g> {
             // float32 for 16-bit input, `acc_type` on CUDA).
             LayerNorm => {
                 // layer_norm_cuda: `X = input.expect_contiguous()` (a copy of a non-contiguous input,
-                // freed when the kernel returns), Y = empty_like(X, contiguous), mean, rstd.
-                let xc = if x[0].layout.is_contiguous() {
+                // freed when the kernel returns), Y = empty_like(X, contiguous), mean, rstd. The copy
+                // is inside the CUDA kernel: a dispatch-mode capture does not see it.
+                let xc = if x[0].layout.is_contiguous() || self.r.fidelity != Fidelity::Cuda {
                     None
                 } else {
                     Some(self.alloc(
@@ -755,11 +760,13 @@ impl<'g> Lowering<'g> {
             // `cudnn_conv_suggest_memory_format`, `ConvUtils.h`): channels-last when the input or
             // the weight suggests it (a `permute(0, 3, 1, 2)` of a contiguous NHWC tensor does),
             // else contiguous; the input is made `contiguous(that format)` first (a copy freed on
-            // return when it is in neither), and the output is allocated in that format.
+            // return when it is in neither), and the output is allocated in that format. The copy
+            // happens inside the CUDA kernel, which a dispatch-mode capture does not see.
             Conv2d { .. } => {
                 let dt = x[0].dtype.promote(x[1].dtype);
                 let cl = conv_channels_last(&x[0].layout, &x[1].layout);
-                let copy = if in_conv_format(&x[0].layout, cl) {
+                let copy = if self.r.fidelity != Fidelity::Cuda || in_conv_format(&x[0].layout, cl)
+                {
                     None
                 } else {
                     Some(self.alloc(conv_layout(x[0].shape(), cl), x[0].dtype, m, "aten.clone"))
