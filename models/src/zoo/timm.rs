@@ -421,9 +421,13 @@ fn vit_forward(
         b.transpose(x, 1, 2)
     });
     // _pos_embed: torch.cat((cls_token.expand(B, -1, -1), x), dim=1) + pos_embed; pos_drop p=0.
+    // forward_features' local `x` keeps the patch embedding alive until _pos_embed returns.
+    b.push_module("");
+    b.hold(x);
     let cls = b.expand(cls_token, &[batch, 1, c.dim]);
     let x = b.cat(&[cls, x], 1);
     let mut x = b.add(x, pos_embed);
+    b.pop_module("");
     b.push_module("blocks");
     for l in 0..c.depth {
         let input = x;
@@ -551,9 +555,19 @@ fn convnext_forward(b: &mut GraphBuilder, c: &ConvNextConfig, images: T, classes
         b.pop_module(&i.to_string());
     }
     b.pop_module("stages");
-    // norm_pre: Identity (head_norm_first=False).
+    // norm_pre: Identity (head_norm_first=False). forward() keeps the features (its `x`) alive
+    // until forward_head returns.
     b.module("head", |b| {
-        let x = b.module("global_pool", |b| b.adaptive_avg_pool2d(x, [1, 1]));
+        b.hold(x);
+        // F.adaptive_avg_pool2d to 1x1 (AdaptiveAveragePooling.cpp) is `mean((-1, -2), keepdim)`
+        // and, for a channels-last input (every ConvNeXt feature map after the stem), an in-place
+        // `out.as_strided_([n, c, 1, 1], [c, 1, c, c])`: no memory in the forward; its backward
+        // (`as_strided_backward`) takes zeros of the output's storage and scatters the gradient
+        // into them.
+        let x = b.module("global_pool", |b| {
+            let m = b.adaptive_avg_pool2d(x, [1, 1]);
+            b.as_strided_inplace(m)
+        });
         let x = layer_norm_2d(b, "norm", x);
         let x = b.flatten(x, 1);
         // drop: p = 0.
@@ -603,13 +617,18 @@ fn resnet_forward(b: &mut GraphBuilder, c: &ResNetConfig, images: T, classes: u6
             inplanes = planes * c.block.expansion();
         }
     }
+    // forward() keeps the features (its `x`) alive until forward_head returns.
+    b.push_module("");
+    b.hold(x);
     // global_pool: SelectAdaptivePool2d('avg', flatten=True) = AdaptiveAvgPool2d(1) + Flatten(1).
     let x = b.module("global_pool", |b| {
         let x = b.module("pool", |b| b.adaptive_avg_pool2d(x, [1, 1]));
         b.module("flatten", |b| b.flatten(x, 1))
     });
     // drop_rate 0: no dropout.
-    b.linear("fc", x, classes, true)
+    let logits = b.linear("fc", x, classes, true);
+    b.pop_module("");
+    logits
 }
 
 /// timm's `BasicBlock.forward` / `Bottleneck.forward` (no drop_block, aa, se or drop_path).
