@@ -49,9 +49,9 @@ pub enum OpKind {
         /// First index.
         start: u64,
     },
-    /// `x.as_strided_(sizes, strides)` with the same sizes (a restride in place, e.g. the
-    /// channels-last restride of `adaptive_avg_pool2d`'s 1×1 output): a view; its backward
-    /// (`as_strided_backward`) scatters the gradient into zeros of the storage.
+    /// `x.as_strided_(sizes, strides)` with the same sizes, when the second input suggests
+    /// channels-last (the restride of `adaptive_avg_pool2d`'s 1×1 output): a view; its backward
+    /// (`as_strided_backward`) scatters the gradient into zeros of the storage. Otherwise `x`.
     AsStridedInplace,
     /// `split_with_sizes(sizes, dim)`: one view per output.
     Split {
@@ -416,12 +416,14 @@ impl GraphBuilder {
         self.op1(OpKind::Slice { dim, start }, &[x], s, d)
     }
 
-    /// `x.as_strided_(x.size(), strides)`: restrides `x` in place without changing its sizes (no
-    /// memory); the gradient then goes through `as_strided_backward`, which allocates zeros of
-    /// the storage (see [`OpKind::AsStridedInplace`]).
-    pub fn as_strided_inplace(&mut self, x: T) -> T {
+    /// `if input.suggest_memory_format() == ChannelsLast: x.as_strided_(x.size(), strides)`:
+    /// restrides `x` in place without changing its sizes (no memory) when `input` — the tensor `x`
+    /// was pooled from — suggests channels-last (decided at lowering, where strides are known);
+    /// the gradient then goes through `as_strided_backward`, which allocates zeros of the storage
+    /// (see [`OpKind::AsStridedInplace`]). Otherwise `x` itself.
+    pub fn as_strided_if_channels_last(&mut self, x: T, input: T) -> T {
         let (s, d) = (self.shape(x), self.dtype(x));
-        self.op1(OpKind::AsStridedInplace, &[x], s, d)
+        self.op1(OpKind::AsStridedInplace, &[x, input], s, d)
     }
 
     /// `x.split(sizes, dim)` (`split_with_sizes`): views.
@@ -946,10 +948,14 @@ impl GraphBuilder {
     }
 
     /// `F.adaptive_avg_pool2d(x, out)`: `x.mean((-1, -2), keepdim=True)` for a 1×1 output (ATen's
-    /// shortcut), else `_adaptive_avg_pool2d`.
+    /// shortcut; `as_strided_` to channels-last strides when `x` suggests channels-last), else
+    /// `_adaptive_avg_pool2d`.
     pub fn adaptive_avg_pool2d(&mut self, x: T, out: [u64; 2]) -> T {
         if out == [1, 1] {
-            return self.mean_dims(x, &[-1, -2], true);
+            // AdaptiveAveragePooling.cpp: `input.mean({-1, -2}, keepdim=true)`, restrided in place
+            // to channels-last when the input suggests it.
+            let m = self.mean_dims(x, &[-1, -2], true);
+            return self.as_strided_if_channels_last(m, x);
         }
         let mut s = self.shape(x);
         if s.len() != 4 {

@@ -310,8 +310,9 @@ fn timm_parameter_counts_match_the_published_models() {
         let n = (img / p) * (img / p);
         d + (n + 1) * d + (3 * p * p * d + d) + l * (12 * d * d + 13 * d) + 2 * d + d * 1000 + 1000
     };
-    // ConvNeXt (conv_mlp=False): stem 4×4 conv + LayerNorm2d, downsample LN + 2×2 conv, per block
-    // gamma d + depthwise 49 d + d + LN 2 d + fc1 4 d² + 4 d + fc2 4 d² + d, head LN + fc.
+    // ConvNeXt: stem 4×4 conv + LayerNorm2d, downsample LN + 2×2 conv, per block gamma d +
+    // depthwise 49 d + d + LN 2 d + fc1 4 d² + 4 d + fc2 4 d² + d (Linear or 1×1 conv alike), head
+    // LN + fc.
     let convnext = |depths: [u64; 4], dims: [u64; 4]| {
         let mut t = 3 * 16 * dims[0] + dims[0] + 2 * dims[0];
         for i in 0..4 {
@@ -339,10 +340,10 @@ fn timm_parameter_counts_match_the_published_models() {
     }
     rn26 += 2048 * 1000 + 1000;
     // Exact figures published by torchvision for the same architectures (ResNets, vit_b_16,
-    // vit_b_32, vit_l_16, convnext_*); the others by the formulas above. Every one also rounds to
+    // vit_b_32, vit_l_16, convnext_tiny/small/base/large); the others by the formulas above. Every one also rounds to
     // timm's own `param_count` (millions, two decimals) in
     // results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv.
-    let cases: [(&str, u64, f64); 19] = [
+    let cases: [(&str, u64, f64); 20] = [
         ("timm/resnet18", 11_689_512, 11.69),
         ("timm/resnet26", rn26, 16.0),
         ("timm/resnet34", 21_797_672, 21.8),
@@ -358,6 +359,11 @@ fn timm_parameter_counts_match_the_published_models() {
         ("timm/deit_tiny_patch16_224", vit(192, 12, 16, 224), 5.72),
         ("timm/deit_small_patch16_224", vit(384, 12, 16, 224), 22.05),
         ("timm/deit_base_patch16_224", 86_567_656, 86.57),
+        (
+            "timm/convnext_nano",
+            convnext([2, 2, 8, 2], [80, 160, 320, 640]),
+            15.59,
+        ),
         ("timm/convnext_tiny", 28_589_128, 28.59),
         ("timm/convnext_small", 50_223_688, 50.22),
         ("timm/convnext_base", 88_591_464, 88.59),

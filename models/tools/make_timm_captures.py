@@ -40,6 +40,8 @@ CASES = [
     ("convnext_tiny", 2, "fp32", "sgd"),
     ("convnext_tiny", 2, "bf16", "adamw"),
     ("convnext_tiny", 8, "fp32", "sgd-momentum"),
+    ("convnext_nano", 2, "fp32", "sgd-momentum"),
+    ("convnext_nano", 2, "bf16", "adamw"),
 ]
 
 

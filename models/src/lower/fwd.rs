@@ -180,10 +180,13 @@ impl<'g> Lowering<'g> {
             Fwd::New(mut outs, nk, saves) => {
                 let needs_grad = self.grad_mode
                     && casted.iter().enumerate().any(|(j, x)| {
-                        x.requires_grad() && !(matches!(kind, OpKind::ToDtypeOf) && j == 1)
+                        x.requires_grad()
+                            && !(matches!(kind, OpKind::ToDtypeOf | OpKind::AsStridedInplace)
+                                && j == 1)
                     });
                 if needs_grad && !matches!(kind, OpKind::Factory { .. }) {
-                    let dtype_only_arg1 = matches!(kind, OpKind::ToDtypeOf);
+                    let dtype_only_arg1 =
+                        matches!(kind, OpKind::ToDtypeOf | OpKind::AsStridedInplace);
                     self.record_node(nk, &casted, &mut outs, &saves, m, gop, dtype_only_arg1);
                 }
                 outs
@@ -504,9 +507,15 @@ impl<'g> Lowering<'g> {
                 let l = x[0].layout.unsqueeze(*d);
                 Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
             }
+            // AdaptiveAveragePooling.cpp: `out.as_strided_(...)` only when the pooled input (the
+            // second argument) suggests channels-last; otherwise `out` is returned as it is.
             AsStridedInplace => {
-                let l = x[0].layout.clone();
-                Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
+                if x[1].layout.is_channels_last_2d() {
+                    let l = x[0].layout.clone();
+                    Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
+                } else {
+                    Fwd::Alias(self.dup(&x[0]))
+                }
             }
             Slice { dim, .. } => {
                 let len = shape0()[*dim];
@@ -771,7 +780,10 @@ impl<'g> Lowering<'g> {
                 } else {
                     Some(self.alloc(conv_layout(x[0].shape(), cl), x[0].dtype, m, "aten.clone"))
                 };
-                let o = self.alloc(conv_layout(&shape0(), cl), dt, m, name);
+                // The meta kernel (a dispatch-mode capture) returns a contiguous output whatever
+                // the input's format (observed with torch 2.15 on the meta device).
+                let out_cl = cl && self.r.fidelity == Fidelity::Cuda;
+                let o = self.alloc(conv_layout(&shape0(), out_cl), dt, m, name);
                 if let Some(t) = copy {
                     self.drop_rt(t);
                 }

@@ -15,7 +15,8 @@
 //!   `(attn @ v).transpose(1, 2).reshape(B, N, C)`, `proj`. `Mlp`: `fc1`, exact `nn.GELU`, `fc2`
 //!   (dropouts p = 0). LayerNorm eps 1e-6, `qkv_bias=True`. Another image size is
 //!   `create_model(name, img_size=...)`: the same model with `pos_embed` for the new grid.
-//! * **ConvNeXt** (`timm/models/convnext.py`, `conv_mlp=False`: the tiny/small/base/large models):
+//! * **ConvNeXt** (`timm/models/convnext.py`; `conv_mlp=False` for tiny/small/base/large, `True` for
+//!   nano, whose blocks use `LayerNorm2d` and `ConvMlp`'s 1×1 convolutions instead):
 //!   stem `Conv2d(3, d0, 4, 4)` + `LayerNorm2d` (`F.layer_norm(x.permute(0, 2, 3, 1)).permute(0, 3,
 //!   1, 2)`); stages with a downsample (`LayerNorm2d`, `Conv2d(k=2, s=2)`) from the second on;
 //!   `ConvNeXtBlock.forward`: `shortcut = x`, `conv_dw` (7×7 depthwise, `groups=dim`, bias),
@@ -67,6 +68,9 @@ pub struct ConvNextConfig {
     pub depths: [u64; 4],
     /// Channels per stage.
     pub dims: [u64; 4],
+    /// `conv_mlp`: the block's norm is `LayerNorm2d` and its MLP `ConvMlp` (1×1 convolutions on
+    /// the NCHW map) instead of a channels-last `nn.LayerNorm` and `Mlp` of `nn.Linear`s.
+    pub conv_mlp: bool,
 }
 
 /// A timm 0.6 plain `ResNet` (7×7 stem).
@@ -118,12 +122,14 @@ const fn convnext(
     function: &'static str,
     depths: [u64; 4],
     dims: [u64; 4],
+    conv_mlp: bool,
 ) -> TimmConfig {
     TimmConfig::ConvNext(ConvNextConfig {
         name,
         function,
         depths,
         dims,
+        conv_mlp,
     })
 }
 
@@ -142,7 +148,7 @@ const fn resnet(
 }
 
 /// Every timm model of the zoo, with its timm 0.6 definition (`file: function`).
-pub const MODELS: [TimmConfig; 19] = [
+pub const MODELS: [TimmConfig; 20] = [
     resnet(
         "timm/resnet18",
         "resnet.py: resnet18 (BasicBlock, [2, 2, 2, 2])",
@@ -261,28 +267,39 @@ pub const MODELS: [TimmConfig; 19] = [
         768,
     ),
     convnext(
+        "timm/convnext_nano",
+        "convnext.py: convnext_nano (depths [2, 2, 8, 2], dims [80, 160, 320, 640], conv_mlp=True)",
+        [2, 2, 8, 2],
+        [80, 160, 320, 640],
+        true,
+    ),
+    convnext(
         "timm/convnext_tiny",
         "convnext.py: convnext_tiny (depths [3, 3, 9, 3], dims [96, 192, 384, 768])",
         [3, 3, 9, 3],
         [96, 192, 384, 768],
+        false,
     ),
     convnext(
         "timm/convnext_small",
         "convnext.py: convnext_small (depths [3, 3, 27, 3], dims [96, 192, 384, 768])",
         [3, 3, 27, 3],
         [96, 192, 384, 768],
+        false,
     ),
     convnext(
         "timm/convnext_base",
         "convnext.py: convnext_base (depths [3, 3, 27, 3], dims [128, 256, 512, 1024])",
         [3, 3, 27, 3],
         [128, 256, 512, 1024],
+        false,
     ),
     convnext(
         "timm/convnext_large",
         "convnext.py: convnext_large (depths [3, 3, 27, 3], dims [192, 384, 768, 1536])",
         [3, 3, 27, 3],
         [192, 384, 768, 1536],
+        false,
     ),
 ];
 
@@ -548,7 +565,7 @@ fn convnext_forward(b: &mut GraphBuilder, c: &ConvNextConfig, images: T, classes
             let input = x;
             x = b.region(RegionKind::Block, &j.to_string(), |b| {
                 b.hold(input);
-                convnext_block(b, dim, input)
+                convnext_block(b, dim, c.conv_mlp, input)
             });
         }
         b.pop_module("blocks");
@@ -559,15 +576,10 @@ fn convnext_forward(b: &mut GraphBuilder, c: &ConvNextConfig, images: T, classes
     // until forward_head returns.
     b.module("head", |b| {
         b.hold(x);
-        // F.adaptive_avg_pool2d to 1x1 (AdaptiveAveragePooling.cpp) is `mean((-1, -2), keepdim)`
-        // and, for a channels-last input (every ConvNeXt feature map after the stem), an in-place
-        // `out.as_strided_([n, c, 1, 1], [c, 1, c, c])`: no memory in the forward; its backward
-        // (`as_strided_backward`) takes zeros of the output's storage and scatters the gradient
-        // into them.
-        let x = b.module("global_pool", |b| {
-            let m = b.adaptive_avg_pool2d(x, [1, 1]);
-            b.as_strided_inplace(m)
-        });
+        // F.adaptive_avg_pool2d to 1x1: `mean((-1, -2), keepdim)`, plus an in-place
+        // `as_strided_` on a channels-last input (ConvNeXt's features on CUDA), whose backward
+        // allocates zeros of the output.
+        let x = b.module("global_pool", |b| b.adaptive_avg_pool2d(x, [1, 1]));
         let x = layer_norm_2d(b, "norm", x);
         let x = b.flatten(x, 1);
         // drop: p = 0.
@@ -575,19 +587,29 @@ fn convnext_forward(b: &mut GraphBuilder, c: &ConvNextConfig, images: T, classes
     })
 }
 
-/// `ConvNeXtBlock.forward` with `conv_mlp=False`.
-fn convnext_block(b: &mut GraphBuilder, dim: u64, shortcut: T) -> T {
+/// `ConvNeXtBlock.forward`.
+fn convnext_block(b: &mut GraphBuilder, dim: u64, conv_mlp: bool, shortcut: T) -> T {
     // The block's own gamma comes first in model.parameters().
     let gamma = b.param("gamma", &[dim]);
     let x = conv2d_groups(b, "conv_dw", shortcut, dim, 7, 1, 3, dim);
-    let x = b.permute(x, &[0, 2, 3, 1]);
-    let x = b.layer_norm("norm", x);
-    let x = b.module("mlp", |b| {
-        let y = b.linear("fc1", x, 4 * dim, true);
-        let y = b.module("act", |b| b.gelu(y, false));
-        b.linear("fc2", y, dim, true)
-    });
-    let x = b.permute(x, &[0, 3, 1, 2]);
+    let x = if conv_mlp {
+        // LayerNorm2d, then ConvMlp: fc1 (1x1 conv), norm (Identity), act, drop (p = 0), fc2.
+        let x = layer_norm_2d(b, "norm", x);
+        b.module("mlp", |b| {
+            let y = b.conv2d("fc1", x, 4 * dim, 1, 1, 0, true);
+            let y = b.module("act", |b| b.gelu(y, false));
+            b.conv2d("fc2", y, dim, 1, 1, 0, true)
+        })
+    } else {
+        let x = b.permute(x, &[0, 2, 3, 1]);
+        let x = b.layer_norm("norm", x);
+        let x = b.module("mlp", |b| {
+            let y = b.linear("fc1", x, 4 * dim, true);
+            let y = b.module("act", |b| b.gelu(y, false));
+            b.linear("fc2", y, dim, true)
+        });
+        b.permute(x, &[0, 3, 1, 2])
+    };
     let g = b.reshape(gamma, &[1, -1, 1, 1]);
     let x = b.mul(x, g);
     // drop_path: rate 0, Identity.
