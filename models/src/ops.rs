@@ -92,6 +92,8 @@ pub enum OpKind {
     Rsqrt,
     /// `tanh`.
     Tanh,
+    /// `sigmoid` (saves its result).
+    Sigmoid,
     /// `relu` (out of place).
     Relu,
     /// `gelu(approximate=...)` as one ATen op (`nn.GELU`).
@@ -253,6 +255,7 @@ impl OpKind {
             PowScalar(_) => "aten.pow",
             Rsqrt => "aten.rsqrt",
             Tanh => "aten.tanh",
+            Sigmoid => "aten.sigmoid",
             Relu => "aten.relu",
             Gelu { .. } => "aten.gelu",
             Silu => "aten.silu",
@@ -531,6 +534,10 @@ impl GraphBuilder {
     /// `torch.tanh(x)`.
     pub fn tanh(&mut self, x: T) -> T {
         self.unary(OpKind::Tanh, x)
+    }
+    /// `torch.sigmoid(x)` (`nn.Sigmoid`).
+    pub fn sigmoid(&mut self, x: T) -> T {
+        self.unary(OpKind::Sigmoid, x)
     }
     /// `F.relu(x)` (not in place).
     pub fn relu(&mut self, x: T) -> T {

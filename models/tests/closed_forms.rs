@@ -340,10 +340,11 @@ fn timm_parameter_counts_match_the_published_models() {
     }
     rn26 += 2048 * 1000 + 1000;
     // Exact figures published by torchvision for the same architectures (ResNets, vit_b_16,
-    // vit_b_32, vit_l_16, convnext_tiny/small/base/large); the others by the formulas above. Every one also rounds to
+    // vit_b_32, vit_l_16, convnext_tiny/small/base/large, efficientnet_b0); the others by the
+    // formulas above. Every one also rounds to
     // timm's own `param_count` (millions, two decimals) in
     // results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv.
-    let cases: [(&str, u64, f64); 20] = [
+    let cases: [(&str, u64, f64); 21] = [
         ("timm/resnet18", 11_689_512, 11.69),
         ("timm/resnet26", rn26, 16.0),
         ("timm/resnet34", 21_797_672, 21.8),
@@ -359,6 +360,7 @@ fn timm_parameter_counts_match_the_published_models() {
         ("timm/deit_tiny_patch16_224", vit(192, 12, 16, 224), 5.72),
         ("timm/deit_small_patch16_224", vit(384, 12, 16, 224), 22.05),
         ("timm/deit_base_patch16_224", 86_567_656, 86.57),
+        ("timm/efficientnet_b0", 5_288_548, 5.29),
         (
             "timm/convnext_nano",
             convnext([2, 2, 8, 2], [80, 160, 320, 640]),

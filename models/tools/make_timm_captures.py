@@ -42,6 +42,8 @@ CASES = [
     ("convnext_tiny", 8, "fp32", "sgd-momentum"),
     ("convnext_nano", 2, "fp32", "sgd-momentum"),
     ("convnext_nano", 2, "bf16", "adamw"),
+    ("efficientnet_b0", 2, "fp32", "sgd-momentum"),
+    ("efficientnet_b0", 4, "bf16", "adamw"),
 ]
 
 

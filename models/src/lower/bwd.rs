@@ -466,9 +466,10 @@ impl<'g> Lowering<'g> {
             }
             // derivatives.yaml tanh/relu/gelu/silu: tanh_backward(grad, result), threshold_backward(grad, result, 0),
             // gelu_backward(grad, self), silu_backward(grad, self).
-            Tanh | Relu | ReluInplace | Gelu { .. } | Silu => {
+            Tanh | Sigmoid | Relu | ReluInplace | Gelu { .. } | Silu => {
                 let name = match op {
                     Tanh => "aten.tanh_backward",
+                    Sigmoid => "aten.sigmoid_backward",
                     Relu | ReluInplace => "aten.threshold_backward",
                     Gelu { .. } => "aten.gelu_backward",
                     _ => "aten.silu_backward",

@@ -585,16 +585,17 @@ impl<'g> Lowering<'g> {
             | PowScalar(_)
             | Rsqrt
             | Tanh
+            | Sigmoid
             | Relu
             | Gelu { .. }
             | Silu => {
                 let l = elementwise_layout(x[0].shape(), &[&x[0].layout]);
                 let o = self.alloc(l, x[0].dtype, m, name);
-                // derivatives.yaml: pow.Tensor_Scalar, gelu, silu save self; rsqrt, tanh, relu save
-                // result; add/mul/div by a scalar and neg save nothing on the device.
+                // derivatives.yaml: pow.Tensor_Scalar, gelu, silu save self; rsqrt, tanh, sigmoid,
+                // relu save result; add/mul/div by a scalar and neg save nothing on the device.
                 let saves = match kind {
                     PowScalar(_) | Gelu { .. } | Silu => vec![Save::In(0)],
-                    Rsqrt | Tanh | Relu => vec![Save::Out(0)],
+                    Rsqrt | Tanh | Sigmoid | Relu => vec![Save::Out(0)],
                     _ => vec![],
                 };
                 Fwd::New(vec![o], op_kind, saves)

@@ -33,7 +33,7 @@ use crate::recipe::{Attention, Precision, Recipe};
 pub use nn::{Activation, AttnImpl};
 
 /// Every zoo name, in the order `vramsim predict` lists them.
-pub const NAMES: [&str; 39] = [
+pub const NAMES: [&str; 40] = [
     "mlp",
     "resnet18",
     "resnet34",
@@ -68,6 +68,7 @@ pub const NAMES: [&str; 39] = [
     "timm/deit_tiny_patch16_224",
     "timm/deit_small_patch16_224",
     "timm/deit_base_patch16_224",
+    "timm/efficientnet_b0",
     "timm/convnext_nano",
     "timm/convnext_tiny",
     "timm/convnext_small",

@@ -86,6 +86,38 @@ pub struct ResNetConfig {
     pub layers: [u64; 4],
 }
 
+/// One stage of a timm 0.6 EfficientNet (`decode_arch_def`'s block strings).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EffStage {
+    /// `ds` (`DepthwiseSeparableConv`) when false, `ir` (`InvertedResidual`) when true.
+    pub inverted: bool,
+    /// Blocks (`r`).
+    pub repeats: u64,
+    /// Depthwise kernel (`k`).
+    pub kernel: u64,
+    /// Stride of the first block (`s`).
+    pub stride: u64,
+    /// Expansion (`e`).
+    pub expand: u64,
+    /// Output channels (`c`).
+    pub out: u64,
+}
+
+/// A timm 0.6 `EfficientNet` (`_gen_efficientnet`, channel and depth multipliers 1.0).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EfficientNetConfig {
+    /// Zoo name (`timm/...`).
+    pub name: &'static str,
+    /// timm's registered function.
+    pub function: &'static str,
+    /// `stem_size`.
+    pub stem: u64,
+    /// The stages of `arch_def` (all with `se0.25`).
+    pub stages: &'static [EffStage],
+    /// `num_features` of `conv_head`.
+    pub features: u64,
+}
+
 /// A timm model.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TimmConfig {
@@ -95,6 +127,26 @@ pub enum TimmConfig {
     ConvNext(ConvNextConfig),
     /// `ResNet`.
     ResNet(ResNetConfig),
+    /// `EfficientNet`.
+    EfficientNet(EfficientNetConfig),
+}
+
+const fn eff(
+    inverted: bool,
+    repeats: u64,
+    kernel: u64,
+    stride: u64,
+    expand: u64,
+    out: u64,
+) -> EffStage {
+    EffStage {
+        inverted,
+        repeats,
+        kernel,
+        stride,
+        expand,
+        out,
+    }
 }
 
 const fn vit(
@@ -148,7 +200,7 @@ const fn resnet(
 }
 
 /// Every timm model of the zoo, with its timm 0.6 definition (`file: function`).
-pub const MODELS: [TimmConfig; 20] = [
+pub const MODELS: [TimmConfig; 21] = [
     resnet(
         "timm/resnet18",
         "resnet.py: resnet18 (BasicBlock, [2, 2, 2, 2])",
@@ -266,6 +318,21 @@ pub const MODELS: [TimmConfig; 20] = [
         12,
         768,
     ),
+    TimmConfig::EfficientNet(EfficientNetConfig {
+        name: "timm/efficientnet_b0",
+        function: "efficientnet.py: efficientnet_b0 (_gen_efficientnet: ds_r1_k3_s1_e1_c16_se0.25, ir_r2_k3_s2_e6_c24_se0.25, ir_r2_k5_s2_e6_c40_se0.25, ir_r3_k3_s2_e6_c80_se0.25, ir_r3_k5_s1_e6_c112_se0.25, ir_r4_k5_s2_e6_c192_se0.25, ir_r1_k3_s1_e6_c320_se0.25, SiLU)",
+        stem: 32,
+        stages: &[
+            eff(false, 1, 3, 1, 1, 16),
+            eff(true, 2, 3, 2, 6, 24),
+            eff(true, 2, 5, 2, 6, 40),
+            eff(true, 3, 3, 2, 6, 80),
+            eff(true, 3, 5, 1, 6, 112),
+            eff(true, 4, 5, 2, 6, 192),
+            eff(true, 1, 3, 1, 6, 320),
+        ],
+        features: 1280,
+    }),
     convnext(
         "timm/convnext_nano",
         "convnext.py: convnext_nano (depths [2, 2, 8, 2], dims [80, 160, 320, 640], conv_mlp=True)",
@@ -315,6 +382,7 @@ impl TimmConfig {
             TimmConfig::Vit(c) => c.name,
             TimmConfig::ConvNext(c) => c.name,
             TimmConfig::ResNet(c) => c.name,
+            TimmConfig::EfficientNet(c) => c.name,
         }
     }
 
@@ -324,6 +392,7 @@ impl TimmConfig {
             TimmConfig::Vit(c) => c.function,
             TimmConfig::ConvNext(c) => c.function,
             TimmConfig::ResNet(c) => c.function,
+            TimmConfig::EfficientNet(c) => c.function,
         }
     }
 
@@ -385,6 +454,12 @@ impl TimmConfig {
                 vec![b, classes],
                 vec![classes, 512 * c.block.expansion()],
             ],
+            TimmConfig::EfficientNet(c) => vec![
+                vec![b, 6 * c.stages[0].out, h / 2, w / 2],
+                vec![b, c.stem, h / 2, w / 2],
+                vec![b, classes],
+                vec![classes, c.features],
+            ],
         }
     }
 
@@ -409,6 +484,7 @@ impl TimmConfig {
             TimmConfig::Vit(c) => vit_forward(&mut b, c, images, image, classes),
             TimmConfig::ConvNext(c) => convnext_forward(&mut b, c, images, classes),
             TimmConfig::ResNet(c) => resnet_forward(&mut b, c, images, classes),
+            TimmConfig::EfficientNet(c) => efficientnet_forward(&mut b, c, images, classes),
         };
         classifier_loss(&mut b, logits, labels);
         b.finish()
@@ -694,4 +770,121 @@ fn resnet_block(
     let out = b.add_(out, shortcut);
     let act = if kind == Block::Basic { "act2" } else { "act3" };
     b.module(act, |b| b.relu_(out))
+}
+
+// ------------------------------------------------------------------------------------ EfficientNet
+
+/// timm's `BatchNormAct2d.forward`: `self.num_batches_tracked = self.num_batches_tracked + 1`
+/// (out of place, unlike `nn.BatchNorm2d`'s `add_`: a new int64 scalar, the old one freed when
+/// the attribute is rebound; modelled as a new scalar freed at once, the same sizes in the same
+/// order), `F.batch_norm`, then with `act` `nn.SiLU(inplace=True)`. In-place `silu_` saves a
+/// clone of its input (autograd's rule for an in-place op whose formula reads `self`) and writes
+/// the result into the input's storage: the same bytes, at the same times, as the out-of-place
+/// `silu` modelled here.
+fn bn_act(b: &mut GraphBuilder, name: &str, x: T, act: bool) -> T {
+    let c = b.shape(x)[1];
+    let y = b.module(name, |b| {
+        let w = b.param("weight", &[c]);
+        let bias = b.param("bias", &[c]);
+        let rm = b.buffer("running_mean", &[c], DTypeSpec::Model);
+        let rv = b.buffer("running_var", &[c], DTypeSpec::Model);
+        let n = b.buffer("num_batches_tracked", &[], DTypeSpec::Fixed(DType::I64));
+        let _bumped = b.factory("aten.add", &[n], &[], DTypeSpec::Fixed(DType::I64), vec![]);
+        b.batch_norm_op(x, w, bias, rm, rv)
+    });
+    if act {
+        b.module(name, |b| b.module("act", |b| b.silu(y)))
+    } else {
+        y
+    }
+}
+
+/// A bias-free `create_conv2d` with timm's symmetric padding `((s - 1) + (k - 1)) // 2`.
+fn eff_conv(b: &mut GraphBuilder, name: &str, x: T, out: u64, k: u64, s: u64, groups: u64) -> T {
+    let cin = b.shape(x)[1];
+    let pad = ((s - 1) + (k - 1)) / 2;
+    b.module(name, |b| {
+        let w = b.param("weight", &[out, cin / groups, k, k]);
+        b.conv2d_op(x, w, None, [s; 2], [pad; 2], [1, 1], groups)
+    })
+}
+
+/// `SqueezeExcite.forward`: `x * gate(conv_expand(act1(conv_reduce(x.mean((2, 3), keepdim)))))`.
+fn squeeze_excite(b: &mut GraphBuilder, x: T, rd: u64) -> T {
+    b.module("se", |b| {
+        let c = b.shape(x)[1];
+        let s = b.mean_dims(x, &[2, 3], true);
+        let s = b.conv2d("conv_reduce", s, rd, 1, 1, 0, true);
+        let s = b.module("act1", |b| b.silu(s));
+        let s = b.conv2d("conv_expand", s, c, 1, 1, 0, true);
+        // The local x_se holds conv_expand's output until the method returns.
+        b.hold(s);
+        let g = b.module("gate", |b| b.sigmoid(s));
+        b.mul(x, g)
+    })
+}
+
+/// `EfficientNet.forward` (drop_rate and drop_path_rate 0).
+fn efficientnet_forward(
+    b: &mut GraphBuilder,
+    c: &EfficientNetConfig,
+    images: T,
+    classes: u64,
+) -> T {
+    let x = eff_conv(b, "conv_stem", images, c.stem, 3, 2, 1);
+    let mut x = bn_act(b, "bn1", x, true);
+    let mut cin = c.stem;
+    b.push_module("blocks");
+    for (i, st) in c.stages.iter().enumerate() {
+        b.push_module(&i.to_string());
+        for j in 0..st.repeats {
+            let s = if j == 0 { st.stride } else { 1 };
+            let input = x;
+            // SqueezeExcite channels: round(in_chs * 0.25) (se_ratio / exp_ratio of mid_chs).
+            let rd = (cin as f64 * 0.25).round() as u64;
+            let skip = s == 1 && cin == st.out;
+            x = b.region(RegionKind::Block, &j.to_string(), |b| {
+                b.hold(input);
+                let y = if st.inverted {
+                    // InvertedResidual: conv_pw, bn1, conv_dw, bn2, se, conv_pwl, bn3 (no act).
+                    let mid = cin * st.expand;
+                    let y = eff_conv(b, "conv_pw", input, mid, 1, 1, 1);
+                    let y = bn_act(b, "bn1", y, true);
+                    let y = eff_conv(b, "conv_dw", y, mid, st.kernel, s, mid);
+                    let y = bn_act(b, "bn2", y, true);
+                    let y = squeeze_excite(b, y, rd);
+                    let y = eff_conv(b, "conv_pwl", y, st.out, 1, 1, 1);
+                    bn_act(b, "bn3", y, false)
+                } else {
+                    // DepthwiseSeparableConv: conv_dw, bn1, se, conv_pw, bn2 (no act).
+                    let y = eff_conv(b, "conv_dw", input, cin, st.kernel, s, cin);
+                    let y = bn_act(b, "bn1", y, true);
+                    let y = squeeze_excite(b, y, rd);
+                    let y = eff_conv(b, "conv_pw", y, st.out, 1, 1, 1);
+                    bn_act(b, "bn2", y, false)
+                };
+                // x = drop_path(x) + shortcut (drop_path Identity).
+                if skip {
+                    b.add(y, input)
+                } else {
+                    y
+                }
+            });
+            cin = st.out;
+        }
+        b.pop_module(&i.to_string());
+    }
+    b.pop_module("blocks");
+    let x = eff_conv(b, "conv_head", x, c.features, 1, 1, 1);
+    let x = bn_act(b, "bn2", x, true);
+    // forward() keeps the features alive until forward_head returns.
+    b.push_module("");
+    b.hold(x);
+    let x = b.module("global_pool", |b| {
+        let x = b.module("pool", |b| b.adaptive_avg_pool2d(x, [1, 1]));
+        b.module("flatten", |b| b.flatten(x, 1))
+    });
+    let logits = b.linear("classifier", x, classes, true);
+    b.pop_module("");
+    logits
 }

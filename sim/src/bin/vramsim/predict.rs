@@ -45,8 +45,8 @@ pub struct PredictArgs {
     /// timm/vit_tiny_patch16_224, timm/vit_small_patch16_224, timm/vit_base_patch32_224,
     /// timm/vit_base_patch16_224, timm/vit_base_patch16_384, timm/vit_large_patch16_224,
     /// timm/deit_tiny_patch16_224, timm/deit_small_patch16_224, timm/deit_base_patch16_224,
-    /// timm/convnext_nano, timm/convnext_tiny, timm/convnext_small, timm/convnext_base,
-    /// timm/convnext_large.
+    /// timm/efficientnet_b0, timm/convnext_nano, timm/convnext_tiny, timm/convnext_small,
+    /// timm/convnext_base, timm/convnext_large.
     #[arg(long, value_name = "NAME")]
     pub model: Option<String>,
     /// A HuggingFace config.json (model_type gpt2, bert, llama, mistral or qwen2) instead of a zoo
