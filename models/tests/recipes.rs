@@ -44,6 +44,7 @@ fn every_option_lowers_to_a_consistent_trace() {
         "timm/vit_tiny_patch16_224",
         "timm/convnext_tiny",
         "timm/resnet26",
+        "timm/efficientnet_b0",
     ];
     for model in models {
         let seq = zoo::Arch::from_name(model)
