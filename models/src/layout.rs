@@ -190,6 +190,60 @@ impl Layout {
         l
     }
 
+    /// `suggest_memory_format() == ChannelsLast` for a 4-D tensor: c10's
+    /// `is_channels_last_strides_2d_s4` (`c10/core/MemoryFormat.h`), which walks the dimensions in
+    /// the order C, W, H, N requiring non-decreasing strides and falls back to NCHW in the
+    /// ambiguous cases (a zero channel stride, `N111`-like tensors whose batch stride equals the
+    /// channel stride). Contiguous NCHW tensors, including `[O, I, 1, 1]` and depthwise
+    /// `[C, 1, k, k]` weights, are not channels-last; `x.permute(0, 3, 1, 2)` of a contiguous NHWC
+    /// tensor is.
+    pub fn is_channels_last_2d(&self) -> bool {
+        if self.dim() != 4 || self.strides[1] == 0 {
+            return false;
+        }
+        let mut min = 0u64;
+        for d in [1usize, 3, 2, 0] {
+            if self.shape[d] == 0 || self.strides[d] < min {
+                return false;
+            }
+            if d == 0 && min == self.strides[1] {
+                return false;
+            }
+            min = self.strides[d];
+            if self.shape[d] > 1 {
+                min *= self.shape[d];
+            }
+        }
+        true
+    }
+
+    /// `is_contiguous(memory_format=torch.channels_last)` of a 4-D tensor: dense in the order
+    /// N, H, W, C (size-1 dimensions may have any stride).
+    pub fn is_channels_last_contiguous(&self) -> bool {
+        if self.dim() != 4 {
+            return false;
+        }
+        let mut expected = 1u64;
+        for d in [1usize, 3, 2, 0] {
+            let s = self.shape[d];
+            if s == 0 {
+                return true;
+            }
+            if s != 1 {
+                if self.strides[d] != expected {
+                    return false;
+                }
+                expected *= s;
+            }
+        }
+        true
+    }
+
+    /// A channels-last layout of the 4-D `shape` (`empty(shape, memory_format=channels_last)`).
+    pub fn channels_last(shape: &[u64]) -> Layout {
+        dense_in_order(shape, &[0, 2, 3, 1])
+    }
+
     /// The layout `empty_like(self)` gives with `preserve_format`: the same dimension order when
     /// the tensor is non-overlapping and dense, else contiguous.
     pub fn empty_like(&self) -> Layout {
@@ -310,6 +364,30 @@ mod tests {
             .transpose(2, 3)
             .transpose(1, 2);
         assert!(g.view_strides(&[2, 128, 768]).is_some());
+    }
+
+    #[test]
+    fn channels_last_is_suggested_as_c10_does() {
+        // LayerNorm2d: a contiguous NHWC tensor permuted to NCHW is channels-last.
+        let nhwc = Layout::contiguous(&[8, 56, 56, 96]).permute(&[0, 3, 1, 2]);
+        assert!(nhwc.is_channels_last_2d());
+        assert!(nhwc.is_channels_last_contiguous());
+        assert!(!nhwc.is_contiguous());
+        assert_eq!(nhwc, Layout::channels_last(&[8, 96, 56, 56]));
+        // Contiguous NCHW tensors and weights (1x1, depthwise [C, 1, k, k]) are not.
+        for shape in [
+            [8, 96, 56, 56],
+            [256, 64, 1, 1],
+            [96, 1, 7, 7],
+            [8, 2048, 1, 1],
+        ] {
+            assert!(
+                !Layout::contiguous(&shape).is_channels_last_2d(),
+                "{shape:?}"
+            );
+        }
+        // N111: ambiguous, NCHW (c10's fallback).
+        assert!(!Layout::contiguous(&[8, 1, 1, 1]).is_channels_last_2d());
     }
 
     #[test]

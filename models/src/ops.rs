@@ -54,6 +54,10 @@ pub enum OpKind {
         /// First index.
         start: u64,
     },
+    /// `x.as_strided_(sizes, strides)` with the same sizes, when the second input suggests
+    /// channels-last (the restride of `adaptive_avg_pool2d`'s 1×1 output): a view; its backward
+    /// (`as_strided_backward`) scatters the gradient into zeros of the storage. Otherwise `x`.
+    AsStridedInplace,
     /// `split_with_sizes(sizes, dim)`: one view per output.
     Split {
         /// Dimension.
@@ -93,6 +97,8 @@ pub enum OpKind {
     Rsqrt,
     /// `tanh`.
     Tanh,
+    /// `sigmoid` (saves its result).
+    Sigmoid,
     /// `relu` (out of place).
     Relu,
     /// `gelu(approximate=...)` as one ATen op (`nn.GELU`).
@@ -249,6 +255,7 @@ impl OpKind {
             Expand => "aten.expand",
             Unsqueeze(_) => "aten.unsqueeze",
             Slice { .. } => "aten.slice",
+            AsStridedInplace => "aten.as_strided_",
             Split { .. } => "aten.split_with_sizes",
             Clone { .. } => "aten.clone",
             ToDtype(_) | ToDtypeOf => "aten._to_copy",
@@ -260,6 +267,7 @@ impl OpKind {
             PowScalar(_) => "aten.pow",
             Rsqrt => "aten.rsqrt",
             Tanh => "aten.tanh",
+            Sigmoid => "aten.sigmoid",
             Relu => "aten.relu",
             Gelu { .. } => "aten.gelu",
             Silu => "aten.silu",
@@ -311,6 +319,7 @@ impl OpKind {
                 | Expand
                 | Unsqueeze(_)
                 | Slice { .. }
+                | AsStridedInplace
                 | Split { .. }
                 | Select { .. }
         )
@@ -427,6 +436,16 @@ impl GraphBuilder {
         self.op1(OpKind::Slice { dim, start }, &[x], s, d)
     }
 
+    /// `if input.suggest_memory_format() == ChannelsLast: x.as_strided_(x.size(), strides)`:
+    /// restrides `x` in place without changing its sizes (no memory) when `input` — the tensor `x`
+    /// was pooled from — suggests channels-last (decided at lowering, where strides are known);
+    /// the gradient then goes through `as_strided_backward`, which allocates zeros of the storage
+    /// (see [`OpKind::AsStridedInplace`]). Otherwise `x` itself.
+    pub fn as_strided_if_channels_last(&mut self, x: T, input: T) -> T {
+        let (s, d) = (self.shape(x), self.dtype(x));
+        self.op1(OpKind::AsStridedInplace, &[x, input], s, d)
+    }
+
     /// `x.split(sizes, dim)` (`split_with_sizes`): views.
     pub fn split(&mut self, x: T, sizes: &[u64], dim: isize) -> Vec<T> {
         let s = self.shape(x);
@@ -532,6 +551,10 @@ impl GraphBuilder {
     /// `torch.tanh(x)`.
     pub fn tanh(&mut self, x: T) -> T {
         self.unary(OpKind::Tanh, x)
+    }
+    /// `torch.sigmoid(x)` (`nn.Sigmoid`).
+    pub fn sigmoid(&mut self, x: T) -> T {
+        self.unary(OpKind::Sigmoid, x)
     }
     /// `F.relu(x)` (not in place).
     pub fn relu(&mut self, x: T) -> T {
@@ -1078,10 +1101,14 @@ impl GraphBuilder {
     }
 
     /// `F.adaptive_avg_pool2d(x, out)`: `x.mean((-1, -2), keepdim=True)` for a 1×1 output (ATen's
-    /// shortcut), else `_adaptive_avg_pool2d`.
+    /// shortcut; `as_strided_` to channels-last strides when `x` suggests channels-last), else
+    /// `_adaptive_avg_pool2d`.
     pub fn adaptive_avg_pool2d(&mut self, x: T, out: [u64; 2]) -> T {
         if out == [1, 1] {
-            return self.mean_dims(x, &[-1, -2], true);
+            // AdaptiveAveragePooling.cpp: `input.mean({-1, -2}, keepdim=true)`, restrided in place
+            // to channels-last when the input suggests it.
+            let m = self.mean_dims(x, &[-1, -2], true);
+            return self.as_strided_if_channels_last(m, x);
         }
         let mut s = self.shape(x);
         if s.len() != 4 {

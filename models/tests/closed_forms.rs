@@ -308,3 +308,101 @@ fn checkpointing_keeps_only_block_inputs() {
         .sum();
     assert_eq!(h5, 4 * s * bsz * 768);
 }
+
+#[test]
+fn timm_parameter_counts_match_the_published_models() {
+    // ViT (timm VisionTransformer, class token, no layer scale): cls_token D, pos_embed (N + 1) D,
+    // patch_embed 3 p² D + D, per block 12 D² + 13 D, final norm 2 D, head D K + K.
+    let vit = |d: u64, l: u64, p: u64, img: u64| {
+        let n = (img / p) * (img / p);
+        d + (n + 1) * d + (3 * p * p * d + d) + l * (12 * d * d + 13 * d) + 2 * d + d * 1000 + 1000
+    };
+    // ConvNeXt: stem 4×4 conv + LayerNorm2d, downsample LN + 2×2 conv, per block gamma d +
+    // depthwise 49 d + d + LN 2 d + fc1 4 d² + 4 d + fc2 4 d² + d (Linear or 1×1 conv alike), head
+    // LN + fc.
+    let convnext = |depths: [u64; 4], dims: [u64; 4]| {
+        let mut t = 3 * 16 * dims[0] + dims[0] + 2 * dims[0];
+        for i in 0..4 {
+            if i > 0 {
+                t += 2 * dims[i - 1] + 4 * dims[i - 1] * dims[i] + dims[i];
+            }
+            t += depths[i] * (8 * dims[i] * dims[i] + 58 * dims[i]);
+        }
+        t + 2 * dims[3] + dims[3] * 1000 + 1000
+    };
+    // ResNet-26 (Bottleneck [2, 2, 2, 2]), by hand: stem 3·49·64 + BN 128; per stage the
+    // bottleneck convs (in·p, 9 p², 4 p²) with three BNs (2p, 2p, 8p), the downsample (in·4p + 8p)
+    // in each stage's first block; fc 2048·1000 + 1000.
+    let mut rn26 = 3 * 49 * 64 + 128;
+    let mut inp = 64;
+    for i in 0..4 {
+        let p = 64u64 << i;
+        for j in 0..2 {
+            rn26 += inp * p + 2 * p + 9 * p * p + 2 * p + 4 * p * p + 8 * p;
+            if j == 0 {
+                rn26 += inp * 4 * p + 8 * p;
+            }
+            inp = 4 * p;
+        }
+    }
+    rn26 += 2048 * 1000 + 1000;
+    // Exact figures published by torchvision for the same architectures (ResNets, vit_b_16,
+    // vit_b_32, vit_l_16, convnext_tiny/small/base/large, efficientnet_b0); the others by the
+    // formulas above. Every one also rounds to
+    // timm's own `param_count` (millions, two decimals) in
+    // results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv.
+    let cases: [(&str, u64, f64); 21] = [
+        ("timm/resnet18", 11_689_512, 11.69),
+        ("timm/resnet26", rn26, 16.0),
+        ("timm/resnet34", 21_797_672, 21.8),
+        ("timm/resnet50", 25_557_032, 25.56),
+        ("timm/resnet101", 44_549_160, 44.55),
+        ("timm/resnet152", 60_192_808, 60.19),
+        ("timm/vit_tiny_patch16_224", vit(192, 12, 16, 224), 5.72),
+        ("timm/vit_small_patch16_224", vit(384, 12, 16, 224), 22.05),
+        ("timm/vit_base_patch32_224", 88_224_232, 88.22),
+        ("timm/vit_base_patch16_224", 86_567_656, 86.57),
+        ("timm/vit_base_patch16_384", vit(768, 12, 16, 384), 86.86),
+        ("timm/vit_large_patch16_224", 304_326_632, 304.33),
+        ("timm/deit_tiny_patch16_224", vit(192, 12, 16, 224), 5.72),
+        ("timm/deit_small_patch16_224", vit(384, 12, 16, 224), 22.05),
+        ("timm/deit_base_patch16_224", 86_567_656, 86.57),
+        ("timm/efficientnet_b0", 5_288_548, 5.29),
+        (
+            "timm/convnext_nano",
+            convnext([2, 2, 8, 2], [80, 160, 320, 640]),
+            15.59,
+        ),
+        ("timm/convnext_tiny", 28_589_128, 28.59),
+        ("timm/convnext_small", 50_223_688, 50.22),
+        ("timm/convnext_base", 88_591_464, 88.59),
+        ("timm/convnext_large", 197_767_336, 197.77),
+    ];
+    assert_eq!(vit(768, 12, 16, 224), 86_567_656);
+    assert_eq!(vit(768, 12, 32, 224), 88_224_232);
+    assert_eq!(vit(1024, 24, 16, 224), 304_326_632);
+    assert_eq!(convnext([3, 3, 9, 3], [96, 192, 384, 768]), 28_589_128);
+    assert_eq!(convnext([3, 3, 27, 3], [96, 192, 384, 768]), 50_223_688);
+    assert_eq!(convnext([3, 3, 27, 3], [128, 256, 512, 1024]), 88_591_464);
+    assert_eq!(convnext([3, 3, 27, 3], [192, 384, 768, 1536]), 197_767_336);
+    let r = Recipe::new(2, 1);
+    for (name, n, csv_millions) in cases {
+        assert_eq!(
+            (n as f64 / 1e4).round() / 100.0,
+            csv_millions,
+            "{name} against timm's CSV"
+        );
+        assert_eq!(zoo::build(name, &r).unwrap().param_count(), n, "{name}");
+    }
+    // num_classes and image_size change the head and the position embedding as
+    // timm.create_model(name, num_classes=10, img_size=384) does.
+    let mut r10 = Recipe::new(2, 1);
+    r10.num_classes = Some(10);
+    r10.image_size = Some((384, 384));
+    let g = zoo::build("timm/vit_base_patch16_224", &r10).unwrap();
+    assert_eq!(
+        g.param_count(),
+        vit(768, 12, 16, 384) - 990 * 768 - 990,
+        "vit_base_patch16_224 at 384, 10 classes"
+    );
+}

@@ -68,12 +68,16 @@ fn recipe_of(fx: &serde_json::Value) -> Option<Recipe> {
 #[test]
 fn peaks_agree_with_pytorch_captures() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut files: Vec<_> = ["tests/fixtures/capture", "tests/captures"]
-        .iter()
-        .filter_map(|d| std::fs::read_dir(root.join(d)).ok())
-        .flat_map(|entries| entries.flatten().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .collect();
+    let mut files: Vec<_> = [
+        "tests/fixtures/capture",
+        "tests/captures",
+        "tests/captures_timm",
+    ]
+    .iter()
+    .filter_map(|d| std::fs::read_dir(root.join(d)).ok())
+    .flat_map(|entries| entries.flatten().map(|e| e.path()))
+    .filter(|p| p.extension().is_some_and(|x| x == "json"))
+    .collect();
     files.sort();
     assert!(files.len() >= 72, "fixtures missing: {} found", files.len());
     let mut rows = Vec::new();

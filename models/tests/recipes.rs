@@ -49,6 +49,10 @@ fn every_option_lowers_to_a_consistent_trace() {
         "resnet50",
         "vgg16",
         "vit-b-16",
+        "timm/vit_tiny_patch16_224",
+        "timm/convnext_tiny",
+        "timm/resnet26",
+        "timm/efficientnet_b0",
     ];
     for model in models {
         let seq = zoo::Arch::from_name(model)
@@ -101,11 +105,12 @@ fn every_option_lowers_to_a_consistent_trace() {
                 // is a narrow view of cat's; when AccumulateGrad steals it, `.grad` keeps the
                 // whole [1, 197, 768] buffer alive (PyTorch steals by tensor use count, the
                 // lowering by storage references: README, "Not modelled").
-                let stolen_view = if model == "vit-b-16" {
-                    let b = if r.precision == Precision::Bf16 { 2 } else { 4 };
-                    196 * 768 * b
-                } else {
-                    0
+                // The same for timm's cls_token (`torch.cat((cls_token.expand(B, -1, -1), x), 1)`).
+                let b = if r.precision == Precision::Bf16 { 2 } else { 4 };
+                let stolen_view = match model {
+                    "vit-b-16" => 196 * 768 * b,
+                    "timm/vit_tiny_patch16_224" => 196 * 192 * b,
+                    _ => 0,
                 };
                 let expected = if r.zero_grad == ZeroGrad::Zero {
                     params
@@ -456,4 +461,36 @@ fn forced_backends_lower_consistently_or_say_why_not() {
         .attention_kernel(&r)
         .unwrap()
         .is_none());
+}
+
+#[test]
+fn timm_models_reject_impossible_image_sizes_and_class_counts() {
+    let mut r = Recipe::new(2, 1);
+    r.image_size = Some((8, 224));
+    let e = zoo::build("timm/vit_base_patch16_224", &r)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("image_size") && e.contains("16x16 patch"), "{e}");
+    r.image_size = Some((0, 0));
+    let e = zoo::build("timm/convnext_tiny", &r)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("image_size") && e.contains("32x32"), "{e}");
+    r.image_size = None;
+    r.num_classes = Some(0);
+    let e = zoo::build("timm/resnet50", &r).unwrap_err().to_string();
+    assert!(e.contains("num_classes"), "{e}");
+    let e = zoo::build("timm/resnet51", &Recipe::new(2, 1))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("timm/resnet50") && e.contains("timm/convnext_tiny"),
+        "{e}"
+    );
+    // A non-square image builds (timm's PatchEmbed takes an (h, w) img_size).
+    r.num_classes = None;
+    r.image_size = Some((224, 320));
+    let g = zoo::build("timm/vit_small_patch16_224", &r).unwrap();
+    let t = lower(&g, &r).unwrap();
+    assert!(peak_requested(&t) > 0);
 }

@@ -365,6 +365,12 @@ impl<'g> Lowering<'g> {
                     self.alloc(Layout::contiguous(&s), g.dtype, m, "aten.sum")
                 });
             }
+            // as_strided_backward: `grad.new_zeros(storage size)`, the gradient scattered into it,
+            // returned as the input's gradient.
+            AsStridedInplace => {
+                let s = meta(0).layout.shape;
+                out[0] = Some(self.alloc(Layout::contiguous(&s), g.dtype, m, "aten.new_zeros"));
+            }
             Slice { .. } => {
                 let s = meta(0).layout.shape;
                 out[0] = Some(if s == g.layout.shape {
@@ -463,9 +469,10 @@ impl<'g> Lowering<'g> {
             }
             // derivatives.yaml tanh/relu/gelu/silu: tanh_backward(grad, result), threshold_backward(grad, result, 0),
             // gelu_backward(grad, self), silu_backward(grad, self).
-            Tanh | Relu | ReluInplace | Gelu { .. } | Silu => {
+            Tanh | Sigmoid | Relu | ReluInplace | Gelu { .. } | Silu => {
                 let name = match op {
                     Tanh => "aten.tanh_backward",
+                    Sigmoid => "aten.sigmoid_backward",
                     Relu | ReluInplace => "aten.threshold_backward",
                     Gelu { .. } => "aten.gelu_backward",
                     _ => "aten.silu_backward",
@@ -563,8 +570,10 @@ impl<'g> Lowering<'g> {
             LayerNorm => {
                 // layer_norm_backward_cuda: `X = input.expect_contiguous()` (a copy of a saved
                 // non-contiguous input), grad_input, grad_weight, grad_bias, then `dY.contiguous()`
-                // for the kernel; the copies go when it returns.
-                let xc = if meta(0).layout.is_contiguous() {
+                // for the kernel; the copies go when it returns (inside the CUDA kernel: not in a
+                // dispatch-mode capture).
+                let cuda = self.r.fidelity == Fidelity::Cuda;
+                let xc = if meta(0).layout.is_contiguous() || !cuda {
                     None
                 } else {
                     let x = meta(0);
@@ -586,7 +595,7 @@ impl<'g> Lowering<'g> {
                         ));
                     }
                 }
-                if !g.layout.is_contiguous() {
+                if !g.layout.is_contiguous() && cuda {
                     let t = self.alloc(
                         Layout::contiguous(&g.layout.shape),
                         g.dtype,
@@ -601,12 +610,34 @@ impl<'g> Lowering<'g> {
             }
             // convolution_backward (cuDNN: backward_input, then backward_weight; the bias gradient
             // `grad.sum([0, 2, 3])` after both), each only when its input needs it.
+            //
+            // Memory format (`Convolution.cpp` `convolution_backward`): the backend format of the
+            // forward (channels-last when the input or weight suggested it); cuDNN's
+            // `cudnn_convolution_backward` (`ConvShared.cpp`) takes
+            // `grad_output_t.to(input.suggest_memory_format())` (a copy when the gradient arrives in
+            // another layout, e.g. through ViT's `flatten(2).transpose(1, 2)` or `LayerNorm2d`'s
+            // permute, freed on return; inside the CUDA kernel, so not in a dispatch-mode capture),
+            // grad_input and grad_weight allocated in it (`cudnn_convolution_backward_input` /
+            // `_weight`: `cudnn_conv_suggest_memory_format`); the bias gradient is `[C]`.
             Conv2d { .. } => {
+                let cl = super::fwd::conv_channels_last(&meta(0).layout, &meta(1).layout);
+                let gcopy = if self.r.fidelity != Fidelity::Cuda
+                    || super::fwd::in_conv_format(&g.layout, cl)
+                {
+                    None
+                } else {
+                    Some(self.alloc(
+                        super::fwd::conv_layout(&g.layout.shape, cl),
+                        g.dtype,
+                        m,
+                        "aten.clone",
+                    ))
+                };
                 for (i, o) in out.iter_mut().enumerate().take(3) {
                     if need(i) {
                         let x = meta(i);
                         *o = Some(self.alloc(
-                            Layout::contiguous(&x.layout.shape),
+                            super::fwd::conv_layout(&x.layout.shape, cl),
                             x.dtype,
                             m,
                             "aten.convolution_backward",
@@ -623,6 +654,9 @@ impl<'g> Lowering<'g> {
                             self.conv_benchmark(key);
                         }
                     }
+                }
+                if let Some(t) = gcopy {
+                    self.drop_rt(t);
                 }
             }
             // cudnn_batch_norm_backward / native_batch_norm_backward: grad_input, grad_weight and

@@ -252,10 +252,13 @@ impl<'g> Lowering<'g> {
             Fwd::New(mut outs, nk, saves) => {
                 let needs_grad = self.grad_mode
                     && casted.iter().enumerate().any(|(j, x)| {
-                        x.requires_grad() && !(matches!(kind, OpKind::ToDtypeOf) && j == 1)
+                        x.requires_grad()
+                            && !(matches!(kind, OpKind::ToDtypeOf | OpKind::AsStridedInplace)
+                                && j == 1)
                     });
                 if needs_grad && !matches!(kind, OpKind::Factory { .. }) {
-                    let dtype_only_arg1 = matches!(kind, OpKind::ToDtypeOf);
+                    let dtype_only_arg1 =
+                        matches!(kind, OpKind::ToDtypeOf | OpKind::AsStridedInplace);
                     self.record_node(nk, &casted, &mut outs, &saves, m, gop, dtype_only_arg1);
                 }
                 outs
@@ -575,6 +578,16 @@ impl<'g> Lowering<'g> {
                 let l = x[0].layout.unsqueeze(*d);
                 Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
             }
+            // AdaptiveAveragePooling.cpp: `out.as_strided_(...)` only when the pooled input (the
+            // second argument) suggests channels-last; otherwise `out` is returned as it is.
+            AsStridedInplace => {
+                if x[1].layout.is_channels_last_2d() {
+                    let l = x[0].layout.clone();
+                    Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
+                } else {
+                    Fwd::Alias(self.dup(&x[0]))
+                }
+            }
             Slice { dim, .. } => {
                 let len = shape0()[*dim];
                 let l = x[0].layout.narrow(*dim, len);
@@ -643,16 +656,17 @@ impl<'g> Lowering<'g> {
             | PowScalar(_)
             | Rsqrt
             | Tanh
+            | Sigmoid
             | Relu
             | Gelu { .. }
             | Silu => {
                 let l = elementwise_layout(x[0].shape(), &[&x[0].layout]);
                 let o = self.alloc(l, x[0].dtype, m, name);
-                // derivatives.yaml: pow.Tensor_Scalar, gelu, silu save self; rsqrt, tanh, relu save
-                // result; add/mul/div by a scalar and neg save nothing on the device.
+                // derivatives.yaml: pow.Tensor_Scalar, gelu, silu save self; rsqrt, tanh, sigmoid,
+                // relu save result; add/mul/div by a scalar and neg save nothing on the device.
                 let saves = match kind {
                     PowScalar(_) | Gelu { .. } | Silu => vec![Save::In(0)],
-                    Rsqrt | Tanh | Relu => vec![Save::Out(0)],
+                    Rsqrt | Tanh | Sigmoid | Relu => vec![Save::Out(0)],
                     _ => vec![],
                 };
                 Fwd::New(vec![o], op_kind, saves)
@@ -720,8 +734,9 @@ impl<'g> Lowering<'g> {
             // float32 for 16-bit input, `acc_type` on CUDA).
             LayerNorm => {
                 // layer_norm_cuda: `X = input.expect_contiguous()` (a copy of a non-contiguous input,
-                // freed when the kernel returns), Y = empty_like(X, contiguous), mean, rstd.
-                let xc = if x[0].layout.is_contiguous() {
+                // freed when the kernel returns), Y = empty_like(X, contiguous), mean, rstd. The copy
+                // is inside the CUDA kernel: a dispatch-mode capture does not see it.
+                let xc = if x[0].layout.is_contiguous() || self.r.fidelity != Fidelity::Cuda {
                     None
                 } else {
                     Some(self.alloc(
@@ -885,15 +900,34 @@ impl<'g> Lowering<'g> {
                 Fwd::New(vec![v], NodeKind::Op(Add), vec![])
             }
             // derivatives.yaml convolution: input and weight saved. cuDNN allocates the output and
-            // adds the bias in place (`output.add_(reshape_bias(...))`). The plan's workspace comes
-            // from the caching allocator for the call (`run_conv_plan`), but its size is
-            // cuDNN-internal: vramsim's rule (unconfirmed) is that the heuristics' first engine
-            // config needs none, so only `cudnn.benchmark`'s `emptyCache` is modelled.
+            // adds the bias in place (`output.add_(reshape_bias(...))`); its workspace comes from
+            // the caching allocator too but is not modelled (it depends on the algorithm cuDNN
+            // picks).
+            //
+            // Memory format (`aten/src/ATen/native/Convolution.cpp` `_convolution` with
+            // `cudnn_conv_suggest_memory_format`, `ConvUtils.h`): channels-last when the input or
+            // the weight suggests it (a `permute(0, 3, 1, 2)` of a contiguous NHWC tensor does),
+            // else contiguous; the input is made `contiguous(that format)` first (a copy freed on
+            // return when it is in neither), and the output is allocated in that format. The copy
+            // happens inside the CUDA kernel, which a dispatch-mode capture does not see.
             Conv2d { .. } => {
                 let dt = x[0].dtype.promote(x[1].dtype);
-                let o = self.alloc(Layout::contiguous(&shape0()), dt, m, name);
+                let cl = conv_channels_last(&x[0].layout, &x[1].layout);
+                let copy = if self.r.fidelity != Fidelity::Cuda || in_conv_format(&x[0].layout, cl)
+                {
+                    None
+                } else {
+                    Some(self.alloc(conv_layout(x[0].shape(), cl), x[0].dtype, m, "aten.clone"))
+                };
+                // The meta kernel (a dispatch-mode capture) returns a contiguous output whatever
+                // the input's format (observed with torch 2.15 on the meta device).
+                let out_cl = cl && self.r.fidelity == Fidelity::Cuda;
+                let o = self.alloc(conv_layout(&shape0(), out_cl), dt, m, name);
                 let key = format!("fwd {kind:?} {:?} {:?} {dt:?}", x[0].shape(), x[1].shape());
                 self.conv_benchmark(key);
+                if let Some(t) = copy {
+                    self.drop_rt(t);
+                }
                 Fwd::New(vec![o], op_kind, vec![Save::In(0), Save::In(1)])
             }
             // derivatives.yaml native_batch_norm / cudnn_batch_norm: input, weight, running_mean,
@@ -1040,5 +1074,29 @@ impl<'g> Lowering<'g> {
             loss = out;
         }
         loss
+    }
+}
+
+/// Whether cuDNN runs a convolution over `input` and `weight` channels-last
+/// (`cudnn_conv_suggest_memory_format`: either suggests `ChannelsLast`).
+pub(super) fn conv_channels_last(input: &Layout, weight: &Layout) -> bool {
+    input.is_channels_last_2d() || weight.is_channels_last_2d()
+}
+
+/// A dense layout of `shape` in the convolution's memory format.
+pub(super) fn conv_layout(shape: &[u64], channels_last: bool) -> Layout {
+    if channels_last && shape.len() == 4 {
+        Layout::channels_last(shape)
+    } else {
+        Layout::contiguous(shape)
+    }
+}
+
+/// Whether `l` is already `contiguous(memory_format)` for the convolution's format.
+pub(super) fn in_conv_format(l: &Layout, channels_last: bool) -> bool {
+    if channels_last {
+        l.is_channels_last_contiguous()
+    } else {
+        l.is_contiguous()
     }
 }

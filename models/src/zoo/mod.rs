@@ -10,6 +10,7 @@
 //! | `bert-base`, `bert-large` | transformers 5.23 `BertForMaskedLM` |
 //! | `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl` | transformers 5.23 `GPT2LMHeadModel` |
 //! | `tinyllama-1.1b`, `llama2-7b`, `llama2-13b`, `llama2-70b`, `llama3-8b` | transformers 5.23 `LlamaForCausalLM` |
+//! | `timm/resnet18` ... `timm/convnext_large` ([`timm::MODELS`]) | timm 0.6 `timm.create_model(name)` |
 //!
 //! Image models take `(batch, 3, H, W)` inputs (the recipe's `image_size`, 224 × 224 by default)
 //! and a `num_classes`-class cross-entropy (1000 by default; the recipe's `seq` is ignored);
@@ -24,6 +25,7 @@ pub mod llama;
 pub mod mlp;
 pub mod nn;
 pub mod resnet;
+pub mod timm;
 pub mod vgg;
 pub mod vit;
 
@@ -36,7 +38,7 @@ use heads::Family;
 pub use nn::{Activation, AttnImpl};
 
 /// Every zoo name, in the order `vramsim predict` lists them.
-pub const NAMES: [&str; 19] = [
+pub const NAMES: [&str; 40] = [
     "mlp",
     "resnet18",
     "resnet34",
@@ -56,6 +58,27 @@ pub const NAMES: [&str; 19] = [
     "llama2-13b",
     "llama2-70b",
     "llama3-8b",
+    "timm/resnet18",
+    "timm/resnet26",
+    "timm/resnet34",
+    "timm/resnet50",
+    "timm/resnet101",
+    "timm/resnet152",
+    "timm/vit_tiny_patch16_224",
+    "timm/vit_small_patch16_224",
+    "timm/vit_base_patch32_224",
+    "timm/vit_base_patch16_224",
+    "timm/vit_base_patch16_384",
+    "timm/vit_large_patch16_224",
+    "timm/deit_tiny_patch16_224",
+    "timm/deit_small_patch16_224",
+    "timm/deit_base_patch16_224",
+    "timm/efficientnet_b0",
+    "timm/convnext_nano",
+    "timm/convnext_tiny",
+    "timm/convnext_small",
+    "timm/convnext_base",
+    "timm/convnext_large",
 ];
 
 /// Why a zoo model could not be built.
@@ -151,6 +174,8 @@ pub enum Arch {
     Gpt2(gpt2::GptConfig),
     /// HF `LlamaForCausalLM` (and Mistral, Qwen2).
     Llama(llama::LlamaConfig),
+    /// A timm 0.6 model (`timm/<name>`).
+    Timm(timm::TimmConfig),
 }
 
 impl Arch {
@@ -176,7 +201,10 @@ impl Arch {
             "llama2-13b" => Arch::Llama(llama::LLAMA2_13B),
             "llama2-70b" => Arch::Llama(llama::LLAMA2_70B),
             "llama3-8b" => Arch::Llama(llama::LLAMA3_8B),
-            _ => return Err(ZooError::Unknown(name.to_string())),
+            _ => match timm::TimmConfig::from_name(name) {
+                Some(c) => Arch::Timm(c),
+                None => return Err(ZooError::Unknown(name.to_string())),
+            },
         })
     }
 
@@ -190,6 +218,7 @@ impl Arch {
             Arch::Bert(c) => &c.name,
             Arch::Gpt2(c) => &c.name,
             Arch::Llama(c) => &c.name,
+            Arch::Timm(c) => c.name(),
         }
     }
 
@@ -197,7 +226,7 @@ impl Arch {
     /// models without a sequence (images, the MLP), which ignore the recipe's `seq`.
     pub fn max_positions(&self) -> Option<u64> {
         match self {
-            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Vit(_) => None,
+            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Vit(_) | Arch::Timm(_) => None,
             Arch::Bert(c) => Some(c.positions),
             Arch::Gpt2(c) => Some(c.positions),
             Arch::Llama(c) => Some(c.positions),
@@ -237,7 +266,8 @@ impl Arch {
             requires_grad: training,
         };
         match self {
-            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 => None,
+            // timm 0.6's models run explicit attention (`q @ k.transpose(-2, -1)`), no SDPA.
+            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Timm(_) => None,
             Arch::Vit(c) => {
                 let l = (c.image / c.patch).pow(2) + 1;
                 Some(call(
@@ -350,6 +380,9 @@ impl Arch {
                 msg: format!("{layers} is more than the {MAX_LAYERS} layers vramsim builds"),
             });
         }
+        if let Arch::Timm(c) = self {
+            return build_timm(c, recipe);
+        }
         for shape in self.largest_tensors(batch, seq, image) {
             if !crate::graph::fits_in_memory(&shape) {
                 return Err(ZooError::TooLarge {
@@ -384,6 +417,7 @@ impl Arch {
             }
             Arch::Bert(c) => bert::bert_with_head(c, batch, seq, attn, head)?,
             Arch::Gpt2(c) => gpt2::gpt2_with_head(c, batch, seq, attn, head, recipe.loss)?,
+            Arch::Timm(c) => return build_timm(c, recipe),
             Arch::Llama(c) => {
                 if let (Some(w), AttnImpl::Sdpa(_)) = (c.sliding_window, attn) {
                     if seq > w {
@@ -407,7 +441,7 @@ impl Arch {
             Arch::Gpt2(_) => Some(Family::Gpt2),
             Arch::Llama(_) => Some(Family::Llama),
             Arch::Bert(_) => Some(Family::Bert),
-            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Vit(_) => None,
+            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Vit(_) | Arch::Timm(_) => None,
         }
     }
 
@@ -447,6 +481,10 @@ impl Arch {
             Arch::ResNet(c) => (c.image, c.image),
             Arch::Vit(c) => (c.image, c.image),
             Arch::Vgg16 => (224, 224),
+            Arch::Timm(c) => {
+                let size = recipe.image_size.unwrap_or_else(|| c.default_image());
+                return c.check_image(size).map(|()| size).map_err(bad);
+            }
             Arch::Mlp => {
                 return match recipe.image_size {
                     Some((h, w)) => Err(bad(format!(
@@ -518,7 +556,7 @@ impl Arch {
         let default = match self {
             Arch::ResNet(c) => c.classes,
             Arch::Vit(c) => c.classes,
-            Arch::Vgg16 => 1000,
+            Arch::Vgg16 | Arch::Timm(_) => 1000,
             Arch::Mlp => mlp::MLP_DIMS[mlp::MLP_DIMS.len() - 1],
             Arch::Bert(_) | Arch::Gpt2(_) | Arch::Llama(_) => {
                 return match recipe.num_classes {
@@ -601,6 +639,7 @@ impl Arch {
                 vec![c.vocab, c.hidden],
                 vec![c.inner, c.hidden],
             ],
+            Arch::Timm(c) => c.largest_tensors(b, c.default_image(), 1000),
             Arch::Llama(c) => vec![
                 vec![b, c.heads, s, s],
                 vec![b, s, c.vocab],
@@ -642,6 +681,35 @@ pub fn vit_backend(arch: &Arch, r: &Recipe) -> Result<SdpaBackend, ZooError> {
             msg: "is not torchvision's nn.MultiheadAttention".into(),
         }),
     }
+}
+
+/// Builds a timm model at the recipe's batch, `image_size` (default: the model's, 224×224 or
+/// 384×384) and `num_classes` (default 1000), checking both and the tensor sizes first.
+fn build_timm(c: &timm::TimmConfig, recipe: &Recipe) -> Result<Graph, ZooError> {
+    let image = recipe.image_size.unwrap_or_else(|| c.default_image());
+    let classes = recipe.num_classes.unwrap_or(1000);
+    let unsupported = |field: &'static str, msg: String| ZooError::Unsupported {
+        model: c.name().to_string(),
+        field,
+        msg,
+    };
+    if classes == 0 {
+        return Err(unsupported(
+            "num_classes",
+            "must be 1 or more (timm's num_classes=0 drops the head and the loss)".into(),
+        ));
+    }
+    c.check_image(image)
+        .map_err(|msg| unsupported("image_size", msg))?;
+    for shape in c.largest_tensors(recipe.batch, image, classes) {
+        if !crate::graph::fits_in_memory(&shape) {
+            return Err(ZooError::TooLarge {
+                model: c.name().to_string(),
+                shape,
+            });
+        }
+    }
+    Ok(c.build(recipe.batch, image, classes)?)
 }
 
 /// Builds zoo model `name` at the recipe's batch and sequence length.
