@@ -8,8 +8,9 @@ Each step runs on fake CPU tensors (``FakeTensorMode``: no memory, no compute, n
 float32 normalization statistics) and, for fp16, a ``GradScaler``; see ``traces/python/vramsim_capture.py``.
 
 Recipes: ``amp-fp16`` (float32 parameters, fp16 autocast, ``GradScaler``) and ``amp-bf16`` (bf16 autocast, no
-scaler); AdamW and SGD (``foreach=True``, CUDA's default); no checkpointing or non-reentrant
-``torch.utils.checkpoint`` around every block (``ckptfull``); 1 or 4 micro-batches per step (``accum4``); HF
+scaler); AdamW and SGD (``foreach=True``, CUDA's default); no checkpointing, non-reentrant
+``torch.utils.checkpoint`` around every block (``ckptfull``) or around each SDPA call (``ckptselective``, the
+attention core, with the SDPA models); 1 or 4 micro-batches per step (``accum4``); HF
 models with eager attention, BERT also with SDPA and ViT-B/16 always with SDPA, the backend pinned
 (``sdpa-flash``: FlashAttention-2, ``sdpa-mem-efficient``). Small shapes so that the files stay small, and a few
 larger SGD steps (``LARGE``) whose peak is in the forward/backward rather than in the optimizer step.
@@ -63,6 +64,10 @@ CASES = [
     ("vit-b-16", "amp-fp16", "adamw", "none", 1, "sdpa-mem-efficient"),
     ("vit-b-16", "amp-fp16", "sgd", "full", 1, "sdpa-flash"),
     ("vit-b-16", "amp-bf16", "adamw", "none", 4, "sdpa-flash"),
+    # selective: the SDPA call (the attention core) recomputed
+    ("vit-b-16", "amp-fp16", "sgd", "selective", 1, "sdpa-flash"),
+    ("vit-b-16", "amp-bf16", "sgd", "selective", 1, "sdpa-mem-efficient"),
+    ("bert-base", "amp-fp16", "sgd", "selective", 1, "sdpa-flash"),
 ]
 
 # Larger activations, SGD: the peak sits in the forward/backward, where the autocast rules decide it
@@ -76,6 +81,7 @@ LARGE = [
     ("mlp", "amp-fp16", "sgd", "none", 1, "eager", (4096, None)),
     ("vit-b-16", "amp-fp16", "sgd", "none", 1, "sdpa-flash", (16, None)),
     ("vit-b-16", "amp-bf16", "sgd", "none", 1, "sdpa-mem-efficient", (16, None)),
+    ("vit-b-16", "amp-fp16", "sgd", "selective", 1, "sdpa-flash", (16, None)),
 ]
 
 
@@ -90,7 +96,8 @@ def capture(model: str, dtype: str, opt: str, ckpt: str, accum: int, attention: 
             "optimizer": opt, "foreach": True, "checkpoint": ckpt,
             "attn_implementation": attention if model == "vit-b-16" else None}
     return recipe, vc.capture(*fns, iterations=2, accum=accum, meta=meta, device="cpu",
-                              amp=recipe.amp(), sdpa=recipe.sdpa_backend())
+                              amp=recipe.amp(), sdpa=recipe.sdpa_backend(),
+                              recompute_sdpa=ckpt == "selective")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -512,10 +512,11 @@ def cuda_like_dropout() -> Any:
 
 SDPA_BACKENDS = ("flash", "mem-efficient", "math")
 AMP_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+CHECKPOINTS = ("none", "full", "selective")
 
 
 @contextlib.contextmanager
-def pinned_sdpa(backend: str | None) -> Any:
+def pinned_sdpa(backend: str | None, recompute: bool = False) -> Any:
     """Route ``F.scaled_dot_product_attention`` to the kernel CUDA's composite would call for ``backend``.
 
     On CUDA ``at::scaled_dot_product_attention`` (``aten/src/ATen/native/transformers/attention.cpp``) asks
@@ -534,6 +535,10 @@ def pinned_sdpa(backend: str | None) -> Any:
     so under ``torch.autocast`` its tensor arguments are cast (with :mod:`cuda_autocast`'s policy) before the
     backend runs. Only the mask-free call without ``enable_gqa`` is pinned for the fused backends (what the zoo's
     ViT makes); anything else is an error naming the backend.
+
+    ``recompute=True`` is selective activation checkpointing of the attention core: each call (its autocast
+    casts included) runs under non-reentrant ``torch.utils.checkpoint``, as user code writing
+    ``checkpoint(F.scaled_dot_product_attention, q, k, v, use_reentrant=False)`` would.
     """
     import torch.nn.functional as F
 
@@ -547,6 +552,15 @@ def pinned_sdpa(backend: str | None) -> Any:
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,  # noqa: ANN001
              enable_gqa=False):
+        if recompute and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            def core(q, k, v, m):  # noqa: ANN001, ANN202
+                return run(q, k, v, m, dropout_p, is_causal, scale, enable_gqa)
+            return checkpoint(core, query, key, value, attn_mask, use_reentrant=False)
+        return run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    def run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):  # noqa: ANN001, ANN202
         import cuda_autocast
         query, key, value, attn_mask = cuda_autocast.autocast_args(
             "scaled_dot_product_attention", query, key, value, attn_mask)
@@ -621,6 +635,7 @@ def capture(
     meta: dict[str, Any] | None = None,
     amp: str | None = None,
     sdpa: str | None = None,
+    recompute_sdpa: bool = False,
 ) -> Capture:
     """Run ``iterations`` training steps of ``accum`` micro-batches each and record them.
 
@@ -636,7 +651,8 @@ def capture(
     and steps as ``scaler.step`` does (``unscale_``, ``optimizer.step()``, ``update()``: ``step`` itself reads
     ``found_inf`` with ``.item()``, which a fake tensor cannot answer; with no inf found it does exactly that).
     ``sdpa`` pins ``F.scaled_dot_product_attention`` to a CUDA backend (:func:`pinned_sdpa`); on ``"cpu"`` a
-    model that calls SDPA needs it, since the CPU backend is not CUDA's.
+    model that calls SDPA needs it, since the CPU backend is not CUDA's. ``recompute_sdpa`` checkpoints each
+    pinned SDPA call (selective activation checkpointing of the attention core).
     """
     if torch is None:
         raise RuntimeError("vramsim_capture needs torch: pip install torch")
@@ -650,6 +666,8 @@ def capture(
         raise ValueError("amp needs device='cpu': the meta device has no autocast dispatch key")
     if sdpa is not None and sdpa not in SDPA_BACKENDS:
         raise ValueError(f"unknown SDPA backend {sdpa!r}: use one of {', '.join(SDPA_BACKENDS)}")
+    if recompute_sdpa and sdpa is None:
+        raise ValueError("recompute_sdpa checkpoints the pinned SDPA call: give an sdpa backend")
     dev = torch.device(device)
     t0 = time.perf_counter()
     fake = None
@@ -728,7 +746,7 @@ def capture(
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(dropout_ctx)
-            stack.enter_context(pinned_sdpa(sdpa))
+            stack.enter_context(pinned_sdpa(sdpa, recompute_sdpa))
             if amp is not None:
                 import cuda_autocast
                 stack.enter_context(cuda_autocast.installed())
@@ -783,6 +801,7 @@ def capture(
         "mimic_cuda": mimic_cuda,
         "amp": amp,
         "sdpa_backend": sdpa,
+        "recompute_sdpa": recompute_sdpa,
         "iterations": iterations,
         "accum": accum,
         "params": n_params,
@@ -960,8 +979,10 @@ def zoo(recipe: Recipe) -> tuple[Callable, Callable, Callable, Callable]:
         raise ValueError(f"unknown dtype {recipe.dtype!r}: use one of {', '.join(DTYPES)}")
     if recipe.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {recipe.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    if recipe.checkpoint not in ("none", "full"):
-        raise ValueError(f"unknown checkpoint {recipe.checkpoint!r}: use none or full")
+    if recipe.checkpoint not in CHECKPOINTS:
+        raise ValueError(f"unknown checkpoint {recipe.checkpoint!r}: use one of {', '.join(CHECKPOINTS)}")
+    if recipe.checkpoint == "selective" and recipe.sdpa_backend() is None:
+        raise ValueError("checkpoint selective recomputes the SDPA call only: use an sdpa-* attention")
     if recipe.attention != "eager" and (not recipe.attention.startswith("sdpa-")
                                         or recipe.sdpa_backend() not in SDPA_BACKENDS):
         raise ValueError(f"unknown attention {recipe.attention!r}: use eager or "
@@ -1065,7 +1086,8 @@ def capture_zoo(recipe: Recipe) -> Capture:
         meta["image_or_features"] = "3x224x224" if recipe.model == "resnet18" else MLP_DIMS[0]
     device = "cpu" if recipe.amp() else recipe.device
     return capture(model_fn, inputs_fn, loss_fn, optimizer_fn, recipe.iterations,
-                   accum=recipe.accum, meta=meta, device=device, amp=recipe.amp(), sdpa=recipe.sdpa_backend())
+                   accum=recipe.accum, meta=meta, device=device, amp=recipe.amp(), sdpa=recipe.sdpa_backend(),
+                   recompute_sdpa=recipe.checkpoint == "selective")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1077,7 +1099,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128, help="tokens per sequence (language models)")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    ap.add_argument("--checkpoint", default="none", choices=("none", "full"))
+    ap.add_argument("--checkpoint", default="none", choices=CHECKPOINTS,
+                    help="full: every block; selective: the SDPA call only (needs --attention sdpa-*)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--attention", default="eager",
