@@ -26,10 +26,12 @@ fn main() {
         rc["batch"].as_u64().unwrap(),
         rc["seq"].as_u64().unwrap_or(0),
     );
-    r.precision = match rc["dtype"].as_str().unwrap() {
-        "bf16" => Precision::Bf16,
-        _ => Precision::Fp32,
-    };
+    // fp32, bf16, amp-fp16, amp-bf16 (the AMP fixtures of tests/fixtures/amp/)
+    r.precision = rc["dtype"].as_str().unwrap().parse::<Precision>().unwrap();
+    // the AMP fixtures name the attention ("eager", "sdpa-flash", ...); the others are eager
+    if let Some(a) = rc.get("attention").and_then(|a| a.as_str()) {
+        r.attention = a.parse::<Attention>().unwrap();
+    }
     r.optimizer = rc["optimizer"]
         .as_str()
         .unwrap()

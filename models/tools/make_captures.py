@@ -9,9 +9,11 @@ attention, ``input_ids`` and ``labels``. Checkpointing wraps every ResNet block,
 convolutions, ReLUs and pool up to a max pool; VGG has no blocks of its own) and, for BERT, uses HF's
 per-layer ``activation_checkpointing_enable``, all non-reentrant.
 
-ViT-B/16 is not captured: ``nn.MultiheadAttention`` calls ``F.scaled_dot_product_attention``, and on the
+ViT-B/16 is not captured here: ``nn.MultiheadAttention`` calls ``F.scaled_dot_product_attention``, and on the
 meta device that dispatches to the math backend (explicit matmuls and softmax) where CUDA runs a fused
-kernel, so a meta capture says nothing about CUDA there.
+kernel, so a meta capture says nothing about CUDA there. ``build`` can make it (``vit-b-16``, each
+``EncoderBlock`` checkpointable) for the fake-CPU captures of ``make_amp_captures.py``, which pin the SDPA
+backend as CUDA's ``sdp_utils.cpp`` would choose it.
 
 Run from the repository root (torch, torchvision, transformers; no GPU, no network)::
 
@@ -54,7 +56,22 @@ def build(model: str, batch: int, seq: int | None, dtype_name: str, opt: str, ck
     import torch
 
     dtype = getattr(torch, vc.DTYPES[dtype_name])
-    if model.startswith("resnet") or model == "vgg16":
+    if model == "vit-b-16":
+        import torchvision
+
+        def model_fn():
+            m = torchvision.models.vit_b_16(weights=None, num_classes=1000)
+            if ckpt:  # one block = one EncoderBlock
+                m.encoder.layers = torch.nn.Sequential(*[vc._Checkpointed(b) for b in m.encoder.layers])
+            return m.to(dtype)
+
+        def inputs_fn():
+            return (torch.randn(batch, 3, 224, 224, dtype=dtype), torch.randint(0, 1000, (batch,)))
+
+        def loss_fn(m, inp):
+            return torch.nn.functional.cross_entropy(m(inp[0]), inp[1])
+
+    elif model.startswith("resnet") or model == "vgg16":
         import torchvision
 
         def model_fn():

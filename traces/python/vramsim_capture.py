@@ -112,8 +112,36 @@ Library::
     cap.write("step.jsonl")        # or .jsonl.gz
     print(cap.summary()["peak_requested_bytes"])
 
+Mixed precision: fake CPU tensors
+=================================
+
+The meta device has no autocast dispatch key, so ``torch.autocast`` does nothing there. For AMP steps
+(``--dtype amp-fp16`` / ``amp-bf16``, or ``capture(..., device="cpu", amp="fp16")``) the capture runs on
+*fake CPU tensors* instead: the model is built on meta, then ``model.to_empty(device="cpu")`` inside a
+``FakeTensorMode`` (tied parameters re-tied), and the step runs in that mode (shapes, dtypes, strides and
+storages as on CPU, no memory, no compute). On top of it:
+
+* **CUDA's autocast policy on the CPU key** (``cuda_autocast.py``): the ops and the cast policy of each are read
+  off the installed wheel's ``AutocastCUDA`` kernels, with ``cached_cast``'s weight cache and its lifetime, and
+  CUDA's fused half-to-float softmax. The forward and the loss run under ``torch.autocast("cpu", dtype)``.
+* **GradScaler** for fp16: ``scaler.scale(loss).backward()``; the step is ``unscale_``, ``optimizer.step()``,
+  ``update()`` (what ``scaler.step`` does when no inf is found; it reads ``found_inf`` with ``.item()``, which a
+  fake tensor cannot answer).
+* **CUDA's kernel choices**: fused dropout as above; SDPA pinned to a CUDA backend (``--attention sdpa-flash``,
+  ``sdpa-mem-efficient``, ``sdpa-math``; :func:`pinned_sdpa`), since the CPU picks its own kernel; the float32
+  statistics of 16-bit ``native_layer_norm``/``native_batch_norm`` (CUDA's accumulate type; the meta functions
+  give CPU's dtype for CPU tensors).
+* **Host memory stays out**: an optimizer's CPU ``step`` counters and the ``torch.tensor(1.0, device="cpu")``
+  torch/optim wraps them with are host tensors on a CUDA run (on meta they are real CPU tensors, never seen).
+
+A fake-CPU recording of an fp32 or bf16 step is event for event the meta recording
+(``test_cuda_autocast.py`` checks it on every family). What the recording method itself adds, as on meta:
+gradients summed out of place (a dispatch mode), and kernel-internal allocations (cuBLAS/cuDNN workspaces,
+``expect_contiguous`` copies inside CUDA kernels) unseen; the memory-efficient SDPA's philox ``seed``/``offset``
+come from its meta function as device tensors (CPU tensors on CUDA without graph capture).
+
 Deliberately not done: rounding (the simulator rounds sizes as PyTorch does), streams other than 0,
-autocast (AMP needs CUDA's autocast op lists, which the meta device does not run), multi-GPU.
+multi-GPU.
 """
 
 from __future__ import annotations
@@ -173,6 +201,7 @@ class _Alloc:
     tag: str | None
     freed: bool = False
     ref: Any = None  # the weakref whose callback emits the free
+    host: bool = False  # host memory on a CUDA run (an optimizer's CPU `step`): left out of the trace
 
 
 @dataclass
@@ -303,6 +332,13 @@ class Recorder(TorchDispatchMode):
             rec.category = "gradient"
             rec.tag = "grad:" + name
 
+    def mark_host(self, t: "torch.Tensor") -> None:
+        """``t`` lives in host memory on a CUDA run although it shares the capture's device (fake CPU): its
+        alloc and free are left out of the trace."""
+        rec = self.lookup(t)
+        if rec is not None:
+            rec.host = True
+
     def mark_optimizer_state(self, t: "torch.Tensor", tag: str) -> None:
         if t.device != self.device:
             return  # Adam's `step` counters live on the CPU, as on CUDA without capturable/fused
@@ -320,6 +356,8 @@ class Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.closed:
             return out
+        if self.device.type == "cpu" and func in _CUDA_ACC_STATS:
+            out = _cuda_acc_stats(func, args, out)
         self.ops += 1
         outs = [t for t in tree_flatten(out)[0]
                 if isinstance(t, torch.Tensor) and t.device == self.device]
@@ -349,6 +387,12 @@ class Recorder(TorchDispatchMode):
             rec = self._new_alloc(st, cat, self._tag(opname))
             if rec is not None and cat == "pending":
                 self._pending.append(rec)
+            if rec is not None and fresh and self.phase == "optimizer" and self.device.type == "cpu":
+                # torch/optim wraps Python numbers for its CPU `step` counters as torch.tensor(x, device="cpu")
+                # (Adam's foreach `_foreach_add_(steps, torch.tensor(1.0, device="cpu"))`) and makes its device
+                # tensors with factories on p.device: on a fake-CPU capture a fresh literal in the optimizer is
+                # host memory of the CUDA run.
+                rec.host = True
         return out
 
     def _realloc(self, st: Any, old: _Alloc) -> None:
@@ -372,7 +416,10 @@ class Recorder(TorchDispatchMode):
         self.closed = True
         self._resolve_pending()
         events: list[dict[str, Any]] = []
+        host = {x.id for kind, x in self.items if kind == "alloc" and x.host}
         for kind, x in self.items:
+            if kind == "alloc" and x.host or kind == "free" and x in host:
+                continue
             if kind == "alloc":
                 ev = {"op": "alloc", "id": x.id, "size": x.size, "stream": 0, "category": x.category}
                 if x.tag:
@@ -389,6 +436,31 @@ if torch is not None:
     _LIFT_FRESH = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 else:  # pragma: no cover
     _LIFT_FRESH = set()
+
+
+if torch is not None:
+    # Kernels whose meta function gives CPU's dtype for fake CPU tensors where CUDA's kernel allocates its
+    # statistics in the accumulate type (at::toAccumulateType(dtype, /*is_cuda=*/true): float32 for 16-bit
+    # inputs): layer_norm_cuda (`cuda/layer_norm_kernel.cu`: mean, rstd) and batch_norm_cuda
+    # (`cuda/Normalization.cu`: save_mean, save_invstd). Output indices to fix, per op.
+    _CUDA_ACC_STATS = {torch.ops.aten.native_layer_norm.default: (1, 2),
+                       torch.ops.aten.native_batch_norm.default: (1, 2),
+                       torch.ops.aten._native_batch_norm_legit.default: (1, 2),
+                       torch.ops.aten._native_batch_norm_legit_no_training.default: (1, 2)}
+else:  # pragma: no cover
+    _CUDA_ACC_STATS = {}
+
+
+def _cuda_acc_stats(func: Any, args: Any, out: Any) -> Any:
+    """``out`` with the statistics of a 16-bit normalization in float32, as CUDA's kernels allocate them."""
+    if args[0].dtype not in (torch.float16, torch.bfloat16):
+        return out
+    out = list(out)
+    for i in _CUDA_ACC_STATS[func]:
+        t = out[i]
+        if t.dtype != torch.float32 and t.numel() > 0:
+            out[i] = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+    return tuple(out)
 
 
 def _op_name(func: Any) -> str:
@@ -438,6 +510,100 @@ def cuda_like_dropout() -> Any:
         F.dropout = original
 
 
+SDPA_BACKENDS = ("flash", "mem-efficient", "math")
+AMP_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+CHECKPOINTS = ("none", "full", "selective")
+
+
+@contextlib.contextmanager
+def pinned_sdpa(backend: str | None, recompute: bool = False) -> Any:
+    """Route ``F.scaled_dot_product_attention`` to the kernel CUDA's composite would call for ``backend``.
+
+    On CUDA ``at::scaled_dot_product_attention`` (``aten/src/ATen/native/transformers/attention.cpp``) asks
+    ``_fused_sdp_choice`` (``cuda/sdp_utils.cpp``) for a backend and calls its kernel; on CPU tensors the CPU
+    choice runs instead (``_scaled_dot_product_flash_attention_for_cpu``), which saves other tensors. The
+    capture pins the backend a CUDA run would take (or that ``torch.nn.attention.sdpa_kernel`` forces):
+
+    * ``flash``: ``_scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, return_debug_mask=False,
+      scale)`` (head dims padded to a multiple of 8 first, a no-op for the zoo's 64);
+    * ``mem-efficient``: ``_scaled_dot_product_efficient_attention(q, k, v, attn_mask, compute_log_sumexp,
+      dropout_p, is_causal, scale)`` with ``compute_log_sumexp`` = an input requires grad and grad mode is on
+      (``should_compute_logsumexp``);
+    * ``math``: ``_scaled_dot_product_attention_math``.
+
+    Autocast first: ``aten::scaled_dot_product_attention`` has an ``AutocastCUDA`` kernel (lower_precision_fp),
+    so under ``torch.autocast`` its tensor arguments are cast (with :mod:`cuda_autocast`'s policy) before the
+    backend runs. Only the mask-free call without ``enable_gqa`` is pinned for the fused backends (what the zoo's
+    ViT makes); anything else is an error naming the backend.
+
+    ``recompute=True`` is selective activation checkpointing of the attention core: each call (its autocast
+    casts included) runs under non-reentrant ``torch.utils.checkpoint``, as user code writing
+    ``checkpoint(F.scaled_dot_product_attention, q, k, v, use_reentrant=False)`` would.
+    """
+    import torch.nn.functional as F
+
+    if backend is None:
+        yield
+        return
+    if backend not in SDPA_BACKENDS:
+        raise ValueError(f"unknown SDPA backend {backend!r}: use one of {', '.join(SDPA_BACKENDS)}")
+    original = F.scaled_dot_product_attention
+    aten = torch.ops.aten
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,  # noqa: ANN001
+             enable_gqa=False):
+        if recompute and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            def core(q, k, v, m):  # noqa: ANN001, ANN202
+                return run(q, k, v, m, dropout_p, is_causal, scale, enable_gqa)
+            return checkpoint(core, query, key, value, attn_mask, use_reentrant=False)
+        return run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    def run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):  # noqa: ANN001, ANN202
+        import cuda_autocast
+        query, key, value, attn_mask = cuda_autocast.autocast_args(
+            "scaled_dot_product_attention", query, key, value, attn_mask)
+        with cuda_autocast.below_autocast():
+            if backend == "math":
+                return aten._scaled_dot_product_attention_math(
+                    query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+            if enable_gqa or (attn_mask is not None and backend == "flash"):
+                raise ValueError(f"SDPA pinned to {backend}: the capture pins only calls without "
+                                 f"enable_gqa{' or a mask' if backend == 'flash' else ''}")
+            if backend == "flash":
+                return aten._scaled_dot_product_flash_attention(
+                    query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+            lse = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            return aten._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, lse, dropout_p, is_causal, scale=scale)[0]
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _materialize_fake(model: "torch.nn.Module", device: str) -> None:
+    """``model.to_empty(device)`` under the active ``FakeTensorMode``, keeping tied parameters tied.
+
+    ``to_empty`` replaces each module's parameters one by one, so a parameter shared by two modules (GPT-2's
+    ``wte``/``lm_head``) becomes two; the sharing seen on the meta model is restored afterwards."""
+    shared: dict[int, list[tuple[Any, str, str]]] = {}
+    for mod in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(mod, kind).items():
+                if t is not None:
+                    shared.setdefault(id(t), []).append((mod, kind, name))
+    model.to_empty(device=device)
+    for users in shared.values():
+        first_mod, kind, first_name = users[0]
+        t = getattr(first_mod, kind)[first_name]
+        for mod, kind2, name in users[1:]:
+            getattr(mod, kind2)[name] = t
+
+
 # --------------------------------------------------------------------------------------------------
 # The capture driver
 # --------------------------------------------------------------------------------------------------
@@ -467,6 +633,9 @@ def capture(
     device: str = "meta",
     mimic_cuda: bool = True,
     meta: dict[str, Any] | None = None,
+    amp: str | None = None,
+    sdpa: str | None = None,
+    recompute_sdpa: bool = False,
 ) -> Capture:
     """Run ``iterations`` training steps of ``accum`` micro-batches each and record them.
 
@@ -474,16 +643,46 @@ def capture(
     (checkpointing, dtype casts and all). ``inputs_fn()`` makes one micro-batch (also under the device
     context; its storages are category ``input``). ``loss_fn(model, inputs)`` returns the scalar loss.
     ``optimizer_fn(params)`` gets ``model.parameters()`` and returns the optimizer: pass
-    ``foreach=True`` to match CUDA's default. Everything runs on ``device`` (``"meta"``: no memory, no GPU).
+    ``foreach=True`` to match CUDA's default. Everything runs on ``device``: ``"meta"`` (meta tensors) or
+    ``"cpu"`` (fake CPU tensors under ``FakeTensorMode``); neither has memory behind it nor needs a GPU.
+
+    ``amp`` (``"fp16"`` or ``"bf16"``, ``device="cpu"`` only) runs the forward and the loss under
+    ``torch.autocast`` with CUDA's policy (:mod:`cuda_autocast`); fp16 scales the loss with a ``GradScaler``
+    and steps as ``scaler.step`` does (``unscale_``, ``optimizer.step()``, ``update()``: ``step`` itself reads
+    ``found_inf`` with ``.item()``, which a fake tensor cannot answer; with no inf found it does exactly that).
+    ``sdpa`` pins ``F.scaled_dot_product_attention`` to a CUDA backend (:func:`pinned_sdpa`); on ``"cpu"`` a
+    model that calls SDPA needs it, since the CPU backend is not CUDA's. ``recompute_sdpa`` checkpoints each
+    pinned SDPA call (selective activation checkpointing of the attention core).
     """
     if torch is None:
         raise RuntimeError("vramsim_capture needs torch: pip install torch")
     if iterations < 1 or accum < 1:
         raise ValueError(f"iterations and accum must be 1 or more, got {iterations} and {accum}")
+    if device not in ("meta", "cpu"):
+        raise ValueError(f"unknown device {device!r}: use meta or cpu (fake CPU tensors)")
+    if amp is not None and amp not in AMP_DTYPES:
+        raise ValueError(f"unknown amp dtype {amp!r}: use one of {', '.join(AMP_DTYPES)}")
+    if amp is not None and device != "cpu":
+        raise ValueError("amp needs device='cpu': the meta device has no autocast dispatch key")
+    if sdpa is not None and sdpa not in SDPA_BACKENDS:
+        raise ValueError(f"unknown SDPA backend {sdpa!r}: use one of {', '.join(SDPA_BACKENDS)}")
+    if recompute_sdpa and sdpa is None:
+        raise ValueError("recompute_sdpa checkpoints the pinned SDPA call: give an sdpa backend")
     dev = torch.device(device)
     t0 = time.perf_counter()
-    with torch.device(dev):
-        model = model_fn()
+    fake = None
+    if device == "cpu":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        # Built on meta (no memory, no random init), then fake CPU storages of the same sizes.
+        with torch.device("meta"):
+            model = model_fn()
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
+            _materialize_fake(model, "cpu")
+    else:
+        with torch.device(dev):
+            model = model_fn()
     model.train()
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     rec = Recorder(dev, names)
@@ -526,32 +725,61 @@ def capture(
     optimizer = optimizer_fn(model.parameters())
 
     def opt_post_hook(opt: Any, _args: Any, _kwargs: Any) -> None:
+        group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
         for p, state in opt.state.items():
             pname = param_names.get(id(p), "?")
+            group = group_of.get(id(p), {})
             for key, val in state.items():
                 if isinstance(val, torch.Tensor):
+                    if (key == "step" and val.dim() == 0 and fake is not None
+                            and not group.get("capturable") and not group.get("fused")):
+                        # Adam's "special device hosting for step": torch.tensor(0.0, device="cpu") unless
+                        # capturable or fused, i.e. host memory on CUDA (on meta it is a real CPU tensor).
+                        rec.mark_host(val)
+                        continue
                     rec.mark_optimizer_state(val, f"{key}:{pname}")
 
     hooks.append(optimizer.register_step_post_hook(opt_post_hook))
     dropout_ctx = cuda_like_dropout() if mimic_cuda else contextlib.nullcontext()
+    amp_dtype = getattr(torch, AMP_DTYPES[amp]) if amp else None
     t_setup = time.perf_counter()
     try:
-        with dropout_ctx, torch.device(dev), rec:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(dropout_ctx)
+            stack.enter_context(pinned_sdpa(sdpa, recompute_sdpa))
+            if amp is not None:
+                import cuda_autocast
+                stack.enter_context(cuda_autocast.installed())
+            if fake is not None:
+                stack.enter_context(fake)
+            stack.enter_context(torch.device(dev))
+            stack.enter_context(rec)
+            scaler = torch.amp.GradScaler(device) if amp == "fp16" else None
             for _it in range(iterations):
                 for _micro in range(accum):
                     rec.mark_phase("forward")
                     rec.context = "input"
                     inputs = inputs_fn()
                     rec.context = None
-                    loss = loss_fn(model, inputs)
+                    with (torch.autocast(device, dtype=amp_dtype) if amp is not None
+                          else contextlib.nullcontext()):
+                        loss = loss_fn(model, inputs)
                     if accum > 1:
                         loss = loss / accum
                     rec.end_forward()
                     rec.mark_phase("backward")
-                    loss.backward()
+                    if scaler is not None:
+                        scaler.scale(loss).backward()
+                    else:
+                        loss.backward()
                     del loss, inputs
                 rec.mark_phase("optimizer")
-                optimizer.step()
+                if scaler is not None:  # scaler.step(optimizer) with no inf/NaN found, then update()
+                    scaler.unscale_(optimizer)
+                    optimizer.step()
+                    scaler.update()
+                else:
+                    optimizer.step()
                 rec.mark_phase("zero_grad")
                 optimizer.zero_grad(set_to_none=True)
         events = rec.close()
@@ -571,6 +799,9 @@ def capture(
         "python": v["python"],
         "device": str(dev),
         "mimic_cuda": mimic_cuda,
+        "amp": amp,
+        "sdpa_backend": sdpa,
+        "recompute_sdpa": recompute_sdpa,
         "iterations": iterations,
         "accum": accum,
         "params": n_params,
@@ -667,7 +898,8 @@ TINYLLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num
 
 ZOO = ("mlp", "resnet18", "gpt2", "bert-base", "tinyllama-1.1b")
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "amp-fp16": "float32", "amp-bf16": "float32"}
+"""Recipe dtypes and the dtype of the model's parameters; ``amp-*`` keep float32 parameters and run autocast."""
 
 
 @dataclass
@@ -680,6 +912,10 @@ class Recipe:
     checkpoint: str = "none"
     accum: int = 1
     iterations: int = 2
+    #: ``eager`` or ``sdpa-<backend>`` (HF ``attn_implementation="sdpa"`` with the backend pinned)
+    attention: str = "eager"
+    #: ``meta`` or ``cpu`` (fake CPU tensors); ``amp-*`` dtypes always record on ``cpu``
+    device: str = "meta"
 
     def name(self) -> str:
         s = f"{self.dtype}-{self.optimizer}"
@@ -687,7 +923,17 @@ class Recipe:
             s += f"-ckpt{self.checkpoint}"
         if self.accum != 1:
             s += f"-accum{self.accum}"
+        if self.attention != "eager":
+            s += f"-{self.attention}"
         return s
+
+    def amp(self) -> str | None:
+        """``fp16``/``bf16`` for the ``amp-*`` dtypes, else None."""
+        return self.dtype[len("amp-"):] if self.dtype.startswith("amp-") else None
+
+    def sdpa_backend(self) -> str | None:
+        """The pinned SDPA backend of an ``sdpa-*`` attention, else None."""
+        return self.attention[len("sdpa-"):] if self.attention.startswith("sdpa-") else None
 
 
 class _Checkpointed(torch.nn.Module if torch is not None else object):  # type: ignore[misc]
@@ -711,15 +957,15 @@ def _make_mlp() -> "torch.nn.Module":
     return torch.nn.Sequential(*layers)
 
 
-def _hf_config(model: str) -> Any:
+def _hf_config(model: str, attn: str = "eager") -> Any:
     import transformers as tf
     # use_cache=False: training keeps no KV cache.
     if model == "gpt2":
-        return tf.GPT2Config(attn_implementation="eager", use_cache=False)
+        return tf.GPT2Config(attn_implementation=attn, use_cache=False)
     if model == "bert-base":
-        return tf.BertConfig(attn_implementation="eager", use_cache=False)
+        return tf.BertConfig(attn_implementation=attn, use_cache=False)
     if model == "tinyllama-1.1b":
-        return tf.LlamaConfig(attn_implementation="eager", use_cache=False, **TINYLLAMA)
+        return tf.LlamaConfig(attn_implementation=attn, use_cache=False, **TINYLLAMA)
     raise ValueError(model)
 
 
@@ -733,8 +979,14 @@ def zoo(recipe: Recipe) -> tuple[Callable, Callable, Callable, Callable]:
         raise ValueError(f"unknown dtype {recipe.dtype!r}: use one of {', '.join(DTYPES)}")
     if recipe.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {recipe.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    if recipe.checkpoint not in ("none", "full"):
-        raise ValueError(f"unknown checkpoint {recipe.checkpoint!r}: use none or full")
+    if recipe.checkpoint not in CHECKPOINTS:
+        raise ValueError(f"unknown checkpoint {recipe.checkpoint!r}: use one of {', '.join(CHECKPOINTS)}")
+    if recipe.checkpoint == "selective" and recipe.sdpa_backend() is None:
+        raise ValueError("checkpoint selective recomputes the SDPA call only: use an sdpa-* attention")
+    if recipe.attention != "eager" and (not recipe.attention.startswith("sdpa-")
+                                        or recipe.sdpa_backend() not in SDPA_BACKENDS):
+        raise ValueError(f"unknown attention {recipe.attention!r}: use eager or "
+                         f"{', '.join('sdpa-' + b for b in SDPA_BACKENDS)}")
     if recipe.batch < 1 or recipe.seq < 1:
         raise ValueError(f"batch and seq must be 1 or more, got {recipe.batch} and {recipe.seq}")
     dtype = getattr(torch, DTYPES[recipe.dtype])
@@ -775,7 +1027,7 @@ def zoo(recipe: Recipe) -> tuple[Callable, Callable, Callable, Callable]:
             return torch.nn.functional.cross_entropy(model(inp[0]), inp[1])
 
     else:
-        cfg = _hf_config(recipe.model)
+        cfg = _hf_config(recipe.model, "eager" if recipe.attention == "eager" else "sdpa")
         max_pos = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings")
         if S > max_pos:
             raise ValueError(f"seq {S} is longer than {recipe.model}'s {max_pos} positions")
@@ -829,11 +1081,13 @@ def capture_zoo(recipe: Recipe) -> Capture:
             "seq": None if recipe.model in ("mlp", "resnet18") else recipe.seq,
             "dtype": recipe.dtype, "optimizer": recipe.optimizer, "foreach": True,
             "checkpoint": recipe.checkpoint, "attn_implementation":
-                "eager" if recipe.model in ("gpt2", "bert-base", "tinyllama-1.1b") else None}
+                recipe.attention if recipe.model in ("gpt2", "bert-base", "tinyllama-1.1b") else None}
     if recipe.model in ("mlp", "resnet18"):
         meta["image_or_features"] = "3x224x224" if recipe.model == "resnet18" else MLP_DIMS[0]
+    device = "cpu" if recipe.amp() else recipe.device
     return capture(model_fn, inputs_fn, loss_fn, optimizer_fn, recipe.iterations,
-                   accum=recipe.accum, meta=meta)
+                   accum=recipe.accum, meta=meta, device=device, amp=recipe.amp(), sdpa=recipe.sdpa_backend(),
+                   recompute_sdpa=recipe.checkpoint == "selective")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -845,16 +1099,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128, help="tokens per sequence (language models)")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    ap.add_argument("--checkpoint", default="none", choices=("none", "full"))
+    ap.add_argument("--checkpoint", default="none", choices=CHECKPOINTS,
+                    help="full: every block; selective: the SDPA call only (needs --attention sdpa-*)")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--attention", default="eager",
+                    choices=["eager"] + ["sdpa-" + b for b in SDPA_BACKENDS],
+                    help="HF attention: eager, or SDPA with the CUDA backend pinned")
+    ap.add_argument("--device", default="meta", choices=("meta", "cpu"),
+                    help="meta tensors, or fake CPU tensors (amp-* dtypes always use cpu)")
     ap.add_argument("-o", "--output", required=True, help="trace file (.jsonl, or .jsonl.gz)")
     ap.add_argument("--summary", action="store_true", help="print the summary as JSON on stdout")
     a = ap.parse_args(argv)
     if torch is None:
         print("error: vramsim_capture needs torch: pip install torch", file=sys.stderr)
         return 2
-    recipe = Recipe(a.model, a.batch, a.seq, a.dtype, a.optimizer, a.checkpoint, a.accum, a.iterations)
+    recipe = Recipe(a.model, a.batch, a.seq, a.dtype, a.optimizer, a.checkpoint, a.accum, a.iterations,
+                    a.attention, a.device)
     try:
         cap = capture_zoo(recipe)
     except ValueError as e:
