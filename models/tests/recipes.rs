@@ -470,16 +470,21 @@ fn timm_models_reject_impossible_image_sizes_and_class_counts() {
     let e = zoo::build("timm/vit_base_patch16_224", &r)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("image_size") && e.contains("16x16 patch"), "{e}");
+    assert!(e.contains("image-size") && e.contains("16x16 patch"), "{e}");
     r.image_size = Some((0, 0));
     let e = zoo::build("timm/convnext_tiny", &r)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("image_size") && e.contains("32x32"), "{e}");
+    assert!(e.contains("image-size") && e.contains("32x32"), "{e}");
+    r.image_size = Some((16, 16));
+    let e = zoo::build("timm/convnext_tiny", &r)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("image-size") && e.contains("32x32"), "{e}");
     r.image_size = None;
     r.num_classes = Some(0);
     let e = zoo::build("timm/resnet50", &r).unwrap_err().to_string();
-    assert!(e.contains("num_classes"), "{e}");
+    assert!(e.contains("num-classes"), "{e}");
     let e = zoo::build("timm/resnet51", &Recipe::new(2, 1))
         .unwrap_err()
         .to_string();
