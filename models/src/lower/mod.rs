@@ -639,10 +639,15 @@ impl<'g> Lowering<'g> {
                     self.drop_inputs(inputs);
                     continue;
                 }
-                let loss = self.finish_loss(loss);
+                let (loss, unscaled) = self.finish_loss(loss);
                 self.phase("backward");
                 self.backward(&loss);
+                // `scaler.scale(loss).backward()`: the scaled temporary dies when the statement
+                // ends, then `del loss` frees the caller's unscaled loss (held through backward).
                 self.drop_rt(loss);
+                if let Some(u) = unscaled {
+                    self.drop_rt(u);
+                }
                 self.drop_inputs(inputs);
             }
             if self.r.inference {
