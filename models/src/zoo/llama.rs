@@ -300,6 +300,10 @@ pub fn llama_with_head(
             heads::hidden_state_loss(&mut b, hidden)
         }
         (_, Some(labels)) => {
+            // LlamaForCausalLM.forward: `hidden_states = outputs.last_hidden_state` (and
+            // `outputs`) are locals until forward returns, through `self.loss_function`. Under
+            // autocast `lm_head` saves its 16-bit copy, so only those references keep it alive.
+            b.hold(hidden);
             let logits = b.module("lm_head", |b| {
                 let w = if cfg.tie_embeddings {
                     embed_w
