@@ -101,6 +101,10 @@ pub fn vit(cfg: &VitConfig, batch: u64, backend: SdpaBackend) -> Result<Graph, G
     });
     let x = b.select(x, 1, 0);
     let logits = b.module("heads", |b| b.linear("head", x, cfg.classes, true));
+    // `x = x[:, 0]; x = self.heads(x)`: the class-token view (and with it the encoder's output
+    // storage) is rebound only when the head returns (under autocast `head` saves its 16-bit
+    // copy, not the view).
+    b.hold_until_last_op(x);
     classifier_loss(&mut b, logits, labels);
     b.finish()
 }
