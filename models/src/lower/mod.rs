@@ -774,6 +774,20 @@ impl<'g> Lowering<'g> {
                     }
                 }
             }
+            // Arguments of the checkpointed call that no op reads: the checkpoint's recompute
+            // closure holds them too (`_checkpoint_without_reentrant_generator`'s `recompute_fn`
+            // captures `fn`, `args` and `kwargs`; the frame lives until the backward).
+            for r in g
+                .regions
+                .iter()
+                .filter(|r| r.start >= start && r.end <= end)
+            {
+                for &v in &r.args {
+                    if !inputs.contains(&v) {
+                        inputs.push(v);
+                    }
+                }
+            }
             self.ck_ranges.push(CkRange { start, end, inputs });
             for i in start..end {
                 self.op_region[i] = Some(id);

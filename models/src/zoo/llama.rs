@@ -216,6 +216,11 @@ pub fn llama_with_head(
         let mut x = emb;
         for l in 0..cfg.layers {
             x = b.region(RegionKind::Block, &format!("layers.{l}"), |b| {
+                // `decoder_layer(hidden_states, attention_mask=..., position_ids=position_ids,
+                // ...)`: the layer never reads position_ids (cos/sin come in as
+                // position_embeddings), but HF's GradientCheckpointingLayer hands
+                // `partial(super().__call__, **kwargs)` to the checkpoint, which keeps it.
+                b.region_arg(pos);
                 let residual = x;
                 let y = b.rms_norm("input_layernorm", x);
                 let (a, probs) = b.module("self_attn", |b| {
