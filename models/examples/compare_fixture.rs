@@ -28,24 +28,24 @@ fn main() {
     );
     // fp32, bf16, amp-fp16, amp-bf16 (the AMP fixtures of tests/fixtures/amp/)
     r.precision = rc["dtype"].as_str().unwrap().parse::<Precision>().unwrap();
-    // the AMP fixtures name the attention ("eager", "sdpa-flash", ...); the others are eager
-    if let Some(a) = rc.get("attention").and_then(|a| a.as_str()) {
-        r.attention = a.parse::<Attention>().unwrap();
-    }
+    // the AMP fixtures name the attention ("eager", "sdpa-flash", ...); the others ran eager
+    r.attention = match rc.get("attention").and_then(|a| a.as_str()) {
+        Some(a) => a.parse::<Attention>().unwrap(),
+        None => Attention::Eager,
+    };
     r.optimizer = rc["optimizer"]
         .as_str()
         .unwrap()
         .parse::<OptimizerKind>()
         .unwrap();
-    r.checkpointing = if rc["checkpoint"] == "full" {
-        Checkpointing::Full
-    } else {
-        Checkpointing::None
-    };
+    // "none", "full", "selective" (the AMP fixtures' checkpointed SDPA calls)
+    r.checkpointing = rc["checkpoint"]
+        .as_str()
+        .unwrap()
+        .parse::<Checkpointing>()
+        .unwrap();
     r.accum = rc["accum"].as_u64().unwrap() as u32;
     r.iterations = rc["iterations"].as_u64().unwrap() as u32;
-    // The captures ran eager attention.
-    r.attention = Attention::Eager;
     r.fidelity = if cuda {
         Fidelity::Cuda
     } else {

@@ -33,6 +33,12 @@ pub enum Policy {
 pub fn policy(kind: &OpKind) -> Policy {
     use OpKind::*;
     match kind {
+        // fp32_set_opt_dtype with the dtype given: `set_opt_dtype` keeps it
+        // (`dtype.has_value() ? dtype : at::kFloat`, `autocast_mode.h`) and the op runs uncast.
+        LogSoftmax {
+            explicit_dtype: true,
+            ..
+        } => Policy::None,
         Mm | Addmm | Bmm | Sdpa { .. } | Conv2d { .. } => Policy::Lower,
         Softmax { .. }
         | LogSoftmax { .. }

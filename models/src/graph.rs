@@ -136,6 +136,10 @@ pub struct Region {
     pub start: usize,
     /// One past the last op.
     pub end: usize,
+    /// Tensors passed to the region's call that no op in it reads (HF passes `position_ids` to
+    /// every decoder layer): a non-reentrant checkpoint of the region keeps them alive, since its
+    /// recompute closure holds the call's arguments (`torch/utils/checkpoint.py`).
+    pub args: Vec<ValueId>,
 }
 
 /// A model graph for one batch size and sequence length.
@@ -238,6 +242,8 @@ pub struct GraphBuilder {
     stack: Vec<String>,
     module_ids: std::collections::HashMap<String, ModuleId>,
     hold_stack: Vec<Vec<ValueId>>,
+    /// [`GraphBuilder::region_arg`]s of the regions being built, innermost last.
+    region_args: Vec<Vec<ValueId>>,
     no_autocast: bool,
     error: Option<GraphError>,
 }
@@ -281,6 +287,7 @@ impl GraphBuilder {
             stack: Vec::new(),
             module_ids: Default::default(),
             hold_stack: vec![Vec::new()],
+            region_args: Vec::new(),
             no_autocast: false,
             error: None,
         };
@@ -354,7 +361,9 @@ impl GraphBuilder {
         self.push_module(name);
         let module = self.current_module();
         let start = self.g.ops.len();
+        self.region_args.push(Vec::new());
         let r = f(self);
+        let args = self.region_args.pop().unwrap_or_default();
         let end = self.g.ops.len();
         self.pop_module(name);
         if end > start {
@@ -363,9 +372,18 @@ impl GraphBuilder {
                 module,
                 start,
                 end,
+                args,
             });
         }
         r
+    }
+
+    /// Inside [`GraphBuilder::region`]: `v` is an argument of the region's call that none of its
+    /// ops reads (see [`Region::args`]).
+    pub fn region_arg(&mut self, v: T) {
+        if let Some(top) = self.region_args.last_mut() {
+            top.push(v);
+        }
     }
 
     /// Run `f` with autocast excluded for the ops it appends (ATen's `ExcludeDispatchKeyGuard`

@@ -135,6 +135,9 @@ pub enum OpKind {
     LogSoftmax {
         /// Dimension.
         dim: usize,
+        /// Called as `log_softmax(x, dim, dtype)` with the dtype given (`cross_entropy_loss` passes
+        /// the input's own): autocast's `fp32_set_opt_dtype` keeps it (see [`crate::autocast`]).
+        explicit_dtype: bool,
     },
     /// `nll_loss_forward(logp, target)` with mean reduction: outputs `(loss, total_weight)`.
     NllLoss,
@@ -768,10 +771,23 @@ impl GraphBuilder {
 
     /// `F.log_softmax(x, dim)`.
     pub fn log_softmax(&mut self, x: T, dim: isize) -> T {
+        self.log_softmax_op(x, dim, false)
+    }
+
+    /// `_log_softmax(x, dim)`; `explicit_dtype`: called with `dtype=x.dtype` given.
+    fn log_softmax_op(&mut self, x: T, dim: isize, explicit_dtype: bool) -> T {
         let s = self.shape(x);
         let dim = norm_dim(dim, s.len());
         let d = self.dtype(x);
-        self.op1(OpKind::LogSoftmax { dim }, &[x], s, d)
+        self.op1(
+            OpKind::LogSoftmax {
+                dim,
+                explicit_dtype,
+            },
+            &[x],
+            s,
+            d,
+        )
     }
 
     /// `F.nll_loss(logp, target)` (mean reduction): the scalar loss.
@@ -809,9 +825,13 @@ impl GraphBuilder {
         self.op1(OpKind::MseLoss, &[input, target], vec![], d)
     }
 
-    /// `F.cross_entropy(logits, target)` = `log_softmax` + `nll_loss`.
+    /// `F.cross_entropy(logits, target)` = `log_softmax` + `nll_loss`: `cross_entropy_loss`
+    /// (`aten/src/ATen/native/LossNLL.cpp`, class-index targets) calls
+    /// `at::log_softmax(self, class_dim, self.scalar_type())`, with an explicit dtype (the logits'
+    /// own), then `at::nll_loss_nd`. `cross_entropy_loss` has no autocast kernel of its own, so under
+    /// autocast the log-softmax stays in the logits' dtype and `nll_loss` (fp32 list) casts it.
     pub fn cross_entropy(&mut self, logits: T, target: T) -> T {
-        let lp = self.log_softmax(logits, -1);
+        let lp = self.log_softmax_op(logits, -1, true);
         self.nll_loss(lp, target)
     }
 

@@ -180,8 +180,18 @@ impl<'g> Lowering<'g> {
             Some(i) if !self.g.ops[i].autocast => None,
             _ => self.autocast,
         };
+        // `fp32_set_opt_dtype` (`aten/src/ATen/autocast_mode.h`, `set_opt_dtype`): `dtype` becomes
+        // float32 only when the caller left it unset; an explicit dtype is kept and the input is
+        // not cast (`cross_entropy_loss` calls `log_softmax(self, dim, self.scalar_type())`).
         let ac_f32 = autocast.is_some()
-            && matches!(kind, OpKind::Softmax { .. } | OpKind::LogSoftmax { .. });
+            && matches!(
+                kind,
+                OpKind::Softmax { .. }
+                    | OpKind::LogSoftmax {
+                        explicit_dtype: false,
+                        ..
+                    }
+            );
         if let OpKind::Softmax { dim, to_f32 } = *kind {
             if (to_f32 || ac_f32) && ins[0].dtype == DType::BF16 {
                 let conv = self.exec(&OpKind::ToDtype(DType::F32), &ins[..1], &[], m, None);
@@ -195,10 +205,23 @@ impl<'g> Lowering<'g> {
                 return self.exec(&OpKind::Softmax { dim, to_f32: true }, ins, outs, m, gop);
             }
         }
-        if let OpKind::LogSoftmax { dim } = *kind {
+        if let OpKind::LogSoftmax {
+            dim,
+            explicit_dtype: false,
+        } = *kind
+        {
             if ac_f32 && ins[0].dtype != DType::F32 {
                 let conv = self.exec(&OpKind::ToDtype(DType::F32), &ins[..1], &[], m, None);
-                let out = self.exec(&OpKind::LogSoftmax { dim }, &conv, outs, m, gop);
+                let out = self.exec(
+                    &OpKind::LogSoftmax {
+                        dim,
+                        explicit_dtype: true,
+                    },
+                    &conv,
+                    outs,
+                    m,
+                    gop,
+                );
                 for c in conv {
                     self.drop_rt(c);
                 }
@@ -1029,8 +1052,12 @@ impl<'g> Lowering<'g> {
     }
 
     /// `loss / accum` for gradient accumulation, and `scaler.scale(loss)` (`loss * scaler._scale`)
-    /// when the step runs under a GradScaler ([`crate::Recipe::uses_grad_scaler`]).
-    pub(super) fn finish_loss(&mut self, loss: Rt) -> Rt {
+    /// when the step runs under a GradScaler ([`crate::Recipe::uses_grad_scaler`]). Returns the
+    /// tensor `backward` starts from and, under a scaler, the caller's unscaled `loss`: in
+    /// `scaler.scale(loss).backward()` (`torch/amp/grad_scaler.py`, `GradScaler.scale` returns
+    /// `outputs * self._scale`, a new tensor) the Python name `loss` still references it, so it
+    /// lives through backward until the training loop's `del loss`.
+    pub(super) fn finish_loss(&mut self, loss: Rt) -> (Rt, Option<Rt>) {
         let mut loss = loss;
         if self.r.accum > 1 {
             let out = self
@@ -1070,10 +1097,9 @@ impl<'g> Lowering<'g> {
                 .exec(&OpKind::Mul, &[loss.clone(), scale], &[], ModuleId(0), None)
                 .pop()
                 .expect("one output");
-            self.drop_rt(loss);
-            loss = out;
+            return (out, Some(loss));
         }
-        loss
+        (loss, None)
     }
 }
 

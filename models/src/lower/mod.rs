@@ -639,10 +639,15 @@ impl<'g> Lowering<'g> {
                     self.drop_inputs(inputs);
                     continue;
                 }
-                let loss = self.finish_loss(loss);
+                let (loss, unscaled) = self.finish_loss(loss);
                 self.phase("backward");
                 self.backward(&loss);
+                // `scaler.scale(loss).backward()`: the scaled temporary dies when the statement
+                // ends, then `del loss` frees the caller's unscaled loss (held through backward).
                 self.drop_rt(loss);
+                if let Some(u) = unscaled {
+                    self.drop_rt(u);
+                }
                 self.drop_inputs(inputs);
             }
             if self.r.inference {
@@ -765,6 +770,20 @@ impl<'g> Lowering<'g> {
                         _ => false,
                     };
                     if made_before && !inputs.contains(&v) {
+                        inputs.push(v);
+                    }
+                }
+            }
+            // Arguments of the checkpointed call that no op reads: the checkpoint's recompute
+            // closure holds them too (`_checkpoint_without_reentrant_generator`'s `recompute_fn`
+            // captures `fn`, `args` and `kwargs`; the frame lives until the backward).
+            for r in g
+                .regions
+                .iter()
+                .filter(|r| r.start >= start && r.end <= end)
+            {
+                for &v in &r.args {
+                    if !inputs.contains(&v) {
                         inputs.push(v);
                     }
                 }

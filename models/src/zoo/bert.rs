@@ -246,7 +246,13 @@ pub fn bert_with_head(
             }
             heads::hidden_state_loss(&mut b, x)
         }
-        (_, Some(labels)) => masked_lm_head(&mut b, cfg, x, word_w, labels),
+        (_, Some(labels)) => {
+            // BertForMaskedLM.forward: `sequence_output = outputs[0]` (and `outputs`) are locals
+            // until forward returns, through the loss. Under autocast `transform.dense` saves its
+            // 16-bit copy, not this float32 tensor, so only these references keep it alive.
+            b.hold(x);
+            masked_lm_head(&mut b, cfg, x, word_w, labels)
+        }
     };
     b.keep_output(out);
     b.set_output(out);

@@ -216,6 +216,10 @@ pub fn gpt2_with_head(
             heads::hidden_state_loss(&mut b, hidden)
         }
         (_, Some(labels)) => {
+            // GPT2LMHeadModel.forward: `hidden_states = transformer_outputs[0]` is a local until
+            // forward returns, through `self.loss_function`. Under autocast `lm_head` saves its
+            // 16-bit copy, not this float32 tensor, so only that reference keeps it alive.
+            b.hold(hidden);
             // lm_head: nn.Linear(h, V, bias=False), tied to wte unless the config unties it.
             let logits = b.module("lm_head", |b| {
                 let w = if cfg.tie_embeddings {

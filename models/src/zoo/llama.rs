@@ -216,6 +216,11 @@ pub fn llama_with_head(
         let mut x = emb;
         for l in 0..cfg.layers {
             x = b.region(RegionKind::Block, &format!("layers.{l}"), |b| {
+                // `decoder_layer(hidden_states, attention_mask=..., position_ids=position_ids,
+                // ...)`: the layer never reads position_ids (cos/sin come in as
+                // position_embeddings), but HF's GradientCheckpointingLayer hands
+                // `partial(super().__call__, **kwargs)` to the checkpoint, which keeps it.
+                b.region_arg(pos);
                 let residual = x;
                 let y = b.rms_norm("input_layernorm", x);
                 let (a, probs) = b.module("self_attn", |b| {
@@ -300,6 +305,10 @@ pub fn llama_with_head(
             heads::hidden_state_loss(&mut b, hidden)
         }
         (_, Some(labels)) => {
+            // LlamaForCausalLM.forward: `hidden_states = outputs.last_hidden_state` (and
+            // `outputs`) are locals until forward returns, through `self.loss_function`. Under
+            // autocast `lm_head` saves its 16-bit copy, so only those references keep it alive.
+            b.hold(hidden);
             let logits = b.module("lm_head", |b| {
                 let w = if cfg.tie_embeddings {
                     embed_w

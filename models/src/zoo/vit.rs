@@ -82,6 +82,10 @@ pub fn vit(cfg: &VitConfig, batch: u64, backend: SdpaBackend) -> Result<Graph, G
     let cls = b.expand(class_token, &[n, 1, e]);
     let x = b.cat(&[cls, x], 1);
     let x = b.module("encoder", |b| {
+        // VisionTransformer.forward: `x = torch.cat(...)`, then `x = self.encoder(x)`: the caller's
+        // `x` (and Encoder.forward's argument until its `input = input + self.pos_embedding`)
+        // keeps the cat output alive until the encoder returns.
+        b.hold(x);
         let pos = b.param("pos_embedding", &[1, seq, e]);
         let mut x = b.add(x, pos);
         b.push_module("layers");
@@ -97,6 +101,10 @@ pub fn vit(cfg: &VitConfig, batch: u64, backend: SdpaBackend) -> Result<Graph, G
     });
     let x = b.select(x, 1, 0);
     let logits = b.module("heads", |b| b.linear("head", x, cfg.classes, true));
+    // `x = x[:, 0]; x = self.heads(x)`: the class-token view (and with it the encoder's output
+    // storage) is rebound only when the head returns (under autocast `head` saves its 16-bit
+    // copy, not the view).
+    b.hold_until_last_op(x);
     classifier_loss(&mut b, logits, labels);
     b.finish()
 }
@@ -107,12 +115,15 @@ fn encoder_block(b: &mut GraphBuilder, cfg: &VitConfig, input: T, backend: SdpaB
     let x = b.layer_norm("ln_1", input);
     let a = b.module("self_attention", |b| mha(b, cfg, x, backend));
     let x = b.add(a, input);
-    let y = b.layer_norm("ln_2", x);
+    let y0 = b.layer_norm("ln_2", x);
     let y = b.module("mlp", |b| {
-        let y = b.linear("0", y, cfg.mlp, true);
+        let y = b.linear("0", y0, cfg.mlp, true);
         let y = b.module("1", |b| b.gelu(y, false));
         b.linear("3", y, cfg.hidden, true)
     });
+    // `y = self.mlp(y)`: the name `y` is rebound only when the MLP returns, so the ln_2 output
+    // lives through the whole MLP (under autocast `mlp.0` saves its 16-bit copy, not this).
+    b.hold_until_last_op(y0);
     b.add(x, y)
 }
 
