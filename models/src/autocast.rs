@@ -34,6 +34,10 @@ pub fn policy(kind: &OpKind) -> Policy {
     use OpKind::*;
     match kind {
         Mm | Addmm | Bmm | Sdpa { .. } | Conv2d { .. } => Policy::Lower,
+        // `log_softmax(x, dim, dtype)` with an explicit dtype (`cross_entropy_loss`) keeps it.
+        LogSoftmax {
+            keep_dtype: true, ..
+        } => Policy::None,
         Softmax { .. }
         | LogSoftmax { .. }
         | NllLoss

@@ -135,6 +135,9 @@ pub enum OpKind {
     LogSoftmax {
         /// Dimension.
         dim: usize,
+        /// Called with `dtype=` the input's own dtype (`cross_entropy_loss`): autocast keeps it
+        /// (no float32 result); `false` is `F.log_softmax(x, dim)` (dtype unset).
+        keep_dtype: bool,
     },
     /// `nll_loss_forward(logp, target)` with mean reduction: outputs `(loss, total_weight)`.
     NllLoss,
@@ -225,6 +228,11 @@ pub enum OpKind {
     /// `F.mse_loss(input, target)` with mean reduction (`aten.mse_loss`): a scalar; saves input
     /// and target.
     MseLoss,
+    /// `x.masked_fill(mask, value)` with a Python scalar value (`aten.masked_fill.Scalar`): the
+    /// bool mask broadcasts to `x`; out of place, a contiguous copy of `x` filled in place
+    /// (`TensorAdvancedIndexing.cpp` `masked_fill`). derivatives.yaml saves the mask
+    /// (`self: grad.masked_fill(mask, 0)`); the mask is not differentiable.
+    MaskedFill,
     /// Autocast's `lower_precision_fp` cast of a composite's argument (`linear`, `matmul` are in
     /// the list, so their arguments are cast, and cached when they are parameters, before the
     /// ATen ops they decompose into): identity when autocast is off.
@@ -302,6 +310,7 @@ impl OpKind {
             Select { .. } => "aten.select",
             Index => "aten.index",
             MseLoss => "aten.mse_loss",
+            MaskedFill => "aten.masked_fill",
             Factory { name, .. } => name,
         }
     }
@@ -771,7 +780,15 @@ impl GraphBuilder {
         let s = self.shape(x);
         let dim = norm_dim(dim, s.len());
         let d = self.dtype(x);
-        self.op1(OpKind::LogSoftmax { dim }, &[x], s, d)
+        self.op1(
+            OpKind::LogSoftmax {
+                dim,
+                keep_dtype: false,
+            },
+            &[x],
+            s,
+            d,
+        )
     }
 
     /// `F.nll_loss(logp, target)` (mean reduction): the scalar loss.
@@ -809,24 +826,60 @@ impl GraphBuilder {
         self.op1(OpKind::MseLoss, &[input, target], vec![], d)
     }
 
-    /// `F.cross_entropy(logits, target)` = `log_softmax` + `nll_loss`.
+    /// `F.cross_entropy(logits, target)` = `log_softmax(logits, 1, logits.scalar_type())` +
+    /// `nll_loss` (`cross_entropy_loss`, LossNLL.cpp: the explicit dtype keeps autocast from
+    /// making the log-softmax float32; `nll_loss`'s fp32 policy casts instead).
     pub fn cross_entropy(&mut self, logits: T, target: T) -> T {
-        let lp = self.log_softmax(logits, -1);
+        let s = self.shape(logits);
+        let dim = norm_dim(-1, s.len());
+        let d = self.dtype(logits);
+        let lp = self.op1(
+            OpKind::LogSoftmax {
+                dim,
+                keep_dtype: true,
+            },
+            &[logits],
+            s,
+            d,
+        );
         self.nll_loss(lp, target)
+    }
+
+    /// `x.masked_fill(mask, value)` for a bool `mask` that broadcasts to `x` and a scalar value.
+    pub fn masked_fill(&mut self, x: T, mask: T) -> T {
+        let s = self.shape(x);
+        if broadcast(&s, &self.shape(mask)).as_ref() != Some(&s) {
+            self.fail(
+                "masked_fill",
+                format!(
+                    "mask {:?} does not broadcast to the input's {s:?}",
+                    self.shape(mask)
+                ),
+            );
+        }
+        let d = self.dtype(x);
+        self.op1(OpKind::MaskedFill, &[x, mask], s, d)
     }
 
     /// `F.layer_norm(x, [h], w, b)` (`native_layer_norm`: mean and rstd are float32 when x is 16-bit
     /// on CUDA, shape `[..., 1]`).
     pub fn layer_norm_op(&mut self, x: T, w: T, b: T) -> T {
+        self.layer_norm_op_opt(x, w, Some(b))
+    }
+
+    /// [`GraphBuilder::layer_norm_op`] with an optional bias (`F.layer_norm(x, [h], w, None)`,
+    /// nanoGPT's `LayerNorm(ndim, bias=False)`): without one the op has two inputs.
+    pub fn layer_norm_op_opt(&mut self, x: T, w: T, b: Option<T>) -> T {
         let s = self.shape(x);
         let mut stat = s.clone();
         if let Some(l) = stat.last_mut() {
             *l = 1;
         }
         let d = self.dtype(x);
+        let inputs: Vec<T> = [Some(x), Some(w), b].into_iter().flatten().collect();
         self.op(
             OpKind::LayerNorm,
-            &[x, w, b],
+            &inputs,
             &[
                 (s, d),
                 (stat.clone(), DTypeSpec::Fixed(DType::F32)),

@@ -180,8 +180,18 @@ impl<'g> Lowering<'g> {
             Some(i) if !self.g.ops[i].autocast => None,
             _ => self.autocast,
         };
+        // `cross_entropy_loss` (LossNLL.cpp) calls `log_softmax(self, dim, self.scalar_type())`:
+        // autocast's fp32_set_opt_dtype keeps an explicit dtype, so the log-softmax stays in the
+        // logits' dtype and `nll_loss` (fp32 list) casts its input to a float32 copy instead.
         let ac_f32 = autocast.is_some()
-            && matches!(kind, OpKind::Softmax { .. } | OpKind::LogSoftmax { .. });
+            && matches!(
+                kind,
+                OpKind::Softmax { .. }
+                    | OpKind::LogSoftmax {
+                        keep_dtype: false,
+                        ..
+                    }
+            );
         if let OpKind::Softmax { dim, to_f32 } = *kind {
             if (to_f32 || ac_f32) && ins[0].dtype == DType::BF16 {
                 let conv = self.exec(&OpKind::ToDtype(DType::F32), &ins[..1], &[], m, None);
@@ -195,10 +205,10 @@ impl<'g> Lowering<'g> {
                 return self.exec(&OpKind::Softmax { dim, to_f32: true }, ins, outs, m, gop);
             }
         }
-        if let OpKind::LogSoftmax { dim } = *kind {
+        if let OpKind::LogSoftmax { dim, keep_dtype } = *kind {
             if ac_f32 && ins[0].dtype != DType::F32 {
                 let conv = self.exec(&OpKind::ToDtype(DType::F32), &ins[..1], &[], m, None);
-                let out = self.exec(&OpKind::LogSoftmax { dim }, &conv, outs, m, gop);
+                let out = self.exec(&OpKind::LogSoftmax { dim, keep_dtype }, &conv, outs, m, gop);
                 for c in conv {
                     self.drop_rt(c);
                 }
@@ -761,17 +771,13 @@ impl<'g> Lowering<'g> {
                 if let Some(t) = xc {
                     self.drop_rt(t);
                 }
-                Fwd::New(
-                    vec![o, mean, rstd],
-                    op_kind,
-                    vec![
-                        Save::In(0),
-                        Save::In(1),
-                        Save::In(2),
-                        Save::Out(1),
-                        Save::Out(2),
-                    ],
-                )
+                // A LayerNorm without bias (`F.layer_norm(x, shape, w, None)`) saves no bias.
+                let mut saves = vec![Save::In(0), Save::In(1)];
+                if x.len() > 2 {
+                    saves.push(Save::In(2));
+                }
+                saves.extend([Save::Out(1), Save::Out(2)]);
+                Fwd::New(vec![o, mean, rstd], op_kind, saves)
             }
             // derivatives.yaml native_dropout: the bool mask (result1) saved; output new.
             Dropout { .. } => {
@@ -1004,6 +1010,12 @@ impl<'g> Lowering<'g> {
                     self.drop_rt(t);
                 }
                 Fwd::New(vec![o], op_kind, vec![Save::In(0), Save::In(1)])
+            }
+            // masked_fill (TensorAdvancedIndexing.cpp): `self.clone(at::MemoryFormat::Contiguous)`
+            // then `masked_fill_` on the copy; derivatives.yaml saves the mask.
+            MaskedFill => {
+                let o = self.alloc(Layout::contiguous(x[0].shape()), x[0].dtype, m, name);
+                Fwd::New(vec![o], op_kind, vec![Save::In(1)])
             }
             Factory { temps, .. } => {
                 for (s, d) in temps {
