@@ -151,14 +151,18 @@ pub fn nanogpt(
                 // the `bias` buffer of the manual path.
                 let (wa, ba) = lin(b, "c_attn", 3 * h, h);
                 let (wp, bp) = lin(b, "c_proj", h, h);
+                // A float32 buffer that `model.to(dtype)` converts like the parameters.
                 let mask_buf = match attn {
                     AttnImpl::Eager => Some(b.buffer(
                         "bias",
                         &[1, 1, cfg.block_size, cfg.block_size],
-                        DTypeSpec::Fixed(DType::F32),
+                        DTypeSpec::Model,
                     )),
                     AttnImpl::Sdpa(_) => None,
                 };
+                // forward(self, x): its argument lives until forward returns (under autocast the
+                // projections save 16-bit copies, not it).
+                b.hold(y);
                 let qkv = b.module("c_attn", |b| b.linear_op(y, wa, ba));
                 let parts = b.split(qkv, &[h, h, h], 2);
                 let shp = [batch as i64, seq as i64, nh as i64, hd as i64];
@@ -210,6 +214,7 @@ pub fn nanogpt(
             let x = b.add(x, a);
             let y = b.nanogpt_layer_norm("ln_2", x, bias);
             let f = b.module("mlp", |b| {
+                b.hold(y);
                 let y = b.linear("c_fc", y, 4 * h, bias);
                 let y = b.activation("gelu", y, Activation::Gelu);
                 let y = b.linear("c_proj", y, h, bias);
@@ -219,6 +224,8 @@ pub fn nanogpt(
         });
     }
     let x = b.nanogpt_layer_norm("transformer.ln_f", x, bias);
+    // `x = self.transformer.ln_f(x)`: a local to the end of forward, through the loss.
+    b.hold(x);
     // lm_head: nn.Linear(n_embd, vocab, bias=False) whose weight is transformer.wte.weight.
     let logits = b.module("lm_head", |b| b.linear_op(x, wte, None));
     b.hold(logits);
