@@ -228,6 +228,11 @@ pub enum OpKind {
     /// `F.mse_loss(input, target)` with mean reduction (`aten.mse_loss`): a scalar; saves input
     /// and target.
     MseLoss,
+    /// `x.masked_fill(mask, value)` with a Python scalar value (`aten.masked_fill.Scalar`): the
+    /// bool mask broadcasts to `x`; out of place, a contiguous copy of `x` filled in place
+    /// (`TensorAdvancedIndexing.cpp` `masked_fill`). derivatives.yaml saves the mask
+    /// (`self: grad.masked_fill(mask, 0)`); the mask is not differentiable.
+    MaskedFill,
     /// Autocast's `lower_precision_fp` cast of a composite's argument (`linear`, `matmul` are in
     /// the list, so their arguments are cast, and cached when they are parameters, before the
     /// ATen ops they decompose into): identity when autocast is off.
@@ -305,6 +310,7 @@ impl OpKind {
             Select { .. } => "aten.select",
             Index => "aten.index",
             MseLoss => "aten.mse_loss",
+            MaskedFill => "aten.masked_fill",
             Factory { name, .. } => name,
         }
     }
@@ -835,18 +841,41 @@ impl GraphBuilder {
         self.nll_loss(lp, target)
     }
 
+    /// `x.masked_fill(mask, value)` for a bool `mask` that broadcasts to `x` and a scalar value.
+    pub fn masked_fill(&mut self, x: T, mask: T) -> T {
+        let s = self.shape(x);
+        if broadcast(&s, &self.shape(mask)).as_ref() != Some(&s) {
+            self.fail(
+                "masked_fill",
+                format!(
+                    "mask {:?} does not broadcast to the input's {s:?}",
+                    self.shape(mask)
+                ),
+            );
+        }
+        let d = self.dtype(x);
+        self.op1(OpKind::MaskedFill, &[x, mask], s, d)
+    }
+
     /// `F.layer_norm(x, [h], w, b)` (`native_layer_norm`: mean and rstd are float32 when x is 16-bit
     /// on CUDA, shape `[..., 1]`).
     pub fn layer_norm_op(&mut self, x: T, w: T, b: T) -> T {
+        self.layer_norm_op_opt(x, w, Some(b))
+    }
+
+    /// [`GraphBuilder::layer_norm_op`] with an optional bias (`F.layer_norm(x, [h], w, None)`,
+    /// nanoGPT's `LayerNorm(ndim, bias=False)`): without one the op has two inputs.
+    pub fn layer_norm_op_opt(&mut self, x: T, w: T, b: Option<T>) -> T {
         let s = self.shape(x);
         let mut stat = s.clone();
         if let Some(l) = stat.last_mut() {
             *l = 1;
         }
         let d = self.dtype(x);
+        let inputs: Vec<T> = [Some(x), Some(w), b].into_iter().flatten().collect();
         self.op(
             OpKind::LayerNorm,
-            &[x, w, b],
+            &inputs,
             &[
                 (s, d),
                 (stat.clone(), DTypeSpec::Fixed(DType::F32)),

@@ -406,3 +406,42 @@ fn timm_parameter_counts_match_the_published_models() {
         "vit_base_patch16_224 at 384, 10 classes"
     );
 }
+
+#[test]
+fn nanogpt_parameter_counts_follow_model_py() {
+    use vramsim_models::zoo::nanogpt::NanoGptConfig;
+    // model.py with vocab V = 50304 and T = 1024 positions, per layer: c_attn 3d² (+3d), c_proj
+    // d² (+d), c_fc 4d² (+4d), mlp.c_proj 4d² (+d), two LayerNorms 2d (+2d); ln_f d (+d); wte
+    // V d (tied to lm_head), wpe T d. bias=False: L(12d² + 2d) + d(V + T) + d, erees's formula.
+    let count = |l: u64, d: u64, bias: bool| {
+        let b = u64::from(bias);
+        l * (12 * d * d + 2 * d + b * 11 * d) + d * (50304 + 1024) + d + b * d
+    };
+    for (name, l, d) in [
+        ("nanogpt", 12, 768),
+        ("nanogpt-medium", 24, 1024),
+        ("nanogpt-large", 36, 1280),
+        ("nanogpt-xl", 48, 1600),
+    ] {
+        for bias in [true, false] {
+            let n = if bias {
+                name.to_string()
+            } else {
+                format!("{name}-nobias")
+            };
+            let cfg = NanoGptConfig::from_name(&n).expect("zoo name");
+            let r = Recipe::new(1, 64);
+            let g = zoo::build(&n, &r).expect("build");
+            assert_eq!(g.param_count(), count(l, d, bias), "{n}");
+            assert_eq!(cfg.param_count(), count(l, d, bias), "{n}");
+        }
+    }
+    // erees's published counts (bias=False): 124,373,760 / 354,599,936 / 773,582,080.
+    assert_eq!(count(12, 768, false), 124_373_760);
+    assert_eq!(count(24, 1024, false), 354_599_936);
+    assert_eq!(count(36, 1280, false), 773_582_080);
+    // nanoGPT prints "number of parameters: 123.69M" for GPT-2 124M (vocab 50304, bias=True):
+    // get_num_params() subtracts wpe.
+    let printed = count(12, 768, true) - 1024 * 768;
+    assert_eq!(format!("{:.2}M", printed as f64 / 1e6), "123.69M");
+}

@@ -860,6 +860,18 @@ impl<'g> Lowering<'g> {
                 out[1] = Some(dk);
                 out[2] = Some(dv);
             }
+            // derivatives.yaml masked_fill.Scalar: `grad.masked_fill(mask, 0)`, a new tensor of
+            // grad's shape (the mask gets none).
+            MaskedFill => {
+                if need(0) {
+                    out[0] = Some(self.alloc(
+                        Layout::contiguous(&g.layout.shape),
+                        g.dtype,
+                        m,
+                        "aten.masked_fill",
+                    ));
+                }
+            }
             // Not differentiable: no node is ever made.
             Factory { .. } => {}
         }

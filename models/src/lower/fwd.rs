@@ -784,17 +784,13 @@ impl<'g> Lowering<'g> {
                 if let Some(t) = xc {
                     self.drop_rt(t);
                 }
-                Fwd::New(
-                    vec![o, mean, rstd],
-                    op_kind,
-                    vec![
-                        Save::In(0),
-                        Save::In(1),
-                        Save::In(2),
-                        Save::Out(1),
-                        Save::Out(2),
-                    ],
-                )
+                // A LayerNorm without bias (`F.layer_norm(x, shape, w, None)`) saves no bias.
+                let mut saves = vec![Save::In(0), Save::In(1)];
+                if x.len() > 2 {
+                    saves.push(Save::In(2));
+                }
+                saves.extend([Save::Out(1), Save::Out(2)]);
+                Fwd::New(vec![o, mean, rstd], op_kind, saves)
             }
             // derivatives.yaml native_dropout: the bool mask (result1) saved; output new.
             Dropout { .. } => {
@@ -1027,6 +1023,12 @@ impl<'g> Lowering<'g> {
                     self.drop_rt(t);
                 }
                 Fwd::New(vec![o], op_kind, vec![Save::In(0), Save::In(1)])
+            }
+            // masked_fill (TensorAdvancedIndexing.cpp): `self.clone(at::MemoryFormat::Contiguous)`
+            // then `masked_fill_` on the copy; derivatives.yaml saves the mask.
+            MaskedFill => {
+                let o = self.alloc(Layout::contiguous(x[0].shape()), x[0].dtype, m, name);
+                Fwd::New(vec![o], op_kind, vec![Save::In(1)])
             }
             Factory { temps, .. } => {
                 for (s, d) in temps {

@@ -191,6 +191,7 @@ pub fn valid_heads(family: Family) -> &'static str {
     match family {
         Family::Gpt2 | Family::Llama => "lm, seq-cls:N, token-cls:N, none",
         Family::Bert => "masked-lm, seq-cls:N, token-cls:N, none",
+        Family::NanoGpt => "lm (nanoGPT's GPT has no other head)",
     }
 }
 
@@ -203,19 +204,24 @@ pub enum Family {
     Llama,
     /// BERT.
     Bert,
+    /// karpathy/nanoGPT's `GPT` (its only head: `lm_head`).
+    NanoGpt,
 }
 
 impl Family {
     /// The family's own head (what its zoo entries build without `--head`).
     pub fn default_head(self) -> Head {
         match self {
-            Family::Gpt2 | Family::Llama => Head::Lm,
+            Family::Gpt2 | Family::Llama | Family::NanoGpt => Head::Lm,
             Family::Bert => Head::MaskedLm,
         }
     }
 
     /// Whether the family builds `head`.
     pub fn accepts(self, head: Head) -> bool {
+        if self == Family::NanoGpt {
+            return head == Head::Lm;
+        }
         !matches!(
             (self, head),
             (Family::Gpt2 | Family::Llama, Head::MaskedLm) | (Family::Bert, Head::Lm)

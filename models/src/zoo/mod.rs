@@ -9,6 +9,7 @@
 //! | `vit-b-16` | torchvision 0.29 `vit_b_16()` |
 //! | `bert-base`, `bert-large` | transformers 5.23 `BertForMaskedLM` |
 //! | `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl` | transformers 5.23 `GPT2LMHeadModel` |
+//! | `nanogpt`, `nanogpt-medium`, `nanogpt-large`, `nanogpt-xl` (and `-nobias`) | karpathy/nanoGPT `model.py` `GPT` (`f08abb45`) |
 //! | `tinyllama-1.1b`, `llama2-7b`, `llama2-13b`, `llama2-70b`, `llama3-8b` | transformers 5.23 `LlamaForCausalLM` |
 //! | `timm/resnet18` ... `timm/convnext_large` ([`timm::MODELS`]) | timm 0.6 `timm.create_model(name)` |
 //!
@@ -23,6 +24,7 @@ pub mod gpt2;
 pub mod heads;
 pub mod llama;
 pub mod mlp;
+pub mod nanogpt;
 pub mod nn;
 pub mod resnet;
 pub mod timm;
@@ -38,7 +40,7 @@ use heads::Family;
 pub use nn::{Activation, AttnImpl};
 
 /// Every zoo name, in the order `vramsim predict` lists them.
-pub const NAMES: [&str; 40] = [
+pub const NAMES: [&str; 48] = [
     "mlp",
     "resnet18",
     "resnet34",
@@ -79,6 +81,14 @@ pub const NAMES: [&str; 40] = [
     "timm/convnext_small",
     "timm/convnext_base",
     "timm/convnext_large",
+    "nanogpt",
+    "nanogpt-medium",
+    "nanogpt-large",
+    "nanogpt-xl",
+    "nanogpt-nobias",
+    "nanogpt-medium-nobias",
+    "nanogpt-large-nobias",
+    "nanogpt-xl-nobias",
 ];
 
 /// Why a zoo model could not be built.
@@ -176,6 +186,8 @@ pub enum Arch {
     Llama(llama::LlamaConfig),
     /// A timm 0.6 model (`timm/<name>`).
     Timm(timm::TimmConfig),
+    /// karpathy/nanoGPT's `GPT`.
+    NanoGpt(nanogpt::NanoGptConfig),
 }
 
 impl Arch {
@@ -201,9 +213,13 @@ impl Arch {
             "llama2-13b" => Arch::Llama(llama::LLAMA2_13B),
             "llama2-70b" => Arch::Llama(llama::LLAMA2_70B),
             "llama3-8b" => Arch::Llama(llama::LLAMA3_8B),
-            _ => match timm::TimmConfig::from_name(name) {
-                Some(c) => Arch::Timm(c),
-                None => return Err(ZooError::Unknown(name.to_string())),
+            _ => match (
+                timm::TimmConfig::from_name(name),
+                nanogpt::NanoGptConfig::from_name(name),
+            ) {
+                (Some(c), _) => Arch::Timm(c),
+                (None, Some(c)) => Arch::NanoGpt(c),
+                (None, None) => return Err(ZooError::Unknown(name.to_string())),
             },
         })
     }
@@ -219,6 +235,7 @@ impl Arch {
             Arch::Gpt2(c) => &c.name,
             Arch::Llama(c) => &c.name,
             Arch::Timm(c) => c.name(),
+            Arch::NanoGpt(c) => c.name,
         }
     }
 
@@ -230,6 +247,8 @@ impl Arch {
             Arch::Bert(c) => Some(c.positions),
             Arch::Gpt2(c) => Some(c.positions),
             Arch::Llama(c) => Some(c.positions),
+            // `assert t <= self.config.block_size` in GPT.forward.
+            Arch::NanoGpt(c) => Some(c.block_size),
         }
     }
 
@@ -299,6 +318,16 @@ impl Arch {
                 enable_gqa: true,
                 ..call(c.heads, c.kv_heads, s, c.head_dim(), 0.0, true)
             }),
+            // CausalSelfAttention (flash): attn_mask=None, dropout_p=self.dropout if
+            // self.training else 0, is_causal=True.
+            Arch::NanoGpt(c) => Some(call(
+                c.heads,
+                c.heads,
+                s,
+                c.hidden / c.heads.max(1),
+                drop(c.dropout),
+                true,
+            )),
         }
     }
 
@@ -312,6 +341,13 @@ impl Arch {
             return Ok(None);
         };
         let vit = matches!(self, Arch::Vit(_));
+        let nano = matches!(self, Arch::NanoGpt(_));
+        if recipe.attention == Attention::Eager && nano {
+            return Ok(Some(KernelChoice {
+                kernel: Kernel::Eager,
+                reason: "eager: --attention eager (nanoGPT's manual path, flash = False: q @ kᵀ, masked_fill from the float32 `bias` buffer, softmax, att @ v)".into(),
+            }));
+        }
         if recipe.attention == Attention::Eager && !vit {
             return Ok(Some(KernelChoice {
                 kernel: Kernel::Eager,
@@ -322,6 +358,7 @@ impl Arch {
         let why = match (vit, recipe.attention) {
             (true, Attention::Eager) => "torchvision nn.MultiheadAttention has no eager path (need_weights=False calls SDPA in training); ",
             (true, _) => "torchvision nn.MultiheadAttention calls SDPA in training; ",
+            (false, Attention::Auto) if nano => "nanoGPT flash = hasattr(F, 'scaled_dot_product_attention') (PyTorch ≥ 2.0); ",
             (false, Attention::Auto) => "transformers attn_implementation None → \"sdpa\" (_supports_sdpa); ",
             (false, _) => "",
         };
@@ -371,6 +408,7 @@ impl Arch {
             Arch::Bert(c) => c.layers,
             Arch::Gpt2(c) => c.layers,
             Arch::Llama(c) => c.layers,
+            Arch::NanoGpt(c) => c.layers,
             _ => 0,
         };
         if layers > MAX_LAYERS {
@@ -417,6 +455,8 @@ impl Arch {
             }
             Arch::Bert(c) => bert::bert_with_head(c, batch, seq, attn, head)?,
             Arch::Gpt2(c) => gpt2::gpt2_with_head(c, batch, seq, attn, head, recipe.loss)?,
+            // The loss is GPT.forward's own (plain cross-entropy): `--loss` does not apply.
+            Arch::NanoGpt(c) => nanogpt::nanogpt(c, batch, seq, attn)?,
             Arch::Timm(c) => return build_timm(c, recipe),
             Arch::Llama(c) => {
                 if let (Some(w), AttnImpl::Sdpa(_)) = (c.sliding_window, attn) {
@@ -441,6 +481,7 @@ impl Arch {
             Arch::Gpt2(_) => Some(Family::Gpt2),
             Arch::Llama(_) => Some(Family::Llama),
             Arch::Bert(_) => Some(Family::Bert),
+            Arch::NanoGpt(_) => Some(Family::NanoGpt),
             Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Vit(_) | Arch::Timm(_) => None,
         }
     }
@@ -494,7 +535,7 @@ impl Arch {
                     None => Ok((0, 0)),
                 }
             }
-            Arch::Bert(_) | Arch::Gpt2(_) | Arch::Llama(_) => {
+            Arch::Bert(_) | Arch::Gpt2(_) | Arch::Llama(_) | Arch::NanoGpt(_) => {
                 return match recipe.image_size {
                     Some((h, w)) => Err(bad(format!(
                         "{h}x{w}: language models take --seq, not images"
@@ -558,7 +599,7 @@ impl Arch {
             Arch::Vit(c) => c.classes,
             Arch::Vgg16 | Arch::Timm(_) => 1000,
             Arch::Mlp => mlp::MLP_DIMS[mlp::MLP_DIMS.len() - 1],
-            Arch::Bert(_) | Arch::Gpt2(_) | Arch::Llama(_) => {
+            Arch::Bert(_) | Arch::Gpt2(_) | Arch::Llama(_) | Arch::NanoGpt(_) => {
                 return match recipe.num_classes {
                     Some(n) => Err(ZooError::Unsupported {
                         model: self.name().to_string(),
@@ -640,6 +681,14 @@ impl Arch {
                 vec![c.inner, c.hidden],
             ],
             Arch::Timm(c) => c.largest_tensors(b, c.default_image(), 1000),
+            Arch::NanoGpt(c) => vec![
+                vec![b, c.heads, s, s],
+                vec![b, s, c.vocab],
+                vec![b, s, c.hidden.saturating_mul(4)],
+                vec![b, s, c.hidden.saturating_mul(3)],
+                vec![c.vocab, c.hidden],
+                vec![c.block_size, c.block_size],
+            ],
             Arch::Llama(c) => vec![
                 vec![b, c.heads, s, s],
                 vec![b, s, c.vocab],

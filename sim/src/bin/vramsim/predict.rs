@@ -47,7 +47,10 @@ pub struct PredictArgs {
     /// timm/vit_base_patch16_224, timm/vit_base_patch16_384, timm/vit_large_patch16_224,
     /// timm/deit_tiny_patch16_224, timm/deit_small_patch16_224, timm/deit_base_patch16_224,
     /// timm/efficientnet_b0, timm/convnext_nano, timm/convnext_tiny, timm/convnext_small,
-    /// timm/convnext_base, timm/convnext_large.
+    /// timm/convnext_base, timm/convnext_large; karpathy/nanoGPT's GPT (vocab 50304, 1024
+    /// positions, dropout 0, its own plain cross-entropy): nanogpt, nanogpt-medium, nanogpt-large,
+    /// nanogpt-xl (GPTConfig's bias=True), each also as -nobias (bias=False, train.py's default);
+    /// --attention eager is its manual path with the float32 `bias` mask buffers, auto its SDPA.
     #[arg(long, value_name = "NAME")]
     pub model: Option<String>,
     /// A HuggingFace config.json (model_type gpt2, bert, llama, mistral or qwen2) instead of a zoo
@@ -587,6 +590,10 @@ fn recipe_line(p: &Prediction) -> String {
 fn head_text(p: &Prediction) -> String {
     let r = &p.recipe;
     if let Ok(Some(head)) = p.arch.head(r) {
+        // nanoGPT's GPT.forward computes its own plain cross-entropy whatever --loss says.
+        if matches!(p.arch, Arch::NanoGpt(_)) {
+            return format!(", head {head}, nanoGPT's plain loss");
+        }
         return format!(", head {head}, {} loss", r.loss);
     }
     let mut s = String::new();
