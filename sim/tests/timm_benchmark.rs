@@ -26,8 +26,10 @@
 //!   caching allocator), so cuBLAS keeps its own per-handle workspace for good →
 //!   `--cublas-workspace-cache`, the nearest description (one 8,519,680 B workspace per thread,
 //!   kept; 1.12's came from cuBLAS's own `cudaMalloc`, outside the allocator's segments). A cu113
-//!   build never takes addmm's cuBLASLt path (`Blas.cpp` requires `CUDA_VERSION >= 11040`); with
-//!   the cache on, vramsim's Lt GEMMs share the one workspace anyway;
+//!   build should never take addmm's cuBLASLt path (`Blas.cpp` guards it with CUDA 11.4, "for cuda
+//!   11.4, cublasLtMatmul is activated"; 1.12's own `Blas.cpp` not read: its `CUDABlas.h` declares
+//!   `gemm_and_bias` from CUDA 11.0); with the cache on, vramsim's Lt GEMMs share the one workspace
+//!   anyway;
 //! * CUDA 11.3 on an RTX 3090 → `--gpu rtx3090 --cuda 11`: the preset's CUDA 11 context, 1687 MB
 //!   after `torch.Tensor(1).cuda()` with torch 1.8.2+cu111 (pytorch/pytorch issue #55277). CUDA
 //!   11.1 and 11.3 both predate lazy module loading (CUDA 11.7; PyTorch turned it on in 1.13, PR
