@@ -18,7 +18,7 @@ use vramsim_traces::{AllocId, Category, Event, Trace};
 /// The live allocations at the peak of requested bytes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PeakBreakdown {
-    /// Live requested bytes at the peak.
+    /// Live requested bytes at the peak (for [`peak_breakdown_until`], at the failing allocation).
     pub peak_requested: u64,
     /// Index (in `trace.events`) of the allocation that reached it first.
     pub event_index: usize,
@@ -65,14 +65,22 @@ pub const LARGEST: usize = 10;
 /// The live set at the first maximum of live requested bytes (see the module documentation).
 /// Frees of unknown ids are ignored.
 pub fn peak_breakdown(trace: &Trace) -> PeakBreakdown {
-    peak_breakdown_until(trace, trace.events.len())
+    breakdown(trace, trace.events.len(), true)
 }
 
-/// [`peak_breakdown`] over the first `end` events only: up to an out-of-memory error at event
-/// `end - 1`, what was live when it was raised (the failing allocation included).
+/// What was live when an out-of-memory error was raised at event `end - 1` (the failing allocation
+/// included), over the first `end` events: not the highest point before it, which a step that runs
+/// out of memory in a later iteration, through fragmentation, passed with less live. Empty for
+/// `end == 0`.
 pub fn peak_breakdown_until(trace: &Trace, end: usize) -> PeakBreakdown {
+    breakdown(trace, end, false)
+}
+
+/// The live set over the first `end` events at their first maximum of live requested bytes
+/// (`at_max`), else after the last of them.
+fn breakdown(trace: &Trace, end: usize, at_max: bool) -> PeakBreakdown {
     let events = &trace.events[..end.min(trace.events.len())];
-    // Pass 1: where is the peak?
+    // Pass 1: where is the point?
     let mut sizes: HashMap<&AllocId, u64> = HashMap::new();
     let (mut cur, mut peak, mut at) = (0u64, 0u64, 0usize);
     for (i, e) in events.iter().enumerate() {
@@ -80,7 +88,7 @@ pub fn peak_breakdown_until(trace: &Trace, end: usize) -> PeakBreakdown {
             Event::Alloc { id, size, .. } => {
                 sizes.insert(id, *size);
                 cur = cur.saturating_add(*size);
-                if cur > peak {
+                if at_max && cur > peak {
                     peak = cur;
                     at = i;
                 }
@@ -89,7 +97,11 @@ pub fn peak_breakdown_until(trace: &Trace, end: usize) -> PeakBreakdown {
             _ => {}
         }
     }
-    // Pass 2: what is live there?
+    if !at_max {
+        peak = cur;
+        at = events.len().saturating_sub(1);
+    }
+    // Pass 2: what is live there? (Nothing for no events.)
     let mut live: HashMap<&AllocId, usize> = HashMap::new();
     let mut phase: Option<(usize, &str)> = None;
     for (i, e) in events.iter().enumerate().take(at + 1) {
@@ -227,6 +239,31 @@ fn is_numbered(p: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_oom_breakdown_is_what_is_live_at_the_failing_allocation() {
+        let alloc = |id: u64, size: u64| Event::Alloc {
+            id: id.into(),
+            size,
+            stream: Default::default(),
+            category: Category::Activation,
+            tag: Some(format!("m{id}:aten.empty").into()),
+        };
+        // 100 + 50 live, 100 freed, then 30 fails (fragmentation): 80 live at the error, at event 3.
+        let trace = Trace::from_events(vec![
+            alloc(1, 100),
+            alloc(2, 50),
+            Event::Free { id: 1u64.into() },
+            alloc(3, 30),
+        ]);
+        let peak = peak_breakdown(&trace);
+        assert_eq!((peak.peak_requested, peak.event_index), (150, 1));
+        let oom = peak_breakdown_until(&trace, 4);
+        assert_eq!((oom.peak_requested, oom.event_index), (80, 3));
+        assert_eq!(oom.by_category, [(Category::Activation, 80)]);
+        let empty = peak_breakdown_until(&trace, 0);
+        assert_eq!((empty.peak_requested, empty.by_module.len()), (0, 0));
+    }
 
     #[test]
     fn tags_group_at_their_block() {

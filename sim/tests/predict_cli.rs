@@ -965,3 +965,68 @@ fn bad_attention_values_are_clear_errors() {
         &["sm 7.5", "check_cudnn_hardware_support"],
     );
 }
+
+#[test]
+fn timm_models_take_image_size_and_num_classes() {
+    // timm 0.6 create_model('vit_small_patch16_224', img_size=384, num_classes=10): 22,050,664
+    // parameters at 224×224 with 1000 classes; the head loses 384·990 + 990 and pos_embed grows
+    // from 1 + 14·14 to 1 + 24·24 tokens of width 384.
+    let j = predict_json(&[
+        "--model",
+        "timm/vit_small_patch16_224",
+        "--batch",
+        "2",
+        "--image-size",
+        "384",
+        "--num-classes",
+        "10",
+    ]);
+    assert_eq!(
+        j["params"],
+        22_050_664u64 - (384 * 990 + 990) + (576 - 196) * 384
+    );
+    assert_eq!(j["recipe"]["image_size"], serde_json::json!([384, 384]));
+    assert_eq!(j["recipe"]["num_classes"], 10);
+    // The float32 batch 2×3×384×384 and its int64 labels.
+    assert_eq!(
+        j["breakdown"]["by_category"]["input"],
+        2 * 3 * 384 * 384 * 4 + 2 * 8
+    );
+    // PatchEmbed takes any H×W (0.6 has no square check): 384×256 gives 24·16 patches.
+    let j = predict_json(&[
+        "--model",
+        "timm/vit_small_patch16_224",
+        "--batch",
+        "2",
+        "--image-size",
+        "384x256",
+    ]);
+    assert_eq!(j["params"], 22_050_664u64 + (384 - 196) * 384);
+    // timm resnet50(num_classes=10) on 160×128 images: 25,557,032 − (2048·1000 + 1000) + (2048·10 + 10).
+    let output = vramsim(&[
+        "predict",
+        "--model",
+        "timm/resnet50",
+        "--batch",
+        "2",
+        "--image-size",
+        "160x128",
+        "--num-classes",
+        "10",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = stdout(&output);
+    assert!(text.contains("23,528,522 parameters"), "{text}");
+    assert!(text.contains("3×160×128 images, 10 classes"), "{text}");
+    assert_fails(
+        &[
+            "--model",
+            "timm/convnext_tiny",
+            "--batch",
+            "2",
+            "--image-size",
+            "0",
+        ],
+        &["image-size", "1 or more"],
+    );
+}
