@@ -58,6 +58,11 @@ pub enum OptimizerKind {
     /// `exp_avg_sq_row`/`exp_avg_sq_col` for tensors of 2 or more dimensions, float32 state and
     /// float32 copies of 16-bit gradients and parameters.
     AdafactorHf,
+    /// HuggingFace's own `transformers.optimization.AdamW` (HF Trainer's `optim="adamw_hf"`, its
+    /// default before transformers 4.x moved to `adamw_torch`): a Python loop over the parameters
+    /// that creates each parameter's `exp_avg`/`exp_avg_sq` when it first reaches it and makes one
+    /// temporary per parameter, `denom = exp_avg_sq.sqrt().add_(eps)`.
+    AdamWHf,
 }
 
 /// How the optimizer runs its math (`foreach`/`fused` arguments).
@@ -456,12 +461,12 @@ impl Recipe {
         if self.optimizer_impl == OptimizerImpl::Fused
             && matches!(
                 self.optimizer,
-                OptimizerKind::Adafactor | OptimizerKind::AdafactorHf
+                OptimizerKind::Adafactor | OptimizerKind::AdafactorHf | OptimizerKind::AdamWHf
             )
         {
             return Err(RecipeError::Invalid {
                 field: "optimizer",
-                msg: "Adafactor has no fused implementation (use foreach or for-loop)".into(),
+                msg: "Adafactor and transformers' AdamW have no fused implementation (use foreach or for-loop)".into(),
             });
         }
         if let Some(m) = self.clip_grad_norm {
@@ -531,10 +536,11 @@ macro_rules! named_enum {
 
 named_enum!(Precision, "precision", "fp32, bf16, amp-fp16, amp-bf16",
     ["fp32" => Precision::Fp32, "bf16" => Precision::Bf16, "amp-fp16" => Precision::AmpFp16, "amp-bf16" => Precision::AmpBf16]);
-named_enum!(OptimizerKind, "optimizer", "adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf",
+named_enum!(OptimizerKind, "optimizer", "adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf, adamw-hf",
     ["adamw" => OptimizerKind::AdamW, "adam" => OptimizerKind::Adam, "sgd" => OptimizerKind::Sgd,
      "sgd-momentum" => OptimizerKind::SgdMomentum, "sgd-nesterov" => OptimizerKind::SgdNesterov,
-     "adafactor" => OptimizerKind::Adafactor, "adafactor-hf" => OptimizerKind::AdafactorHf]);
+     "adafactor" => OptimizerKind::Adafactor, "adafactor-hf" => OptimizerKind::AdafactorHf,
+     "adamw-hf" => OptimizerKind::AdamWHf]);
 named_enum!(OptimizerImpl, "optimizer implementation", "foreach, fused, for-loop",
     ["foreach" => OptimizerImpl::Foreach, "fused" => OptimizerImpl::Fused, "for-loop" => OptimizerImpl::ForLoop]);
 named_enum!(ZeroGrad, "zero_grad mode", "none, zero",
@@ -671,6 +677,7 @@ impl fmt::Display for OptimizerKind {
             OptimizerKind::AdamW => "adamw",
             OptimizerKind::Adafactor => "adafactor",
             OptimizerKind::AdafactorHf => "adafactor-hf",
+            OptimizerKind::AdamWHf => "adamw-hf",
         })
     }
 }
@@ -698,7 +705,7 @@ mod tests {
             Checkpointing::Every(2)
         );
         let e = "adamx".parse::<OptimizerKind>().unwrap_err();
-        assert_eq!(e.to_string(), "unknown optimizer \"adamx\": valid values are adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf");
+        assert_eq!(e.to_string(), "unknown optimizer \"adamx\": valid values are adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf, adamw-hf");
         assert!("every:0".parse::<Checkpointing>().is_err());
         assert!("fp64"
             .parse::<Precision>()

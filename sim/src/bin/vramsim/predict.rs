@@ -69,7 +69,8 @@ pub struct PredictArgs {
     pub precision: Precision,
     /// adamw, adam, sgd, sgd-momentum (momentum=0.9), sgd-nesterov (momentum=0.9, nesterov=True),
     /// adafactor (torch.optim.Adafactor), adafactor-hf (transformers' Adafactor, a per-parameter
-    /// loop, as HF Trainer's optim="adafactor" builds it).
+    /// loop, as HF Trainer's optim="adafactor" builds it), adamw-hf (transformers' own AdamW, a
+    /// per-parameter loop: HF Trainer's optim="adamw_hf", its default in transformers 4.x up to 4.3x).
     #[arg(long, default_value = "adamw", value_parser = named::<OptimizerKind>)]
     pub optimizer: OptimizerKind,
     /// How the optimizer runs: foreach (PyTorch's default on CUDA), fused, for-loop.
@@ -548,7 +549,7 @@ fn recipe_line(p: &Prediction) -> String {
     } else {
         let imp = match (r.optimizer, r.optimizer_impl) {
             // transformers' Adafactor has only its Python loop
-            (OptimizerKind::AdafactorHf, _) => "for-loop",
+            (OptimizerKind::AdafactorHf | OptimizerKind::AdamWHf, _) => "for-loop",
             (_, OptimizerImpl::Foreach) => "foreach",
             (_, OptimizerImpl::Fused) => "fused",
             (_, OptimizerImpl::ForLoop) => "for-loop",
