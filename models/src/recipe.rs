@@ -18,7 +18,7 @@ pub enum Precision {
     AmpBf16,
 }
 
-/// Which blocks `torch.utils.checkpoint` (non-reentrant) wraps.
+/// Which blocks `torch.utils.checkpoint` wraps (its implementation: [`CheckpointImpl`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Checkpointing {
     /// No recomputation.
@@ -33,6 +33,29 @@ pub enum Checkpointing {
     /// `checkpoint_sequential(blocks, segments=round(√n))`: the blocks in √n segments, the last
     /// segment not checkpointed.
     Sqrt,
+}
+
+/// Which `torch.utils.checkpoint` implementation `--checkpoint` uses (`use_reentrant`).
+///
+/// transformers 5.23's `activation_checkpointing_enable(None)` (and the deprecated
+/// `gradient_checkpointing_enable`) passes `{"use_reentrant": False}` (`modeling_utils.py`
+/// `_activation_checkpointing_enable`), so non-reentrant is what an HF user gets today. A bare
+/// `torch.utils.checkpoint.checkpoint(fn, x)` in PyTorch 2.15 warns and takes `use_reentrant=True`
+/// (`torch/utils/checkpoint.py` `checkpoint`); PyTorch ≤ 1.10 had only the reentrant version, which
+/// transformers ≤ 4.34 called.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CheckpointImpl {
+    /// `use_reentrant=False` (`_checkpoint_without_reentrant_generator`): the region's forward
+    /// builds its graph with pack hooks that keep only the inputs; the first backward node that
+    /// unpacks reruns the region up to its last saving op, each recomputed tensor going when its
+    /// node has run.
+    #[default]
+    NonReentrant,
+    /// `use_reentrant=True` (`CheckpointFunction`): the forward runs under `torch.no_grad()`
+    /// keeping the inputs (`ctx.save_for_backward`); its backward reruns the whole region with grad
+    /// on detached inputs, then `torch.autograd.backward(outputs, grads)` runs the region's own graph
+    /// inside the outer backward node, and returns the detached inputs' `.grad`.
+    Reentrant,
 }
 
 /// The optimizer.
@@ -364,6 +387,8 @@ pub struct Recipe {
     /// The training loop keeps the model's outputs (logits, loss) until the next forward returns
     /// and rebinds them (`--keep-outputs`).
     pub keep_outputs: bool,
+    /// The `torch.utils.checkpoint` implementation of `checkpointing` (`--checkpoint-impl`).
+    pub checkpoint_impl: CheckpointImpl,
 }
 
 impl Default for Recipe {
@@ -390,6 +415,7 @@ impl Default for Recipe {
             head: None,
             loss: Loss::Hf,
             keep_outputs: false,
+            checkpoint_impl: CheckpointImpl::NonReentrant,
         }
     }
 }
@@ -678,6 +704,18 @@ impl fmt::Display for OptimizerKind {
             OptimizerKind::Adafactor => "adafactor",
             OptimizerKind::AdafactorHf => "adafactor-hf",
             OptimizerKind::AdamWHf => "adamw-hf",
+        })
+    }
+}
+
+named_enum!(CheckpointImpl, "checkpoint-impl", "non-reentrant, reentrant",
+    ["non-reentrant" => CheckpointImpl::NonReentrant, "reentrant" => CheckpointImpl::Reentrant]);
+
+impl fmt::Display for CheckpointImpl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CheckpointImpl::NonReentrant => "non-reentrant",
+            CheckpointImpl::Reentrant => "reentrant",
         })
     }
 }

@@ -154,6 +154,12 @@ pub(crate) enum NodeKind {
     Cast,
     /// `CloneBackward0` + `UnsafeViewBackward0` of a reshape that copied (`grad.reshape(sizes)`).
     ReshapeCopy,
+    /// `CheckpointFunctionBackward` of reentrant checkpoint region `u32` (its `saved` are the
+    /// region's inputs, `ctx.save_for_backward`).
+    Reentrant(u32),
+    /// `AccumulateGrad` of a detached input of a reentrant recomputation: its `.grad` goes to
+    /// [`Lowering::leaf_grads`] slot `u32`.
+    Leaf(u32),
 }
 
 pub(crate) struct Node {
@@ -172,6 +178,15 @@ struct CkRange {
     start: usize,
     end: usize,
     inputs: Vec<ValueId>,
+    /// Values made in the region and used after it (the region function's return).
+    outputs: Vec<ValueId>,
+}
+
+/// A reentrant checkpoint region whose no-grad forward is running.
+struct ReentrantFwd {
+    range: u32,
+    /// `ctx.save_for_backward(*tensor_inputs)`.
+    inputs: Vec<(ValueId, Rt)>,
 }
 
 /// One `torch.utils.checkpoint` call of one forward (`_CheckpointFrame`).
@@ -243,6 +258,14 @@ pub(crate) struct Lowering<'g> {
     kept: Vec<(usize, Rt)>,
     /// The outputs of the running forward, kept once it ends.
     kept_next: Vec<(usize, Rt)>,
+    /// The reentrant checkpoint region whose forward is running.
+    reentrant_fwd: Option<ReentrantFwd>,
+    /// A reentrant region's recomputation is running (the training loop's names are not involved).
+    in_reentrant_recompute: bool,
+    /// `.grad` of the detached inputs of reentrant recomputations, by [`NodeKind::Leaf`] slot.
+    leaf_grads: Vec<Option<Rt>>,
+    /// The region input values of each `CheckpointFunctionBackward` node, in `saved` order.
+    reentrant_inputs: HashMap<u32, Vec<ValueId>>,
 }
 
 /// Lowers a training step (or inference, per the recipe) of `graph` to an allocation trace.
@@ -391,6 +414,10 @@ impl<'g> Lowering<'g> {
             conv_benchmarked: HashSet::new(),
             kept: Vec::new(),
             kept_next: Vec::new(),
+            reentrant_fwd: None,
+            in_reentrant_recompute: false,
+            leaf_grads: Vec::new(),
+            reentrant_inputs: HashMap::new(),
         }
     }
 
@@ -769,7 +796,27 @@ impl<'g> Lowering<'g> {
                     }
                 }
             }
-            self.ck_ranges.push(CkRange { start, end, inputs });
+            // Its outputs: values made in it that a later op, the graph's output or the training
+            // loop's kept outputs use.
+            let mut outputs = Vec::new();
+            let used_after = |v: ValueId| {
+                g.ops[end..].iter().any(|op| op.inputs.contains(&v))
+                    || g.output == Some(v)
+                    || g.kept_outputs.iter().any(|&(k, _)| k == v)
+            };
+            for op in &g.ops[start..end] {
+                for &v in &op.outputs {
+                    if used_after(v) && !outputs.contains(&v) {
+                        outputs.push(v);
+                    }
+                }
+            }
+            self.ck_ranges.push(CkRange {
+                start,
+                end,
+                inputs,
+                outputs,
+            });
             for i in start..end {
                 self.op_region[i] = Some(id);
             }

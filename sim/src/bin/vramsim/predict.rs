@@ -17,7 +17,7 @@ use vramsim_models::{
     lower, parse_image_size, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph,
     Head, Loss, OptimizerImpl, OptimizerKind, PeakBreakdown, Precision, Recipe, Target, ZeroGrad,
 };
-use vramsim_models::{CublasWorkspaceMode, Workspaces};
+use vramsim_models::{CheckpointImpl, CublasWorkspaceMode, Workspaces};
 use vramsim_sim::device::{find_preset, ContextChoice, UnknownGpu, DEFAULT_GPU};
 use vramsim_sim::engine::{Flow, Replay, ReplayOptions};
 use vramsim_sim::format::format_size;
@@ -151,6 +151,11 @@ pub struct PredictArgs {
     /// Classes of an image model's classifier (default 1000).
     #[arg(long, value_name = "N", value_parser = count("num-classes"), allow_negative_numbers = true)]
     pub num_classes: Option<u64>,
+    /// The torch.utils.checkpoint implementation of --checkpoint: non-reentrant (use_reentrant=False,
+    /// what transformers 5.23's gradient checkpointing passes) or reentrant (use_reentrant=True:
+    /// PyTorch ≤ 1.10 and transformers ≤ 4.34, and a bare torch.utils.checkpoint call in 2.15).
+    #[arg(long, default_value = "non-reentrant", value_parser = named::<CheckpointImpl>)]
+    pub checkpoint_impl: CheckpointImpl,
 }
 
 /// A parser for `--image-size` (`H` or `HxW`).
@@ -405,6 +410,7 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
         keep_outputs: args.keep_outputs,
         image_size: args.image_size,
         num_classes: args.num_classes,
+        checkpoint_impl: args.checkpoint_impl,
         ..Recipe::default()
     };
     recipe.validate()?;
@@ -559,6 +565,10 @@ fn recipe_line(p: &Prediction) -> String {
             ", {} ({imp}), checkpoint {}, accum {}",
             r.optimizer, r.checkpointing, r.accum
         );
+        if r.checkpointing != Checkpointing::None && r.checkpoint_impl == CheckpointImpl::Reentrant
+        {
+            s.push_str(" (reentrant)");
+        }
         if r.zero_grad == ZeroGrad::Zero {
             s.push_str(", zero_grad(set_to_none=False)");
         }
@@ -763,6 +773,7 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
             OptimizerImpl::ForLoop => "for-loop",
         },
         "checkpoint": r.checkpointing.to_string(),
+        "checkpoint_impl": r.checkpoint_impl.to_string(),
         "accum": r.accum,
         "iterations": r.iterations,
         "inference": r.inference,
