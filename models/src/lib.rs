@@ -54,7 +54,7 @@ pub use recipe::{
     Attention, Checkpointing, Fidelity, OptimizerImpl, OptimizerKind, Precision, Recipe,
     RecipeError, Target, ZeroGrad,
 };
-pub use recipe::{CheckpointImpl, CublasWorkspaceMode, Workspaces};
+pub use recipe::{CheckpointImpl, CublasWorkspaceMode, TorchVersion, Workspaces};
 pub use sdpa::{SdpaBackend, SdpaCall};
 
 use vramsim_traces::{Event, Trace};

@@ -58,6 +58,25 @@ pub enum CheckpointImpl {
     Reentrant,
 }
 
+/// The PyTorch release whose rules the lowering follows where they changed (`--torch-version`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TorchVersion {
+    /// PyTorch 2.15, the reference version.
+    #[default]
+    V2_15,
+    /// PyTorch 1.10 (late 2021), where it differs from 2.15 in what the lowering models:
+    ///
+    /// * `_softmax`/`_log_softmax` backward formulas take `self` (derivatives.yaml
+    ///   `_softmax_backward_data(grad, result, dim, self)`), so autograd saves the input besides the
+    ///   result (pytorch/pytorch#64000; `self` was dropped by #65242, in 1.11);
+    /// * ATen never gives cuBLAS a workspace (`cublasSetWorkspace` came with #83461, in 2.0;
+    ///   #95668: "1.13 does not have this issue"), and `addmm` has no cuBLASLt path: GEMMs take
+    ///   nothing from the caching allocator; each cuBLAS handle (one per thread that runs a GEMM)
+    ///   uses the default workspace pool cuBLAS allocates itself (see
+    ///   [`Workspaces::cublas_own_pool_bytes`]).
+    V1_10,
+}
+
 /// The optimizer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum OptimizerKind {
@@ -256,6 +275,19 @@ impl Workspaces {
 }
 
 impl Workspaces {
+    /// The default workspace pool cuBLAS allocates itself (`cudaMalloc`, outside PyTorch's caching
+    /// allocator) for a handle no workspace was set on: NVIDIA's `cublasSetWorkspace` documentation
+    /// recommends a user workspace of at least 4 MiB "to match cuBLAS' default workspace pool", 32 MiB
+    /// on Hopper (as pytorch/pytorch#120925 and #74159 quote it). Used under PyTorch ≤ 1.13, which set
+    /// no workspace ([`TorchVersion::V1_10`]).
+    pub fn cublas_own_pool_bytes(compute_capability: (u32, u32)) -> u64 {
+        if compute_capability.0 >= 9 {
+            32 << 20
+        } else {
+            4 << 20
+        }
+    }
+
     /// The cuBLASLt workspace of one per-call GEMM in bytes (`CublasLtWorkspace`).
     pub fn cublaslt_workspace_bytes(&self) -> u64 {
         self.cublaslt_workspace_kib
@@ -389,6 +421,8 @@ pub struct Recipe {
     pub keep_outputs: bool,
     /// The `torch.utils.checkpoint` implementation of `checkpointing` (`--checkpoint-impl`).
     pub checkpoint_impl: CheckpointImpl,
+    /// The PyTorch release whose rules apply (`--torch-version`).
+    pub torch_version: TorchVersion,
 }
 
 impl Default for Recipe {
@@ -416,6 +450,7 @@ impl Default for Recipe {
             loss: Loss::Hf,
             keep_outputs: false,
             checkpoint_impl: CheckpointImpl::NonReentrant,
+            torch_version: TorchVersion::V2_15,
         }
     }
 }
@@ -710,6 +745,18 @@ impl fmt::Display for OptimizerKind {
 
 named_enum!(CheckpointImpl, "checkpoint-impl", "non-reentrant, reentrant",
     ["non-reentrant" => CheckpointImpl::NonReentrant, "reentrant" => CheckpointImpl::Reentrant]);
+
+named_enum!(TorchVersion, "torch-version", "2.15, 1.10",
+    ["2.15" => TorchVersion::V2_15, "1.10" => TorchVersion::V1_10]);
+
+impl fmt::Display for TorchVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TorchVersion::V2_15 => "2.15",
+            TorchVersion::V1_10 => "1.10",
+        })
+    }
+}
 
 impl fmt::Display for CheckpointImpl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

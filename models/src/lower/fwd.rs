@@ -7,7 +7,7 @@ use crate::dtype::DType;
 use crate::graph::{DTypeSpec, ModuleId, ValueId};
 use crate::layout::{elementwise_layout, Layout};
 use crate::ops::{FusedSdpa, OpKind};
-use crate::recipe::{CheckpointImpl, Fidelity};
+use crate::recipe::{CheckpointImpl, Fidelity, TorchVersion};
 use std::collections::HashMap;
 
 /// A tensor an autograd node saves: input `j` or output `k` of its op.
@@ -480,6 +480,15 @@ impl<'g> Lowering<'g> {
         }
     }
 
+    /// What `SoftmaxBackward0`/`LogSoftmaxBackward0` save: the result, and in PyTorch 1.10 the
+    /// input first (`self` precedes `result` in the generated node's saved variables).
+    fn softmax_saves(&self) -> Vec<Save> {
+        match self.r.torch_version {
+            TorchVersion::V2_15 => vec![Save::Out(0)],
+            TorchVersion::V1_10 => vec![Save::In(0), Save::Out(0)],
+        }
+    }
+
     /// `CheckpointFunction.forward` (reentrant `torch.utils.checkpoint`, `torch/utils/checkpoint.py`):
     /// `ctx.save_for_backward(*tensor_inputs)` keeps the region's inputs, then
     /// `with torch.no_grad(): outputs = run_function(*args)`: the region's ops record no node and
@@ -797,15 +806,17 @@ impl<'g> Lowering<'g> {
                 }
                 Fwd::New(vec![o], op_kind, saves)
             }
-            // derivatives.yaml _softmax / _log_softmax: result saved.
+            // derivatives.yaml _softmax / _log_softmax: result saved. PyTorch 1.10's formulas,
+            // `_softmax_backward_data(grad, result, dim, self)`, also save the input
+            // (pytorch/pytorch#64000, fixed by #65242 in 1.11).
             Softmax { to_f32, .. } => {
                 let dt = if *to_f32 { DType::F32 } else { x[0].dtype };
                 let o = self.alloc(Layout::contiguous(x[0].shape()), dt, m, name);
-                Fwd::New(vec![o], op_kind, vec![Save::Out(0)])
+                Fwd::New(vec![o], op_kind, self.softmax_saves())
             }
             LogSoftmax { .. } => {
                 let o = self.alloc(Layout::contiguous(x[0].shape()), x[0].dtype, m, name);
-                Fwd::New(vec![o], op_kind, vec![Save::Out(0)])
+                Fwd::New(vec![o], op_kind, self.softmax_saves())
             }
             // derivatives.yaml nll_loss_forward: self, target and total_weight saved.
             NllLoss => {

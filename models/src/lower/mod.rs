@@ -42,7 +42,8 @@ use crate::graph::{Graph, ModuleId, RegionKind, Source, ValueId};
 use crate::layout::Layout;
 use crate::ops::OpKind;
 use crate::recipe::{
-    Checkpointing, CublasWorkspaceMode, Fidelity, Precision, Recipe, RecipeError, ZeroGrad,
+    Checkpointing, CublasWorkspaceMode, Fidelity, Precision, Recipe, RecipeError, TorchVersion,
+    ZeroGrad,
 };
 use std::collections::{BTreeMap, HashMap, HashSet};
 use vramsim_traces::{AllocId, Category, Event, Trace};
@@ -251,6 +252,9 @@ pub(crate) struct Lowering<'g> {
     cublas_ws: u64,
     /// Persistent mode: whether the (main thread, backward thread) handle holds its workspace.
     ws_held: [bool; 2],
+    /// PyTorch 1.10: whether the (main thread, backward thread) cuBLAS handle exists, with the
+    /// workspace pool cuBLAS allocated for it.
+    cublas_own_handles: [bool; 2],
     /// `cudnn.benchmark`: convolution configurations benchmarked already (`benchmark_cache` keys).
     conv_benchmarked: HashSet<String>,
     /// `--keep-outputs`: the previous step's outputs the training loop still holds, each with the
@@ -411,6 +415,7 @@ impl<'g> Lowering<'g> {
                 .cublas_workspace_bytes(r.target.compute_capability)
                 .0,
             ws_held: [false; 2],
+            cublas_own_handles: [false; 2],
             conv_benchmarked: HashSet::new(),
             kept: Vec::new(),
             kept_next: Vec::new(),
@@ -442,6 +447,12 @@ impl<'g> Lowering<'g> {
     /// The meta-device capture sees none of this: nothing under [`Fidelity::MetaCapture`].
     pub(crate) fn gemm_workspace(&mut self, lt: bool, m: ModuleId) {
         if self.r.fidelity == Fidelity::MetaCapture {
+            return;
+        }
+        if self.r.torch_version == TorchVersion::V1_10 {
+            // PyTorch 1.10 sets no workspace: cuBLAS uses its own pool, made when the thread's
+            // handle is created (`cublasCreate` in `CublasHandlePool.cpp`), outside the allocator.
+            self.cublas_own_handles[usize::from(self.in_backward)] = true;
             return;
         }
         let (size, name, persistent) = match self.r.workspaces.cublas_mode {
@@ -859,6 +870,19 @@ impl<'g> Lowering<'g> {
         m.insert("precision".into(), self.r.precision.to_string().into());
         m.insert("optimizer".into(), self.r.optimizer.to_string().into());
         m.insert("checkpoint".into(), self.r.checkpointing.to_string().into());
+        if self.r.torch_version != TorchVersion::V2_15 {
+            m.insert(
+                "torch_version".into(),
+                self.r.torch_version.to_string().into(),
+            );
+        }
+        // Device memory cuBLAS allocated itself (PyTorch 1.10): one default pool per handle.
+        let handles = self.cublas_own_handles.iter().filter(|&&h| h).count() as u64;
+        if handles > 0 {
+            let pool =
+                crate::recipe::Workspaces::cublas_own_pool_bytes(self.r.target.compute_capability);
+            m.insert("cublas_own_bytes".into(), (handles * pool).into());
+        }
         m.insert("accum".into(), self.r.accum.into());
         m.insert("iterations".into(), self.r.iterations.into());
         m.insert(

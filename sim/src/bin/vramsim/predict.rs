@@ -17,7 +17,7 @@ use vramsim_models::{
     lower, parse_image_size, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph,
     Head, Loss, OptimizerImpl, OptimizerKind, PeakBreakdown, Precision, Recipe, Target, ZeroGrad,
 };
-use vramsim_models::{CheckpointImpl, CublasWorkspaceMode, Workspaces};
+use vramsim_models::{CheckpointImpl, CublasWorkspaceMode, TorchVersion, Workspaces};
 use vramsim_sim::device::{find_preset, ContextChoice, UnknownGpu, DEFAULT_GPU};
 use vramsim_sim::engine::{Flow, Replay, ReplayOptions};
 use vramsim_sim::format::format_size;
@@ -156,6 +156,11 @@ pub struct PredictArgs {
     /// PyTorch ≤ 1.10 and transformers ≤ 4.34, and a bare torch.utils.checkpoint call in 2.15).
     #[arg(long, default_value = "non-reentrant", value_parser = named::<CheckpointImpl>)]
     pub checkpoint_impl: CheckpointImpl,
+    /// The PyTorch release whose rules apply where they changed: 2.15 (the reference) or 1.10
+    /// (softmax saves its input too; cuBLAS's own workspace pools, 4 MiB per handle outside the
+    /// allocator, instead of workspaces from the caching allocator).
+    #[arg(long, default_value = "2.15", value_parser = named::<TorchVersion>)]
+    pub torch_version: TorchVersion,
 }
 
 /// A parser for `--image-size` (`H` or `HxW`).
@@ -411,6 +416,7 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
         image_size: args.image_size,
         num_classes: args.num_classes,
         checkpoint_impl: args.checkpoint_impl,
+        torch_version: args.torch_version,
         ..Recipe::default()
     };
     recipe.validate()?;
@@ -429,6 +435,14 @@ pub fn replay_step(
     machine: &MachineArgs,
     timeline_points: usize,
 ) -> Result<(Report, Prediction)> {
+    // cuBLAS's own workspace pools (PyTorch 1.10) are device memory outside the allocator.
+    let mut machine = machine.clone();
+    machine.library_bytes = lowered
+        .trace
+        .meta
+        .get("cublas_own_bytes")
+        .and_then(|v| v.as_u64())
+        .unwrap_or(0);
     let built = machine.build()?;
     let t1 = Instant::now();
     let device = built.allocator.device().clone();
@@ -525,6 +539,13 @@ fn short_dtype(dtype: &str) -> &str {
 /// What the library workspaces are: the cuBLAS size and lifetime, cuBLASLt's, cudnn.benchmark.
 fn workspace_line(r: &Recipe) -> String {
     let w = &r.workspaces;
+    if r.torch_version == TorchVersion::V1_10 {
+        return format!(
+            "PyTorch 1.10: no workspace from the caching allocator; cuBLAS's own pool of {} per handle (forward and backward threads), counted with the context; cudnn.benchmark {}",
+            format_size(Workspaces::cublas_own_pool_bytes(r.target.compute_capability)),
+            if w.cudnn_benchmark { "on" } else { "off" }
+        );
+    }
     let (cublas, _) = w.cublas_workspace_bytes(r.target.compute_capability);
     let mode = match w.cublas_mode {
         CublasWorkspaceMode::PerCall => "per GEMM call (PyTorch 2.15's default)",
@@ -580,6 +601,9 @@ fn recipe_line(p: &Prediction) -> String {
         }
     }
     let _ = write!(s, ", {} iterations", r.iterations);
+    if r.torch_version != TorchVersion::V2_15 {
+        let _ = write!(s, ", PyTorch {} rules", r.torch_version);
+    }
     if let Some(k) = &p.attention {
         let _ = write!(s, ", {} attention", k.kernel.name());
         if r.attention != Attention::Auto && r.attention.to_string() != k.kernel.name() {
@@ -774,6 +798,7 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
         },
         "checkpoint": r.checkpointing.to_string(),
         "checkpoint_impl": r.checkpoint_impl.to_string(),
+        "torch_version": r.torch_version.to_string(),
         "accum": r.accum,
         "iterations": r.iterations,
         "inference": r.inference,
