@@ -77,6 +77,21 @@ pub enum TorchVersion {
     V1_10,
 }
 
+/// The transformers release whose model code the HF families follow where it changed memory
+/// (`--transformers-version`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TransformersVersion {
+    /// transformers 5.23, the reference version.
+    #[default]
+    V5_23,
+    /// transformers 4.16 (early 2022). BERT: `BertModel.forward` makes
+    /// `attention_mask = torch.ones((B, S))` when none is given and
+    /// `get_extended_attention_mask` turns it into `(1.0 - mask[:, None, None, :].to(self.dtype)) *
+    /// -10000.0`, which every eager `BertSelfAttention` adds to its scaled scores (5.23 skips an
+    /// all-ones mask). Under float16 autocast that float32 mask promotes the scores to float32.
+    V4_16,
+}
+
 /// The optimizer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum OptimizerKind {
@@ -423,6 +438,8 @@ pub struct Recipe {
     pub checkpoint_impl: CheckpointImpl,
     /// The PyTorch release whose rules apply (`--torch-version`).
     pub torch_version: TorchVersion,
+    /// The transformers release whose model code applies (`--transformers-version`).
+    pub transformers_version: TransformersVersion,
 }
 
 impl Default for Recipe {
@@ -451,6 +468,7 @@ impl Default for Recipe {
             keep_outputs: false,
             checkpoint_impl: CheckpointImpl::NonReentrant,
             torch_version: TorchVersion::V2_15,
+            transformers_version: TransformersVersion::V5_23,
         }
     }
 }
@@ -748,6 +766,18 @@ named_enum!(CheckpointImpl, "checkpoint-impl", "non-reentrant, reentrant",
 
 named_enum!(TorchVersion, "torch-version", "2.15, 1.10",
     ["2.15" => TorchVersion::V2_15, "1.10" => TorchVersion::V1_10]);
+
+named_enum!(TransformersVersion, "transformers-version", "5.23, 4.16",
+    ["5.23" => TransformersVersion::V5_23, "4.16" => TransformersVersion::V4_16]);
+
+impl fmt::Display for TransformersVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TransformersVersion::V5_23 => "5.23",
+            TransformersVersion::V4_16 => "4.16",
+        })
+    }
+}
 
 impl fmt::Display for TorchVersion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -415,7 +415,14 @@ impl Arch {
                 };
                 vit::vit(&c, batch, vit_backend(self, recipe)?)?
             }
-            Arch::Bert(c) => bert::bert_with_head(c, batch, seq, attn, head)?,
+            Arch::Bert(c) => bert::bert_with_head_mask(
+                c,
+                batch,
+                seq,
+                attn,
+                head,
+                recipe.transformers_version == crate::recipe::TransformersVersion::V4_16,
+            )?,
             Arch::Gpt2(c) => gpt2::gpt2_with_head(c, batch, seq, attn, head, recipe.loss)?,
             Arch::Timm(c) => return build_timm(c, recipe),
             Arch::Llama(c) => {

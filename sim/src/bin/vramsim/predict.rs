@@ -17,7 +17,9 @@ use vramsim_models::{
     lower, parse_image_size, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph,
     Head, Loss, OptimizerImpl, OptimizerKind, PeakBreakdown, Precision, Recipe, Target, ZeroGrad,
 };
-use vramsim_models::{CheckpointImpl, CublasWorkspaceMode, TorchVersion, Workspaces};
+use vramsim_models::{
+    CheckpointImpl, CublasWorkspaceMode, TorchVersion, TransformersVersion, Workspaces,
+};
 use vramsim_sim::device::{find_preset, ContextChoice, UnknownGpu, DEFAULT_GPU};
 use vramsim_sim::engine::{Flow, Replay, ReplayOptions};
 use vramsim_sim::format::format_size;
@@ -161,6 +163,11 @@ pub struct PredictArgs {
     /// allocator, instead of workspaces from the caching allocator).
     #[arg(long, default_value = "2.15", value_parser = named::<TorchVersion>)]
     pub torch_version: TorchVersion,
+    /// The transformers release whose model code applies where it changed: 5.23 (the reference) or
+    /// 4.16 (BERT without an attention_mask adds an all-ones float32 extended mask to its eager
+    /// attention scores).
+    #[arg(long, default_value = "5.23", value_parser = named::<TransformersVersion>)]
+    pub transformers_version: TransformersVersion,
 }
 
 /// A parser for `--image-size` (`H` or `HxW`).
@@ -417,6 +424,7 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
         num_classes: args.num_classes,
         checkpoint_impl: args.checkpoint_impl,
         torch_version: args.torch_version,
+        transformers_version: args.transformers_version,
         ..Recipe::default()
     };
     recipe.validate()?;
@@ -603,6 +611,9 @@ fn recipe_line(p: &Prediction) -> String {
     let _ = write!(s, ", {} iterations", r.iterations);
     if r.torch_version != TorchVersion::V2_15 {
         let _ = write!(s, ", PyTorch {} rules", r.torch_version);
+    }
+    if r.transformers_version != TransformersVersion::V5_23 {
+        let _ = write!(s, ", transformers {} model code", r.transformers_version);
     }
     if let Some(k) = &p.attention {
         let _ = write!(s, ", {} attention", k.kernel.name());
@@ -799,6 +810,7 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
         "checkpoint": r.checkpointing.to_string(),
         "checkpoint_impl": r.checkpoint_impl.to_string(),
         "torch_version": r.torch_version.to_string(),
+        "transformers_version": r.transformers_version.to_string(),
         "accum": r.accum,
         "iterations": r.iterations,
         "inference": r.inference,
