@@ -291,15 +291,20 @@ impl Workspaces {
 
 impl Workspaces {
     /// The default workspace pool cuBLAS allocates itself (`cudaMalloc`, outside PyTorch's caching
-    /// allocator) for a handle no workspace was set on: NVIDIA's `cublasSetWorkspace` documentation
-    /// recommends a user workspace of at least 4 MiB "to match cuBLAS' default workspace pool", 32 MiB
-    /// on Hopper (as pytorch/pytorch#120925 and #74159 quote it). Used under PyTorch ≤ 1.13, which set
-    /// no workspace ([`TorchVersion::V1_10`]).
+    /// allocator) for a handle no workspace was set on, used under PyTorch ≤ 1.13, which set none
+    /// ([`TorchVersion::V1_10`]): taken as [`CUBLAS_DEFAULT_WORKSPACE`] (`:4096:2:16:8`, 8,519,680 B),
+    /// [`CUBLAS_LARGE_WORKSPACE`] on compute capability 9 or more. Sources: pytorch/pytorch#89027
+    /// (NVIDIA's eqy: the first explicit default, 4 MiB, "appears to be too small to match selected
+    /// cuBLAS kernels before the explicit allocation change", hence `:4096:2:16:8`), and cuBLAS's
+    /// "Results reproducibility" note that `CUBLAS_WORKSPACE_CONFIG=:4096:8` (32 MiB) "will increase
+    /// library footprint in GPU memory by approximately 24MiB" (a default of about 8 MiB). NVIDIA's
+    /// `cublasSetWorkspace` page only recommends "at least 4MiB (to match cuBLAS' default workspace
+    /// pool)" (as #74159 quotes it). The driver's rounding of that allocation is not modelled.
     pub fn cublas_own_pool_bytes(compute_capability: (u32, u32)) -> u64 {
         if compute_capability.0 >= 9 {
-            32 << 20
+            CUBLAS_LARGE_WORKSPACE
         } else {
-            4 << 20
+            CUBLAS_DEFAULT_WORKSPACE
         }
     }
 

@@ -23,7 +23,7 @@ mod common;
 use common::{stderr, stdout, vramsim};
 
 /// Rows vramsim misses by more than 5%, with the likely missing mechanism (none at present; H5
-/// was one, at -8.9%, until `--transformers-version 4.16` gave BERT its float32 all-ones mask).
+/// was one, at −8.9%, until `--transformers-version 4.16` gave BERT its float32 all-ones mask).
 const KNOWN_MISSES: [(&str, &str); 0] = [];
 
 /// One CSV line, with double-quoted fields that may hold commas.

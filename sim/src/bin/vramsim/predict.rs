@@ -159,7 +159,7 @@ pub struct PredictArgs {
     #[arg(long, default_value = "non-reentrant", value_parser = named::<CheckpointImpl>)]
     pub checkpoint_impl: CheckpointImpl,
     /// The PyTorch release whose rules apply where they changed: 2.15 (the reference) or 1.10
-    /// (softmax saves its input too; cuBLAS's own workspace pools, 4 MiB per handle outside the
+    /// (softmax saves its input too; cuBLAS's own workspace pools, one per handle outside the
     /// allocator, instead of workspaces from the caching allocator).
     #[arg(long, default_value = "2.15", value_parser = named::<TorchVersion>)]
     pub torch_version: TorchVersion,
