@@ -54,7 +54,9 @@ pub use recipe::{
     Attention, Checkpointing, Fidelity, OptimizerImpl, OptimizerKind, Precision, Recipe,
     RecipeError, Target, ZeroGrad,
 };
-pub use recipe::{CublasWorkspaceMode, Workspaces};
+pub use recipe::{
+    CheckpointImpl, CublasWorkspaceMode, TorchVersion, TransformersVersion, Workspaces,
+};
 pub use sdpa::{SdpaBackend, SdpaCall};
 
 use vramsim_traces::{Event, Trace};

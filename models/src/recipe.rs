@@ -18,7 +18,7 @@ pub enum Precision {
     AmpBf16,
 }
 
-/// Which blocks `torch.utils.checkpoint` (non-reentrant) wraps.
+/// Which blocks `torch.utils.checkpoint` wraps (its implementation: [`CheckpointImpl`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Checkpointing {
     /// No recomputation.
@@ -33,6 +33,63 @@ pub enum Checkpointing {
     /// `checkpoint_sequential(blocks, segments=round(√n))`: the blocks in √n segments, the last
     /// segment not checkpointed.
     Sqrt,
+}
+
+/// Which `torch.utils.checkpoint` implementation `--checkpoint` uses (`use_reentrant`).
+///
+/// transformers 5.23's `activation_checkpointing_enable(None)` (and the deprecated
+/// `gradient_checkpointing_enable`) passes `{"use_reentrant": False}` (`modeling_utils.py`
+/// `_activation_checkpointing_enable`), so non-reentrant is what an HF user gets today. A bare
+/// `torch.utils.checkpoint.checkpoint(fn, x)` in PyTorch 2.15 warns and takes `use_reentrant=True`
+/// (`torch/utils/checkpoint.py` `checkpoint`); PyTorch ≤ 1.10 had only the reentrant version, which
+/// transformers ≤ 4.34 called.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CheckpointImpl {
+    /// `use_reentrant=False` (`_checkpoint_without_reentrant_generator`): the region's forward
+    /// builds its graph with pack hooks that keep only the inputs; the first backward node that
+    /// unpacks reruns the region up to its last saving op, each recomputed tensor going when its
+    /// node has run.
+    #[default]
+    NonReentrant,
+    /// `use_reentrant=True` (`CheckpointFunction`): the forward runs under `torch.no_grad()`
+    /// keeping the inputs (`ctx.save_for_backward`); its backward reruns the whole region with grad
+    /// on detached inputs, then `torch.autograd.backward(outputs, grads)` runs the region's own graph
+    /// inside the outer backward node, and returns the detached inputs' `.grad`.
+    Reentrant,
+}
+
+/// The PyTorch release whose rules the lowering follows where they changed (`--torch-version`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TorchVersion {
+    /// PyTorch 2.15, the reference version.
+    #[default]
+    V2_15,
+    /// PyTorch 1.10 (late 2021), where it differs from 2.15 in what the lowering models:
+    ///
+    /// * `_softmax`/`_log_softmax` backward formulas take `self` (derivatives.yaml
+    ///   `_softmax_backward_data(grad, result, dim, self)`), so autograd saves the input besides the
+    ///   result (pytorch/pytorch#64000; `self` was dropped by #65242, in 1.11);
+    /// * ATen never gives cuBLAS a workspace (`cublasSetWorkspace` came with #83461, in 2.0;
+    ///   #95668: "1.13 does not have this issue"), and `addmm` has no cuBLASLt path: GEMMs take
+    ///   nothing from the caching allocator; each cuBLAS handle (one per thread that runs a GEMM)
+    ///   uses the default workspace pool cuBLAS allocates itself (see
+    ///   [`Workspaces::cublas_own_pool_bytes`]).
+    V1_10,
+}
+
+/// The transformers release whose model code the HF families follow where it changed memory
+/// (`--transformers-version`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TransformersVersion {
+    /// transformers 5.23, the reference version.
+    #[default]
+    V5_23,
+    /// transformers 4.16 (early 2022). BERT: `BertModel.forward` makes
+    /// `attention_mask = torch.ones((B, S))` when none is given and
+    /// `get_extended_attention_mask` turns it into `(1.0 - mask[:, None, None, :].to(self.dtype)) *
+    /// -10000.0`, which every eager `BertSelfAttention` adds to its scaled scores (5.23 skips an
+    /// all-ones mask). Under float16 autocast that float32 mask promotes the scores to float32.
+    V4_16,
 }
 
 /// The optimizer.
@@ -58,6 +115,11 @@ pub enum OptimizerKind {
     /// `exp_avg_sq_row`/`exp_avg_sq_col` for tensors of 2 or more dimensions, float32 state and
     /// float32 copies of 16-bit gradients and parameters.
     AdafactorHf,
+    /// HuggingFace's own `transformers.optimization.AdamW` (HF Trainer's `optim="adamw_hf"`, its
+    /// default before transformers 4.x moved to `adamw_torch`): a Python loop over the parameters
+    /// that creates each parameter's `exp_avg`/`exp_avg_sq` when it first reaches it and makes one
+    /// temporary per parameter, `denom = exp_avg_sq.sqrt().add_(eps)`.
+    AdamWHf,
 }
 
 /// How the optimizer runs its math (`foreach`/`fused` arguments).
@@ -228,6 +290,24 @@ impl Workspaces {
 }
 
 impl Workspaces {
+    /// The default workspace pool cuBLAS allocates itself (`cudaMalloc`, outside PyTorch's caching
+    /// allocator) for a handle no workspace was set on, used under PyTorch ≤ 1.13, which set none
+    /// ([`TorchVersion::V1_10`]): taken as [`CUBLAS_DEFAULT_WORKSPACE`] (`:4096:2:16:8`, 8,519,680 B),
+    /// [`CUBLAS_LARGE_WORKSPACE`] on compute capability 9 or more. Sources: pytorch/pytorch#89027
+    /// (NVIDIA's eqy: the first explicit default, 4 MiB, "appears to be too small to match selected
+    /// cuBLAS kernels before the explicit allocation change", hence `:4096:2:16:8`), and cuBLAS's
+    /// "Results reproducibility" note that `CUBLAS_WORKSPACE_CONFIG=:4096:8` (32 MiB) "will increase
+    /// library footprint in GPU memory by approximately 24MiB" (a default of about 8 MiB). NVIDIA's
+    /// `cublasSetWorkspace` page only recommends "at least 4MiB (to match cuBLAS' default workspace
+    /// pool)" (as #74159 quotes it). The driver's rounding of that allocation is not modelled.
+    pub fn cublas_own_pool_bytes(compute_capability: (u32, u32)) -> u64 {
+        if compute_capability.0 >= 9 {
+            CUBLAS_LARGE_WORKSPACE
+        } else {
+            CUBLAS_DEFAULT_WORKSPACE
+        }
+    }
+
     /// The cuBLASLt workspace of one per-call GEMM in bytes (`CublasLtWorkspace`).
     pub fn cublaslt_workspace_bytes(&self) -> u64 {
         self.cublaslt_workspace_kib
@@ -359,6 +439,12 @@ pub struct Recipe {
     /// The training loop keeps the model's outputs (logits, loss) until the next forward returns
     /// and rebinds them (`--keep-outputs`).
     pub keep_outputs: bool,
+    /// The `torch.utils.checkpoint` implementation of `checkpointing` (`--checkpoint-impl`).
+    pub checkpoint_impl: CheckpointImpl,
+    /// The PyTorch release whose rules apply (`--torch-version`).
+    pub torch_version: TorchVersion,
+    /// The transformers release whose model code applies (`--transformers-version`).
+    pub transformers_version: TransformersVersion,
 }
 
 impl Default for Recipe {
@@ -385,6 +471,9 @@ impl Default for Recipe {
             head: None,
             loss: Loss::Hf,
             keep_outputs: false,
+            checkpoint_impl: CheckpointImpl::NonReentrant,
+            torch_version: TorchVersion::V2_15,
+            transformers_version: TransformersVersion::V5_23,
         }
     }
 }
@@ -456,12 +545,12 @@ impl Recipe {
         if self.optimizer_impl == OptimizerImpl::Fused
             && matches!(
                 self.optimizer,
-                OptimizerKind::Adafactor | OptimizerKind::AdafactorHf
+                OptimizerKind::Adafactor | OptimizerKind::AdafactorHf | OptimizerKind::AdamWHf
             )
         {
             return Err(RecipeError::Invalid {
                 field: "optimizer",
-                msg: "Adafactor has no fused implementation (use foreach or for-loop)".into(),
+                msg: "Adafactor and transformers' AdamW have no fused implementation (use foreach or for-loop)".into(),
             });
         }
         if let Some(m) = self.clip_grad_norm {
@@ -531,10 +620,11 @@ macro_rules! named_enum {
 
 named_enum!(Precision, "precision", "fp32, bf16, amp-fp16, amp-bf16",
     ["fp32" => Precision::Fp32, "bf16" => Precision::Bf16, "amp-fp16" => Precision::AmpFp16, "amp-bf16" => Precision::AmpBf16]);
-named_enum!(OptimizerKind, "optimizer", "adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf",
+named_enum!(OptimizerKind, "optimizer", "adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf, adamw-hf",
     ["adamw" => OptimizerKind::AdamW, "adam" => OptimizerKind::Adam, "sgd" => OptimizerKind::Sgd,
      "sgd-momentum" => OptimizerKind::SgdMomentum, "sgd-nesterov" => OptimizerKind::SgdNesterov,
-     "adafactor" => OptimizerKind::Adafactor, "adafactor-hf" => OptimizerKind::AdafactorHf]);
+     "adafactor" => OptimizerKind::Adafactor, "adafactor-hf" => OptimizerKind::AdafactorHf,
+     "adamw-hf" => OptimizerKind::AdamWHf]);
 named_enum!(OptimizerImpl, "optimizer implementation", "foreach, fused, for-loop",
     ["foreach" => OptimizerImpl::Foreach, "fused" => OptimizerImpl::Fused, "for-loop" => OptimizerImpl::ForLoop]);
 named_enum!(ZeroGrad, "zero_grad mode", "none, zero",
@@ -671,6 +761,43 @@ impl fmt::Display for OptimizerKind {
             OptimizerKind::AdamW => "adamw",
             OptimizerKind::Adafactor => "adafactor",
             OptimizerKind::AdafactorHf => "adafactor-hf",
+            OptimizerKind::AdamWHf => "adamw-hf",
+        })
+    }
+}
+
+named_enum!(CheckpointImpl, "checkpoint-impl", "non-reentrant, reentrant",
+    ["non-reentrant" => CheckpointImpl::NonReentrant, "reentrant" => CheckpointImpl::Reentrant]);
+
+named_enum!(TorchVersion, "torch-version", "2.15, 1.10",
+    ["2.15" => TorchVersion::V2_15, "1.10" => TorchVersion::V1_10]);
+
+named_enum!(TransformersVersion, "transformers-version", "5.23, 4.16",
+    ["5.23" => TransformersVersion::V5_23, "4.16" => TransformersVersion::V4_16]);
+
+impl fmt::Display for TransformersVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TransformersVersion::V5_23 => "5.23",
+            TransformersVersion::V4_16 => "4.16",
+        })
+    }
+}
+
+impl fmt::Display for TorchVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TorchVersion::V2_15 => "2.15",
+            TorchVersion::V1_10 => "1.10",
+        })
+    }
+}
+
+impl fmt::Display for CheckpointImpl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CheckpointImpl::NonReentrant => "non-reentrant",
+            CheckpointImpl::Reentrant => "reentrant",
         })
     }
 }
@@ -698,7 +825,7 @@ mod tests {
             Checkpointing::Every(2)
         );
         let e = "adamx".parse::<OptimizerKind>().unwrap_err();
-        assert_eq!(e.to_string(), "unknown optimizer \"adamx\": valid values are adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf");
+        assert_eq!(e.to_string(), "unknown optimizer \"adamx\": valid values are adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf, adamw-hf");
         assert!("every:0".parse::<Checkpointing>().is_err());
         assert!("fp64"
             .parse::<Precision>()

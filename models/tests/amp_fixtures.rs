@@ -16,7 +16,8 @@
 use std::collections::HashMap;
 use std::path::Path;
 use vramsim_models::{
-    lower, zoo, Attention, Checkpointing, Fidelity, OptimizerKind, Precision, Recipe,
+    lower, zoo, Attention, CheckpointImpl, Checkpointing, Fidelity, OptimizerKind, Precision,
+    Recipe,
 };
 use vramsim_traces::{AllocId, Event, Trace};
 
@@ -115,6 +116,8 @@ fn recipe_of(fx: &serde_json::Value) -> Result<Recipe, String> {
         .as_u64()
         .ok_or("recipe.iterations missing")? as u32;
     r.fidelity = Fidelity::MetaCapture;
+    // The recordings checkpointed with use_reentrant=False: pin it, whatever the default is.
+    r.checkpoint_impl = CheckpointImpl::NonReentrant;
     Ok(r)
 }
 

@@ -10,7 +10,8 @@
 use std::collections::HashMap;
 use std::path::Path;
 use vramsim_models::{
-    lower, zoo, Attention, Checkpointing, Fidelity, OptimizerKind, Precision, Recipe,
+    lower, zoo, Attention, CheckpointImpl, Checkpointing, Fidelity, OptimizerKind, Precision,
+    Recipe,
 };
 use vramsim_traces::{AllocId, Event, Trace};
 
@@ -52,6 +53,8 @@ fn recipe_of(fx: &serde_json::Value) -> Option<Recipe> {
     };
     r.accum = rc["accum"].as_u64()? as u32;
     r.iterations = rc["iterations"].as_u64()? as u32;
+    // The captures checkpointed with use_reentrant=False: pin it, whatever the default is.
+    r.checkpoint_impl = CheckpointImpl::NonReentrant;
     // The captures ran HF's eager attention (and the meta device sees no SDPA backend choice):
     // pin it, whatever the default is.
     r.attention = Attention::Eager;

@@ -267,6 +267,54 @@ fn hf_adafactor_keeps_factored_float32_state() {
 }
 
 #[test]
+fn hf_adamw_creates_state_in_its_loop_and_one_denom_per_parameter() {
+    // transformers.optimization.AdamW.step (4.16), per parameter: at the first step
+    // `exp_avg = zeros_like(p)`, `exp_avg_sq = zeros_like(p)`; then `denom =
+    // exp_avg_sq.sqrt().add_(eps)` (one new tensor, p's size; `add_` in place), the previous
+    // parameter's denom dying when the name is rebound, the last when `step` returns.
+    let mut r = Recipe::new(64, 0);
+    r.optimizer = OptimizerKind::AdamWHf;
+    r.optimizer_impl = OptimizerImpl::ForLoop;
+    let t = lowered(&r);
+    let (s, e) = (marker(&t, "optimizer", 0), marker(&t, "zero_grad", 0));
+    let mut expected = Vec::new();
+    let mut prev = 0i64;
+    for sh in SHAPES {
+        let b = (numel(sh) * 4) as i64;
+        expected.extend([b, b, b]); // exp_avg, exp_avg_sq, denom
+        if prev > 0 {
+            expected.push(-prev);
+        }
+        prev = b;
+    }
+    expected.push(-prev);
+    assert_eq!(ops(&t, s, e), expected);
+    // Iteration 2: only the denoms.
+    let (s, e) = (marker(&t, "optimizer", 1), marker(&t, "zero_grad", 1));
+    let mut expected = Vec::new();
+    let mut prev = 0i64;
+    for sh in SHAPES {
+        let b = (numel(sh) * 4) as i64;
+        expected.push(b);
+        if prev > 0 {
+            expected.push(-prev);
+        }
+        prev = b;
+    }
+    expected.push(-prev);
+    assert_eq!(ops(&t, s, e), expected);
+    // Two float32 moments per parameter, nothing else (`state["step"]` is a Python int).
+    let (_, by) = live_at(&t, t.events.len());
+    assert_eq!(by[&Category::OptimizerState], 2 * 4 * params());
+    // The default --optimizer-impl (foreach) runs the same loop: transformers has no other.
+    r.optimizer_impl = OptimizerImpl::Foreach;
+    assert_eq!(
+        ops(&lowered(&r), 0, t.events.len()),
+        ops(&t, 0, t.events.len())
+    );
+}
+
+#[test]
 fn grad_scaler_is_a_switch_defaulting_to_amp_fp16() {
     let mut r = Recipe::new(64, 0);
     r.optimizer = OptimizerKind::Sgd;

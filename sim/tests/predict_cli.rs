@@ -487,6 +487,16 @@ fn training_loop_knobs() {
             vec!["--optimizer", "adafactor-hf", "--optimizer-impl", "fused"],
             vec!["no fused implementation"],
         ),
+        (
+            vec!["--optimizer", "adamw-hf", "--optimizer-impl", "fused"],
+            vec!["no fused implementation"],
+        ),
+        (
+            vec!["--checkpoint-impl", "sometimes"],
+            vec!["non-reentrant, reentrant"],
+        ),
+        (vec!["--torch-version", "1.9"], vec!["2.15, 1.10"]),
+        (vec!["--transformers-version", "4.15"], vec!["5.23, 4.16"]),
     ] {
         assert_fails(&with(&base, &extra), &fragments);
     }

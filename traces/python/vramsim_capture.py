@@ -916,11 +916,15 @@ class Recipe:
     attention: str = "eager"
     #: ``meta`` or ``cpu`` (fake CPU tensors); ``amp-*`` dtypes always record on ``cpu``
     device: str = "meta"
+    #: ``non-reentrant`` (``use_reentrant=False``) or ``reentrant`` (``use_reentrant=True``) checkpointing
+    checkpoint_impl: str = "non-reentrant"
 
     def name(self) -> str:
         s = f"{self.dtype}-{self.optimizer}"
         if self.checkpoint != "none":
             s += f"-ckpt{self.checkpoint}"
+            if self.checkpoint_impl == "reentrant":
+                s += "-reentrant"
         if self.accum != 1:
             s += f"-accum{self.accum}"
         if self.attention != "eager":
@@ -937,15 +941,17 @@ class Recipe:
 
 
 class _Checkpointed(torch.nn.Module if torch is not None else object):  # type: ignore[misc]
-    """Wraps a block so that its forward runs under non-reentrant ``torch.utils.checkpoint``."""
+    """Wraps a block so that its forward runs under ``torch.utils.checkpoint`` (non-reentrant unless
+    ``reentrant``)."""
 
-    def __init__(self, inner: "torch.nn.Module") -> None:
+    def __init__(self, inner: "torch.nn.Module", reentrant: bool = False) -> None:
         super().__init__()
         self.inner = inner
+        self.reentrant = reentrant
 
     def forward(self, *args: Any) -> Any:
         from torch.utils.checkpoint import checkpoint
-        return checkpoint(self.inner, *args, use_reentrant=False)
+        return checkpoint(self.inner, *args, use_reentrant=self.reentrant)
 
 
 def _make_mlp() -> "torch.nn.Module":
@@ -992,6 +998,9 @@ def zoo(recipe: Recipe) -> tuple[Callable, Callable, Callable, Callable]:
     dtype = getattr(torch, DTYPES[recipe.dtype])
     B, S = recipe.batch, recipe.seq
     ckpt = recipe.checkpoint == "full"
+    if recipe.checkpoint_impl not in ("non-reentrant", "reentrant"):
+        raise ValueError(f"unknown checkpoint_impl {recipe.checkpoint_impl!r}: use non-reentrant or reentrant")
+    reentrant = recipe.checkpoint_impl == "reentrant"
 
     if recipe.model == "mlp":
         def model_fn() -> Any:
@@ -1000,7 +1009,7 @@ def zoo(recipe: Recipe) -> tuple[Callable, Callable, Callable, Callable]:
                 mods = list(m)
                 blocks = [torch.nn.Sequential(*mods[i:i + 2]) for i in range(0, len(mods) - 1, 2)]
                 blocks.append(mods[-1])
-                m = torch.nn.Sequential(*[_Checkpointed(b) if i < len(blocks) - 1 else b
+                m = torch.nn.Sequential(*[_Checkpointed(b, reentrant) if i < len(blocks) - 1 else b
                                           for i, b in enumerate(blocks)])
             return m.to(dtype)
 
@@ -1017,7 +1026,7 @@ def zoo(recipe: Recipe) -> tuple[Callable, Callable, Callable, Callable]:
             if ckpt:  # one block = one BasicBlock
                 for lname in ("layer1", "layer2", "layer3", "layer4"):
                     layer = getattr(m, lname)
-                    setattr(m, lname, torch.nn.Sequential(*[_Checkpointed(b) for b in layer]))
+                    setattr(m, lname, torch.nn.Sequential(*[_Checkpointed(b, reentrant) for b in layer]))
             return m.to(dtype)
 
         def inputs_fn() -> Any:
@@ -1044,9 +1053,9 @@ def zoo(recipe: Recipe) -> tuple[Callable, Callable, Callable, Callable]:
                 m.loss_type = "ForCausalLM"
             if ckpt:  # HF's own per-layer wrapper: GPT2Block / BertLayer / LlamaDecoderLayer
                 if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5
-                    m.activation_checkpointing_enable({"use_reentrant": False})
+                    m.activation_checkpointing_enable({"use_reentrant": reentrant})
                 else:
-                    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
             return m.to(dtype)
 
         def inputs_fn() -> Any:
@@ -1080,7 +1089,7 @@ def capture_zoo(recipe: Recipe) -> Capture:
     meta = {"model": recipe.model, "recipe": recipe.name(), "batch": recipe.batch,
             "seq": None if recipe.model in ("mlp", "resnet18") else recipe.seq,
             "dtype": recipe.dtype, "optimizer": recipe.optimizer, "foreach": True,
-            "checkpoint": recipe.checkpoint, "attn_implementation":
+            "checkpoint": recipe.checkpoint, "checkpoint_impl": recipe.checkpoint_impl, "attn_implementation":
                 recipe.attention if recipe.model in ("gpt2", "bert-base", "tinyllama-1.1b") else None}
     if recipe.model in ("mlp", "resnet18"):
         meta["image_or_features"] = "3x224x224" if recipe.model == "resnet18" else MLP_DIMS[0]
@@ -1101,6 +1110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     ap.add_argument("--checkpoint", default="none", choices=CHECKPOINTS,
                     help="full: every block; selective: the SDPA call only (needs --attention sdpa-*)")
+    ap.add_argument("--checkpoint-impl", default="non-reentrant", choices=("non-reentrant", "reentrant"),
+                    help="torch.utils.checkpoint's use_reentrant=False (default) or True")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--attention", default="eager",
@@ -1115,7 +1126,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: vramsim_capture needs torch: pip install torch", file=sys.stderr)
         return 2
     recipe = Recipe(a.model, a.batch, a.seq, a.dtype, a.optimizer, a.checkpoint, a.accum, a.iterations,
-                    a.attention, a.device)
+                    a.attention, a.device, a.checkpoint_impl)
     try:
         cap = capture_zoo(recipe)
     except ValueError as e:

@@ -5,6 +5,7 @@
 use super::{Edge, Kind, Lowering, Meta, NodeKind, Rt};
 use crate::dtype::DType;
 use crate::graph::ModuleId;
+use crate::graph::ValueId;
 use crate::layout::{elementwise_layout, Layout};
 use crate::ops::{FusedSdpa, OpKind};
 use crate::recipe::Fidelity;
@@ -26,11 +27,58 @@ impl<'g> Lowering<'g> {
             ModuleId(0),
             "aten.ones_like",
         );
-        // Dependencies: how many edges reach each node from the root (compute_dependencies).
+        let s = self.dup(&seed);
+        // CUDA backward runs on the autograd engine's device thread (its own cuBLAS handle).
+        self.in_backward = true;
+        self.run_engine(vec![(root, s)]);
+        self.in_backward = false;
+        self.drop_rt(seed);
+        // The graph is freed: only the AccumulateGrad nodes stay.
+        let keep = self
+            .acc_nodes
+            .iter()
+            .flatten()
+            .map(|&n| n + 1)
+            .max()
+            .unwrap_or(0) as usize;
+        let rest: Vec<_> = self.nodes.drain(keep..).collect();
+        for mut node in rest {
+            for t in std::mem::take(&mut node.saved) {
+                self.drop_rt(t);
+            }
+        }
+        self.seq = 0;
+        self.leaf_grads.clear();
+        self.reentrant_inputs.clear();
+        // Frames whose nodes never ran.
+        for f in 0..self.frames.len() {
+            let saved: Vec<Rt> = self.frames[f].saved.drain().flat_map(|(_, v)| v).collect();
+            for t in saved {
+                self.drop_rt(t);
+            }
+            if !self.frames[f].inputs.is_empty() {
+                self.free_frame(f as u32);
+            }
+        }
+        self.frames.clear();
+    }
+
+    /// One graph task of the engine (`Engine::execute`): `roots` are the edges the gradients start
+    /// at (the `GraphRoot`'s next edges) with their gradients. Dependencies count the edges that
+    /// reach each node from the roots (`compute_dependencies`); the ready queue runs the ready node
+    /// with the highest sequence number. A reentrant call (`torch.autograd.backward` inside a node,
+    /// on the same device thread) runs its own task to completion before the outer one goes on: the
+    /// device thread's ready queue puts deeper reentrant tasks first.
+    fn run_engine(&mut self, roots: Vec<(Edge, Rt)>) {
         let mut deps: HashMap<u32, u32> = HashMap::new();
-        let mut stack = vec![root.node];
+        let mut stack: Vec<u32> = Vec::new();
         let mut seen = std::collections::HashSet::new();
-        seen.insert(root.node);
+        for (e, _) in &roots {
+            if seen.insert(e.node) {
+                stack.push(e.node);
+            }
+        }
+        let root_nodes = stack.clone();
         while let Some(n) = stack.pop() {
             for e in self.nodes[n as usize].next.iter().flatten() {
                 *deps.entry(e.node).or_insert(0) += 1;
@@ -41,13 +89,14 @@ impl<'g> Lowering<'g> {
         }
         let mut buffers: HashMap<u32, Vec<Option<Rt>>> = HashMap::new();
         let mut ready: BinaryHeap<(u64, u32)> = BinaryHeap::new();
-        let s = self.dup(&seed);
-        self.buffer_add(&mut buffers, root, s);
-        if deps.get(&root.node).copied().unwrap_or(0) == 0 {
-            ready.push((self.nodes[root.node as usize].seq, root.node));
+        for (e, g) in roots {
+            self.buffer_add(&mut buffers, e, g);
         }
-        // CUDA backward runs on the autograd engine's device thread (its own cuBLAS handle).
-        self.in_backward = true;
+        for n in root_nodes {
+            if deps.get(&n).copied().unwrap_or(0) == 0 {
+                ready.push((self.nodes[n as usize].seq, n));
+            }
+        }
         while let Some((_, n)) = ready.pop() {
             let inputs = buffers.remove(&n).unwrap_or_default();
             let outputs = self.evaluate(n, inputs);
@@ -67,40 +116,166 @@ impl<'g> Lowering<'g> {
                 }
             }
         }
-        self.in_backward = false;
         // Anything left in buffers (nodes never made ready) dies with the graph task.
         for (_, b) in buffers {
             for t in b.into_iter().flatten() {
                 self.drop_rt(t);
             }
         }
-        self.drop_rt(seed);
-        // The graph is freed: only the AccumulateGrad nodes stay.
-        let keep = self
-            .acc_nodes
+    }
+
+    /// `CheckpointFunction.backward` (reentrant `torch.utils.checkpoint`, `torch/utils/checkpoint.py`)
+    /// for region `range`, called with the gradients of the region's outputs (`args`):
+    ///
+    /// 1. `detached_inputs = detach_variable(tuple(inputs))`: views of the saved inputs; those that
+    ///    required grad become leaves (their `AccumulateGrad` stores `.grad`).
+    /// 2. `with torch.enable_grad(), autocast(...): outputs = ctx.run_function(*detached_inputs)`:
+    ///    the whole region again, building its graph and saving what its nodes save (no early
+    ///    stop); the region function's locals die as it returns, leaving `outputs`; leaving the
+    ///    autocast context on the engine's thread empties that thread's cast cache.
+    /// 3. `torch.autograd.backward(outputs_with_grad, args_with_grad)`: a reentrant graph task over
+    ///    the region's graph, down to the detached inputs, each node releasing what it saved.
+    /// 4. `grads = tuple(inp.grad ...)` is returned; `detached_inputs` and `outputs` die with the
+    ///    frame, and with `outputs` the rest of the region's graph. The caller
+    ///    ([`Self::evaluate`]) then releases `args` and the saved inputs.
+    fn reentrant_backward(&mut self, n: u32, range: u32, grads: &[Option<Rt>]) -> Vec<Option<Rt>> {
+        let ck = &self.ck_ranges[range as usize];
+        let (start, end) = (ck.start, ck.end);
+        let outputs = ck.outputs.clone();
+        let g = self.g;
+        let ids = self.reentrant_inputs.get(&n).cloned().unwrap_or_default();
+        let saved: Vec<Rt> = self.nodes[n as usize].saved.clone();
+        let kind_before = self.kind_now;
+        self.kind_now = Kind::Pending;
+        let st_start = self.storages.len();
+        // The values the rerun binds: whatever the lowering holds under those ids is set aside.
+        let mut restore = Vec::new();
+        for &v in ids
             .iter()
-            .flatten()
-            .map(|&n| n + 1)
-            .max()
-            .unwrap_or(0) as usize;
-        let rest: Vec<_> = self.nodes.drain(keep..).collect();
-        for mut node in rest {
-            for t in std::mem::take(&mut node.saved) {
+            .chain(g.ops[start..end].iter().flat_map(|op| op.outputs.iter()))
+        {
+            if let Some(rt) = self.vals[v.0 as usize].take() {
+                restore.push((v, rt));
+            }
+        }
+        // detach_variable: `x = inp.detach(); x.requires_grad = inp.requires_grad`.
+        let mut detached: Vec<(ValueId, Rt, Option<u32>)> = Vec::new();
+        for (v, rt) in ids.iter().zip(&saved) {
+            let mut d = self.dup(rt);
+            d.edge = None;
+            let mut slot = None;
+            if rt.dtype.is_float() && rt.requires_grad() {
+                let sl = self.leaf_grads.len() as u32;
+                self.leaf_grads.push(None);
+                let leaf = self.new_node(NodeKind::Leaf(sl), u64::MAX, ModuleId(0));
+                self.nodes[leaf as usize].ins.push(Some(Meta {
+                    layout: rt.layout.clone(),
+                    dtype: rt.dtype,
+                }));
+                self.nodes[leaf as usize].next.push(None);
+                d.edge = Some(Edge { node: leaf, nr: 0 });
+                slot = Some(sl);
+            }
+            detached.push((*v, d, slot));
+        }
+        let first_node = self.nodes.len();
+        // run_function(*detached_inputs)
+        for (v, d, _) in &detached {
+            let a = self.dup(d);
+            self.vals[v.0 as usize] = Some(a);
+        }
+        let saved_grad = self.grad_mode;
+        self.grad_mode = true;
+        self.in_reentrant_recompute = true;
+        for i in start..end {
+            self.exec_graph_op(i);
+        }
+        self.in_reentrant_recompute = false;
+        self.grad_mode = saved_grad;
+        let outs: Vec<Option<Rt>> = outputs
+            .iter()
+            .map(|v| self.vals[v.0 as usize].take())
+            .collect();
+        for i in start..end {
+            for &v in &g.ops[i].outputs {
+                if let Some(rt) = self.vals[v.0 as usize].take() {
+                    self.drop_rt(rt);
+                }
+            }
+        }
+        for (v, _, _) in &detached {
+            if let Some(rt) = self.vals[v.0 as usize].take() {
+                self.drop_rt(rt);
+            }
+        }
+        self.clear_autocast_cache();
+        self.settle_pending(st_start);
+        self.kind_now = kind_before;
+        // torch.autograd.backward(outputs_with_grad, args_with_grad)
+        let mut roots = Vec::new();
+        for (k, o) in outs.iter().enumerate() {
+            if let (Some(o), Some(Some(gr))) = (o, grads.get(k)) {
+                if let Some(e) = o.edge {
+                    let a = self.dup(gr);
+                    roots.push((e, a));
+                }
+            }
+        }
+        self.run_engine(roots);
+        // grads = tuple(inp.grad for inp in detached_inputs), returned; then the frame's locals go.
+        let mut result: Vec<Option<Rt>> = Vec::with_capacity(detached.len());
+        for (_, _, slot) in &detached {
+            result.push(slot.and_then(|s| self.leaf_grads[s as usize].take()));
+        }
+        for (_, d, _) in detached {
+            self.drop_rt(d);
+        }
+        for o in outs.into_iter().flatten() {
+            self.drop_rt(o);
+        }
+        // The region's graph dies with `outputs`: nodes that did not run release what they saved.
+        for i in first_node..self.nodes.len() {
+            for t in std::mem::take(&mut self.nodes[i].saved) {
                 self.drop_rt(t);
             }
         }
-        self.seq = 0;
-        // Frames whose nodes never ran.
-        for f in 0..self.frames.len() {
-            let saved: Vec<Rt> = self.frames[f].saved.drain().flat_map(|(_, v)| v).collect();
-            for t in saved {
-                self.drop_rt(t);
-            }
-            if !self.frames[f].inputs.is_empty() {
-                self.free_frame(f as u32);
-            }
+        for (v, rt) in restore {
+            self.vals[v.0 as usize] = Some(rt);
         }
-        self.frames.clear();
+        result
+    }
+
+    /// `AccumulateGrad` of a detached input (a leaf that is not a parameter): the first gradient
+    /// is stolen when the engine holds its only reference and it obeys the input's layout
+    /// (`AccumulateGrad::accumulateGrad`), else cloned; a later one is added in place.
+    fn leaf_accumulate(&mut self, n: u32, slot: u32, g: Rt) {
+        if self.leaf_grads[slot as usize].is_some() {
+            self.drop_rt(g);
+            return;
+        }
+        let meta = self.nodes[n as usize].ins[0].clone().expect("float leaf");
+        let l = &meta.layout;
+        let obeys = g.layout.shape == l.shape
+            && (0..l.dim()).all(|d| {
+                if l.shape[d] != 1 {
+                    g.layout.strides[d] == l.strides[d]
+                } else {
+                    g.layout.strides[d] != 0
+                }
+            });
+        let grad = if self.refs(&g) == 1 && obeys && g.dtype == meta.dtype {
+            g
+        } else {
+            let c = self.alloc(
+                Layout::contiguous(&l.shape),
+                g.dtype,
+                self.nodes[n as usize].module,
+                "aten.clone",
+            );
+            self.drop_rt(g);
+            c
+        };
+        self.leaf_grads[slot as usize] = Some(Rt { edge: None, ..grad });
     }
 
     /// `InputBuffer::add`: the first gradient is stored, later ones are summed
@@ -156,6 +331,16 @@ impl<'g> Lowering<'g> {
             if !self.frames[f as usize].recomputed {
                 self.recompute(f);
             }
+        }
+        if let NodeKind::Leaf(slot) = self.nodes[n as usize].kind {
+            let mut inputs = inputs;
+            if let Some(g) = inputs.first_mut().and_then(|g| g.take()) {
+                self.leaf_accumulate(n, slot, g);
+            }
+            for t in inputs.into_iter().flatten() {
+                self.drop_rt(t);
+            }
+            return vec![];
         }
         if let NodeKind::Accumulate(p) = self.nodes[n as usize].kind {
             // AccumulateGrad takes the buffer's gradient itself (std::move(grads[0])).
@@ -284,6 +469,8 @@ impl<'g> Lowering<'g> {
                 }
                 return out;
             }
+            NodeKind::Reentrant(r) => return self.reentrant_backward(n, r, grads),
+            NodeKind::Leaf(_) => return out,
             NodeKind::Op(_) => {}
         }
         let NodeKind::Op(op) = kind else {

@@ -1,13 +1,13 @@
 //! The forward pass: op execution, autocast, autograd node creation, checkpoint frames and
 //! recomputation.
 
-use super::{Edge, Frame, Kind, LowerError, Lowering, Meta, NodeKind, Rt};
+use super::{Edge, Frame, Kind, LowerError, Lowering, Meta, NodeKind, ReentrantFwd, Rt};
 use crate::autocast::{policy, Policy};
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, ModuleId, ValueId};
 use crate::layout::{elementwise_layout, Layout};
 use crate::ops::{FusedSdpa, OpKind};
-use crate::recipe::Fidelity;
+use crate::recipe::{CheckpointImpl, Fidelity, TorchVersion};
 use std::collections::HashMap;
 
 /// A tensor an autograd node saves: input `j` or output `k` of its op.
@@ -37,8 +37,23 @@ impl<'g> Lowering<'g> {
         self.kind_now = Kind::Pending;
         let start = self.storages.len();
         let first_node = self.nodes.len();
+        let reentrant = self.r.checkpoint_impl == CheckpointImpl::Reentrant;
         for i in 0..g.ops.len() {
             let region = self.op_region[i];
+            if reentrant {
+                if let Some(rf) = &self.reentrant_fwd {
+                    if region != Some(rf.range) {
+                        self.reentrant_end();
+                    }
+                }
+                if let Some(r) = region {
+                    if self.reentrant_fwd.is_none() {
+                        self.reentrant_begin(r);
+                    }
+                }
+                self.exec_graph_op(i);
+                continue;
+            }
             if let Some(f) = self.active_frame {
                 if region != Some(self.frames[f as usize].range) {
                     self.end_frame(f);
@@ -53,6 +68,9 @@ impl<'g> Lowering<'g> {
         }
         if let Some(f) = self.active_frame {
             self.end_frame(f);
+        }
+        if self.reentrant_fwd.is_some() {
+            self.reentrant_end();
         }
         self.clear_autocast_cache();
         // Kept outputs whose rebinding op did not run (none in a well-formed graph) go now; this
@@ -107,7 +125,7 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    fn exec_graph_op(&mut self, i: usize) {
+    pub(super) fn exec_graph_op(&mut self, i: usize) {
         let g = self.g;
         let op = &g.ops[i];
         let ins: Vec<Rt> = op
@@ -132,7 +150,7 @@ impl<'g> Lowering<'g> {
         }
         // `--keep-outputs` (not in a checkpoint's recomputation): the training loop's names take
         // one more reference on what the model returns.
-        if self.r.keep_outputs && self.recompute_saved.is_none() {
+        if self.r.keep_outputs && self.recompute_saved.is_none() && !self.in_reentrant_recompute {
             for &(v, rebind) in &g.kept_outputs {
                 if op.outputs.contains(&v) {
                     if let Some(rt) = self.vals[v.0 as usize].clone() {
@@ -151,7 +169,7 @@ impl<'g> Lowering<'g> {
         self.release_after[i] = rel;
         // The assignment that rebinds a kept name runs when op `i` returns (after the callee's
         // locals are gone): the previous step's tensor loses its last Python reference.
-        if !self.kept.is_empty() && self.recompute_saved.is_none() {
+        if !self.kept.is_empty() && self.recompute_saved.is_none() && !self.in_reentrant_recompute {
             let mut k = 0;
             while k < self.kept.len() {
                 if self.kept[k].0 == i {
@@ -485,6 +503,84 @@ impl<'g> Lowering<'g> {
         }
     }
 
+    /// What `SoftmaxBackward0`/`LogSoftmaxBackward0` save: the result, and in PyTorch 1.10 the
+    /// input first (`self` precedes `result` in the generated node's saved variables).
+    fn softmax_saves(&self) -> Vec<Save> {
+        match self.r.torch_version {
+            TorchVersion::V2_15 => vec![Save::Out(0)],
+            TorchVersion::V1_10 => vec![Save::In(0), Save::Out(0)],
+        }
+    }
+
+    /// `CheckpointFunction.forward` (reentrant `torch.utils.checkpoint`, `torch/utils/checkpoint.py`):
+    /// `ctx.save_for_backward(*tensor_inputs)` keeps the region's inputs, then
+    /// `with torch.no_grad(): outputs = run_function(*args)`: the region's ops record no node and
+    /// save nothing, each intermediate dying after its last use.
+    fn reentrant_begin(&mut self, range: u32) {
+        let ids = self.ck_ranges[range as usize].inputs.clone();
+        let mut inputs = Vec::with_capacity(ids.len());
+        for v in ids {
+            if let Some(rt) = self.vals[v.0 as usize].clone() {
+                let d = self.dup(&rt);
+                inputs.push((v, d));
+            }
+        }
+        self.reentrant_fwd = Some(ReentrantFwd { range, inputs });
+        self.grad_mode = false;
+    }
+
+    /// The end of `CheckpointFunction.apply`: one `CheckpointFunctionBackward` node with an edge to
+    /// every input that requires grad, holding the saved inputs, becomes the outputs' `grad_fn`. When
+    /// no input requires grad, `Function.apply` records no node: the outputs do not require grad and
+    /// the region's parameters get no gradient (PyTorch warns "None of the inputs have
+    /// requires_grad=True").
+    fn reentrant_end(&mut self) {
+        let Some(rf) = self.reentrant_fwd.take() else {
+            return;
+        };
+        self.grad_mode = true;
+        let range = rf.range as usize;
+        let any_grad = rf
+            .inputs
+            .iter()
+            .any(|(_, rt)| rt.dtype.is_float() && rt.requires_grad());
+        if !any_grad {
+            for (_, rt) in rf.inputs {
+                self.drop_rt(rt);
+            }
+            return;
+        }
+        let m = self.g.ops[self.ck_ranges[range].start].module;
+        self.seq += 1;
+        let node = self.new_node(NodeKind::Reentrant(rf.range), self.seq, m);
+        let outputs = self.ck_ranges[range].outputs.clone();
+        let mut out_meta = Vec::new();
+        for (k, v) in outputs.iter().enumerate() {
+            if let Some(rt) = self.vals[v.0 as usize].as_mut() {
+                out_meta.push(Meta {
+                    layout: rt.layout.clone(),
+                    dtype: rt.dtype,
+                });
+                if rt.dtype.is_float() {
+                    rt.edge = Some(Edge { node, nr: k as u32 });
+                }
+            }
+        }
+        let n = &mut self.nodes[node as usize];
+        n.outs = out_meta;
+        for (_, rt) in &rf.inputs {
+            let g = rt.dtype.is_float() && rt.requires_grad();
+            n.ins.push(g.then(|| Meta {
+                layout: rt.layout.clone(),
+                dtype: rt.dtype,
+            }));
+            n.next.push(if g { rt.edge } else { None });
+        }
+        self.reentrant_inputs
+            .insert(node, rf.inputs.iter().map(|(v, _)| *v).collect());
+        self.nodes[node as usize].saved = rf.inputs.into_iter().map(|(_, rt)| rt).collect();
+    }
+
     /// Reruns a checkpointed region's forward (non-reentrant `torch.utils.checkpoint`), keeping what
     /// its nodes save, and stops after the last op that saves something (early stop).
     pub(super) fn recompute(&mut self, f: u32) {
@@ -733,15 +829,17 @@ impl<'g> Lowering<'g> {
                 }
                 Fwd::New(vec![o], op_kind, saves)
             }
-            // derivatives.yaml _softmax / _log_softmax: result saved.
+            // derivatives.yaml _softmax / _log_softmax: result saved. PyTorch 1.10's formulas,
+            // `_softmax_backward_data(grad, result, dim, self)`, also save the input
+            // (pytorch/pytorch#64000, fixed by #65242 in 1.11).
             Softmax { to_f32, .. } => {
                 let dt = if *to_f32 { DType::F32 } else { x[0].dtype };
                 let o = self.alloc(Layout::contiguous(x[0].shape()), dt, m, name);
-                Fwd::New(vec![o], op_kind, vec![Save::Out(0)])
+                Fwd::New(vec![o], op_kind, self.softmax_saves())
             }
             LogSoftmax { .. } => {
                 let o = self.alloc(Layout::contiguous(x[0].shape()), x[0].dtype, m, name);
-                Fwd::New(vec![o], op_kind, vec![Save::Out(0)])
+                Fwd::New(vec![o], op_kind, self.softmax_saves())
             }
             // derivatives.yaml nll_loss_forward: self, target and total_weight saved.
             NllLoss => {

@@ -42,7 +42,8 @@ use crate::graph::{Graph, ModuleId, RegionKind, Source, ValueId};
 use crate::layout::Layout;
 use crate::ops::OpKind;
 use crate::recipe::{
-    Checkpointing, CublasWorkspaceMode, Fidelity, Precision, Recipe, RecipeError, ZeroGrad,
+    Checkpointing, CublasWorkspaceMode, Fidelity, Precision, Recipe, RecipeError, TorchVersion,
+    ZeroGrad,
 };
 use std::collections::{BTreeMap, HashMap, HashSet};
 use vramsim_traces::{AllocId, Category, Event, Trace};
@@ -154,6 +155,12 @@ pub(crate) enum NodeKind {
     Cast,
     /// `CloneBackward0` + `UnsafeViewBackward0` of a reshape that copied (`grad.reshape(sizes)`).
     ReshapeCopy,
+    /// `CheckpointFunctionBackward` of reentrant checkpoint region `u32` (its `saved` are the
+    /// region's inputs, `ctx.save_for_backward`).
+    Reentrant(u32),
+    /// `AccumulateGrad` of a detached input of a reentrant recomputation: its `.grad` goes to
+    /// [`Lowering::leaf_grads`] slot `u32`.
+    Leaf(u32),
 }
 
 pub(crate) struct Node {
@@ -172,6 +179,15 @@ struct CkRange {
     start: usize,
     end: usize,
     inputs: Vec<ValueId>,
+    /// Values made in the region and used after it (the region function's return).
+    outputs: Vec<ValueId>,
+}
+
+/// A reentrant checkpoint region whose no-grad forward is running.
+struct ReentrantFwd {
+    range: u32,
+    /// `ctx.save_for_backward(*tensor_inputs)`.
+    inputs: Vec<(ValueId, Rt)>,
 }
 
 /// One `torch.utils.checkpoint` call of one forward (`_CheckpointFrame`).
@@ -236,6 +252,9 @@ pub(crate) struct Lowering<'g> {
     cublas_ws: u64,
     /// Persistent mode: whether the (main thread, backward thread) handle holds its workspace.
     ws_held: [bool; 2],
+    /// PyTorch 1.10: whether the (main thread, backward thread) cuBLAS handle exists, with the
+    /// workspace pool cuBLAS allocated for it.
+    cublas_own_handles: [bool; 2],
     /// `cudnn.benchmark`: convolution configurations benchmarked already (`benchmark_cache` keys).
     conv_benchmarked: HashSet<String>,
     /// `--keep-outputs`: the previous step's outputs the training loop still holds, each with the
@@ -243,6 +262,14 @@ pub(crate) struct Lowering<'g> {
     kept: Vec<(usize, Rt)>,
     /// The outputs of the running forward, kept once it ends.
     kept_next: Vec<(usize, Rt)>,
+    /// The reentrant checkpoint region whose forward is running.
+    reentrant_fwd: Option<ReentrantFwd>,
+    /// A reentrant region's recomputation is running (the training loop's names are not involved).
+    in_reentrant_recompute: bool,
+    /// `.grad` of the detached inputs of reentrant recomputations, by [`NodeKind::Leaf`] slot.
+    leaf_grads: Vec<Option<Rt>>,
+    /// The region input values of each `CheckpointFunctionBackward` node, in `saved` order.
+    reentrant_inputs: HashMap<u32, Vec<ValueId>>,
 }
 
 /// Lowers a training step (or inference, per the recipe) of `graph` to an allocation trace.
@@ -388,9 +415,14 @@ impl<'g> Lowering<'g> {
                 .cublas_workspace_bytes(r.target.compute_capability)
                 .0,
             ws_held: [false; 2],
+            cublas_own_handles: [false; 2],
             conv_benchmarked: HashSet::new(),
             kept: Vec::new(),
             kept_next: Vec::new(),
+            reentrant_fwd: None,
+            in_reentrant_recompute: false,
+            leaf_grads: Vec::new(),
+            reentrant_inputs: HashMap::new(),
         }
     }
 
@@ -415,6 +447,12 @@ impl<'g> Lowering<'g> {
     /// The meta-device capture sees none of this: nothing under [`Fidelity::MetaCapture`].
     pub(crate) fn gemm_workspace(&mut self, lt: bool, m: ModuleId) {
         if self.r.fidelity == Fidelity::MetaCapture {
+            return;
+        }
+        if self.r.torch_version == TorchVersion::V1_10 {
+            // PyTorch 1.10 sets no workspace: cuBLAS uses its own pool, made when the thread's
+            // handle is created (`cublasCreate` in `CublasHandlePool.cpp`), outside the allocator.
+            self.cublas_own_handles[usize::from(self.in_backward)] = true;
             return;
         }
         let (size, name, persistent) = match self.r.workspaces.cublas_mode {
@@ -788,7 +826,27 @@ impl<'g> Lowering<'g> {
                     }
                 }
             }
-            self.ck_ranges.push(CkRange { start, end, inputs });
+            // Its outputs: values made in it that a later op, the graph's output or the training
+            // loop's kept outputs use.
+            let mut outputs = Vec::new();
+            let used_after = |v: ValueId| {
+                g.ops[end..].iter().any(|op| op.inputs.contains(&v))
+                    || g.output == Some(v)
+                    || g.kept_outputs.iter().any(|&(k, _)| k == v)
+            };
+            for op in &g.ops[start..end] {
+                for &v in &op.outputs {
+                    if used_after(v) && !outputs.contains(&v) {
+                        outputs.push(v);
+                    }
+                }
+            }
+            self.ck_ranges.push(CkRange {
+                start,
+                end,
+                inputs,
+                outputs,
+            });
             for i in start..end {
                 self.op_region[i] = Some(id);
             }
@@ -831,6 +889,19 @@ impl<'g> Lowering<'g> {
         m.insert("precision".into(), self.r.precision.to_string().into());
         m.insert("optimizer".into(), self.r.optimizer.to_string().into());
         m.insert("checkpoint".into(), self.r.checkpointing.to_string().into());
+        if self.r.torch_version != TorchVersion::V2_15 {
+            m.insert(
+                "torch_version".into(),
+                self.r.torch_version.to_string().into(),
+            );
+        }
+        // Device memory cuBLAS allocated itself (PyTorch 1.10): one default pool per handle.
+        let handles = self.cublas_own_handles.iter().filter(|&&h| h).count() as u64;
+        if handles > 0 {
+            let pool =
+                crate::recipe::Workspaces::cublas_own_pool_bytes(self.r.target.compute_capability);
+            m.insert("cublas_own_bytes".into(), (handles * pool).into());
+        }
         m.insert("accum".into(), self.r.accum.into());
         m.insert("iterations".into(), self.r.iterations.into());
         m.insert(

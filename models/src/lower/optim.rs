@@ -22,6 +22,8 @@
 //!   `grads_squared` and `var_estimates` (clones) for vectors.
 //! * HF Adafactor (`transformers.optimization.Adafactor.step`, a loop over the parameters): see
 //!   [`Lowering::adafactor_hf_step`].
+//! * HF AdamW (`transformers.optimization.AdamW.step`, a loop over the parameters): see
+//!   [`Lowering::adamw_hf_step`].
 //! * `clip_grad_norm_` (foreach, the default on CUDA): see [`Lowering::clip_grad_norm`].
 //! * GradScaler: see [`Lowering::scaler_unscale`]; fused SGD/Adam/AdamW
 //!   (`_step_supports_amp_scaling`) take `grad_scale`/`found_inf` instead of an unscale pass.
@@ -322,6 +324,7 @@ impl<'g> Lowering<'g> {
                 }
             }
             (OptimizerKind::AdafactorHf, _) => self.adafactor_hf_step(&ps, first),
+            (OptimizerKind::AdamWHf, _) => self.adamw_hf_step(&ps, first),
             (OptimizerKind::Adafactor, _) => {
                 let multi: Vec<usize> = ps
                     .iter()
@@ -539,6 +542,43 @@ impl<'g> Lowering<'g> {
             self.drop_rt(neg);
         }
         for t in [grad32, p32, update].into_iter().flatten() {
+            self.drop_rt(t);
+        }
+    }
+
+    /// transformers' own `AdamW.step` (`transformers/optimization.py`, 4.16), per parameter in order:
+    ///
+    /// ```text
+    /// if len(state) == 0:
+    ///     state["exp_avg"] = torch.zeros_like(p.data); state["exp_avg_sq"] = torch.zeros_like(p.data)
+    /// exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)              # in place
+    /// exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)  # in place
+    /// denom = exp_avg_sq.sqrt().add_(group["eps"])                    # one new tensor, p's size
+    /// p.data.addcdiv_(exp_avg, denom, value=-step_size)               # in place
+    /// if group["weight_decay"] > 0.0: p.data.add_(p.data, alpha=...)  # in place
+    /// ```
+    ///
+    /// So the state of each parameter is created when the loop reaches it (between the previous
+    /// parameters' temporaries, not all before the loop as `torch.optim`'s `_init_group` does), and
+    /// the previous parameter's `denom` dies when the name is rebound, after the new one exists; the
+    /// last `denom` goes when `step` returns. `step_size` is a Python float: nothing on the device.
+    fn adamw_hf_step(&mut self, ps: &[usize], first: bool) {
+        let mut denom: Option<Rt> = None;
+        for &p in ps {
+            let s = self.params[p].layout.shape.clone();
+            let d = self.params[p].dtype;
+            if first {
+                let a = self.state_alloc(p, &s, d, "exp_avg");
+                let b = self.state_alloc(p, &s, d, "exp_avg_sq");
+                self.optim_state[p].push(a);
+                self.optim_state[p].push(b);
+            }
+            let sq = self.temp(&s, d, "aten.sqrt");
+            if let Some(old) = denom.replace(sq) {
+                self.drop_rt(old);
+            }
+        }
+        if let Some(t) = denom {
             self.drop_rt(t);
         }
     }

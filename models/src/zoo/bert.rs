@@ -95,6 +95,23 @@ pub fn bert_with_head(
     attn: AttnImpl,
     head: Head,
 ) -> Result<Graph, GraphError> {
+    bert_with_head_mask(cfg, batch, seq, attn, head, false)
+}
+
+/// [`bert_with_head`], and with `all_ones_mask` as transformers 4.16's `BertModel.forward` runs
+/// without an `attention_mask`: `attention_mask = torch.ones((B, S))` (float32), then
+/// `get_extended_attention_mask`: `mask[:, None, None, :]`, `.to(dtype=self.dtype)`, `(1.0 - m) *
+/// -10000.0` (two new `[B, 1, 1, S]` tensors, the first dying with the expression); the result is
+/// a local of `BertModel.forward` and every layer's eager attention adds it to its scaled scores
+/// (transformers 4.16 had no other BERT attention; SDPA ignores it here).
+pub fn bert_with_head_mask(
+    cfg: &BertConfig,
+    batch: u64,
+    seq: u64,
+    attn: AttnImpl,
+    head: Head,
+    all_ones_mask: bool,
+) -> Result<Graph, GraphError> {
     let (h, nh) = (cfg.hidden, cfg.heads);
     let hd = h / nh;
     let mut b = GraphBuilder::new(&cfg.name, batch, seq);
@@ -142,6 +159,23 @@ pub fn bert_with_head(
             )
         });
         let mut x = x;
+        let ext_mask = if all_ones_mask && matches!(attn, AttnImpl::Eager) {
+            let ones = b.factory(
+                "aten.ones",
+                &[],
+                &[batch, seq],
+                DTypeSpec::Fixed(DType::F32),
+                vec![],
+            );
+            let m = b.view(ones, &[batch as i64, 1, 1, seq as i64]);
+            let m = b.to_dtype_of(m, word_w);
+            let m = b.add_scalar(m); // 1.0 - m
+            let m = b.mul_scalar(m); // * -10000.0
+            b.hold(m);
+            Some(m)
+        } else {
+            None
+        };
         b.push_module("encoder");
         for l in 0..cfg.layers {
             x = b.region(RegionKind::Block, &format!("layer.{l}"), |b| {
@@ -165,7 +199,7 @@ pub fn bert_with_head(
                             q,
                             k,
                             v,
-                            None,
+                            ext_mask,
                             cfg.attention_dropout,
                             false,
                             attn,

@@ -453,7 +453,14 @@ impl Arch {
                 };
                 vit::vit(&c, batch, vit_backend(self, recipe)?)?
             }
-            Arch::Bert(c) => bert::bert_with_head(c, batch, seq, attn, head)?,
+            Arch::Bert(c) => bert::bert_with_head_mask(
+                c,
+                batch,
+                seq,
+                attn,
+                head,
+                recipe.transformers_version == crate::recipe::TransformersVersion::V4_16,
+            )?,
             Arch::Gpt2(c) => gpt2::gpt2_with_head(c, batch, seq, attn, head, recipe.loss)?,
             // The loss is GPT.forward's own (plain cross-entropy): `--loss` does not apply.
             Arch::NanoGpt(c) => nanogpt::nanogpt(c, batch, seq, attn)?,

@@ -77,6 +77,11 @@ pub struct MachineArgs {
     /// The CUDA device index messages name (`GPU N`): the recorded device when replaying a snapshot.
     #[arg(skip)]
     pub device_index: u32,
+    /// Device memory libraries allocate themselves, outside the caching allocator, counted with the
+    /// context (cuBLAS's own workspace pools under PyTorch 1.10: the lowered trace's
+    /// `cublas_own_bytes`).
+    #[arg(skip)]
+    pub library_bytes: u64,
 }
 
 /// `--cuda`: a CUDA major version vramsim has context figures for.
@@ -153,6 +158,7 @@ impl MachineArgs {
         if let Some(context) = &self.context {
             device.context_bytes = parse_size(context).context("invalid --context")?;
         }
+        device.context_bytes = device.context_bytes.saturating_add(self.library_bytes);
         if let Some(others) = &self.other_processes {
             device.other_processes = parse_other_processes(others)?;
         }

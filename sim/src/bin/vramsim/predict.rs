@@ -17,7 +17,9 @@ use vramsim_models::{
     lower, parse_image_size, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph,
     Head, Loss, OptimizerImpl, OptimizerKind, PeakBreakdown, Precision, Recipe, Target, ZeroGrad,
 };
-use vramsim_models::{CublasWorkspaceMode, Workspaces};
+use vramsim_models::{
+    CheckpointImpl, CublasWorkspaceMode, TorchVersion, TransformersVersion, Workspaces,
+};
 use vramsim_sim::device::{find_preset, ContextChoice, UnknownGpu, DEFAULT_GPU};
 use vramsim_sim::engine::{Flow, Replay, ReplayOptions};
 use vramsim_sim::format::format_size;
@@ -72,7 +74,8 @@ pub struct PredictArgs {
     pub precision: Precision,
     /// adamw, adam, sgd, sgd-momentum (momentum=0.9), sgd-nesterov (momentum=0.9, nesterov=True),
     /// adafactor (torch.optim.Adafactor), adafactor-hf (transformers' Adafactor, a per-parameter
-    /// loop, as HF Trainer's optim="adafactor" builds it).
+    /// loop, as HF Trainer's optim="adafactor" builds it), adamw-hf (transformers' own AdamW, a
+    /// per-parameter loop: HF Trainer's optim="adamw_hf", its default in transformers 4.x up to 4.3x).
     #[arg(long, default_value = "adamw", value_parser = named::<OptimizerKind>)]
     pub optimizer: OptimizerKind,
     /// How the optimizer runs: foreach (PyTorch's default on CUDA), fused, for-loop.
@@ -153,6 +156,21 @@ pub struct PredictArgs {
     /// Classes of an image model's classifier (default 1000).
     #[arg(long, value_name = "N", value_parser = count("num-classes"), allow_negative_numbers = true)]
     pub num_classes: Option<u64>,
+    /// The torch.utils.checkpoint implementation of --checkpoint: non-reentrant (use_reentrant=False,
+    /// what transformers 5.23's gradient checkpointing passes) or reentrant (use_reentrant=True:
+    /// PyTorch ≤ 1.10 and transformers ≤ 4.34, and a bare torch.utils.checkpoint call in 2.15).
+    #[arg(long, default_value = "non-reentrant", value_parser = named::<CheckpointImpl>)]
+    pub checkpoint_impl: CheckpointImpl,
+    /// The PyTorch release whose rules apply where they changed: 2.15 (the reference) or 1.10
+    /// (softmax saves its input too; cuBLAS's own workspace pools, one per handle outside the
+    /// allocator, instead of workspaces from the caching allocator).
+    #[arg(long, default_value = "2.15", value_parser = named::<TorchVersion>)]
+    pub torch_version: TorchVersion,
+    /// The transformers release whose model code applies where it changed: 5.23 (the reference) or
+    /// 4.16 (BERT without an attention_mask adds an all-ones float32 extended mask to its eager
+    /// attention scores).
+    #[arg(long, default_value = "5.23", value_parser = named::<TransformersVersion>)]
+    pub transformers_version: TransformersVersion,
 }
 
 /// A parser for `--image-size` (`H` or `HxW`).
@@ -407,6 +425,9 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
         keep_outputs: args.keep_outputs,
         image_size: args.image_size,
         num_classes: args.num_classes,
+        checkpoint_impl: args.checkpoint_impl,
+        torch_version: args.torch_version,
+        transformers_version: args.transformers_version,
         ..Recipe::default()
     };
     recipe.validate()?;
@@ -425,6 +446,14 @@ pub fn replay_step(
     machine: &MachineArgs,
     timeline_points: usize,
 ) -> Result<(Report, Prediction)> {
+    // cuBLAS's own workspace pools (PyTorch 1.10) are device memory outside the allocator.
+    let mut machine = machine.clone();
+    machine.library_bytes = lowered
+        .trace
+        .meta
+        .get("cublas_own_bytes")
+        .and_then(|v| v.as_u64())
+        .unwrap_or(0);
     let built = machine.build()?;
     let t1 = Instant::now();
     let device = built.allocator.device().clone();
@@ -521,6 +550,13 @@ fn short_dtype(dtype: &str) -> &str {
 /// What the library workspaces are: the cuBLAS size and lifetime, cuBLASLt's, cudnn.benchmark.
 fn workspace_line(r: &Recipe) -> String {
     let w = &r.workspaces;
+    if r.torch_version == TorchVersion::V1_10 {
+        return format!(
+            "PyTorch 1.10: no workspace from the caching allocator; cuBLAS's own pool of {} per handle (forward and backward threads), counted with the context; cudnn.benchmark {}",
+            format_size(Workspaces::cublas_own_pool_bytes(r.target.compute_capability)),
+            if w.cudnn_benchmark { "on" } else { "off" }
+        );
+    }
     let (cublas, _) = w.cublas_workspace_bytes(r.target.compute_capability);
     let mode = match w.cublas_mode {
         CublasWorkspaceMode::PerCall => "per GEMM call (PyTorch 2.15's default)",
@@ -551,7 +587,7 @@ fn recipe_line(p: &Prediction) -> String {
     } else {
         let imp = match (r.optimizer, r.optimizer_impl) {
             // transformers' Adafactor has only its Python loop
-            (OptimizerKind::AdafactorHf, _) => "for-loop",
+            (OptimizerKind::AdafactorHf | OptimizerKind::AdamWHf, _) => "for-loop",
             (_, OptimizerImpl::Foreach) => "foreach",
             (_, OptimizerImpl::Fused) => "fused",
             (_, OptimizerImpl::ForLoop) => "for-loop",
@@ -561,6 +597,10 @@ fn recipe_line(p: &Prediction) -> String {
             ", {} ({imp}), checkpoint {}, accum {}",
             r.optimizer, r.checkpointing, r.accum
         );
+        if r.checkpointing != Checkpointing::None && r.checkpoint_impl == CheckpointImpl::Reentrant
+        {
+            s.push_str(" (reentrant)");
+        }
         if r.zero_grad == ZeroGrad::Zero {
             s.push_str(", zero_grad(set_to_none=False)");
         }
@@ -572,6 +612,12 @@ fn recipe_line(p: &Prediction) -> String {
         }
     }
     let _ = write!(s, ", {} iterations", r.iterations);
+    if r.torch_version != TorchVersion::V2_15 {
+        let _ = write!(s, ", PyTorch {} rules", r.torch_version);
+    }
+    if r.transformers_version != TransformersVersion::V5_23 {
+        let _ = write!(s, ", transformers {} model code", r.transformers_version);
+    }
     if let Some(k) = &p.attention {
         let _ = write!(s, ", {} attention", k.kernel.name());
         if r.attention != Attention::Auto && r.attention.to_string() != k.kernel.name() {
@@ -769,6 +815,9 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
             OptimizerImpl::ForLoop => "for-loop",
         },
         "checkpoint": r.checkpointing.to_string(),
+        "checkpoint_impl": r.checkpoint_impl.to_string(),
+        "torch_version": r.torch_version.to_string(),
+        "transformers_version": r.transformers_version.to_string(),
         "accum": r.accum,
         "iterations": r.iterations,
         "inference": r.inference,

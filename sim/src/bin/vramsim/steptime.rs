@@ -556,9 +556,15 @@ impl StepWork {
             (OptimizerKind::Adafactor, _) => (14.0, 12.0),
             // transformers' loop: ~16 ops per parameter, each launched per tensor
             (OptimizerKind::AdafactorHf, _) => (16.0, 16.0),
+            // transformers' AdamW loop: mul_, add_, mul_, addcmul_, sqrt, add_, addcdiv_ per tensor
+            (OptimizerKind::AdamWHf, _) => (20.0, 7.0),
         };
         let launches = match self.optimizer_impl {
-            _ if self.optimizer == OptimizerKind::AdafactorHf => {
+            _ if matches!(
+                self.optimizer,
+                OptimizerKind::AdafactorHf | OptimizerKind::AdamWHf
+            ) =>
+            {
                 ops_per_tensor * self.param_tensors as f64
             }
             OptimizerImpl::ForLoop => ops_per_tensor * self.param_tensors as f64,
