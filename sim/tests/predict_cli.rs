@@ -1040,3 +1040,35 @@ fn timm_models_take_image_size_and_num_classes() {
         &["image-size", "1 or more"],
     );
 }
+
+#[test]
+fn forced_attention_on_models_without_sdpa_is_refused() {
+    // timm 0.6's Attention.forward computes attention explicitly and the CNNs have none: a forced
+    // SDPA kernel describes no run of their code.
+    assert_fails(
+        &[
+            "--model",
+            "timm/vit_base_patch16_224",
+            "--batch",
+            "2",
+            "--attention",
+            "sdpa-flash",
+        ],
+        &["never calls scaled_dot_product_attention", "auto, eager"],
+    );
+    assert_fails(
+        &[
+            "--model",
+            "resnet18",
+            "--batch",
+            "2",
+            "--attention",
+            "sdpa-math",
+        ],
+        &["has no attention", "valid values are auto"],
+    );
+    let j = predict_json(&["--model", "timm/vit_base_patch16_224", "--batch", "2"]);
+    assert_eq!(j["attention"]["kernel"], "eager");
+    // Image models take nn.CrossEntropyLoss: --loss does not apply.
+    assert_eq!(j["recipe"]["loss"], serde_json::Value::Null);
+}

@@ -338,7 +338,7 @@ impl Arch {
     /// choice ([`sdpa::select`]); a forced backend that cannot run the call is an error.
     pub fn attention_kernel(&self, recipe: &Recipe) -> Result<Option<KernelChoice>, ZooError> {
         let Some(call) = self.sdpa_call(recipe) else {
-            return Ok(None);
+            return self.attention_without_sdpa(recipe);
         };
         let vit = matches!(self, Arch::Vit(_));
         let nano = matches!(self, Arch::NanoGpt(_));
@@ -366,6 +366,30 @@ impl Arch {
             kernel: Kernel::Sdpa(choice.backend),
             reason: format!("{why}{}", choice.reason),
         }))
+    }
+
+    /// The attention of a model that never calls SDPA: timm 0.6's ViTs compute it explicitly
+    /// (`Attention.forward`: `q @ k.transpose(-2, -1) * scale`, softmax, `@ v`), the CNNs and the MLP
+    /// have none. `auto` and `eager` describe what such a model runs; a forced SDPA kernel is refused
+    /// with the valid choices, as no option of the model's code would call it.
+    fn attention_without_sdpa(&self, recipe: &Recipe) -> Result<Option<KernelChoice>, ZooError> {
+        let explicit = matches!(self, Arch::Timm(timm::TimmConfig::Vit(_)));
+        match recipe.attention {
+            Attention::Auto | Attention::Eager if explicit => Ok(Some(KernelChoice {
+                kernel: Kernel::Eager,
+                reason: "eager: timm 0.6 Attention.forward computes attention explicitly (q @ kᵀ · scale, softmax, attn_drop, @ v; no SDPA)".into(),
+            })),
+            Attention::Auto | Attention::Eager => Ok(None),
+            forced => Err(ZooError::Unsupported {
+                model: self.name().to_string(),
+                field: "attention",
+                msg: if explicit {
+                    format!("{forced}: timm 0.6's Attention never calls scaled_dot_product_attention; valid values are auto, eager")
+                } else {
+                    format!("{forced}: the model has no attention; valid values are auto (or eager, the same)")
+                },
+            }),
+        }
     }
 
     /// Everything the graph and its lowering take from `recipe.target`: two recipes that differ

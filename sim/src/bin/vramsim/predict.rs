@@ -562,10 +562,17 @@ fn workspace_line(r: &Recipe) -> String {
         CublasWorkspaceMode::PerCall => "per GEMM call (PyTorch 2.15's default)",
         CublasWorkspaceMode::Persistent => "kept per thread (TORCH_CUBLAS_WORKSPACE_CACHE=1)",
     };
+    // With the cache on, cuBLASLt shares its handle's workspace (2.15's unified workspaces).
+    let lt = match w.cublas_mode {
+        CublasWorkspaceMode::PerCall => format!(
+            "cuBLASLt {} per fused-bias addmm",
+            format_size(w.cublaslt_workspace_bytes())
+        ),
+        CublasWorkspaceMode::Persistent => "cuBLASLt shares it".to_string(),
+    };
     format!(
-        "cuBLAS workspace {} {mode}, cuBLASLt {} per fused-bias addmm; cudnn.benchmark {} (category workspace)",
+        "cuBLAS workspace {} {mode}, {lt}; cudnn.benchmark {} (category workspace)",
         format_size(cublas),
-        format_size(w.cublaslt_workspace_bytes()),
         if w.cudnn_benchmark { "on" } else { "off" }
     )
 }
@@ -830,7 +837,13 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
         "clip_grad_norm": r.clip_grad_norm,
         "grad_scaler": r.uses_grad_scaler(),
         "head": p.arch.head(r).ok().flatten().map(|h| h.to_string()),
-        "loss": r.loss.to_string(),
+        // `--loss` applies to the HF language models; nanoGPT computes its own plain loss and the
+        // image models take nn.CrossEntropyLoss.
+        "loss": match (&p.arch, p.arch.family()) {
+            (Arch::NanoGpt(_), _) => Some("plain".to_string()),
+            (_, Some(_)) => Some(r.loss.to_string()),
+            (_, None) => None,
+        },
         "keep_outputs": r.keep_outputs,
         "image_size": p.arch.image_size(r).ok().filter(|s| s.0 > 0).map(|(h, w)| json!([h, w])),
         "num_classes": p.arch.num_classes(r).ok().filter(|&n| n > 0),
