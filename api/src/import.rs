@@ -48,12 +48,25 @@ pub struct SnapshotArgs {
 
 /// Reads a snapshot file, saying plainly when the file is not one.
 pub fn load_snapshot(path: &Path) -> Result<Snapshot> {
-    load_snapshot_file(path).map_err(|e| {
-        anyhow!(
-            "{e}\n(expected a PyTorch memory snapshot: the pickle `torch.cuda.memory._dump_snapshot()` writes)"
-        )
-    })
+    load_snapshot_file(path).map_err(|e| anyhow::Error::new(NotASnapshot(e)))
 }
+
+/// A file that cannot be read as a snapshot: the reader's error and what was expected, in one message
+/// (no source, so that `{:#}` says it once); typed so that callers can tell it from a bad option.
+#[derive(Debug)]
+pub struct NotASnapshot(pub vramsim_traces::snapshot::SnapshotError);
+
+impl std::fmt::Display for NotASnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}\n(expected a PyTorch memory snapshot: the pickle `torch.cuda.memory._dump_snapshot()` writes)",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for NotASnapshot {}
 
 /// Whether `path` holds a snapshot rather than a trace.
 fn is_snapshot(path: &Path) -> Result<bool> {
