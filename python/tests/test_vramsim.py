@@ -230,3 +230,37 @@ def test_the_gil_is_released_while_computing():
     during = [x for x in ticks if start < x < end]
     assert end - start > 0.05, "the sweep is too short to tell"
     assert len(during) >= 10, (len(during), end - start)
+
+
+def test_record_a_step_and_replay_it():
+    torch = pytest.importorskip("torch")
+
+    dims = (1024, 4096, 4096, 4096, 1000)
+
+    def model_fn():
+        layers = []
+        for i in range(len(dims) - 1):
+            layers.append(torch.nn.Linear(dims[i], dims[i + 1]))
+            if i < len(dims) - 2:
+                layers.append(torch.nn.ReLU())
+        return torch.nn.Sequential(*layers)
+
+    def inputs_fn():
+        return torch.randn(8, 1024), torch.randint(0, 1000, (8,))
+
+    def loss_fn(model, inputs):
+        x, y = inputs
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    rec = vramsim.record(model_fn, inputs_fn, loss_fn,
+                         lambda p: torch.optim.AdamW(p, foreach=True), iterations=2)
+    s = rec.summary()
+    # the weights and biases of Linear(1024,4096), 2 × Linear(4096,4096), Linear(4096,1000), fp32
+    params = (1024 * 4096 + 4096) + 2 * (4096 * 4096 + 4096) + (4096 * 1000 + 1000)
+    assert s["by_category_at_peak"]["parameter"] == 4 * params
+    assert "events" in repr(rec)
+    r = rec.replay(gpu="rtx4090")
+    assert isinstance(r, vramsim.ReplayReport)
+    assert r.peak_requested_bytes == s["peak_requested_bytes"]
+    with pytest.raises(vramsim.ConfigError, match="unknown option 'batch'"):
+        vramsim.record(model_fn, inputs_fn, loss_fn, torch.optim.SGD, batch=2)

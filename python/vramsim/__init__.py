@@ -38,6 +38,8 @@ __all__ = [
     "check_snapshot",
     "import_snapshot",
     "gpus",
+    "record",
+    "Recording",
     "options",
     "Option",
     "Result",
@@ -452,6 +454,81 @@ def import_snapshot(snapshot: Any = None, output: Any = None, **kwargs: Any) -> 
 def gpus() -> List[Gpu]:
     """The GPU presets ``gpu=`` accepts, with their capacities, contexts and sources."""
     return [Gpu(g) for g in _json.loads(_native.gpus())]
+
+
+class Recording:
+    """A training step recorded by :func:`record`: the trace's ``meta`` and ``events``, ``summary()``
+    (live requested bytes by phase and category), ``write(path)`` and ``replay(**options)``."""
+
+    def __init__(self, capture: Any):
+        self._capture = capture
+        #: The trace header's metadata (tool, versions, recipe, parameters, capture time).
+        self.meta: Dict[str, Any] = capture.meta
+        #: The events (``alloc``, ``free``, ``phase``), in order.
+        self.events: List[Dict[str, Any]] = capture.events
+
+    def summary(self) -> Dict[str, Any]:
+        """Peak requested bytes, its phase and categories, per-phase peaks, counts (no allocator)."""
+        return self._capture.summary()
+
+    def write(self, path: Any) -> None:
+        """Writes the trace as JSON Lines (gzip-compressed for a name ending in ``.gz``)."""
+        self._capture.write(os.fspath(path))
+
+    def replay(self, **kwargs: Any) -> "ReplayReport":
+        """Replays the recording through the allocator model (``replay``'s options: ``gpu``,
+        ``alloc_conf``, ``capacity``, ...)."""
+        fd, path = tempfile.mkstemp(prefix="vramsim-record-", suffix=".jsonl")
+        os.close(fd)
+        try:
+            self.write(path)
+            return replay(path, **kwargs)
+        finally:
+            os.remove(path)
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        return (
+            f"Recording({len(self.events)} events, peak requested {_size(s['peak_requested_bytes'])} "
+            f"in {s['peak_phase']})"
+        )
+
+
+def record(
+    model_fn: Any,
+    inputs_fn: Any,
+    loss_fn: Any,
+    optimizer_fn: Any,
+    iterations: int = 2,
+    **kwargs: Any,
+) -> Recording:
+    """Records a real PyTorch training step without a GPU (the capture tool,
+    ``traces/python/vramsim_capture.py``, shipped in the package): the model is built on the ``meta``
+    device (``device="cpu"``: fake CPU tensors, for ``amp="fp16"``/``"bf16"`` with CUDA's autocast policy)
+    and every storage's allocation and free is recorded in program order. ``model_fn()`` builds the
+    model, ``inputs_fn()`` one micro-batch, ``loss_fn(model, inputs)`` the loss, ``optimizer_fn(params)``
+    the optimizer; ``accum``, ``device``, ``mimic_cuda``, ``amp``, ``sdpa``, ``recompute_sdpa`` and
+    ``meta`` are the capture's own options. Needs torch. Replay the result with
+    :meth:`Recording.replay`."""
+    try:
+        from ._capture import vramsim_capture
+    except ImportError as e:  # pragma: no cover - the package ships it
+        raise ImportError(f"vramsim.record: the capture tool is missing: {e}") from e
+    if vramsim_capture.torch is None:
+        raise ImportError("vramsim.record needs torch: pip install torch")
+    known = {"accum", "device", "mimic_cuda", "meta", "amp", "sdpa", "recompute_sdpa"}
+    for key in kwargs:
+        if key not in known:
+            raise ConfigError(
+                f"record() got an unknown option {key!r}; valid: {', '.join(sorted(known))}"
+            )
+    try:
+        capture = vramsim_capture.capture(
+            model_fn, inputs_fn, loss_fn, optimizer_fn, iterations, **kwargs
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return Recording(capture)
 
 
 def _document() -> None:
