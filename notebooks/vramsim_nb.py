@@ -1,7 +1,7 @@
 """Helpers the notebooks share: find the `vramsim` binary, run it with `--json`, show tables.
 
 The binary is, in order: $VRAMSIM_BIN; target/release/vramsim; target/debug/vramsim (under
-$CARGO_TARGET_DIR when set); else `cargo run --release -p vramsim-sim --`. Nothing here needs a GPU,
+$CARGO_TARGET_DIR when set); else `cargo run --release -p vramsim-api --`. Nothing here needs a GPU,
 PyTorch or pandas.
 """
 
@@ -33,7 +33,7 @@ def _binary() -> list[str]:
         candidate = target / profile / "vramsim"
         if candidate.exists():
             return [str(candidate)]
-    return ["cargo", "run", "--quiet", "--release", "-p", "vramsim-sim", "--"]
+    return ["cargo", "run", "--quiet", "--release", "-p", "vramsim-api", "--"]
 
 
 BIN = _binary()

@@ -19,7 +19,7 @@ else
     traces=(examples/*.jsonl models/tests/fixtures/capture/*.jsonl.gz)
 fi
 
-cargo build --release -p vramsim-sim -p vramsim-validate
+cargo build --release -p vramsim-api -p vramsim-validate
 validate=target/release/vramsim-validate
 vramsim=target/release/vramsim
 

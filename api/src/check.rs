@@ -33,8 +33,30 @@ pub struct CheckArgs {
     pub simulated_addresses: bool,
 }
 
+/// `vramsim check-snapshot --json`'s document: one device's report, or an array of them.
+pub fn reports_json(reports: &[CheckReport]) -> serde_json::Value {
+    match reports {
+        [one] => one.to_json(),
+        many => serde_json::Value::Array(many.iter().map(CheckReport::to_json).collect()),
+    }
+}
+
 /// Runs `vramsim check-snapshot`.
 pub fn run(args: CheckArgs) -> Result<()> {
+    let reports = check_snapshot(&args)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&reports_json(&reports))?);
+    } else {
+        println!("{}", args.snapshot.display());
+        for r in &reports {
+            print!("{}", r.to_table());
+        }
+    }
+    Ok(())
+}
+
+/// `vramsim check-snapshot` without the printing: one report per device checked.
+pub fn check_snapshot(args: &CheckArgs) -> Result<Vec<CheckReport>> {
     let snapshot = crate::import::load_snapshot(&args.snapshot)?;
     let device = match (&args.gpu, &args.capacity) {
         (Some(gpu), _) => Some(Device::preset(gpu)?),
@@ -69,17 +91,5 @@ pub fn run(args: CheckArgs) -> Result<()> {
         .map(|d| check_device(&snapshot, d, &options))
         .collect::<Result<_, _>>()
         .with_context(|| format!("cannot check {}", args.snapshot.display()))?;
-    if args.json {
-        let json = match reports.as_slice() {
-            [one] => one.to_json(),
-            many => serde_json::Value::Array(many.iter().map(CheckReport::to_json).collect()),
-        };
-        println!("{}", serde_json::to_string_pretty(&json)?);
-    } else {
-        println!("{}", args.snapshot.display());
-        for r in &reports {
-            print!("{}", r.to_table());
-        }
-    }
-    Ok(())
+    Ok(reports)
 }

@@ -7,6 +7,7 @@
 //! curve, the answer holds for its neighbours: the size returned was replayed and fits, and the next one
 //! was replayed and does not.
 
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -204,46 +205,32 @@ pub fn search(
     })
 }
 
-/// Runs `vramsim max-batch`.
-pub fn run(args: MaxBatchArgs) -> Result<()> {
-    let key: &'static str = if args.max_seq { "seq" } else { "batch" };
-    if args.predict.has(key) {
-        bail!(
-            "--{key} is what max-batch searches{}; leave it out",
-            if args.max_seq { " with --max-seq" } else { "" }
-        );
-    }
-    let extra: Vec<Setting> = if args.max_seq && !args.predict.has("batch") {
-        vec![("batch".to_string(), "1".to_string())]
-    } else {
-        Vec::new()
-    };
-    let t0 = Instant::now();
-    let found = search(&args.predict, key, &extra, args.headroom, args.limit)?;
-    let seconds = t0.elapsed().as_secs_f64();
-    let mut curve: Vec<(u64, u64, bool)> = found.tried.clone();
-    if let Some(path) = &args.plot {
-        curve.extend(curve_points(&args.predict, &found, &extra, args.headroom)?);
-        draw_curve(&args, &found, &curve, path)?;
-    }
-    if let Some(path) = &args.timeline {
-        let p = probe(
-            &args.predict,
-            key,
-            found.largest.size,
-            &extra,
-            args.headroom,
-            TIMELINE_POINTS,
-        )?;
-        draw_timeline(&p, key, path)?;
-    }
-    let mut settings = extra.clone();
-    settings.push((key.to_string(), found.largest.size.to_string()));
-    let command = args.predict.command_line(&settings);
-    let best = &found.largest.evaluated;
-    let device = &best.report.device;
-    let headroom_bytes = args.headroom.map_or(0, |h| h.bytes(device.total_memory));
-    if args.json {
+/// The answer of `vramsim max-batch`.
+pub struct MaxBatch {
+    /// `batch` or `seq`: what was searched.
+    pub key: &'static str,
+    /// The search: the largest size that fits, the first that does not, every size tried.
+    pub found: Search,
+    /// The `vramsim predict` command line of the largest size that fits.
+    pub command: String,
+    /// Seconds the search took.
+    pub seconds: f64,
+    /// The headroom a fit had to leave.
+    pub headroom: Option<Headroom>,
+    /// Whether the sequence was searched (`--max-seq`).
+    pub max_seq: bool,
+}
+
+impl MaxBatch {
+    /// `vramsim max-batch --json`'s document.
+    pub fn to_json(&self) -> Value {
+        let key = self.key;
+        let found = &self.found;
+        let command = &self.command;
+        let seconds = self.seconds;
+        let best = &found.largest.evaluated;
+        let device = &best.report.device;
+        let headroom_bytes = self.headroom.map_or(0, |h| h.bytes(device.total_memory));
         let mut doc = serde_json::Map::new();
         doc.insert(format!("max_{key}"), json!(found.largest.size));
         doc.insert("searched".into(), json!(key));
@@ -294,39 +281,52 @@ pub fn run(args: MaxBatchArgs) -> Result<()> {
         doc.insert("limit_reached".into(), json!(found.first_failure.is_none()));
         doc.insert("search_limit".into(), json!(found.limit));
         doc.insert(
-            "tried".into(),
-            found
-                .tried
-                .iter()
-                .map(|&(size, used, fits)| json!({key: size, "fits": fits, "peak_device_used_bytes": used}))
-                .collect(),
-        );
+        "tried".into(),
+        found
+            .tried
+            .iter()
+            .map(|&(size, used, fits)| json!({key: size, "fits": fits, "peak_device_used_bytes": used}))
+            .collect(),
+    );
         doc.insert("command".into(), json!(command));
         doc.insert("seconds".into(), json!(seconds));
-        println!("{}", serde_json::to_string_pretty(&Value::Object(doc))?);
-        return Ok(());
+        Value::Object(doc)
     }
-    let what = if args.max_seq { "sequence" } else { "batch" };
-    println!(
-        "model       {}, {}",
-        best.prediction.arch.name(),
-        recipe_text(best, key)
-    );
-    println!(
-        "device      {}, {} total{}",
-        device.name,
-        format_size(device.total_memory),
-        match args.headroom {
-            Some(_) => format!(
-                ", {} kept free (fits below {})",
-                format_size(headroom_bytes),
-                format_size(device.total_memory - headroom_bytes)
-            ),
-            None => String::new(),
-        }
-    );
-    println!();
-    println!(
+
+    /// `vramsim max-batch`'s text.
+    pub fn to_text(&self) -> String {
+        let mut out = String::new();
+        let key = self.key;
+        let found = &self.found;
+        let command = &self.command;
+        let seconds = self.seconds;
+        let best = &found.largest.evaluated;
+        let device = &best.report.device;
+        let headroom_bytes = self.headroom.map_or(0, |h| h.bytes(device.total_memory));
+        let what = if self.max_seq { "sequence" } else { "batch" };
+        let _ = writeln!(
+            out,
+            "model       {}, {}",
+            best.prediction.arch.name(),
+            recipe_text(best, key)
+        );
+        let _ = writeln!(
+            out,
+            "device      {}, {} total{}",
+            device.name,
+            format_size(device.total_memory),
+            match self.headroom {
+                Some(_) => format!(
+                    ", {} kept free (fits below {})",
+                    format_size(headroom_bytes),
+                    format_size(device.total_memory - headroom_bytes)
+                ),
+                None => String::new(),
+            }
+        );
+        let _ = writeln!(out);
+        let _ = writeln!(
+            out,
         "{:<31}{:>7}   peak device used {} (allocated {}, reserved {}), estimated step {:.1} ms",
         format!("largest {what} that fits"),
         found.largest.size,
@@ -335,38 +335,101 @@ pub fn run(args: MaxBatchArgs) -> Result<()> {
         format_size(best.report.peak_reserved()),
         best.step.step_ms
     );
-    match &found.first_failure {
-        Some(f) => println!(
-            "{:<31}{:>7}   {}",
-            format!("first {what} that does not fit"),
-            f.size,
-            f.reason.as_deref().unwrap_or("")
-        ),
-        None if args.max_seq && Some(found.limit) == best.prediction.arch.max_positions() => {
-            println!(
-                "every sequence up to the model's {} positions fits",
+        let _ = match &found.first_failure {
+            Some(f) => writeln!(
+                out,
+                "{:<31}{:>7}   {}",
+                format!("first {what} that does not fit"),
+                f.size,
+                f.reason.as_deref().unwrap_or("")
+            ),
+            None if self.max_seq && Some(found.limit) == best.prediction.arch.max_positions() => {
+                writeln!(
+                    out,
+                    "every sequence up to the model's {} positions fits",
+                    found.limit
+                )
+            }
+            None => writeln!(
+                out,
+                "every {what} up to the search limit {} fits (raise --limit to look further)",
                 found.limit
-            )
-        }
-        None => println!(
-            "every {what} up to the search limit {} fits (raise --limit to look further)",
-            found.limit
-        ),
+            ),
+        };
+        let mut sizes: Vec<String> = found
+            .tried
+            .iter()
+            .map(|(s, _, fits)| format!("{s}{}", if *fits { "" } else { "✗" }))
+            .collect();
+        sizes.dedup();
+        let _ = writeln!(out);
+        let _ = writeln!(
+            out,
+            "tried       {} ({} replays, {:.2} s)",
+            sizes.join(" "),
+            found.tried.len(),
+            seconds
+        );
+        let _ = writeln!(out, "command     {command}");
+        out
     }
-    let mut sizes: Vec<String> = found
-        .tried
-        .iter()
-        .map(|(s, _, fits)| format!("{s}{}", if *fits { "" } else { "✗" }))
-        .collect();
-    sizes.dedup();
-    println!();
-    println!(
-        "tried       {} ({} replays, {:.2} s)",
-        sizes.join(" "),
-        found.tried.len(),
-        seconds
-    );
-    println!("command     {command}");
+}
+
+/// `vramsim max-batch` without the printing: the search, and `--plot` and `--timeline` drawn when
+/// given.
+pub fn max_batch(args: &MaxBatchArgs) -> Result<MaxBatch> {
+    let key: &'static str = if args.max_seq { "seq" } else { "batch" };
+    if args.predict.has(key) {
+        bail!(
+            "--{key} is what max-batch searches{}; leave it out",
+            if args.max_seq { " with --max-seq" } else { "" }
+        );
+    }
+    let extra: Vec<Setting> = if args.max_seq && !args.predict.has("batch") {
+        vec![("batch".to_string(), "1".to_string())]
+    } else {
+        Vec::new()
+    };
+    let t0 = Instant::now();
+    let found = search(&args.predict, key, &extra, args.headroom, args.limit)?;
+    let seconds = t0.elapsed().as_secs_f64();
+    let mut curve: Vec<(u64, u64, bool)> = found.tried.clone();
+    if let Some(path) = &args.plot {
+        curve.extend(curve_points(&args.predict, &found, &extra, args.headroom)?);
+        draw_curve(args, &found, &curve, path)?;
+    }
+    if let Some(path) = &args.timeline {
+        let p = probe(
+            &args.predict,
+            key,
+            found.largest.size,
+            &extra,
+            args.headroom,
+            TIMELINE_POINTS,
+        )?;
+        draw_timeline(&p, key, path)?;
+    }
+    let mut settings = extra.clone();
+    settings.push((key.to_string(), found.largest.size.to_string()));
+    let command = args.predict.command_line(&settings);
+    Ok(MaxBatch {
+        key,
+        found,
+        command,
+        seconds,
+        headroom: args.headroom,
+        max_seq: args.max_seq,
+    })
+}
+
+/// Runs `vramsim max-batch`.
+pub fn run(args: MaxBatchArgs) -> Result<()> {
+    let answer = max_batch(&args)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&answer.to_json())?);
+        return Ok(());
+    }
+    print!("{}", answer.to_text());
     if let Some(path) = &args.plot {
         println!("plot        {}", path.display());
     }

@@ -1,23 +1,14 @@
 //! The `vramsim` command line: replay traces and snapshots against simulated allocators, import and check
 //! PyTorch snapshots, predict a model's training step, sweep what-ifs over it (the largest batch, the
 //! recipes that reach a global batch), list GPUs, benchmark, and hand validation on real GPUs to
-//! `vramsim-validate`.
+//! `vramsim-validate`. A thin shell: each command's options and work are in the `vramsim_api` library.
 
 mod bench;
-mod check;
-mod import;
-mod machine;
-mod maxbatch;
-mod predict;
-mod recommend;
-mod replay;
-mod steptime;
-mod sweep;
-mod whatif;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use vramsim_api::{check, import, machine, maxbatch, predict, recommend, replay, steptime, whatif};
 
 /// vramsim: will it fit, what is the peak, where does the memory go? A discrete-event simulator of GPU
 /// memory with a faithful model of PyTorch's CUDA caching allocator.

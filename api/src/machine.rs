@@ -282,3 +282,28 @@ pub fn list_gpus(sources: bool) -> Result<()> {
     }
     Ok(())
 }
+
+/// The GPU presets as JSON, as `vramsim gpus` lists them: name, device, total memory, whether it is the
+/// default, its source, and the CUDA context per CUDA major version with its source.
+pub fn gpus_json() -> serde_json::Value {
+    PRESETS
+        .iter()
+        .map(|preset| {
+            serde_json::json!({
+                "name": preset.name,
+                "device": preset.device_name,
+                "total_memory_bytes": preset.total_memory,
+                "compute_capability": [preset.compute_capability.0, preset.compute_capability.1],
+                "default": preset.name == DEFAULT_GPU,
+                "source": preset.source,
+                "context": vramsim_sim::device::CUDA_VERSIONS
+                    .iter()
+                    .map(|&cuda| {
+                        let c = preset.context(cuda);
+                        serde_json::json!({"cuda": cuda, "bytes": c.bytes, "source": c.source, "default": cuda == DEFAULT_CUDA})
+                    })
+                    .collect::<Vec<_>>(),
+            })
+        })
+        .collect()
+}

@@ -134,7 +134,12 @@ impl Grid {
         Ok(grid)
     }
 
-    /// Number of configurations.
+    /// Whether the grid has no configuration (an axis without values).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Configurations in the grid.
     pub fn len(&self) -> u128 {
         self.axes
             .iter()
@@ -222,21 +227,43 @@ pub struct Row {
     pub result: Result<Evaluated, String>,
 }
 
-/// Runs `vramsim whatif`.
-pub fn run(args: WhatifArgs) -> Result<()> {
-    if args.gpu_figures {
-        print!("{}", crate::steptime::perf_table());
-        println!("\n(dense TFLOP/s; GB/s of memory bandwidth; see `vramsim whatif --help` for the model)");
-        return Ok(());
+/// The result of a what-if sweep: the grid and its rows, sorted as [`sort_rows`] sorts them.
+pub struct Whatif {
+    /// The grid of varied options.
+    pub grid: Grid,
+    /// One row per configuration.
+    pub rows: Vec<Row>,
+}
+
+impl Whatif {
+    /// `vramsim whatif --json`'s document (its rows have `predict --json`'s fields only when the
+    /// sweep was asked for them: `--json`, or [`Wants::json`]).
+    pub fn to_json(&self) -> Value {
+        Value::Array(self.rows.iter().map(row_json).collect())
     }
+
+    /// `vramsim whatif --csv`'s document.
+    pub fn to_csv(&self) -> String {
+        to_csv(&self.rows, &self.grid)
+    }
+}
+
+/// `vramsim whatif` without the printing: evaluates the grid (with `predict --json`'s document for
+/// every configuration when `json` is set) and draws `--plot` when given. `progress` makes the
+/// progress reporter for a number of configurations ([`Progress::new`], or [`Progress::hidden`]).
+pub fn whatif(
+    args: &WhatifArgs,
+    json: bool,
+    progress: impl FnOnce(u64) -> Progress,
+) -> Result<Whatif> {
     let grid = Grid::parse(&args.vary, &args.predict)?;
     let points = grid.points();
     let configs: Vec<Vec<String>> = points.iter().map(|p| args.predict.args(p)).collect();
-    let progress = Progress::new(configs.len() as u64, "whatif");
     let wants = Wants {
-        json: args.json,
+        json,
         timeline_points: 0,
     };
+    let progress = progress(configs.len() as u64);
     let results = sweep::evaluate(&configs, wants, &progress);
     progress.finish();
     let mut rows: Vec<Row> = points
@@ -252,13 +279,23 @@ pub fn run(args: WhatifArgs) -> Result<()> {
     if let Some(path) = &args.plot {
         draw(&rows, &args.predict, path)?;
     }
+    Ok(Whatif { grid, rows })
+}
+
+/// Runs `vramsim whatif`.
+pub fn run(args: WhatifArgs) -> Result<()> {
+    if args.gpu_figures {
+        print!("{}", crate::steptime::perf_table());
+        println!("\n(dense TFLOP/s; GB/s of memory bandwidth; see `vramsim whatif --help` for the model)");
+        return Ok(());
+    }
+    let result = whatif(&args, args.json, |n| Progress::new(n, "whatif"))?;
     if args.json {
-        let list: Vec<Value> = rows.iter().map(row_json).collect();
-        println!("{}", serde_json::to_string_pretty(&list)?);
+        println!("{}", serde_json::to_string_pretty(&result.to_json())?);
     } else if args.csv {
-        print!("{}", to_csv(&rows, &grid));
+        print!("{}", result.to_csv());
     } else {
-        print!("{}", to_table(&rows, &grid, &args.predict));
+        print!("{}", to_table(&result.rows, &result.grid, &args.predict));
         if let Some(path) = &args.plot {
             println!("plot     {}", path.display());
         }

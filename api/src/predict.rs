@@ -295,9 +295,32 @@ pub struct Prediction {
     pub attention: Option<KernelChoice>,
 }
 
-/// Runs `vramsim predict`.
-pub fn run(args: PredictArgs) -> Result<()> {
-    let lowered = lower_step(&args)?;
+/// A finished `predict`: the lowered step, the replay's report and what `predict` adds to it.
+pub struct Predicted {
+    /// The lowered step.
+    pub lowered: Lowered,
+    /// The replay's report.
+    pub report: Report,
+    /// The prediction (breakdown at the peak, recipe, warnings, ...).
+    pub prediction: Prediction,
+}
+
+impl Predicted {
+    /// `vramsim predict --json`'s document.
+    pub fn to_json(&self) -> Value {
+        to_json(&self.report, &self.prediction, &self.lowered.trace)
+    }
+
+    /// `vramsim predict`'s table.
+    pub fn to_table(&self) -> String {
+        to_table(&self.report, &self.prediction)
+    }
+}
+
+/// `vramsim predict` without the printing: lowers and replays the step, writes `--trace-out` and
+/// draws `--plot` when given.
+pub fn predict(args: &PredictArgs) -> Result<Predicted> {
+    let lowered = lower_step(args)?;
     if let Some(path) = &args.trace_out {
         vramsim_traces::write_trace(path, &lowered.trace)
             .map_err(|e| anyhow::anyhow!("cannot write the trace: {e}"))?;
@@ -307,16 +330,23 @@ pub fn run(args: PredictArgs) -> Result<()> {
     if let Some(path) = &args.plot {
         draw(&report, &prediction, path)?;
     }
-    for w in &prediction.warnings {
+    Ok(Predicted {
+        lowered,
+        report,
+        prediction,
+    })
+}
+
+/// Runs `vramsim predict`.
+pub fn run(args: PredictArgs) -> Result<()> {
+    let predicted = predict(&args)?;
+    for w in &predicted.prediction.warnings {
         eprintln!("warning: {w}");
     }
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&to_json(&report, &prediction, &lowered.trace))?
-        );
+        println!("{}", serde_json::to_string_pretty(&predicted.to_json())?);
     } else {
-        print!("{}", to_table(&report, &prediction));
+        print!("{}", predicted.to_table());
         if let Some(path) = &args.plot {
             println!("plot       {}", path.display());
         }

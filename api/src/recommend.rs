@@ -60,8 +60,70 @@ struct Miss {
     device_used: u64,
 }
 
+/// The answer of `vramsim recommend`: the recipes that reach the global batch, fastest first.
+pub struct Recommendation {
+    /// The global batch.
+    pub global_batch: u64,
+    /// Every recipe that fits, fastest first.
+    pub recipes: Vec<Recipe>,
+    /// The fixed options, less those a recipe sets.
+    pub base: FixedOptions,
+    /// Combinations of precision and checkpointing tried.
+    pub tried: usize,
+    /// Recipes listed at most (`--top`).
+    pub top: usize,
+}
+
+impl Recommendation {
+    /// The recipes listed (the first `top`).
+    pub fn shown(&self) -> &[Recipe] {
+        &self.recipes[..self.recipes.len().min(self.top.max(1))]
+    }
+
+    /// `vramsim recommend --json`'s document.
+    pub fn to_json(&self) -> Value {
+        let list: Vec<Value> = self
+            .shown()
+            .iter()
+            .enumerate()
+            .map(|(i, r)| recipe_json(i + 1, r, &self.base))
+            .collect();
+        let device = &self.recipes[0].evaluated.report.device;
+        json!({
+            "global_batch": self.global_batch,
+            "model": self.recipes[0].evaluated.prediction.arch.name(),
+            "device": {"name": device.name, "total_memory_bytes": device.total_memory},
+            "recipes_that_fit": self.recipes.len(),
+            "recipes_tried": self.tried,
+            "recipes": list,
+        })
+    }
+
+    /// `vramsim recommend`'s table.
+    pub fn to_table(&self) -> String {
+        to_table(
+            &self.recipes,
+            self.shown(),
+            &self.base,
+            self.global_batch,
+            self.tried,
+        )
+    }
+}
+
 /// Runs `vramsim recommend`.
 pub fn run(args: RecommendArgs) -> Result<()> {
+    let answer = recommend(&args)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&answer.to_json())?);
+    } else {
+        print!("{}", answer.to_table());
+    }
+    Ok(())
+}
+
+/// `vramsim recommend` without the printing.
+pub fn recommend(args: &RecommendArgs) -> Result<Recommendation> {
     let n = args.global_batch;
     if n == 0 {
         bail!("--global-batch must be 1 or more");
@@ -164,27 +226,13 @@ pub fn run(args: RecommendArgs) -> Result<()> {
             }
         );
     }
-    let shown = &recipes[..recipes.len().min(args.top.max(1))];
-    if args.json {
-        let list: Vec<Value> = shown
-            .iter()
-            .enumerate()
-            .map(|(i, r)| recipe_json(i + 1, r, &base))
-            .collect();
-        let device = &recipes[0].evaluated.report.device;
-        let doc = json!({
-            "global_batch": n,
-            "model": recipes[0].evaluated.prediction.arch.name(),
-            "device": {"name": device.name, "total_memory_bytes": device.total_memory},
-            "recipes_that_fit": recipes.len(),
-            "recipes_tried": combos.len(),
-            "recipes": list,
-        });
-        println!("{}", serde_json::to_string_pretty(&doc)?);
-    } else {
-        print!("{}", to_table(&recipes, shown, &base, n, combos.len()));
-    }
-    Ok(())
+    Ok(Recommendation {
+        global_batch: n,
+        recipes,
+        base,
+        tried: combos.len(),
+        top: args.top,
+    })
 }
 
 fn candidate(precision: &str, checkpoint: &str, batch: u64, n: u64) -> Vec<Setting> {

@@ -112,7 +112,7 @@ impl OptionSet {
 }
 
 /// clap's error without the `error: ` prefix, the usage and the `--help` tip, on one line.
-fn clap_message(error: &clap::Error) -> String {
+pub fn clap_message(error: &clap::Error) -> String {
     let text = error.render().to_string();
     text.lines()
         .map(str::trim)

@@ -50,7 +50,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         return print_streaming_rss(path);
     }
     if args.sweep {
-        return crate::whatif::print_bench(args.json);
+        return vramsim_api::whatif::print_bench(args.json);
     }
     if let Some(path) = &args.snapshot {
         return bench_import(path, args.json);
@@ -301,7 +301,7 @@ fn bench_import(path: &Path, json: bool) -> Result<()> {
     let mut entries = 0;
     for _ in 0..5 {
         let start = Instant::now();
-        let snapshot = crate::import::load_snapshot(path)?;
+        let snapshot = vramsim_api::import::load_snapshot(path)?;
         let loaded = start.elapsed().as_secs_f64();
         let options = ImportOptions::from_snapshot(&snapshot);
         for device in snapshot.devices_with_data() {

@@ -21,7 +21,7 @@ use vramsim_sim::timeline::Timeline;
 const MIB: u64 = 1 << 20;
 
 fn fixture_path() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/calibration/synthetic-h100.json")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../sim/tests/data/calibration/synthetic-h100.json")
 }
 
 fn fixture_value() -> Value {

@@ -41,8 +41,65 @@ pub struct ReplayArgs {
     pub snapshot_out: Option<PathBuf>,
 }
 
+/// A finished `vramsim replay`.
+pub struct Replayed {
+    /// The replay's report.
+    pub report: Report,
+    /// For a snapshot input: how the replay compares with the recorded history (lines, JSON).
+    pub verdict: Option<(Vec<String>, serde_json::Value)>,
+    /// Whether `torch.cuda.memory_summary()` of the final state is part of the output.
+    pub summary: bool,
+}
+
+impl Replayed {
+    /// `vramsim replay --json`'s document.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut json = self.report.to_json();
+        if let Some((_, v)) = &self.verdict {
+            json["snapshot"] = v.clone();
+        }
+        if self.summary {
+            json["memory_summary"] = memory_summary(&self.report.outcome.stats, 0, false).into();
+        }
+        json
+    }
+
+    /// `vramsim replay`'s table (and the snapshot verdict, and the memory summary when asked for).
+    pub fn to_table(&self) -> String {
+        let mut out = self.report.to_table();
+        for line in self.verdict.iter().flat_map(|(lines, _)| lines) {
+            out.push_str(line);
+            out.push('\n');
+        }
+        if self.summary {
+            out.push('\n');
+            out.push_str(&memory_summary(&self.report.outcome.stats, 0, false));
+        }
+        out
+    }
+}
+
 /// Runs `vramsim replay`.
-pub fn run(mut args: ReplayArgs) -> Result<()> {
+pub fn run(args: ReplayArgs) -> Result<()> {
+    let (plot, snapshot_out, json) = (args.plot.clone(), args.snapshot_out.clone(), args.json);
+    let replayed = replay(args)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&replayed.to_json())?);
+    } else {
+        print!("{}", replayed.to_table());
+        if let Some(path) = &plot {
+            println!("plot       {}", path.display());
+        }
+        if let Some(path) = &snapshot_out {
+            println!("snapshot   {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// `vramsim replay` without the printing: replays, writes `--snapshot-out` and draws `--plot` when
+/// given.
+pub fn replay(mut args: ReplayArgs) -> Result<Replayed> {
     // a PyTorch snapshot replays from its recorded state, with its own settings and capacity by default
     let (events, recorded) = crate::import::open_input(&args.trace, &args.snapshot)?;
     let given = args.machine.clone();
@@ -80,32 +137,11 @@ pub fn run(mut args: ReplayArgs) -> Result<()> {
         draw(&report, path)?;
     }
     let verdict = recorded.map(|s| s.verdict(&given, &report.outcome));
-    if args.json {
-        let mut json = report.to_json();
-        if let Some((_, v)) = &verdict {
-            json["snapshot"] = v.clone();
-        }
-        if args.summary {
-            json["memory_summary"] = memory_summary(&report.outcome.stats, 0, false).into();
-        }
-        println!("{}", serde_json::to_string_pretty(&json)?);
-    } else {
-        print!("{}", report.to_table());
-        for line in verdict.iter().flat_map(|(lines, _)| lines) {
-            println!("{line}");
-        }
-        if args.summary {
-            println!();
-            print!("{}", memory_summary(&report.outcome.stats, 0, false));
-        }
-        if let Some(path) = &args.plot {
-            println!("plot       {}", path.display());
-        }
-        if let Some(path) = &args.snapshot_out {
-            println!("snapshot   {}", path.display());
-        }
-    }
-    Ok(())
+    Ok(Replayed {
+        report,
+        verdict,
+        summary: args.summary,
+    })
 }
 
 fn draw(report: &Report, path: &std::path::Path) -> Result<()> {

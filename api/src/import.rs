@@ -48,12 +48,25 @@ pub struct SnapshotArgs {
 
 /// Reads a snapshot file, saying plainly when the file is not one.
 pub fn load_snapshot(path: &Path) -> Result<Snapshot> {
-    load_snapshot_file(path).map_err(|e| {
-        anyhow!(
-            "{e}\n(expected a PyTorch memory snapshot: the pickle `torch.cuda.memory._dump_snapshot()` writes)"
-        )
-    })
+    load_snapshot_file(path).map_err(|e| anyhow::Error::new(NotASnapshot(e)))
 }
+
+/// A file that cannot be read as a snapshot: the reader's error and what was expected, in one message
+/// (no source, so that `{:#}` says it once); typed so that callers can tell it from a bad option.
+#[derive(Debug)]
+pub struct NotASnapshot(pub vramsim_traces::snapshot::SnapshotError);
+
+impl std::fmt::Display for NotASnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}\n(expected a PyTorch memory snapshot: the pickle `torch.cuda.memory._dump_snapshot()` writes)",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for NotASnapshot {}
 
 /// Whether `path` holds a snapshot rather than a trace.
 fn is_snapshot(path: &Path) -> Result<bool> {
@@ -94,8 +107,66 @@ fn import(snapshot: &Snapshot, device: u32) -> Result<(DeviceImport, SnapshotSet
     Ok((import, settings))
 }
 
-/// `vramsim import`.
-pub fn run(args: ImportArgs) -> Result<()> {
+/// One device of a snapshot, imported and written as a trace.
+pub struct Imported {
+    /// The CUDA device index.
+    pub device: u32,
+    /// Events of the trace written.
+    pub events: usize,
+    /// Entries of the recorded history.
+    pub entries: usize,
+    /// Segments the allocator held when recording began.
+    pub initial_segments: usize,
+    /// Runs of segment frees read as `empty_cache` calls.
+    pub empty_cache: usize,
+    /// Frees deferred by `record_stream`, written as synthetic streams.
+    pub deferred_frees: u64,
+    /// Out-of-memory errors recorded.
+    pub ooms: usize,
+    /// Where the trace was written.
+    pub path: PathBuf,
+    /// What the import inferred, in words.
+    pub notes: Vec<String>,
+}
+
+impl Imported {
+    /// The line `vramsim import` prints for the device (and its notes).
+    pub fn to_text(&self) -> String {
+        let mut s = format!(
+            "device {}: {} events from {} recorded entries ({} segments at the start, {} read as empty_cache, {} deferred frees, {} ooms) -> {}\n",
+            self.device,
+            self.events,
+            self.entries,
+            self.initial_segments,
+            self.empty_cache,
+            self.deferred_frees,
+            self.ooms,
+            self.path.display()
+        );
+        for note in &self.notes {
+            s.push_str(&format!("  note: {note}\n"));
+        }
+        s
+    }
+
+    /// The same as JSON.
+    pub fn to_json(&self) -> Value {
+        json!({
+            "device": self.device,
+            "events": self.events,
+            "recorded_entries": self.entries,
+            "initial_segments": self.initial_segments,
+            "empty_cache": self.empty_cache,
+            "deferred_frees": self.deferred_frees,
+            "ooms": self.ooms,
+            "path": self.path.display().to_string(),
+            "notes": self.notes,
+        })
+    }
+}
+
+/// `vramsim import` without the printing: each device imported and its trace written.
+pub fn import_snapshot(args: &ImportArgs) -> Result<Vec<Imported>> {
     let snapshot = load_snapshot(&args.snapshot)?;
     let targets = match args.device {
         Some(d) => vec![d],
@@ -109,6 +180,7 @@ pub fn run(args: ImportArgs) -> Result<()> {
         }
     };
     let several = targets.len() > 1;
+    let mut done = Vec::new();
     for device in targets {
         let (import, _) = import(&snapshot, device)?;
         let path = if several {
@@ -119,19 +191,29 @@ pub fn run(args: ImportArgs) -> Result<()> {
         vramsim_traces::write_trace(&path, &import.trace)
             .with_context(|| format!("cannot write {}", path.display()))?;
         let r = &import.recorded;
-        println!(
-            "device {device}: {} events from {} recorded entries ({} segments at the start, {} read as empty_cache, {} deferred frees, {} ooms) -> {}",
-            import.trace.events.len(),
-            r.entries,
-            r.initial.segments,
-            r.releases.iter().filter(|x| x.cause == ReleaseCause::EmptyCache).count(),
-            r.deferred_frees,
-            r.ooms.len(),
-            path.display()
-        );
-        for note in &r.notes {
-            println!("  note: {note}");
-        }
+        done.push(Imported {
+            device,
+            events: import.trace.events.len(),
+            entries: r.entries,
+            initial_segments: r.initial.segments,
+            empty_cache: r
+                .releases
+                .iter()
+                .filter(|x| x.cause == ReleaseCause::EmptyCache)
+                .count(),
+            deferred_frees: r.deferred_frees,
+            ooms: r.ooms.len(),
+            path,
+            notes: r.notes.clone(),
+        });
+    }
+    Ok(done)
+}
+
+/// `vramsim import`.
+pub fn run(args: ImportArgs) -> Result<()> {
+    for imported in import_snapshot(&args)? {
+        print!("{}", imported.to_text());
     }
     Ok(())
 }

@@ -1,0 +1,1 @@
+../../../traces/python/cuda_autocast.py

@@ -1,0 +1,1 @@
+../../../traces/python/vramsim_capture.py
