@@ -34,7 +34,7 @@
 //!   `global_pool` (`SelectAdaptivePool2d('avg', flatten=True)`: `adaptive_avg_pool2d` + `flatten`),
 //!   `fc`. `zero_init_last` only initialises the last BN to zero: no memory effect.
 
-use super::resnet::{classifier_loss, Block};
+use super::resnet::{classifier_loss, features, ActNames, Block};
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, T};
 
@@ -696,25 +696,7 @@ fn convnext_block(b: &mut GraphBuilder, dim: u64, conv_mlp: bool, shortcut: T) -
 
 /// `ResNet.forward` (timm's module names).
 fn resnet_forward(b: &mut GraphBuilder, c: &ResNetConfig, images: T, classes: u64) -> T {
-    let x = b.conv2d("conv1", images, 64, 7, 2, 3, false);
-    let x = b.batch_norm2d("bn1", x);
-    let x = b.module("act1", |b| b.relu_(x));
-    let mut x = b.module("maxpool", |b| b.max_pool2d(x, [3, 3], [2, 2], [1, 1]));
-    let mut inplanes = 64;
-    for (i, &blocks) in c.layers.iter().enumerate() {
-        let planes = 64 << i;
-        let stride = if i == 0 { 1 } else { 2 };
-        for j in 0..blocks {
-            let s = if j == 0 { stride } else { 1 };
-            let name = format!("layer{}.{j}", i + 1);
-            let input = x;
-            x = b.region(RegionKind::Block, &name, |b| {
-                b.hold(input);
-                resnet_block(b, c.block, input, inplanes, planes, s)
-            });
-            inplanes = planes * c.block.expansion();
-        }
-    }
+    let x = features(b, c.block, c.layers, images, ActNames::Numbered);
     // forward() keeps the features (its `x`) alive until forward_head returns.
     b.push_module("");
     b.hold(x);
@@ -727,49 +709,6 @@ fn resnet_forward(b: &mut GraphBuilder, c: &ResNetConfig, images: T, classes: u6
     let logits = b.linear("fc", x, classes, true);
     b.pop_module("");
     logits
-}
-
-/// timm's `BasicBlock.forward` / `Bottleneck.forward` (no drop_block, aa, se or drop_path).
-fn resnet_block(
-    b: &mut GraphBuilder,
-    kind: Block,
-    x: T,
-    inplanes: u64,
-    planes: u64,
-    stride: u64,
-) -> T {
-    let out_ch = planes * kind.expansion();
-    let out = match kind {
-        Block::Basic => {
-            let o = b.conv2d("conv1", x, planes, 3, stride, 1, false);
-            let o = b.batch_norm2d("bn1", o);
-            let o = b.module("act1", |b| b.relu_(o));
-            let o = b.conv2d("conv2", o, planes, 3, 1, 1, false);
-            b.batch_norm2d("bn2", o)
-        }
-        Block::Bottleneck => {
-            let o = b.conv2d("conv1", x, planes, 1, 1, 0, false);
-            let o = b.batch_norm2d("bn1", o);
-            let o = b.module("act1", |b| b.relu_(o));
-            let o = b.conv2d("conv2", o, planes, 3, stride, 1, false);
-            let o = b.batch_norm2d("bn2", o);
-            let o = b.module("act2", |b| b.relu_(o));
-            let o = b.conv2d("conv3", o, out_ch, 1, 1, 0, false);
-            b.batch_norm2d("bn3", o)
-        }
-    };
-    let shortcut = if stride != 1 || inplanes != out_ch {
-        // downsample_conv: Conv2d(1x1, stride) + BatchNorm2d.
-        b.module("downsample", |b| {
-            let d = b.conv2d("0", x, out_ch, 1, stride, 0, false);
-            b.batch_norm2d("1", d)
-        })
-    } else {
-        x
-    };
-    let out = b.add_(out, shortcut);
-    let act = if kind == Block::Basic { "act2" } else { "act3" };
-    b.module(act, |b| b.relu_(out))
 }
 
 // ------------------------------------------------------------------------------------ EfficientNet
