@@ -2,6 +2,8 @@
 //! PyTorch's and transformers' rules (which tensors autograd saves, what `logits.float()` copies,
 //! torchvision's parameter formulas), never read off vramsim's output.
 
+mod common;
+
 use std::collections::HashMap;
 use vramsim_models::*;
 use vramsim_traces::{AllocId, Category, Event, Trace};
@@ -9,26 +11,7 @@ use vramsim_traces::{AllocId, Category, Event, Trace};
 /// Live bytes by category just before the first event of phase `phase` in iteration `it`
 /// (micro-batch 0).
 fn live_at_phase(t: &Trace, phase: &str, it: u64) -> HashMap<Category, u64> {
-    let at = phase_event(t, phase, it);
-    let mut live: HashMap<&AllocId, (u64, Category)> = HashMap::new();
-    for e in &t.events[..at] {
-        match e {
-            Event::Alloc {
-                id, size, category, ..
-            } => {
-                live.insert(id, (*size, *category));
-            }
-            Event::Free { id } => {
-                live.remove(id);
-            }
-            _ => {}
-        }
-    }
-    let mut out = HashMap::new();
-    for (s, c) in live.into_values() {
-        *out.entry(c).or_insert(0) += s;
-    }
-    out
+    common::live_by_category(t, phase_event(t, phase, it))
 }
 
 /// Index of the `phase` marker of iteration `it`, micro-batch 0.
