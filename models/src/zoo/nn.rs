@@ -285,7 +285,7 @@ impl GraphBuilder {
     ) -> (T, Option<T>) {
         let qs = self.shape(q);
         let ks = self.shape(k);
-        let (bsz, h, s, d) = (qs[0], qs[1], qs[2], qs[3]);
+        let (h, s) = (qs[1], qs[2]);
         let hkv = ks[1];
         self.region(RegionKind::AttentionCore, "", |b| match imp {
             AttnImpl::Sdpa(backend) => {
@@ -298,14 +298,8 @@ impl GraphBuilder {
             AttnImpl::Eager => {
                 let (k, v) = if hkv != h {
                     // repeat_kv: x[:, :, None].expand(...).reshape(B, H, S, D) — the reshape copies.
-                    let rep = h / hkv;
-                    let rk = |x: T, b: &mut GraphBuilder| {
-                        let u = b.unsqueeze(x, 2);
-                        let e = b.expand(u, &[bsz, hkv, rep, s, d]);
-                        b.reshape(e, &[bsz as i64, h as i64, s as i64, d as i64])
-                    };
-                    let k2 = rk(k, b);
-                    let v2 = rk(v, b);
+                    let k2 = b.repeat_heads(k, h);
+                    let v2 = b.repeat_heads(v, h);
                     (k2, v2)
                 } else {
                     (k, v)
