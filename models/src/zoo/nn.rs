@@ -92,15 +92,33 @@ impl GraphBuilder {
         padding: u64,
         bias: bool,
     ) -> T {
+        self.conv2d_grouped(name, x, out, kernel, stride, padding, 1, bias)
+    }
+
+    /// [`GraphBuilder::conv2d`] with `groups` (`nn.Conv2d(..., groups=groups)`: weight
+    /// `[out, in / groups, kernel, kernel]`; timm's `create_conv2d(..., depthwise=True)` has
+    /// `groups = in`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv2d_grouped(
+        &mut self,
+        name: &str,
+        x: T,
+        out: u64,
+        kernel: u64,
+        stride: u64,
+        padding: u64,
+        groups: u64,
+        bias: bool,
+    ) -> T {
         let cin = self.shape(x).get(1).copied().unwrap_or(0);
         self.module(name, |b| {
-            let w = b.param("weight", &[out, cin, kernel, kernel]);
+            let w = b.param("weight", &[out, cin / groups, kernel, kernel]);
             let bb = if bias {
                 Some(b.param("bias", &[out]))
             } else {
                 None
             };
-            b.conv2d_op(x, w, bb, [stride; 2], [padding; 2], [1, 1], 1)
+            b.conv2d_op(x, w, bb, [stride; 2], [padding; 2], [1, 1], groups)
         })
     }
 

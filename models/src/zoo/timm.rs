@@ -599,26 +599,6 @@ fn layer_norm_2d(b: &mut GraphBuilder, name: &str, x: T) -> T {
     })
 }
 
-/// `nn.Conv2d` with groups (`create_conv2d(..., depthwise=True)`: `groups = in_channels`).
-#[allow(clippy::too_many_arguments)]
-fn conv2d_groups(
-    b: &mut GraphBuilder,
-    name: &str,
-    x: T,
-    out: u64,
-    kernel: u64,
-    stride: u64,
-    padding: u64,
-    groups: u64,
-) -> T {
-    let cin = b.shape(x)[1];
-    b.module(name, |b| {
-        let w = b.param("weight", &[out, cin / groups, kernel, kernel]);
-        let bias = b.param("bias", &[out]);
-        b.conv2d_op(x, w, Some(bias), [stride; 2], [padding; 2], [1, 1], groups)
-    })
-}
-
 /// `ConvNeXt.forward`.
 fn convnext_forward(b: &mut GraphBuilder, c: &ConvNextConfig, images: T, classes: u64) -> T {
     let x = b.module("stem", |b| {
@@ -667,7 +647,8 @@ fn convnext_forward(b: &mut GraphBuilder, c: &ConvNextConfig, images: T, classes
 fn convnext_block(b: &mut GraphBuilder, dim: u64, conv_mlp: bool, shortcut: T) -> T {
     // The block's own gamma comes first in model.parameters().
     let gamma = b.param("gamma", &[dim]);
-    let x = conv2d_groups(b, "conv_dw", shortcut, dim, 7, 1, 3, dim);
+    // conv_dw: create_conv2d(..., depthwise=True), groups = dim, bias.
+    let x = b.conv2d_grouped("conv_dw", shortcut, dim, 7, 1, 3, dim, true);
     let x = if conv_mlp {
         // LayerNorm2d, then ConvMlp: fc1 (1x1 conv), norm (Identity), act, drop (p = 0), fc2.
         let x = layer_norm_2d(b, "norm", x);
@@ -740,12 +721,8 @@ fn bn_act(b: &mut GraphBuilder, name: &str, x: T, act: bool) -> T {
 
 /// A bias-free `create_conv2d` with timm's symmetric padding `((s - 1) + (k - 1)) // 2`.
 fn eff_conv(b: &mut GraphBuilder, name: &str, x: T, out: u64, k: u64, s: u64, groups: u64) -> T {
-    let cin = b.shape(x)[1];
     let pad = ((s - 1) + (k - 1)) / 2;
-    b.module(name, |b| {
-        let w = b.param("weight", &[out, cin / groups, k, k]);
-        b.conv2d_op(x, w, None, [s; 2], [pad; 2], [1, 1], groups)
-    })
+    b.conv2d_grouped(name, x, out, k, s, pad, groups, false)
 }
 
 /// `SqueezeExcite.forward`: `x * gate(conv_expand(act1(conv_reduce(x.mean((2, 3), keepdim)))))`.
