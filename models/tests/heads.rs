@@ -26,26 +26,6 @@ fn phase_event(t: &Trace, phase: &str, it: u64) -> usize {
         .unwrap() as usize
 }
 
-/// The largest sum of live requested bytes over events `[from, to)`.
-fn peak_between(t: &Trace, from: usize, to: usize) -> u64 {
-    let mut live: HashMap<&AllocId, u64> = HashMap::new();
-    let (mut cur, mut peak) = (0u64, 0u64);
-    for (i, e) in t.events.iter().enumerate().take(to) {
-        match e {
-            Event::Alloc { id, size, .. } => {
-                live.insert(id, *size);
-                cur += size;
-            }
-            Event::Free { id } => cur -= live.remove(id).unwrap(),
-            _ => {}
-        }
-        if i >= from {
-            peak = peak.max(cur);
-        }
-    }
-    peak
-}
-
 fn cat(m: &HashMap<Category, u64>, c: Category) -> i64 {
     m.get(&c).copied().unwrap_or(0) as i64
 }
@@ -197,7 +177,7 @@ fn keep_outputs_holds_the_previous_logits_through_the_next_forward() {
     r.keep_outputs = true;
     let (_, kept) = build("gpt2", &r);
     let fwd_peak = |t: &Trace, it: u64| {
-        peak_between(
+        common::peak_between(
             t,
             phase_event(t, "forward", it),
             phase_event(t, "backward", it),

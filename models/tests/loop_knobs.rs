@@ -55,25 +55,7 @@ fn live_at(t: &Trace, end: usize) -> (u64, HashMap<Category, u64>) {
 /// The highest live requested bytes within events `[start, end)`, over what was live at `start`.
 fn rise(t: &Trace, start: usize, end: usize) -> u64 {
     let (base, _) = live_at(t, start);
-    let mut sizes: HashMap<&AllocId, u64> = HashMap::new();
-    for e in &t.events[..start] {
-        if let Event::Alloc { id, size, .. } = e {
-            sizes.insert(id, *size);
-        }
-    }
-    let (mut cur, mut peak) = (base, base);
-    for e in &t.events[start..end] {
-        match e {
-            Event::Alloc { id, size, .. } => {
-                sizes.insert(id, *size);
-                cur += size;
-                peak = peak.max(cur);
-            }
-            Event::Free { id } => cur -= sizes[id],
-            _ => {}
-        }
-    }
-    peak - base
+    common::peak_between(t, start, end).max(base) - base
 }
 
 /// `(+size | -size)` for each alloc and free within `[start, end)`.

@@ -7,7 +7,7 @@ mod common;
 
 use std::collections::HashMap;
 use vramsim_models::*;
-use vramsim_traces::{AllocId, Event, Trace};
+use vramsim_traces::Trace;
 
 /// `(+size | -size)` for each alloc and free from the first `forward` marker on, and the same for
 /// the `backward` phase of iteration 1 only.
@@ -17,20 +17,7 @@ fn sequences(t: &Trace) -> (Vec<i64>, Vec<i64>) {
 
 /// The highest live requested bytes.
 fn peak(t: &Trace) -> u64 {
-    let mut sizes: HashMap<&AllocId, u64> = HashMap::new();
-    let (mut cur, mut peak) = (0u64, 0u64);
-    for e in &t.events {
-        match e {
-            Event::Alloc { id, size, .. } => {
-                sizes.insert(id, *size);
-                cur += size;
-                peak = peak.max(cur);
-            }
-            Event::Free { id } => cur -= sizes[id],
-            _ => {}
-        }
-    }
-    peak
+    common::peak_between(t, 0, t.events.len())
 }
 
 fn reentrant(model: &str, batch: u64, seq: u64) -> (Recipe, Trace) {

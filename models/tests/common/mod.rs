@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use vramsim_models::{lower, zoo, Recipe};
 use vramsim_traces::{AllocId, Category, Event, Trace};
 
@@ -28,6 +28,27 @@ pub fn segments(t: &Trace) -> Vec<(String, u64)> {
         }
     }
     out
+}
+
+/// The largest sum of live requested bytes over events `[from, to)` (counting what was live
+/// before `from`).
+pub fn peak_between(t: &Trace, from: usize, to: usize) -> u64 {
+    let mut live: HashMap<&AllocId, u64> = HashMap::new();
+    let (mut cur, mut peak) = (0u64, 0u64);
+    for (i, e) in t.events.iter().enumerate().take(to) {
+        match e {
+            Event::Alloc { id, size, .. } => {
+                live.insert(id, *size);
+                cur += size;
+            }
+            Event::Free { id } => cur -= live.remove(id).unwrap(),
+            _ => {}
+        }
+        if i >= from {
+            peak = peak.max(cur);
+        }
+    }
+    peak
 }
 
 /// Requested bytes live just before event `end`, by category.
@@ -87,20 +108,26 @@ pub fn signed_sizes(t: &Trace, phase: &str, nth: Option<u32>) -> (Vec<i64>, Vec<
     (all, inside)
 }
 
-/// Lowers every capture (`*.json`) in `tests/<dir>` with the recipe `recipe_of` reads from it
-/// and asserts the parameter count, the peak of live requested bytes and the peak of every phase
-/// segment equal PyTorch's to the byte (at least `min_files` captures must be there).
-pub fn check_captures(dir: &str, min_files: usize, recipe_of: fn(&serde_json::Value) -> Recipe) {
+/// The `*.json` files in `tests/<dir>` of this crate, sorted.
+pub fn json_files(dir: &str) -> Vec<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests")
         .join(dir);
     let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .flatten()
         .map(|e| e.path())
         .filter(|p| p.extension().is_some_and(|x| x == "json"))
         .collect();
     files.sort();
+    files
+}
+
+/// Lowers every capture (`*.json`) in `tests/<dir>` with the recipe `recipe_of` reads from it
+/// and asserts the parameter count, the peak of live requested bytes and the peak of every phase
+/// segment equal PyTorch's to the byte (at least `min_files` captures must be there).
+pub fn check_captures(dir: &str, min_files: usize, recipe_of: fn(&serde_json::Value) -> Recipe) {
+    let files = json_files(dir);
     assert!(
         files.len() >= min_files,
         "captures missing: {} found",
