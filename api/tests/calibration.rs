@@ -4,7 +4,7 @@
 //! available when these tests were written. A real `vramsim-validate calibrate` output has the same shape.
 
 mod common;
-use common::vramsim;
+use common::{json, vramsim};
 
 use std::path::{Path, PathBuf};
 
@@ -189,15 +189,9 @@ fn replay_json(args: &[&str]) -> Value {
     static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let trace = trace_file(&format!("t{n}.jsonl"), TRACE);
-    let mut all = vec!["replay", trace.to_str().unwrap(), "--json"];
+    let mut all = vec!["replay", trace.to_str().unwrap()];
     all.extend_from_slice(args);
-    let output = vramsim(&all);
-    assert!(
-        output.status.success(),
-        "stderr: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).unwrap()
+    json(&all)
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! for every kind of bad input.
 
 mod common;
-use common::{assert_fails, stderr, stdout, vramsim};
+use common::{assert_fails, json, stderr, stdout, succeeds, vramsim};
 
 use std::path::PathBuf;
 
@@ -16,22 +16,19 @@ fn trace_file(name: &str, text: &str) -> PathBuf {
 }
 
 fn replay_json(path: &std::path::Path, extra: &[&str]) -> serde_json::Value {
-    let mut args = vec!["replay", path.to_str().unwrap(), "--json"];
+    let mut args = vec!["replay", path.to_str().unwrap()];
     args.extend_from_slice(extra);
-    let output = vramsim(&args);
-    assert!(output.status.success(), "stderr: {}", stderr(&output));
-    serde_json::from_str(&stdout(&output)).expect("--json prints JSON")
+    json(&args)
 }
 
 #[test]
 fn the_shipped_example_replays_to_a_table() {
-    let output = vramsim(&[
+    let output = succeeds(&[
         "replay",
         "examples/cs336-medium-train-step.jsonl",
         "--gpu",
         "rtx4090",
     ]);
-    assert!(output.status.success(), "{}", stderr(&output));
     let table = stdout(&output);
     for label in [
         "allocated",
@@ -113,14 +110,13 @@ fn summary_and_plot_are_produced() {
         "{\"op\":\"alloc\",\"id\":1,\"size\":1024}\n{\"op\":\"free\",\"id\":1}\n",
     );
     let plot = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli/small.svg");
-    let output = vramsim(&[
+    let output = succeeds(&[
         "replay",
         path.to_str().unwrap(),
         "--summary",
         "--plot",
         plot.to_str().unwrap(),
     ]);
-    assert!(output.status.success(), "{}", stderr(&output));
     assert!(stdout(&output).contains("PyTorch CUDA memory summary, device ID 0"));
     assert!(std::fs::read_to_string(&plot).unwrap().contains("<svg"));
 }

@@ -3,19 +3,10 @@
 //! wall-clock timings), and a bad option is the same message.
 
 mod common;
-use common::{stderr, stdout, vramsim};
+use common::{json, stderr, vramsim};
 
 use serde_json::Value;
 use vramsim_api::{maxbatch, parse_args, predict, recommend, whatif};
-
-/// The binary's `--json` document for `args`.
-fn cli_json(args: &[&str]) -> Value {
-    let mut all = args.to_vec();
-    all.push("--json");
-    let output = vramsim(&all);
-    assert!(output.status.success(), "{args:?}: {}", stderr(&output));
-    serde_json::from_str(&stdout(&output)).expect("--json prints JSON")
-}
 
 /// `doc` without the wall-clock figures two runs may disagree on.
 fn untimed(mut doc: Value) -> Value {
@@ -59,7 +50,7 @@ fn predict_is_the_command_lines_json() {
     let library = predict::predict(&options).unwrap().to_json();
     let mut cli = vec!["predict"];
     cli.extend(args);
-    assert_eq!(untimed(library), untimed(cli_json(&cli)));
+    assert_eq!(untimed(library), untimed(json(&cli)));
 }
 
 #[test]
@@ -78,14 +69,14 @@ fn sweeps_are_the_command_lines_json() {
         .to_json();
     let mut cli = vec!["whatif"];
     cli.extend(args);
-    assert_eq!(untimed(library), untimed(cli_json(&cli)));
+    assert_eq!(untimed(library), untimed(json(&cli)));
 
     let args = ["--model", "mlp", "--capacity", "1GiB", "--limit", "4096"];
     let options: maxbatch::MaxBatchArgs = parse_args("max-batch", &strings(&args)).unwrap();
     let library = maxbatch::max_batch(&options).unwrap().to_json();
     let mut cli = vec!["max-batch"];
     cli.extend(args);
-    assert_eq!(untimed(library), untimed(cli_json(&cli)));
+    assert_eq!(untimed(library), untimed(json(&cli)));
 
     let args = [
         "--model",
@@ -99,7 +90,7 @@ fn sweeps_are_the_command_lines_json() {
     let library = recommend::recommend(&options).unwrap().to_json();
     let mut cli = vec!["recommend"];
     cli.extend(args);
-    assert_eq!(untimed(library), untimed(cli_json(&cli)));
+    assert_eq!(untimed(library), untimed(json(&cli)));
 }
 
 #[test]

@@ -4,7 +4,7 @@
 //! config.json import, and a clear error (exit status 2, no panic) for every kind of bad input.
 
 mod common;
-use common::{stderr, stdout, vramsim};
+use common::{stderr, stdout, succeeds, vramsim};
 
 /// Asserts that `vramsim predict ARGS` fails cleanly (see `common::assert_fails`).
 fn assert_fails(args: &[&str], fragments: &[&str]) {
@@ -15,17 +15,11 @@ fn assert_fails(args: &[&str], fragments: &[&str]) {
 
 use std::path::PathBuf;
 
+/// `vramsim predict ARGS --json`.
 fn predict_json(args: &[&str]) -> serde_json::Value {
     let mut all = vec!["predict"];
     all.extend_from_slice(args);
-    all.push("--json");
-    let output = vramsim(&all);
-    assert!(
-        output.status.success(),
-        "args {args:?}: stderr {}",
-        stderr(&output)
-    );
-    serde_json::from_str(&stdout(&output)).expect("--json prints JSON")
+    common::json(&all)
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -156,10 +150,9 @@ fn json_has_the_documented_fields() {
 
 #[test]
 fn the_table_says_what_fits_and_where_the_memory_goes() {
-    let output = vramsim(&[
+    let output = succeeds(&[
         "predict", "--model", "resnet50", "--batch", "8", "--gpu", "t4",
     ]);
-    assert!(output.status.success(), "{}", stderr(&output));
     let text = stdout(&output);
     for fragment in [
         "model      resnet50: torchvision 0.29 resnet50",
@@ -273,7 +266,7 @@ fn hf_configs_predict_like_the_zoo() {
     // tinyllama-1.1b__b2s128__bf16-adamw.json
     assert_eq!(ja["peak_requested_bytes"], 11_000_483_968u64);
     // The config's torch_dtype is reported, not obeyed.
-    let output = vramsim(&[
+    let output = succeeds(&[
         "predict",
         "--hf-config",
         "models/tests/hf/Llama-2-7b-hf.json",
@@ -284,7 +277,6 @@ fn hf_configs_predict_like_the_zoo() {
         "--capacity",
         "1TiB",
     ]);
-    assert!(output.status.success(), "{}", stderr(&output));
     assert!(stderr(&output).contains("warning: the config's torch_dtype is float16"));
 }
 
@@ -306,8 +298,7 @@ fn trace_out_replays_to_the_same_peaks_and_plots_draw() {
         "--plot",
         plot.to_str().unwrap(),
     ]);
-    let output = vramsim(&["replay", trace.to_str().unwrap(), "--json"]);
-    assert!(output.status.success(), "{}", stderr(&output));
+    let output = succeeds(&["replay", trace.to_str().unwrap(), "--json"]);
     let r: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
     for key in [
         "peak_allocated_bytes",
@@ -333,8 +324,7 @@ fn inference_and_image_models() {
     assert_eq!(phases, ["setup", "forward"]);
     assert!(j["breakdown"]["by_category"].get("gradient").is_none());
     assert_eq!(j["params"], 86_567_656u64);
-    let output = vramsim(&["predict", "--model", "vgg16", "--batch", "2", "--seq", "77"]);
-    assert!(output.status.success(), "{}", stderr(&output));
+    let output = succeeds(&["predict", "--model", "vgg16", "--batch", "2", "--seq", "77"]);
     assert!(stderr(&output).contains("--seq is ignored"));
 }
 
@@ -438,7 +428,7 @@ fn bad_input_is_a_clear_error() {
         ],
         &["num_experts", "--hf-allow-unknown"],
     );
-    let output = vramsim(&[
+    let output = succeeds(&[
         "predict",
         "--hf-config",
         odd.to_str().unwrap(),
@@ -448,7 +438,6 @@ fn bad_input_is_a_clear_error() {
         "--seq",
         "64",
     ]);
-    assert!(output.status.success(), "{}", stderr(&output));
     assert!(stderr(&output).contains("warning: field \"num_experts\""));
 }
 
@@ -542,7 +531,7 @@ fn training_loop_knobs() {
         &["--optimizer", "adafactor-hf", "--precision", "bf16"],
     ));
     // Sweepable like every predict option.
-    let out = vramsim(&[
+    let out = succeeds(&[
         "whatif",
         "--model",
         "mlp",
@@ -554,7 +543,6 @@ fn training_loop_knobs() {
         "grad-scaler=true,false",
         "--json",
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
     let rows: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
     assert_eq!(rows.as_array().map(Vec::len), Some(4));
 }
@@ -708,7 +696,7 @@ fn heads_losses_and_image_sizes() {
     ]);
     assert_eq!(j["params"], 1_100_048_384u64 - 32000 * 2048 + 2048 * 2);
     // torchvision's resnet50(num_classes=10): 25,557,032 − (2048·1000 + 1000) + (2048·10 + 10).
-    let output = vramsim(&[
+    let output = succeeds(&[
         "predict",
         "--model",
         "resnet50",
@@ -719,11 +707,10 @@ fn heads_losses_and_image_sizes() {
         "--num-classes",
         "10",
     ]);
-    assert!(output.status.success(), "{}", stderr(&output));
     let text = stdout(&output);
     assert!(text.contains("23,528,522 parameters"), "{text}");
     assert!(text.contains("3×160×160 images, 10 classes"), "{text}");
-    let output = vramsim(&[
+    let output = succeeds(&[
         "predict",
         "--model",
         "bert-base",
@@ -735,7 +722,6 @@ fn heads_losses_and_image_sizes() {
         "token-cls:9",
         "--keep-outputs",
     ]);
-    assert!(output.status.success(), "{}", stderr(&output));
     assert!(stdout(&output).contains("head token-cls:9, hf loss, loop keeps outputs"));
 }
 
@@ -902,7 +888,7 @@ fn attention_defaults_to_what_transformers_and_pytorch_pick() {
 #[test]
 fn gpt2_medium_max_batch_is_no_longer_limited_by_eager_attention() {
     let max_batch = |attention: &str| {
-        let output = vramsim(&[
+        let output = succeeds(&[
             "max-batch",
             "--model",
             "gpt2-medium",
@@ -912,7 +898,6 @@ fn gpt2_medium_max_batch_is_no_longer_limited_by_eager_attention() {
             attention,
             "--json",
         ]);
-        assert!(output.status.success(), "{}", stderr(&output));
         let j: serde_json::Value = serde_json::from_str(&stdout(&output)).unwrap();
         j["max_batch"].as_u64().unwrap()
     };
@@ -1013,7 +998,7 @@ fn timm_models_take_image_size_and_num_classes() {
     ]);
     assert_eq!(j["params"], 22_050_664u64 + (384 - 196) * 384);
     // timm resnet50(num_classes=10) on 160×128 images: 25,557,032 − (2048·1000 + 1000) + (2048·10 + 10).
-    let output = vramsim(&[
+    let output = succeeds(&[
         "predict",
         "--model",
         "timm/resnet50",
@@ -1024,7 +1009,6 @@ fn timm_models_take_image_size_and_num_classes() {
         "--num-classes",
         "10",
     ]);
-    assert!(output.status.success(), "{}", stderr(&output));
     let text = stdout(&output);
     assert!(text.contains("23,528,522 parameters"), "{text}");
     assert!(text.contains("3×160×128 images, 10 classes"), "{text}");

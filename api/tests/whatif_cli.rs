@@ -2,21 +2,9 @@
 //! (table, JSON, CSV, bar chart), and a clear error (exit status 2) for every kind of bad grid.
 
 mod common;
-use common::{assert_fails, stderr, stdout, vramsim};
+use common::{assert_fails, json, stdout, succeeds};
 
 use serde_json::Value;
-
-fn json(args: &[&str]) -> Value {
-    let mut all = args.to_vec();
-    all.push("--json");
-    let output = vramsim(&all);
-    assert!(
-        output.status.success(),
-        "{args:?}: stderr {}",
-        stderr(&output)
-    );
-    serde_json::from_str(&stdout(&output)).expect("--json prints JSON")
-}
 
 const FIXED: &[&str] = &["--model", "gpt2", "--seq", "128", "--gpu", "t4"];
 
@@ -125,8 +113,7 @@ fn checkpointing_and_accumulation_cost_what_the_step_model_says() {
 fn table_and_csv() {
     let spec = "alloc-conf=;max_split_size_mb:128,garbage_collection_threshold:0.6";
     let args = whatif(&["--vary", "batch=1,2", "--vary", spec]);
-    let output = vramsim(&refs(&args));
-    assert!(output.status.success(), "{}", stderr(&output));
+    let output = succeeds(&refs(&args));
     let table = stdout(&output);
     for expected in [
         "whatif   4 configurations: batch (2) × alloc-conf (2)",
@@ -145,8 +132,7 @@ fn table_and_csv() {
 
     let mut csv_args = args.clone();
     csv_args.push("--csv".into());
-    let output = vramsim(&refs(&csv_args));
-    assert!(output.status.success(), "{}", stderr(&output));
+    let output = succeeds(&refs(&csv_args));
     let csv = stdout(&output);
     let lines: Vec<&str> = csv.lines().collect();
     assert_eq!(lines.len(), 5, "{csv}");
@@ -171,8 +157,7 @@ fn bar_chart_in_png_and_svg() {
             "--plot",
             path.to_str().unwrap(),
         ]);
-        let output = vramsim(&refs(&args));
-        assert!(output.status.success(), "{}", stderr(&output));
+        succeeds(&refs(&args));
         let bytes = std::fs::read(&path).unwrap();
         if name.ends_with(".png") {
             assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");

@@ -3,21 +3,9 @@
 //! with the capacity; the recipes recommend lists reach the global batch and fit.
 
 mod common;
-use common::{stderr, vramsim};
+use common::{json, stderr, succeeds, vramsim};
 
 use serde_json::Value;
-
-fn json(args: &[&str]) -> Value {
-    let mut all = args.to_vec();
-    all.push("--json");
-    let output = vramsim(&all);
-    assert!(
-        output.status.success(),
-        "{args:?}: stderr {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).expect("--json prints JSON")
-}
 
 /// `predict --json` of `recipe` with `--KEY VALUE` added.
 fn predict(recipe: &[&str], key: &str, value: u64) -> Value {
@@ -262,7 +250,7 @@ fn curve_and_timeline_plots() {
     std::fs::create_dir_all(&dir).unwrap();
     let curve = dir.join("curve.svg");
     let timeline = dir.join("timeline.png");
-    let output = vramsim(&[
+    let output = succeeds(&[
         "max-batch",
         "--model",
         "gpt2",
@@ -279,7 +267,6 @@ fn curve_and_timeline_plots() {
         "--timeline",
         timeline.to_str().unwrap(),
     ]);
-    assert!(output.status.success(), "{}", stderr(&output));
     let text = String::from_utf8_lossy(&output.stdout);
     assert!(text.contains("largest batch that fits"), "{text}");
     assert!(text.contains("vramsim predict --model gpt2"), "{text}");

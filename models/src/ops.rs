@@ -952,6 +952,18 @@ impl GraphBuilder {
         )[0]
     }
 
+    /// `x` `[B, Hkv, S, D]` with each head repeated to `h` heads, `[B, h, S, D]`:
+    /// `x[:, :, None].expand(B, Hkv, h / Hkv, S, D).reshape(B, h, S, D)` (HF's `repeat_kv`; ATen's
+    /// `repeat_interleave` of k and v in SDPA's math path amounts to the same copy). The reshape
+    /// of the expanded view copies.
+    pub fn repeat_heads(&mut self, x: T, h: u64) -> T {
+        let xs = self.shape(x);
+        let (bsz, hkv, s, d) = (xs[0], xs[1], xs[2], xs[3]);
+        let u = self.unsqueeze(x, 2);
+        let e = self.expand(u, &[bsz, hkv, h / hkv, s, d]);
+        self.reshape(e, &[bsz as i64, h as i64, s as i64, d as i64])
+    }
+
     /// `_scaled_dot_product_attention_math` (`aten/src/ATen/native/transformers/attention.cpp`),
     /// the composite every other backend falls back to, as its ATen ops run with autocast
     /// excluded (the autocast wrapper of `scaled_dot_product_attention` casts q, k, v to the
@@ -967,7 +979,7 @@ impl GraphBuilder {
     /// the tuple) live until the function returns.
     fn sdpa_math(&mut self, q: T, k: T, v: T, causal: bool, dropout: f64) -> T {
         let (qs, ks) = (self.shape(q), self.shape(k));
-        let (bsz, h, l, d) = (qs[0], qs[1], qs[2], qs[3]);
+        let (h, l) = (qs[1], qs[2]);
         let (hkv, s) = (ks[1], ks[2]);
         // The autocast wrapper's casts, held until the call returns.
         self.push_module("");
@@ -1004,14 +1016,8 @@ impl GraphBuilder {
                 None
             };
             let (k_e, v_e) = if hkv != h && hkv > 0 {
-                let rep = h / hkv;
-                let ri = |x: T, b: &mut GraphBuilder| {
-                    let u = b.unsqueeze(x, 2);
-                    let e = b.expand(u, &[bsz, hkv, rep, s, d]);
-                    b.reshape(e, &[bsz as i64, h as i64, s as i64, d as i64])
-                };
-                let ke = ri(k_acc, b);
-                let ve = ri(v_acc, b);
+                let ke = b.repeat_heads(k_acc, h);
+                let ve = b.repeat_heads(v_acc, h);
                 (ke, ve)
             } else {
                 (k_acc, v_acc)

@@ -13,8 +13,9 @@
 //! modelled go in `KNOWN_DISAGREEMENTS` (each with its cause, models/tests/fixtures/amp/README.md);
 //! they are printed as KNOWN DISAGREEMENTS and do not fail. A new disagreement fails, and so does a
 //! listed fixture that agrees (remove it from the list).
+mod common;
+
 use std::collections::HashMap;
-use std::path::Path;
 use vramsim_models::{
     lower, zoo, Attention, CheckpointImpl, Checkpointing, Fidelity, OptimizerKind, Precision,
     Recipe,
@@ -123,14 +124,7 @@ fn recipe_of(fx: &serde_json::Value) -> Result<Recipe, String> {
 
 #[test]
 fn amp_peaks_agree_with_pytorch_autocast() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/amp");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .expect("models/tests/fixtures/amp")
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .collect();
-    files.sort();
+    let files = common::json_files("fixtures/amp");
     assert!(
         files.len() >= 30,
         "AMP fixtures missing: {} found",

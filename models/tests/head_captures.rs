@@ -5,32 +5,9 @@
 //! requested bytes and the peak of every phase segment (setup, each forward, backward, optimizer
 //! step and zero_grad of both iterations) must equal PyTorch's to the byte.
 
-use std::collections::HashMap;
-use std::path::Path;
-use vramsim_models::{lower, zoo, Attention, Fidelity, Head, Loss, Recipe};
-use vramsim_traces::{AllocId, Event, Trace};
+mod common;
 
-/// `(phase, peak of live requested bytes)` of each phase segment, as `summarize()` of
-/// traces/python/vramsim_capture.py computes it.
-fn segments(t: &Trace) -> Vec<(String, u64)> {
-    let mut live: HashMap<&AllocId, u64> = HashMap::new();
-    let (mut cur, mut out) = (0u64, Vec::<(String, u64)>::new());
-    for e in &t.events {
-        match e {
-            Event::Phase { name } => out.push((name.to_string(), cur)),
-            Event::Alloc { id, size, .. } => {
-                assert!(live.insert(id, *size).is_none(), "{id} allocated twice");
-                cur += size;
-                if let Some(s) = out.last_mut() {
-                    s.1 = s.1.max(cur);
-                }
-            }
-            Event::Free { id } => cur -= live.remove(id).expect("freed once"),
-            _ => {}
-        }
-    }
-    out
-}
+use vramsim_models::{Attention, Fidelity, Head, Loss, Recipe};
 
 fn recipe_of(fx: &serde_json::Value) -> Recipe {
     let rc = &fx["recipe"];
@@ -56,47 +33,5 @@ fn recipe_of(fx: &serde_json::Value) -> Recipe {
 
 #[test]
 fn heads_losses_and_image_sizes_agree_with_pytorch_captures() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/captures/heads");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .collect();
-    files.sort();
-    assert!(files.len() >= 17, "captures missing: {} found", files.len());
-    let mut failures = Vec::new();
-    for path in files {
-        let fx: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        let file = path.file_name().unwrap().to_string_lossy().to_string();
-        let r = recipe_of(&fx);
-        let g = zoo::build(fx["model"].as_str().unwrap(), &r).unwrap();
-        let t = lower(&g, &r).unwrap();
-        let ours = segments(&t);
-        let theirs: Vec<(String, u64)> = fx["peak_by_phase_segment"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| (s[0].as_str().unwrap().to_string(), s[1].as_u64().unwrap()))
-            .collect();
-        let peak = ours.iter().map(|s| s.1).max().unwrap_or(0);
-        println!(
-            "{file}: params {} peak {peak} (PyTorch {})",
-            g.param_count(),
-            fx["peak_requested_bytes"]
-        );
-        if g.param_count() != fx["params"].as_u64().unwrap() {
-            failures.push(format!("{file}: params {}", g.param_count()));
-        }
-        if peak != fx["peak_requested_bytes"].as_u64().unwrap() {
-            failures.push(format!("{file}: peak {peak}"));
-        }
-        if ours != theirs {
-            failures.push(format!(
-                "{file}: phase segments differ:\n  ours   {ours:?}\n  theirs {theirs:?}"
-            ));
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    common::check_captures("captures/heads", 17, recipe_of);
 }

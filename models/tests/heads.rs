@@ -2,6 +2,8 @@
 //! PyTorch's and transformers' rules (which tensors autograd saves, what `logits.float()` copies,
 //! torchvision's parameter formulas), never read off vramsim's output.
 
+mod common;
+
 use std::collections::HashMap;
 use vramsim_models::*;
 use vramsim_traces::{AllocId, Category, Event, Trace};
@@ -9,26 +11,7 @@ use vramsim_traces::{AllocId, Category, Event, Trace};
 /// Live bytes by category just before the first event of phase `phase` in iteration `it`
 /// (micro-batch 0).
 fn live_at_phase(t: &Trace, phase: &str, it: u64) -> HashMap<Category, u64> {
-    let at = phase_event(t, phase, it);
-    let mut live: HashMap<&AllocId, (u64, Category)> = HashMap::new();
-    for e in &t.events[..at] {
-        match e {
-            Event::Alloc {
-                id, size, category, ..
-            } => {
-                live.insert(id, (*size, *category));
-            }
-            Event::Free { id } => {
-                live.remove(id);
-            }
-            _ => {}
-        }
-    }
-    let mut out = HashMap::new();
-    for (s, c) in live.into_values() {
-        *out.entry(c).or_insert(0) += s;
-    }
-    out
+    common::live_by_category(t, phase_event(t, phase, it))
 }
 
 /// Index of the `phase` marker of iteration `it`, micro-batch 0.
@@ -41,26 +24,6 @@ fn phase_event(t: &Trace, phase: &str, it: u64) -> usize {
         .unwrap_or_else(|| panic!("no {phase} in iteration {it}"))["event"]
         .as_u64()
         .unwrap() as usize
-}
-
-/// The largest sum of live requested bytes over events `[from, to)`.
-fn peak_between(t: &Trace, from: usize, to: usize) -> u64 {
-    let mut live: HashMap<&AllocId, u64> = HashMap::new();
-    let (mut cur, mut peak) = (0u64, 0u64);
-    for (i, e) in t.events.iter().enumerate().take(to) {
-        match e {
-            Event::Alloc { id, size, .. } => {
-                live.insert(id, *size);
-                cur += size;
-            }
-            Event::Free { id } => cur -= live.remove(id).unwrap(),
-            _ => {}
-        }
-        if i >= from {
-            peak = peak.max(cur);
-        }
-    }
-    peak
 }
 
 fn cat(m: &HashMap<Category, u64>, c: Category) -> i64 {
@@ -214,7 +177,7 @@ fn keep_outputs_holds_the_previous_logits_through_the_next_forward() {
     r.keep_outputs = true;
     let (_, kept) = build("gpt2", &r);
     let fwd_peak = |t: &Trace, it: u64| {
-        peak_between(
+        common::peak_between(
             t,
             phase_event(t, "forward", it),
             phase_event(t, "backward", it),

@@ -4,6 +4,8 @@
 //! `nn.Linear`), whose parameters are, in order, `[4096, 1024]`, `[4096]`, `[4096, 4096]`, `[4096]`,
 //! `[4096, 4096]`, `[4096]`, `[1000, 4096]`, `[1000]`.
 
+mod common;
+
 use std::collections::HashMap;
 use vramsim_models::*;
 use vramsim_traces::{AllocId, Category, Event, Trace};
@@ -46,49 +48,14 @@ fn marker(t: &Trace, phase: &str, iteration: u64) -> usize {
 
 /// Requested bytes live just before event `end`, in all and by category.
 fn live_at(t: &Trace, end: usize) -> (u64, HashMap<Category, u64>) {
-    let mut live: HashMap<&AllocId, (u64, Category)> = HashMap::new();
-    for e in &t.events[..end] {
-        match e {
-            Event::Alloc {
-                id, size, category, ..
-            } => {
-                live.insert(id, (*size, *category));
-            }
-            Event::Free { id } => {
-                live.remove(id);
-            }
-            _ => {}
-        }
-    }
-    let mut by = HashMap::new();
-    for (s, c) in live.values() {
-        *by.entry(*c).or_insert(0) += s;
-    }
-    (live.values().map(|v| v.0).sum(), by)
+    let by = common::live_by_category(t, end);
+    (by.values().sum(), by)
 }
 
 /// The highest live requested bytes within events `[start, end)`, over what was live at `start`.
 fn rise(t: &Trace, start: usize, end: usize) -> u64 {
     let (base, _) = live_at(t, start);
-    let mut sizes: HashMap<&AllocId, u64> = HashMap::new();
-    for e in &t.events[..start] {
-        if let Event::Alloc { id, size, .. } = e {
-            sizes.insert(id, *size);
-        }
-    }
-    let (mut cur, mut peak) = (base, base);
-    for e in &t.events[start..end] {
-        match e {
-            Event::Alloc { id, size, .. } => {
-                sizes.insert(id, *size);
-                cur += size;
-                peak = peak.max(cur);
-            }
-            Event::Free { id } => cur -= sizes[id],
-            _ => {}
-        }
-    }
-    peak - base
+    common::peak_between(t, start, end).max(base) - base
 }
 
 /// `(+size | -size)` for each alloc and free within `[start, end)`.
@@ -392,31 +359,7 @@ fn bad_knobs_are_errors_listing_the_choices() {
 /// `(+size | -size)` of every alloc and free from the first `forward` marker on, and the same for
 /// the events of the `optimizer` phases only.
 fn sequences(t: &Trace) -> (Vec<i64>, Vec<i64>) {
-    let mut sizes: HashMap<&AllocId, u64> = HashMap::new();
-    let (mut all, mut opt) = (Vec::new(), Vec::new());
-    let (mut started, mut in_opt) = (false, false);
-    for e in &t.events {
-        let x = match e {
-            Event::Phase { name } => {
-                started |= &**name == "forward";
-                in_opt = &**name == "optimizer";
-                continue;
-            }
-            Event::Alloc { id, size, .. } => {
-                sizes.insert(id, *size);
-                *size as i64
-            }
-            Event::Free { id } => -(sizes[id] as i64),
-            _ => continue,
-        };
-        if started {
-            all.push(x);
-        }
-        if in_opt {
-            opt.push(x);
-        }
-    }
-    (all, opt)
+    common::signed_sizes(t, "optimizer", None)
 }
 
 #[test]

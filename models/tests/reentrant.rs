@@ -3,59 +3,21 @@
 //! (`CheckpointFunction`), and against meta-device captures of PyTorch 2.15 running it
 //! (`traces/python/make_reentrant_captures.py`), event for event.
 
+mod common;
+
 use std::collections::HashMap;
 use vramsim_models::*;
-use vramsim_traces::{AllocId, Event, Trace};
+use vramsim_traces::Trace;
 
 /// `(+size | -size)` for each alloc and free from the first `forward` marker on, and the same for
 /// the `backward` phase of iteration 1 only.
 fn sequences(t: &Trace) -> (Vec<i64>, Vec<i64>) {
-    let mut sizes: HashMap<&AllocId, u64> = HashMap::new();
-    let (mut all, mut bwd) = (Vec::new(), Vec::new());
-    let (mut started, mut backwards, mut in_bwd) = (false, 0, false);
-    for e in &t.events {
-        let x = match e {
-            Event::Phase { name } => {
-                started |= &**name == "forward";
-                in_bwd = &**name == "backward";
-                if in_bwd {
-                    backwards += 1;
-                }
-                continue;
-            }
-            Event::Alloc { id, size, .. } => {
-                sizes.insert(id, *size);
-                *size as i64
-            }
-            Event::Free { id } => -(sizes[id] as i64),
-            _ => continue,
-        };
-        if started {
-            all.push(x);
-        }
-        if in_bwd && backwards == 1 {
-            bwd.push(x);
-        }
-    }
-    (all, bwd)
+    common::signed_sizes(t, "backward", Some(1))
 }
 
 /// The highest live requested bytes.
 fn peak(t: &Trace) -> u64 {
-    let mut sizes: HashMap<&AllocId, u64> = HashMap::new();
-    let (mut cur, mut peak) = (0u64, 0u64);
-    for e in &t.events {
-        match e {
-            Event::Alloc { id, size, .. } => {
-                sizes.insert(id, *size);
-                cur += size;
-                peak = peak.max(cur);
-            }
-            Event::Free { id } => cur -= sizes[id],
-            _ => {}
-        }
-    }
-    peak
+    common::peak_between(t, 0, t.events.len())
 }
 
 fn reentrant(model: &str, batch: u64, seq: u64) -> (Recipe, Trace) {

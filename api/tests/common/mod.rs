@@ -23,6 +23,24 @@ pub fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
+/// Runs the binary and asserts it succeeded (the message shows its standard error).
+pub fn succeeds(args: &[&str]) -> Output {
+    let output = vramsim(args);
+    assert!(
+        output.status.success(),
+        "args {args:?}: stderr {}",
+        stderr(&output)
+    );
+    output
+}
+
+/// The document the binary prints for `args` with `--json` added, asserting it succeeded.
+pub fn json(args: &[&str]) -> serde_json::Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    serde_json::from_str(&stdout(&succeeds(&all))).expect("--json prints JSON")
+}
+
 /// Asserts a clean failure: exit status 2, one `error:` message containing every fragment, no panic.
 pub fn assert_fails(args: &[&str], fragments: &[&str]) {
     let output = vramsim(args);

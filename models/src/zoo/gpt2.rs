@@ -183,58 +183,18 @@ pub fn gpt2_with_head(
         }
         (b.layer_norm("ln_f", x), wte)
     });
-    let out = match (head, labels) {
-        (Head::SeqCls(n), Some(labels)) => {
-            // `transformer_outputs` and `logits` are locals of forward.
-            b.hold(hidden);
-            let logits = b.linear("score", hidden, n, false);
-            b.hold(logits);
-            let pooled = heads::last_token_pool(&mut b, logits, ids);
-            b.hold(pooled);
-            let loss = heads::sequence_classification_loss(
-                &mut b,
-                pooled,
-                labels,
-                n,
-                ("MSELoss", "CrossEntropyLoss"),
-            );
-            b.keep_output(pooled);
-            loss
-        }
-        (Head::TokenCls(n), Some(labels)) => {
-            b.hold(hidden);
-            let logits =
-                heads::token_classifier(&mut b, hidden, CLASSIFIER_DROPOUT, "classifier", n, true);
-            b.hold(logits);
-            let loss = heads::plain_cross_entropy(&mut b, "CrossEntropyLoss", logits, labels);
-            b.keep_output(logits);
-            loss
-        }
-        (Head::None, _) | (_, None) => {
-            // `out = model(...)`, then `loss = out.last_hidden_state.mean()`.
-            b.keep_output(hidden);
-            heads::hidden_state_loss(&mut b, hidden)
-        }
-        (_, Some(labels)) => {
-            // GPT2LMHeadModel.forward: `hidden_states = transformer_outputs[0]` is a local until
-            // forward returns, through `self.loss_function`. Under autocast `lm_head` saves its
-            // 16-bit copy, not this float32 tensor, so only that reference keeps it alive.
-            b.hold(hidden);
-            // lm_head: nn.Linear(h, V, bias=False), tied to wte unless the config unties it.
-            let logits = b.module("lm_head", |b| {
-                let w = if cfg.tie_embeddings {
-                    wte
-                } else {
-                    b.param("weight", &[cfg.vocab, h])
-                };
-                b.linear_op(hidden, w, None)
-            });
-            b.hold(logits);
-            let loss = heads::causal_lm_loss(&mut b, logits, labels, loss);
-            b.keep_output(logits);
-            loss
-        }
-    };
+    let tied = cfg.tie_embeddings.then_some(wte);
+    let out = heads::decoder_head(
+        &mut b,
+        heads::Decoder::Gpt2,
+        head,
+        hidden,
+        ids,
+        labels,
+        tied,
+        cfg.vocab,
+        loss,
+    );
     b.keep_output(out);
     b.set_output(out);
     b.finish()

@@ -186,6 +186,97 @@ pub fn hidden_state_loss(b: &mut GraphBuilder, hidden: T) -> T {
     b.module("", |b| b.mean_dims(hidden, &dims, false))
 }
 
+/// The decoder-only families whose heads [`decoder_head`] builds: where their heads differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decoder {
+    /// GPT-2 (`modeling_gpt2.py`): `GPT2ForSequenceClassification` instantiates `MSELoss` /
+    /// `CrossEntropyLoss`; `GPT2ForTokenClassification` names its linear `classifier` and calls
+    /// `CrossEntropyLoss` on the logits as they are.
+    Gpt2,
+    /// LLaMA (`modeling_layers.py` `GenericFor*`): `ForSequenceClassificationLoss` (no module
+    /// scope); `GenericForTokenClassification` names its linear `score` and calls
+    /// `ForTokenClassification` (see [`for_token_classification_loss`]).
+    Llama,
+}
+
+/// The head of GPT-2 or LLaMA on the final hidden state `hidden` `[B, S, H]`, with its loss (the
+/// scalar the training loop calls `backward` on). `ids`: the `input_ids` input (the sequence
+/// classifier pools at the last non-padding token); `labels`: from [`labels_input`] (`None`: the
+/// base model); `tied`: the embedding weight `lm_head` shares (`tie_word_embeddings`), `None`
+/// for an untied `lm_head` of `[vocab, H]`.
+///
+/// In every head `hidden` (`transformer_outputs[0]` / `outputs.last_hidden_state`) and the
+/// logits are locals of the head's `forward` until it returns, through its loss: under autocast
+/// the head's linear saves its 16-bit copy, so only those references keep them alive.
+#[allow(clippy::too_many_arguments)]
+pub fn decoder_head(
+    b: &mut GraphBuilder,
+    family: Decoder,
+    head: Head,
+    hidden: T,
+    ids: T,
+    labels: Option<T>,
+    tied: Option<T>,
+    vocab: u64,
+    loss: Loss,
+) -> T {
+    match (head, labels) {
+        (Head::SeqCls(n), Some(labels)) => {
+            b.hold(hidden);
+            let logits = b.linear("score", hidden, n, false);
+            b.hold(logits);
+            let pooled = last_token_pool(b, logits, ids);
+            b.hold(pooled);
+            let modules = match family {
+                Decoder::Gpt2 => ("MSELoss", "CrossEntropyLoss"),
+                Decoder::Llama => ("", ""),
+            };
+            let loss = sequence_classification_loss(b, pooled, labels, n, modules);
+            b.keep_output(pooled);
+            loss
+        }
+        (Head::TokenCls(n), Some(labels)) => {
+            b.hold(hidden);
+            // GPT-2: `classifier = nn.Linear(H, N)`; LLaMA: `score = nn.Linear(H, N,
+            // bias=config.token_classification_bias)` (default True).
+            let (name, dropout) = match family {
+                Decoder::Gpt2 => ("classifier", super::gpt2::CLASSIFIER_DROPOUT),
+                Decoder::Llama => ("score", super::llama::CLASSIFIER_DROPOUT),
+            };
+            let logits = token_classifier(b, hidden, dropout, name, n, true);
+            b.hold(logits);
+            let loss = match family {
+                Decoder::Gpt2 => plain_cross_entropy(b, "CrossEntropyLoss", logits, labels),
+                Decoder::Llama => for_token_classification_loss(b, logits, labels, loss),
+            };
+            b.keep_output(logits);
+            loss
+        }
+        (Head::None, _) | (_, None) => {
+            // `out = model(...)`, then `loss = out.last_hidden_state.mean()`.
+            b.keep_output(hidden);
+            hidden_state_loss(b, hidden)
+        }
+        (_, Some(labels)) => {
+            b.hold(hidden);
+            // lm_head: nn.Linear(H, V, bias=False), tied to the token embedding unless the
+            // config unties it.
+            let h = *b.shape(hidden).last().unwrap_or(&0);
+            let logits = b.module("lm_head", |b| {
+                let w = match tied {
+                    Some(w) => w,
+                    None => b.param("weight", &[vocab, h]),
+                };
+                b.linear_op(hidden, w, None)
+            });
+            b.hold(logits);
+            let loss = causal_lm_loss(b, logits, labels, loss);
+            b.keep_output(logits);
+            loss
+        }
+    }
+}
+
 /// The heads a family builds, for error messages.
 pub fn valid_heads(family: Family) -> &'static str {
     match family {

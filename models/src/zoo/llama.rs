@@ -279,50 +279,18 @@ pub fn llama_with_head(
         b.hold_through(x);
         (out, w)
     });
-    let out = match (head, labels) {
-        (Head::SeqCls(n), Some(labels)) => {
-            b.hold(hidden);
-            let logits = b.linear("score", hidden, n, false);
-            b.hold(logits);
-            let pooled = heads::last_token_pool(&mut b, logits, ids);
-            b.hold(pooled);
-            let loss = heads::sequence_classification_loss(&mut b, pooled, labels, n, ("", ""));
-            b.keep_output(pooled);
-            loss
-        }
-        (Head::TokenCls(n), Some(labels)) => {
-            b.hold(hidden);
-            // `score = nn.Linear(H, N, bias=config.token_classification_bias)` (default True).
-            let logits =
-                heads::token_classifier(&mut b, hidden, CLASSIFIER_DROPOUT, "score", n, true);
-            b.hold(logits);
-            let loss = heads::for_token_classification_loss(&mut b, logits, labels, loss);
-            b.keep_output(logits);
-            loss
-        }
-        (Head::None, _) | (_, None) => {
-            b.keep_output(hidden);
-            heads::hidden_state_loss(&mut b, hidden)
-        }
-        (_, Some(labels)) => {
-            // LlamaForCausalLM.forward: `hidden_states = outputs.last_hidden_state` (and
-            // `outputs`) are locals until forward returns, through `self.loss_function`. Under
-            // autocast `lm_head` saves its 16-bit copy, so only those references keep it alive.
-            b.hold(hidden);
-            let logits = b.module("lm_head", |b| {
-                let w = if cfg.tie_embeddings {
-                    embed_w
-                } else {
-                    b.param("weight", &[cfg.vocab, h])
-                };
-                b.linear_op(hidden, w, None)
-            });
-            b.hold(logits);
-            let loss = heads::causal_lm_loss(&mut b, logits, labels, loss);
-            b.keep_output(logits);
-            loss
-        }
-    };
+    let tied = cfg.tie_embeddings.then_some(embed_w);
+    let out = heads::decoder_head(
+        &mut b,
+        heads::Decoder::Llama,
+        head,
+        hidden,
+        ids,
+        labels,
+        tied,
+        cfg.vocab,
+        loss,
+    );
     b.keep_output(out);
     b.set_output(out);
     b.finish()

@@ -92,15 +92,33 @@ impl GraphBuilder {
         padding: u64,
         bias: bool,
     ) -> T {
+        self.conv2d_grouped(name, x, out, kernel, stride, padding, 1, bias)
+    }
+
+    /// [`GraphBuilder::conv2d`] with `groups` (`nn.Conv2d(..., groups=groups)`: weight
+    /// `[out, in / groups, kernel, kernel]`; timm's `create_conv2d(..., depthwise=True)` has
+    /// `groups = in`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv2d_grouped(
+        &mut self,
+        name: &str,
+        x: T,
+        out: u64,
+        kernel: u64,
+        stride: u64,
+        padding: u64,
+        groups: u64,
+        bias: bool,
+    ) -> T {
         let cin = self.shape(x).get(1).copied().unwrap_or(0);
         self.module(name, |b| {
-            let w = b.param("weight", &[out, cin, kernel, kernel]);
+            let w = b.param("weight", &[out, cin / groups, kernel, kernel]);
             let bb = if bias {
                 Some(b.param("bias", &[out]))
             } else {
                 None
             };
-            b.conv2d_op(x, w, bb, [stride; 2], [padding; 2], [1, 1], 1)
+            b.conv2d_op(x, w, bb, [stride; 2], [padding; 2], [1, 1], groups)
         })
     }
 
@@ -285,7 +303,7 @@ impl GraphBuilder {
     ) -> (T, Option<T>) {
         let qs = self.shape(q);
         let ks = self.shape(k);
-        let (bsz, h, s, d) = (qs[0], qs[1], qs[2], qs[3]);
+        let (h, s) = (qs[1], qs[2]);
         let hkv = ks[1];
         self.region(RegionKind::AttentionCore, "", |b| match imp {
             AttnImpl::Sdpa(backend) => {
@@ -298,14 +316,8 @@ impl GraphBuilder {
             AttnImpl::Eager => {
                 let (k, v) = if hkv != h {
                     // repeat_kv: x[:, :, None].expand(...).reshape(B, H, S, D) — the reshape copies.
-                    let rep = h / hkv;
-                    let rk = |x: T, b: &mut GraphBuilder| {
-                        let u = b.unsqueeze(x, 2);
-                        let e = b.expand(u, &[bsz, hkv, rep, s, d]);
-                        b.reshape(e, &[bsz as i64, h as i64, s as i64, d as i64])
-                    };
-                    let k2 = rk(k, b);
-                    let v2 = rk(v, b);
+                    let k2 = b.repeat_heads(k, h);
+                    let v2 = b.repeat_heads(v, h);
                     (k2, v2)
                 } else {
                     (k, v)

@@ -114,12 +114,49 @@ pub fn resnet_hw(cfg: &ResNetConfig, batch: u64, hw: (u64, u64)) -> Result<Graph
         .into(),
     );
     let (images, labels) = image_inputs_hw(&mut b, batch, hw);
+    let x = features(&mut b, cfg.block, cfg.layers, images, ActNames::Shared);
+    let x = b.module("avgpool", |b| b.adaptive_avg_pool2d(x, [1, 1]));
+    let x = b.flatten(x, 1);
+    let logits = b.linear("fc", x, cfg.classes, true);
+    classifier_loss(&mut b, logits, labels);
+    b.finish()
+}
+
+/// How a ResNet names its ReLU modules (the same ops either way).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ActNames {
+    /// torchvision: one `self.relu` module, called after each BN and after the add.
+    Shared,
+    /// timm: one module per call, `act1`, `act2` (and `act3` in `Bottleneck`).
+    Numbered,
+}
+
+impl ActNames {
+    /// The name of the `i`-th (from 1) activation of a block or the stem.
+    fn name(self, i: u32) -> String {
+        match self {
+            ActNames::Shared => "relu".to_string(),
+            ActNames::Numbered => format!("act{i}"),
+        }
+    }
+}
+
+/// The stem and `layer1`..`layer4` of `ResNet.forward` (`_forward_impl` in torchvision,
+/// `forward_features` in timm: the same ops): `conv1` (7×7, stride 2), `bn1`, ReLU, `maxpool`
+/// (3×3, stride 2), then the blocks, the first of each stage after `layer1` with stride 2.
+pub(crate) fn features(
+    b: &mut GraphBuilder,
+    kind: Block,
+    layers: [u64; 4],
+    images: T,
+    acts: ActNames,
+) -> T {
     let x = b.conv2d("conv1", images, 64, 7, 2, 3, false);
     let x = b.batch_norm2d("bn1", x);
-    let x = b.module("relu", |b| b.relu_(x));
+    let x = b.module(&acts.name(1), |b| b.relu_(x));
     let mut x = b.module("maxpool", |b| b.max_pool2d(x, [3, 3], [2, 2], [1, 1]));
     let mut inplanes = 64;
-    for (i, &blocks) in cfg.layers.iter().enumerate() {
+    for (i, &blocks) in layers.iter().enumerate() {
         let planes = 64 << i;
         let stride = if i == 0 { 1 } else { 2 };
         for j in 0..blocks {
@@ -129,41 +166,47 @@ pub fn resnet_hw(cfg: &ResNetConfig, batch: u64, hw: (u64, u64)) -> Result<Graph
             x = b.region(RegionKind::Block, &name, |b| {
                 // forward(self, x): x is an argument, alive until the block returns.
                 b.hold(input);
-                block(b, cfg.block, input, inplanes, planes, s)
+                block(b, kind, input, inplanes, planes, s, acts)
             });
-            inplanes = planes * cfg.block.expansion();
+            inplanes = planes * kind.expansion();
         }
     }
-    let x = b.module("avgpool", |b| b.adaptive_avg_pool2d(x, [1, 1]));
-    let x = b.flatten(x, 1);
-    let logits = b.linear("fc", x, cfg.classes, true);
-    classifier_loss(&mut b, logits, labels);
-    b.finish()
+    x
 }
 
-/// One `BasicBlock` or `Bottleneck` (`forward` as torchvision writes it).
-fn block(b: &mut GraphBuilder, kind: Block, x: T, inplanes: u64, planes: u64, stride: u64) -> T {
+/// One `BasicBlock` or `Bottleneck` (`forward` as torchvision and timm write it; timm's without
+/// drop_block, aa, se or drop_path), its activations named as `acts` says.
+fn block(
+    b: &mut GraphBuilder,
+    kind: Block,
+    x: T,
+    inplanes: u64,
+    planes: u64,
+    stride: u64,
+    acts: ActNames,
+) -> T {
     let out_ch = planes * kind.expansion();
-    let mut out = match kind {
+    let out = match kind {
         Block::Basic => {
             let o = b.conv2d("conv1", x, planes, 3, stride, 1, false);
             let o = b.batch_norm2d("bn1", o);
-            let o = b.module("relu", |b| b.relu_(o));
+            let o = b.module(&acts.name(1), |b| b.relu_(o));
             let o = b.conv2d("conv2", o, planes, 3, 1, 1, false);
             b.batch_norm2d("bn2", o)
         }
         Block::Bottleneck => {
             let o = b.conv2d("conv1", x, planes, 1, 1, 0, false);
             let o = b.batch_norm2d("bn1", o);
-            let o = b.module("relu", |b| b.relu_(o));
+            let o = b.module(&acts.name(1), |b| b.relu_(o));
             let o = b.conv2d("conv2", o, planes, 3, stride, 1, false);
             let o = b.batch_norm2d("bn2", o);
-            let o = b.module("relu", |b| b.relu_(o));
+            let o = b.module(&acts.name(2), |b| b.relu_(o));
             let o = b.conv2d("conv3", o, out_ch, 1, 1, 0, false);
             b.batch_norm2d("bn3", o)
         }
     };
     let identity = if stride != 1 || inplanes != out_ch {
+        // downsample (timm's downsample_conv): Conv2d(1x1, stride) + BatchNorm2d.
         b.module("downsample", |b| {
             let d = b.conv2d("0", x, out_ch, 1, stride, 0, false);
             b.batch_norm2d("1", d)
@@ -171,6 +214,7 @@ fn block(b: &mut GraphBuilder, kind: Block, x: T, inplanes: u64, planes: u64, st
     } else {
         x
     };
-    out = b.add_(out, identity);
-    b.module("relu", |b| b.relu_(out))
+    let out = b.add_(out, identity);
+    let last = if kind == Block::Basic { 2 } else { 3 };
+    b.module(&acts.name(last), |b| b.relu_(out))
 }

@@ -34,7 +34,7 @@
 //!   `global_pool` (`SelectAdaptivePool2d('avg', flatten=True)`: `adaptive_avg_pool2d` + `flatten`),
 //!   `fc`. `zero_init_last` only initialises the last BN to zero: no memory effect.
 
-use super::resnet::{classifier_loss, Block};
+use super::resnet::{classifier_loss, features, ActNames, Block};
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, T};
 
@@ -599,26 +599,6 @@ fn layer_norm_2d(b: &mut GraphBuilder, name: &str, x: T) -> T {
     })
 }
 
-/// `nn.Conv2d` with groups (`create_conv2d(..., depthwise=True)`: `groups = in_channels`).
-#[allow(clippy::too_many_arguments)]
-fn conv2d_groups(
-    b: &mut GraphBuilder,
-    name: &str,
-    x: T,
-    out: u64,
-    kernel: u64,
-    stride: u64,
-    padding: u64,
-    groups: u64,
-) -> T {
-    let cin = b.shape(x)[1];
-    b.module(name, |b| {
-        let w = b.param("weight", &[out, cin / groups, kernel, kernel]);
-        let bias = b.param("bias", &[out]);
-        b.conv2d_op(x, w, Some(bias), [stride; 2], [padding; 2], [1, 1], groups)
-    })
-}
-
 /// `ConvNeXt.forward`.
 fn convnext_forward(b: &mut GraphBuilder, c: &ConvNextConfig, images: T, classes: u64) -> T {
     let x = b.module("stem", |b| {
@@ -667,7 +647,8 @@ fn convnext_forward(b: &mut GraphBuilder, c: &ConvNextConfig, images: T, classes
 fn convnext_block(b: &mut GraphBuilder, dim: u64, conv_mlp: bool, shortcut: T) -> T {
     // The block's own gamma comes first in model.parameters().
     let gamma = b.param("gamma", &[dim]);
-    let x = conv2d_groups(b, "conv_dw", shortcut, dim, 7, 1, 3, dim);
+    // conv_dw: create_conv2d(..., depthwise=True), groups = dim, bias.
+    let x = b.conv2d_grouped("conv_dw", shortcut, dim, 7, 1, 3, dim, true);
     let x = if conv_mlp {
         // LayerNorm2d, then ConvMlp: fc1 (1x1 conv), norm (Identity), act, drop (p = 0), fc2.
         let x = layer_norm_2d(b, "norm", x);
@@ -696,25 +677,7 @@ fn convnext_block(b: &mut GraphBuilder, dim: u64, conv_mlp: bool, shortcut: T) -
 
 /// `ResNet.forward` (timm's module names).
 fn resnet_forward(b: &mut GraphBuilder, c: &ResNetConfig, images: T, classes: u64) -> T {
-    let x = b.conv2d("conv1", images, 64, 7, 2, 3, false);
-    let x = b.batch_norm2d("bn1", x);
-    let x = b.module("act1", |b| b.relu_(x));
-    let mut x = b.module("maxpool", |b| b.max_pool2d(x, [3, 3], [2, 2], [1, 1]));
-    let mut inplanes = 64;
-    for (i, &blocks) in c.layers.iter().enumerate() {
-        let planes = 64 << i;
-        let stride = if i == 0 { 1 } else { 2 };
-        for j in 0..blocks {
-            let s = if j == 0 { stride } else { 1 };
-            let name = format!("layer{}.{j}", i + 1);
-            let input = x;
-            x = b.region(RegionKind::Block, &name, |b| {
-                b.hold(input);
-                resnet_block(b, c.block, input, inplanes, planes, s)
-            });
-            inplanes = planes * c.block.expansion();
-        }
-    }
+    let x = features(b, c.block, c.layers, images, ActNames::Numbered);
     // forward() keeps the features (its `x`) alive until forward_head returns.
     b.push_module("");
     b.hold(x);
@@ -727,49 +690,6 @@ fn resnet_forward(b: &mut GraphBuilder, c: &ResNetConfig, images: T, classes: u6
     let logits = b.linear("fc", x, classes, true);
     b.pop_module("");
     logits
-}
-
-/// timm's `BasicBlock.forward` / `Bottleneck.forward` (no drop_block, aa, se or drop_path).
-fn resnet_block(
-    b: &mut GraphBuilder,
-    kind: Block,
-    x: T,
-    inplanes: u64,
-    planes: u64,
-    stride: u64,
-) -> T {
-    let out_ch = planes * kind.expansion();
-    let out = match kind {
-        Block::Basic => {
-            let o = b.conv2d("conv1", x, planes, 3, stride, 1, false);
-            let o = b.batch_norm2d("bn1", o);
-            let o = b.module("act1", |b| b.relu_(o));
-            let o = b.conv2d("conv2", o, planes, 3, 1, 1, false);
-            b.batch_norm2d("bn2", o)
-        }
-        Block::Bottleneck => {
-            let o = b.conv2d("conv1", x, planes, 1, 1, 0, false);
-            let o = b.batch_norm2d("bn1", o);
-            let o = b.module("act1", |b| b.relu_(o));
-            let o = b.conv2d("conv2", o, planes, 3, stride, 1, false);
-            let o = b.batch_norm2d("bn2", o);
-            let o = b.module("act2", |b| b.relu_(o));
-            let o = b.conv2d("conv3", o, out_ch, 1, 1, 0, false);
-            b.batch_norm2d("bn3", o)
-        }
-    };
-    let shortcut = if stride != 1 || inplanes != out_ch {
-        // downsample_conv: Conv2d(1x1, stride) + BatchNorm2d.
-        b.module("downsample", |b| {
-            let d = b.conv2d("0", x, out_ch, 1, stride, 0, false);
-            b.batch_norm2d("1", d)
-        })
-    } else {
-        x
-    };
-    let out = b.add_(out, shortcut);
-    let act = if kind == Block::Basic { "act2" } else { "act3" };
-    b.module(act, |b| b.relu_(out))
 }
 
 // ------------------------------------------------------------------------------------ EfficientNet
@@ -801,12 +721,8 @@ fn bn_act(b: &mut GraphBuilder, name: &str, x: T, act: bool) -> T {
 
 /// A bias-free `create_conv2d` with timm's symmetric padding `((s - 1) + (k - 1)) // 2`.
 fn eff_conv(b: &mut GraphBuilder, name: &str, x: T, out: u64, k: u64, s: u64, groups: u64) -> T {
-    let cin = b.shape(x)[1];
     let pad = ((s - 1) + (k - 1)) / 2;
-    b.module(name, |b| {
-        let w = b.param("weight", &[out, cin / groups, k, k]);
-        b.conv2d_op(x, w, None, [s; 2], [pad; 2], [1, 1], groups)
-    })
+    b.conv2d_grouped(name, x, out, k, s, pad, groups, false)
 }
 
 /// `SqueezeExcite.forward`: `x * gate(conv_expand(act1(conv_reduce(x.mean((2, 3), keepdim)))))`.

@@ -1,0 +1,170 @@
+//! Helpers shared by the models tests: reading a lowered trace the way the capture tools summarize
+//! PyTorch's, and checking a folder of meta-device captures against the lowering.
+// Each test crate uses a different subset of these helpers.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use vramsim_models::{lower, zoo, Recipe};
+use vramsim_traces::{AllocId, Category, Event, Trace};
+
+/// `(phase, peak of live requested bytes)` of each phase segment, as `summarize()` of
+/// traces/python/vramsim_capture.py computes it.
+pub fn segments(t: &Trace) -> Vec<(String, u64)> {
+    let mut live: HashMap<&AllocId, u64> = HashMap::new();
+    let (mut cur, mut out) = (0u64, Vec::<(String, u64)>::new());
+    for e in &t.events {
+        match e {
+            Event::Phase { name } => out.push((name.to_string(), cur)),
+            Event::Alloc { id, size, .. } => {
+                assert!(live.insert(id, *size).is_none(), "{id} allocated twice");
+                cur += size;
+                if let Some(s) = out.last_mut() {
+                    s.1 = s.1.max(cur);
+                }
+            }
+            Event::Free { id } => cur -= live.remove(id).expect("freed once"),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The largest sum of live requested bytes over events `[from, to)` (counting what was live
+/// before `from`).
+pub fn peak_between(t: &Trace, from: usize, to: usize) -> u64 {
+    let mut live: HashMap<&AllocId, u64> = HashMap::new();
+    let (mut cur, mut peak) = (0u64, 0u64);
+    for (i, e) in t.events.iter().enumerate().take(to) {
+        match e {
+            Event::Alloc { id, size, .. } => {
+                live.insert(id, *size);
+                cur += size;
+            }
+            Event::Free { id } => cur -= live.remove(id).unwrap(),
+            _ => {}
+        }
+        if i >= from {
+            peak = peak.max(cur);
+        }
+    }
+    peak
+}
+
+/// Requested bytes live just before event `end`, by category.
+pub fn live_by_category(t: &Trace, end: usize) -> HashMap<Category, u64> {
+    let mut live: HashMap<&AllocId, (u64, Category)> = HashMap::new();
+    for e in &t.events[..end] {
+        match e {
+            Event::Alloc {
+                id, size, category, ..
+            } => {
+                live.insert(id, (*size, *category));
+            }
+            Event::Free { id } => {
+                live.remove(id);
+            }
+            _ => {}
+        }
+    }
+    let mut by = HashMap::new();
+    for (s, c) in live.into_values() {
+        *by.entry(c).or_insert(0) += s;
+    }
+    by
+}
+
+/// `(+size | -size)` of every alloc and free from the first `forward` marker on, and the same for
+/// the events of the `phase` segments only: every one (`nth` `None`) or the `nth` (from 1).
+pub fn signed_sizes(t: &Trace, phase: &str, nth: Option<u32>) -> (Vec<i64>, Vec<i64>) {
+    let mut sizes: HashMap<&AllocId, u64> = HashMap::new();
+    let (mut all, mut inside) = (Vec::new(), Vec::new());
+    let (mut started, mut seen, mut in_phase) = (false, 0u32, false);
+    for e in &t.events {
+        let x = match e {
+            Event::Phase { name } => {
+                started |= &**name == "forward";
+                in_phase = &**name == phase;
+                if in_phase {
+                    seen += 1;
+                    in_phase = nth.is_none_or(|n| n == seen);
+                }
+                continue;
+            }
+            Event::Alloc { id, size, .. } => {
+                sizes.insert(id, *size);
+                *size as i64
+            }
+            Event::Free { id } => -(sizes[id] as i64),
+            _ => continue,
+        };
+        if started {
+            all.push(x);
+        }
+        if in_phase {
+            inside.push(x);
+        }
+    }
+    (all, inside)
+}
+
+/// The `*.json` files in `tests/<dir>` of this crate, sorted.
+pub fn json_files(dir: &str) -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join(dir);
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    files.sort();
+    files
+}
+
+/// Lowers every capture (`*.json`) in `tests/<dir>` with the recipe `recipe_of` reads from it
+/// and asserts the parameter count, the peak of live requested bytes and the peak of every phase
+/// segment equal PyTorch's to the byte (at least `min_files` captures must be there).
+pub fn check_captures(dir: &str, min_files: usize, recipe_of: fn(&serde_json::Value) -> Recipe) {
+    let files = json_files(dir);
+    assert!(
+        files.len() >= min_files,
+        "captures missing: {} found",
+        files.len()
+    );
+    let mut failures = Vec::new();
+    for path in files {
+        let fx: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let file = path.file_name().unwrap().to_string_lossy().to_string();
+        let r = recipe_of(&fx);
+        let g = zoo::build(fx["model"].as_str().unwrap(), &r).unwrap();
+        let t = lower(&g, &r).unwrap();
+        let ours = segments(&t);
+        let theirs: Vec<(String, u64)> = fx["peak_by_phase_segment"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| (s[0].as_str().unwrap().to_string(), s[1].as_u64().unwrap()))
+            .collect();
+        let peak = ours.iter().map(|s| s.1).max().unwrap_or(0);
+        println!(
+            "{file}: params {} peak {peak} (PyTorch {})",
+            g.param_count(),
+            fx["peak_requested_bytes"]
+        );
+        if g.param_count() != fx["params"].as_u64().unwrap() {
+            failures.push(format!("{file}: params {}", g.param_count()));
+        }
+        if peak != fx["peak_requested_bytes"].as_u64().unwrap() {
+            failures.push(format!("{file}: peak {peak}"));
+        }
+        if ours != theirs {
+            failures.push(format!(
+                "{file}: phase segments differ:\n  ours   {ours:?}\n  theirs {theirs:?}"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
