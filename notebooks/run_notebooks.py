@@ -5,9 +5,11 @@
     python3 notebooks/run_notebooks.py                     # execute every notebook, fail on a failing cell
     python3 notebooks/run_notebooks.py 02_*.ipynb          # some of them
 
-Execution uses nbclient with the `python3` kernel, from the notebooks' directory, and never writes the
+Execution uses nbclient with the `python3` kernel (this interpreter: jupyter_client starts a kernelspec
+whose command is `python` with `sys.executable`), from the notebooks' directory, and never writes the
 notebooks back: what is committed stays without outputs. Executed copies go to target/notebooks/ for
-inspection.
+inspection. The notebooks `import vramsim`: the installed package (`pip install ./python`), checked
+before any notebook runs.
 """
 
 from __future__ import annotations
@@ -51,11 +53,31 @@ def check_stripped(paths: list[Path]) -> int:
     return 0
 
 
+def installed_package() -> str | None:
+    """Where the installed `vramsim` package is, or None (with the reason printed) when it cannot be
+    imported, or when what imports is the source tree rather than a built package."""
+    try:
+        import vramsim
+        from vramsim import _vramsim  # the native module: only a built package has it
+    except ImportError as error:
+        print(
+            f"error: the notebooks need the vramsim package ({error}); install it first: "
+            "python3 -m pip install ./python",
+            file=sys.stderr,
+        )
+        return None
+    return f"{Path(vramsim.__file__).parent} (native module {Path(_vramsim.__file__).name})"
+
+
 def execute(paths: list[Path], timeout: int) -> int:
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
+    package = installed_package()
+    if package is None:
+        return 1
+    print(f"vramsim package: {package}")
     out_dir = REPO / "target" / "notebooks"
     out_dir.mkdir(parents=True, exist_ok=True)
     failed = 0

@@ -17,6 +17,7 @@ use vramsim_api::maxbatch::{self, MaxBatchArgs};
 use vramsim_api::predict::{self, PredictArgs};
 use vramsim_api::recommend::{self, RecommendArgs};
 use vramsim_api::replay::{self, ReplayArgs};
+use vramsim_api::steptime;
 use vramsim_api::sweep::Progress;
 use vramsim_api::whatif::{self, WhatifArgs};
 use vramsim_api::{machine, parse_args};
@@ -203,12 +204,20 @@ fn gpus() -> String {
     machine::gpus_json().to_string()
 }
 
+/// The step-time model's description: what `vramsim whatif --help` and `vramsim recommend --help`
+/// print after their options (`vramsim_api::steptime::HELP`).
+#[pyfunction]
+fn step_time_model() -> &'static str {
+    steptime::HELP
+}
+
 /// The native module.
 #[pymodule]
 fn _vramsim(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(options, m)?)?;
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(gpus, m)?)?;
+    m.add_function(wrap_pyfunction!(step_time_model, m)?)?;
     m.add("VramsimError", m.py().get_type::<VramsimError>())?;
     m.add("ConfigError", m.py().get_type::<ConfigError>())?;
     m.add("TraceError", m.py().get_type::<TraceError>())?;

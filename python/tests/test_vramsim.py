@@ -81,6 +81,19 @@ def test_defaults_are_the_command_lines():
     assert "precision" in vramsim.predict.__doc__
 
 
+def test_step_time_model_is_documented_as_the_command_line_does():
+    # whatif and recommend estimate step times; their --help describes the model after the options, and
+    # help(vramsim.whatif) / help(vramsim.recommend) must say the same (the notebooks point there)
+    for function, command in [(vramsim.whatif, "whatif"), (vramsim.recommend, "recommend")]:
+        doc = " ".join(function.__doc__.split())
+        assert "Step time: a FLOP/bandwidth (roofline) estimate" in doc
+        section = doc[doc.index("Step time:"):]
+        out = cli(command, "--help")
+        assert out.returncode == 0, out.stderr
+        assert section in " ".join(out.stdout.split())
+    assert "Step time:" not in vramsim.predict.__doc__
+
+
 def test_results_are_typed_and_readable():
     p = vramsim.predict(model="mlp", batch=8, gpu="rtx4090")
     assert isinstance(p, vramsim.Prediction)

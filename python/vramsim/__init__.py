@@ -546,6 +546,9 @@ def _document() -> None:
         for o in options(command).values():
             default = "" if o.default is None else f" (default {o.default!r})"
             lines.append(f"    {o.name}{default}: {' '.join(o.help.split())}")
+        if command in ("whatif", "recommend"):
+            # what the command line's --help says after the options
+            lines += [""] + ["    " + line for line in _native.step_time_model().splitlines()]
         function.__doc__ = (function.__doc__ or "") + "\n" + "\n".join(lines)
 
 
