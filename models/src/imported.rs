@@ -21,7 +21,7 @@ pub const FORMAT: &str = "vramsim-graph";
 pub const VERSION: u64 = 1;
 
 /// Why a graph document cannot be imported or built.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ImportError {
     /// Not JSON, or not a `vramsim-graph` document of a known version.
     #[error("not a vramsim graph document: {0}")]
@@ -66,7 +66,7 @@ fn int_at(j: &J, batch: u64) -> Option<i64> {
     }
     let k = j.get("b")?.as_i64()?;
     let c = j.get("c")?.as_i64()?;
-    Some(k * batch as i64 + c)
+    k.checked_mul(i64::try_from(batch).ok()?)?.checked_add(c)
 }
 
 fn dtype_spec(name: &str) -> Result<DTypeSpec, ImportError> {
