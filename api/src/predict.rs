@@ -400,7 +400,7 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
                 .with_context(|| format!("cannot read the graph {}", path.display()))?;
             let g = vramsim_models::imported::ImportedGraph::parse(&text)
                 .with_context(|| format!("cannot import the graph {}", path.display()))?;
-            if args.checkpoint != Checkpointing::None {
+            if args.checkpoint != Checkpointing::None && g.blocks().is_empty() {
                 warnings.push(format!(
                     "{}: a captured module has no checkpointable blocks marked, so --checkpoint {} checkpoints nothing",
                     g.name, args.checkpoint

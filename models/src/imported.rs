@@ -11,7 +11,7 @@
 //! applies as to a zoo model. Calls without a rule are an [`ImportError::Unsupported`] listing them.
 
 use crate::dtype::DType;
-use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, T};
+use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, T};
 use serde_json::Value as J;
 use std::collections::BTreeMap;
 
@@ -175,6 +175,18 @@ impl ImportedGraph {
         Ok(g)
     }
 
+    /// The checkpointable blocks the capture marked (module paths).
+    pub fn blocks(&self) -> Vec<String> {
+        self.doc["blocks"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|b| b["module"].as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     fn ops(&self) -> &[J] {
         self.doc["ops"].as_array().map(Vec::as_slice).unwrap_or(&[])
     }
@@ -304,7 +316,47 @@ impl<'a> Builder<'a> {
         let loss = doc["loss"].as_u64().unwrap_or(u64::MAX) as usize;
         let forward_ops = doc["forward_ops"].as_u64().unwrap_or(0) as usize;
         let ops = self.g.ops();
+        // Checkpointable blocks: the contiguous ops of each block module (`blocks`, the repeated
+        // children of an nn.Sequential/ModuleList unless `from_module(blocks=...)` named them).
+        let in_block = |m: &str, blk: &str| m == blk || m.starts_with(&format!("{blk}."));
+        let mut blocks: Vec<(usize, usize, String, Vec<usize>)> = Vec::new();
+        for blk in doc["blocks"].as_array().cloned().unwrap_or_default() {
+            let path = blk["module"].as_str().unwrap_or("").to_string();
+            let idx: Vec<usize> = (0..ops.len())
+                .filter(|&k| in_block(ops[k]["module"].as_str().unwrap_or(""), &path))
+                .collect();
+            let (Some(&first), Some(&last)) = (idx.first(), idx.last()) else {
+                continue;
+            };
+            if path.is_empty() || last + 1 - first != idx.len() || last >= forward_ops {
+                return Err(ImportError::Format(format!(
+                    "block {path:?} is not one contiguous run of forward calls"
+                )));
+            }
+            let args = blk["args"]
+                .as_array()
+                .map(|a| a.iter().filter_map(J::as_u64).map(|v| v as usize).collect())
+                .unwrap_or_default();
+            blocks.push((first, last + 1, path, args));
+        }
+        blocks.sort();
+        let mut open: Option<(usize, String)> = None;
         for (k, op) in ops.iter().enumerate() {
+            if let Some((_, _, path, args)) = blocks.iter().find(|b| b.0 == k) {
+                if open.is_some() {
+                    return Err(ImportError::Format(format!(
+                        "block {path:?} is nested in another"
+                    )));
+                }
+                self.b.begin_region(RegionKind::Block, path);
+                // `forward(self, x)`: the block's arguments live until it returns.
+                for &a in args {
+                    let v = self.get(a)?;
+                    self.b.hold(v);
+                }
+                let end = blocks.iter().find(|b| b.0 == k).map_or(k + 1, |b| b.1);
+                open = Some((end, path.clone()));
+            }
             if k == forward_ops {
                 // `output = model(x)` then `loss = loss_fn(output, y)`: the output lives until the
                 // loss returns (the loop's local), as the zoo's classifier loss holds it.
@@ -313,11 +365,20 @@ impl<'a> Builder<'a> {
                 self.b.push_module("");
                 self.b.hold(out);
             }
-            let module = op["module"].as_str().unwrap_or("").to_string();
+            let full = op["module"].as_str().unwrap_or("").to_string();
+            // Inside a region the builder's path is the block's: push the rest.
+            let module = match &open {
+                Some((_, blk)) => full[blk.len()..].trim_start_matches('.').to_string(),
+                None => full,
+            };
             self.b.push_module(&module);
             let r = self.op(op);
             self.b.pop_module(&module);
             r?;
+            if open.as_ref().is_some_and(|(end, _)| *end == k + 1) {
+                self.b.end_region();
+                open = None;
+            }
         }
         if ops.len() < forward_ops {
             return Err(ImportError::Format(

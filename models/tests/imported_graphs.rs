@@ -58,6 +58,26 @@ fn imported_torchvision_models_match_the_zoo() {
 }
 
 #[test]
+fn captured_resnet_blocks_checkpoint_as_the_zoo_blocks() {
+    // from_module marks the repeated children of an nn.Sequential (torchvision's BasicBlock /
+    // Bottleneck) as blocks, the zoo's ResNet regions: every checkpointing what-if agrees.
+    for name in ["resnet18", "resnet50"] {
+        let imported = load(name);
+        for ck in ["full", "every:2", "sqrt"] {
+            let mut r = Recipe::new(8, 0);
+            r.checkpointing = ck.parse().unwrap();
+            r.precision = Precision::AmpBf16;
+            let zoo_graph = zoo::build(name, &r).unwrap();
+            let g = imported.build(8).unwrap();
+            assert_eq!(g.regions.len(), zoo_graph.regions.len(), "{name}");
+            let zoo_peak = peak_requested(&lower(&zoo_graph, &r).unwrap());
+            let ours = peak_requested(&lower(&g, &r).unwrap());
+            assert_eq!(ours, zoo_peak, "{name} --checkpoint {ck}");
+        }
+    }
+}
+
+#[test]
 fn unsupported_calls_are_listed() {
     let path = format!("{}/tests/imported/tiny.json", env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(path).unwrap();

@@ -90,3 +90,15 @@ def test_calls_without_a_rule_are_listed():
         net = nn.Sequential(nn.Linear(16, 16), nn.Hardswish(), nn.Linear(16, 4))
     with pytest.raises(vramsim.ConfigError, match="hardswish"):
         vramsim.from_module(net, _meta(2, 16))
+
+
+def test_checkpointing_wraps_the_repeated_blocks():
+    # torchvision's BasicBlocks (children of the layerN Sequentials) are the blocks, as in the zoo.
+    m = vramsim.from_module(_torchvision("resnet18"), _meta(2, 3, 224, 224))
+    for ck in ("full", "every:2"):
+        ours = vramsim.predict(model=m, batch=16, checkpoint=ck)
+        theirs = vramsim.predict(model="resnet18", batch=16, checkpoint=ck)
+        assert ours.peak_requested_bytes == theirs.peak_requested_bytes, ck
+        assert not ours.warnings
+    with pytest.raises(vramsim.ConfigError, match="blocks"):
+        vramsim.from_module(_mlp(), _meta(2, 1024), blocks=["no.such.module"])

@@ -449,6 +449,7 @@ def from_module(
     loss_fn: Any = None,
     targets: Any = None,
     name: Optional[str] = None,
+    blocks: Any = None,
 ) -> Model:
     """Captures your own ``nn.Module`` for lowering (not recording): every what-if applies to it.
 
@@ -457,6 +458,8 @@ def from_module(
     batch, which becomes a variable. The step's loss is ``loss_fn(output, *targets)`` when ``loss_fn``
     is given; otherwise ``F.cross_entropy(output, labels)`` with int64 labels when the output is
     ``[B, C]`` floats (a classifier, as torchvision's reference training), else ``output.float().mean()``.
+    ``blocks`` names the submodules ``checkpoint=`` wraps (default: the repeated non-leaf children of an
+    ``nn.Sequential``/``nn.ModuleList``, such as ResNet blocks or transformer layers).
 
     The forward runs under a ``TorchFunctionMode``; each call (``F.linear``, ``F.conv2d``, ...) is mapped
     by the Rust models crate onto its op library. Calls without a rule raise :class:`ConfigError` listing
@@ -470,7 +473,9 @@ def from_module(
     from . import _graph_capture
 
     try:
-        document = _graph_capture.capture(model, example_inputs, loss_fn=loss_fn, targets=targets, name=name)
+        document = _graph_capture.capture(
+            model, example_inputs, loss_fn=loss_fn, targets=targets, name=name, blocks=blocks
+        )
     except _graph_capture.FromModuleError as e:
         raise ConfigError(str(e)) from None
     m = Model(document)

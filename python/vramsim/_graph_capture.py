@@ -41,7 +41,9 @@ def _dtype_name(dtype: Any) -> str:
 class _Capture:
     """One capture of the forward and loss at one batch size."""
 
-    def __init__(self, torch: Any, model: Any) -> None:
+    def __init__(self, torch: Any, model: Any, blocks: List[str]) -> None:
+        self.blocks = set(blocks)
+        self.block_calls: List[Dict[str, Any]] = []
         self.torch = torch
         self.model = model
         self.ids: Dict[int, int] = {}  # id(tensor) -> value id
@@ -147,8 +149,12 @@ class _Capture:
                 cap.ops.append(op)
                 return out
 
-        def pre(module, _args):
-            self.stack.append(self.names.get(id(module), ""))
+        def pre(module, args):
+            name = self.names.get(id(module), "")
+            self.stack.append(name)
+            if name in self.blocks and not any(b["module"] == name for b in self.block_calls):
+                held = [self.ids[id(a)] for a in args if isinstance(a, torch.Tensor) and id(a) in self.ids]
+                self.block_calls.append({"module": name, "args": held})
 
         def post(module, _args, _out):
             self.stack.pop()
@@ -184,9 +190,28 @@ class _Capture:
         finally:
             h1.remove()
             h2.remove()
+        doc["blocks"] = self.block_calls
         doc["values"] = self.values
         doc["ops"] = self.ops
         return doc
+
+
+def default_blocks(torch: Any, model: Any) -> List[str]:
+    """The checkpointable blocks: children of an ``nn.Sequential``/``nn.ModuleList`` that are not leaves
+    and repeat (two or more siblings of one class), such as torchvision's ResNet ``BasicBlock``s or a
+    transformer's layers (what ``--checkpoint full`` wraps, one ``torch.utils.checkpoint`` each)."""
+    out = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (torch.nn.Sequential, torch.nn.ModuleList)):
+            continue
+        children = list(m.named_children())
+        counts: Dict[type, int] = {}
+        for _, c in children:
+            counts[type(c)] = counts.get(type(c), 0) + 1
+        for cname, c in children:
+            if counts[type(c)] >= 2 and any(True for _ in c.children()):
+                out.append(f"{name}.{cname}" if name else cname)
+    return out
 
 
 def _resize_batch(torch: Any, t: Any, batch: int) -> Any:
@@ -221,6 +246,7 @@ def capture(
     loss_fn: Any = None,
     targets: Any = None,
     name: Optional[str] = None,
+    blocks: Any = None,
 ) -> Dict[str, Any]:
     """The JSON graph document of ``model`` (see :func:`vramsim.from_module`)."""
     try:
@@ -252,6 +278,11 @@ def capture(
     batch = int(example_inputs[0].shape[0]) if example_inputs[0].dim() else 0
     if batch < 1 or any(x.dim() == 0 or x.shape[0] != batch for x in list(example_inputs) + list(targets)):
         raise FromModuleError("example_inputs: dim 0 of every input and target is the batch and must agree")
+    if blocks is None:
+        blocks = default_blocks(torch, model)
+    known = {n for n, _ in model.named_modules()}
+    if isinstance(blocks, str) or not all(isinstance(b, str) and b in known for b in blocks):
+        raise FromModuleError("blocks: expected a list of submodule names (model.named_modules())")
     default_ce = loss_fn is None and not targets
     model.train()
     docs = []
@@ -264,7 +295,7 @@ def capture(
                 probe = model(*xs)
             if isinstance(probe, torch.Tensor) and probe.dim() == 2 and probe.is_floating_point():
                 ys = [torch.empty([b], dtype=torch.int64, device="meta")]
-        docs.append(_Capture(torch, model).run(xs, ys, loss_fn))
+        docs.append(_Capture(torch, model, list(blocks)).run(xs, ys, loss_fn))
     a, b2 = docs
     if len(a["ops"]) != len(b2["ops"]) or [o["op"] for o in a["ops"]] != [o["op"] for o in b2["ops"]]:
         raise FromModuleError("the forward runs different calls at batch sizes B and B+1; vramsim needs one graph")
