@@ -340,6 +340,25 @@ impl<'a> Builder<'a> {
             blocks.push((first, last + 1, path, args));
         }
         blocks.sort();
+        let calls: Vec<(usize, usize, Vec<usize>)> = doc["calls"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|c| {
+                        let c = c.as_array()?;
+                        let held = c.get(2)?.as_array()?;
+                        Some((
+                            c.first()?.as_u64()? as usize,
+                            c.get(1)?.as_u64()? as usize,
+                            held.iter()
+                                .filter_map(J::as_u64)
+                                .map(|v| v as usize)
+                                .collect(),
+                        ))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         let mut open: Option<(usize, String)> = None;
         for (k, op) in ops.iter().enumerate() {
             if let Some((_, _, path, args)) = blocks.iter().find(|b| b.0 == k) {
@@ -375,6 +394,14 @@ impl<'a> Builder<'a> {
             let r = self.op(op);
             self.b.pop_module(&module);
             r?;
+            // A module call's tensor arguments live until it returns: the caller's frame holds
+            // them (`y = self.mlp(y)` rebinds `y` only after the call), whatever the callee does.
+            for (_, _, held) in calls.iter().filter(|c| c.1 == k + 1 && c.0 <= k) {
+                for &a in held {
+                    let v = self.get(a)?;
+                    self.b.hold_until_last_op(v);
+                }
+            }
             if open.as_ref().is_some_and(|(end, _)| *end == k + 1) {
                 self.b.end_region();
                 open = None;

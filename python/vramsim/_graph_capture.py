@@ -44,6 +44,9 @@ class _Capture:
     def __init__(self, torch: Any, model: Any, blocks: List[str]) -> None:
         self.blocks = set(blocks)
         self.block_calls: List[Dict[str, Any]] = []
+        # Module calls: [first op, one past the last op, tensor arguments], by call.
+        self.calls: List[List[Any]] = []
+        self.call_stack: List[int] = []
         self.torch = torch
         self.model = model
         self.ids: Dict[int, int] = {}  # id(tensor) -> value id
@@ -152,12 +155,17 @@ class _Capture:
         def pre(module, args):
             name = self.names.get(id(module), "")
             self.stack.append(name)
+            held = [self.ids[id(a)] for a in args if isinstance(a, torch.Tensor) and id(a) in self.ids]
+            self.call_stack.append(len(self.calls))
+            self.calls.append([len(self.ops), len(self.ops), held])
             if name in self.blocks and not any(b["module"] == name for b in self.block_calls):
                 held = [self.ids[id(a)] for a in args if isinstance(a, torch.Tensor) and id(a) in self.ids]
                 self.block_calls.append({"module": name, "args": held})
 
         def post(module, _args, _out):
             self.stack.pop()
+            if self.call_stack:
+                self.calls[self.call_stack.pop()][1] = len(self.ops)
 
         from torch.nn.modules.module import (
             register_module_forward_hook,
@@ -191,6 +199,8 @@ class _Capture:
             h1.remove()
             h2.remove()
         doc["blocks"] = self.block_calls
+        # Python keeps a call's arguments alive until it returns (the caller's frame holds them).
+        doc["calls"] = [c for c in self.calls if c[2] and c[1] > c[0]]
         doc["values"] = self.values
         doc["ops"] = self.ops
         return doc
