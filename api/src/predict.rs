@@ -39,7 +39,7 @@ const DEFAULT_SEQ: u64 = 1024;
 
 /// Options of `vramsim predict`.
 #[derive(Args, Debug)]
-#[command(group(ArgGroup::new("what").required(true).args(["model", "hf_config"])))]
+#[command(group(ArgGroup::new("what").required(true).args(["model", "hf_config", "graph"])))]
 pub struct PredictArgs {
     /// A zoo model: mlp, resnet18, resnet34, resnet50, resnet101, resnet152, vgg16, vit-b-16,
     /// bert-base, bert-large, gpt2, gpt2-medium, gpt2-large, gpt2-xl, tinyllama-1.1b, llama2-7b,
@@ -171,6 +171,10 @@ pub struct PredictArgs {
     /// attention scores).
     #[arg(long, default_value = "5.23", value_parser = named::<TransformersVersion>)]
     pub transformers_version: TransformersVersion,
+    /// A graph captured from your own nn.Module by vramsim.from_module (JSON, format vramsim-graph)
+    /// instead of a zoo model: lowered like one, with the batch a variable (--batch).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["model", "hf_config"])]
+    pub graph: Option<PathBuf>,
 }
 
 /// A parser for `--image-size` (`H` or `HxW`).
@@ -390,6 +394,20 @@ pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
 pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
     let mut warnings = Vec::new();
     let arch = match (&args.model, &args.hf_config) {
+        _ if args.graph.is_some() => {
+            let path = args.graph.as_deref().unwrap_or(std::path::Path::new(""));
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read the graph {}", path.display()))?;
+            let g = vramsim_models::imported::ImportedGraph::parse(&text)
+                .with_context(|| format!("cannot import the graph {}", path.display()))?;
+            if args.checkpoint != Checkpointing::None && g.blocks().is_empty() {
+                warnings.push(format!(
+                    "{}: a captured module has no checkpointable blocks marked, so --checkpoint {} checkpoints nothing",
+                    g.name, args.checkpoint
+                ));
+            }
+            Arch::Imported(std::sync::Arc::new(g))
+        }
         (Some(name), _) => Arch::from_name(name)?,
         (None, Some(path)) => {
             let opts = ImportOptions {
@@ -410,7 +428,9 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
             }
             cfg.arch
         }
-        (None, None) => anyhow::bail!("give a model: --model NAME or --hf-config FILE"),
+        (None, None) => {
+            anyhow::bail!("give a model: --model NAME, --hf-config FILE or --graph FILE")
+        }
     };
     let seq = match (arch.max_positions(), args.seq) {
         (Some(_), Some(s)) => s,

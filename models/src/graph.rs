@@ -246,6 +246,8 @@ pub struct GraphBuilder {
     region_args: Vec<Vec<ValueId>>,
     no_autocast: bool,
     error: Option<GraphError>,
+    /// Regions started by [`GraphBuilder::begin_region`]: kind, module, first op, name.
+    open_regions: Vec<(RegionKind, ModuleId, usize, String)>,
 }
 
 /// The largest tensor a graph may hold: 2^50 bytes (1 PiB) at 8 bytes per element. Larger shapes
@@ -290,6 +292,7 @@ impl GraphBuilder {
             region_args: Vec::new(),
             no_autocast: false,
             error: None,
+            open_regions: Vec::new(),
         };
         b.intern(String::new());
         b
@@ -376,6 +379,35 @@ impl GraphBuilder {
             });
         }
         r
+    }
+
+    /// [`GraphBuilder::region`] for code that cannot be a closure (an importer's loop): enter
+    /// submodule `name` and start a region of `kind`; [`GraphBuilder::end_region`] ends it.
+    pub fn begin_region(&mut self, kind: RegionKind, name: &str) {
+        self.push_module(name);
+        self.region_args.push(Vec::new());
+        let module = self.current_module();
+        self.open_regions
+            .push((kind, module, self.g.ops.len(), name.to_string()));
+    }
+
+    /// Ends the region the matching [`GraphBuilder::begin_region`] started.
+    pub fn end_region(&mut self) {
+        let Some((kind, module, start, name)) = self.open_regions.pop() else {
+            return;
+        };
+        let args = self.region_args.pop().unwrap_or_default();
+        let end = self.g.ops.len();
+        self.pop_module(&name);
+        if end > start {
+            self.g.regions.push(Region {
+                kind,
+                module,
+                start,
+                end,
+                args,
+            });
+        }
     }
 
     /// Inside [`GraphBuilder::region`]: `v` is an argument of the region's call that none of its

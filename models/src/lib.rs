@@ -37,6 +37,7 @@ pub mod breakdown;
 pub mod dtype;
 pub mod graph;
 pub mod hf;
+pub mod imported;
 pub mod layout;
 mod lower;
 pub mod ops;

@@ -38,6 +38,8 @@ __all__ = [
     "check_snapshot",
     "import_snapshot",
     "gpus",
+    "from_module",
+    "Model",
     "record",
     "Recording",
     "options",
@@ -181,6 +183,14 @@ def _arguments(
 
 
 def _call(command: str, function: str, kwargs: Dict[str, Any]) -> Tuple[Any, str, Dict[str, bytes]]:
+    kwargs = dict(kwargs)
+    graph_file = None
+    if isinstance(kwargs.get("model"), Model):
+        # A captured module goes to the library as --graph FILE (the document, written once).
+        if kwargs.get("graph") is not None:
+            raise ConfigError(f"{function}() got both model=Model and graph=; give one")
+        graph_file = kwargs.pop("model").save()
+        kwargs["graph"] = graph_file
     args, pngs = _arguments(command, function, kwargs)
     try:
         document, text = _native.run(command, args)
@@ -189,6 +199,11 @@ def _call(command: str, function: str, kwargs: Dict[str, Any]) -> Tuple[Any, str
             with open(path, "rb") as f:
                 images[flag] = f.read()
     finally:
+        if graph_file is not None:
+            try:
+                os.remove(graph_file)
+            except OSError:
+                pass
         for path in pngs.values():
             try:
                 os.remove(path)
@@ -392,6 +407,87 @@ class Gpu(Result):
     def _summary(self) -> str:
         d = self._data
         return f"{d['name']}: {d['device']}, {_size(d['total_memory_bytes'])}"
+
+
+class Model:
+    """A user's ``nn.Module`` captured by :func:`from_module`: pass it as ``model=`` to ``predict``,
+    ``whatif`` and ``max_batch`` like a zoo model's name (the batch is a variable; every recipe option
+    applies). ``document`` is the JSON graph (format ``vramsim-graph``, see ``models/README.md``)."""
+
+    def __init__(self, document: Dict[str, Any]):
+        #: The graph document.
+        self.document = document
+
+    @property
+    def name(self) -> str:
+        """The model's name (the module's class name unless given)."""
+        return str(self.document.get("name"))
+
+    @property
+    def ops(self) -> List[str]:
+        """The captured calls, in program order."""
+        return [op["op"] for op in self.document.get("ops", [])]
+
+    def save(self, path: Any = None) -> str:
+        """Writes the document to ``path`` (a temporary file when ``None``) and returns the path."""
+        if path is None:
+            fd, path = tempfile.mkstemp(prefix="vramsim-graph-", suffix=".json")
+            os.close(fd)
+        path = os.fspath(path)
+        with open(path, "w") as f:
+            _json.dump(self.document, f)
+        return path
+
+    def __repr__(self) -> str:
+        n = len(self.document.get("params", []))
+        return f"Model({self.name}: {len(self.ops)} calls, {n} parameters, example batch {self.document.get('batch')})"
+
+
+def from_module(
+    model: Any,
+    example_inputs: Any,
+    loss_fn: Any = None,
+    targets: Any = None,
+    name: Optional[str] = None,
+    blocks: Any = None,
+) -> Model:
+    """Captures your own ``nn.Module`` for lowering (not recording): every what-if applies to it.
+
+    ``model`` must live on the meta device (``with torch.device("meta"): model = MyNet()``: no weights
+    are materialised); ``example_inputs`` is a tensor or a list of tensors (meta) whose dim 0 is the
+    batch, which becomes a variable. The step's loss is ``loss_fn(output, *targets)`` when ``loss_fn``
+    is given; otherwise ``F.cross_entropy(output, labels)`` with int64 labels when the output is
+    ``[B, C]`` floats (a classifier, as torchvision's reference training), else ``output.float().mean()``.
+    ``blocks`` names the submodules ``checkpoint=`` wraps (default: the repeated non-leaf children of an
+    ``nn.Sequential``/``nn.ModuleList``, such as ResNet blocks or transformer layers).
+
+    The forward runs under a ``TorchFunctionMode``; each call (``F.linear``, ``F.conv2d``, ...) is mapped
+    by the Rust models crate onto its op library. Calls without a rule raise :class:`ConfigError` listing
+    them; wrong argument types raise :class:`ConfigError` naming the argument. Example::
+
+        with torch.device("meta"):
+            net = torchvision.models.resnet18()
+        m = vramsim.from_module(net, torch.empty(8, 3, 224, 224, device="meta"))
+        vramsim.max_batch(model=m, gpu="rtx4090", precision="amp-bf16").max_batch
+    """
+    from . import _graph_capture
+
+    try:
+        document = _graph_capture.capture(
+            model, example_inputs, loss_fn=loss_fn, targets=targets, name=name, blocks=blocks
+        )
+    except _graph_capture.FromModuleError as e:
+        raise ConfigError(str(e)) from None
+    m = Model(document)
+    # Parse it once now, so unsupported calls are reported here rather than at predict time.
+    path = m.save()
+    try:
+        _native.run("predict", ["--graph", path, "--batch", str(document["batch"])])
+    except ConfigError as e:
+        raise ConfigError(str(e).replace(path, f"from_module({m.name})")) from None
+    finally:
+        os.remove(path)
+    return m
 
 
 def predict(**kwargs: Any) -> Prediction:

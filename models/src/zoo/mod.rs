@@ -94,6 +94,9 @@ pub const NAMES: [&str; 48] = [
 /// Why a zoo model could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ZooError {
+    /// A captured module's graph that cannot be built.
+    #[error(transparent)]
+    Imported(#[from] crate::imported::ImportError),
     /// No such model.
     #[error("unknown model {0:?}: the zoo has {names}", names = NAMES.join(", "))]
     Unknown(String),
@@ -188,6 +191,8 @@ pub enum Arch {
     Timm(timm::TimmConfig),
     /// karpathy/nanoGPT's `GPT`.
     NanoGpt(nanogpt::NanoGptConfig),
+    /// A user's `nn.Module` captured by `vramsim.from_module` ([`crate::imported`]).
+    Imported(std::sync::Arc<crate::imported::ImportedGraph>),
 }
 
 impl Arch {
@@ -236,6 +241,7 @@ impl Arch {
             Arch::Llama(c) => &c.name,
             Arch::Timm(c) => c.name(),
             Arch::NanoGpt(c) => c.name,
+            Arch::Imported(g) => &g.name,
         }
     }
 
@@ -243,7 +249,12 @@ impl Arch {
     /// models without a sequence (images, the MLP), which ignore the recipe's `seq`.
     pub fn max_positions(&self) -> Option<u64> {
         match self {
-            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Vit(_) | Arch::Timm(_) => None,
+            Arch::Mlp
+            | Arch::ResNet(_)
+            | Arch::Vgg16
+            | Arch::Vit(_)
+            | Arch::Timm(_)
+            | Arch::Imported(_) => None,
             Arch::Bert(c) => Some(c.positions),
             Arch::Gpt2(c) => Some(c.positions),
             Arch::Llama(c) => Some(c.positions),
@@ -286,7 +297,8 @@ impl Arch {
         };
         match self {
             // timm 0.6's models run explicit attention (`q @ k.transpose(-2, -1)`), no SDPA.
-            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Timm(_) => None,
+            // An imported graph's SDPA calls are not mapped (listed as unsupported).
+            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Timm(_) | Arch::Imported(_) => None,
             Arch::Vit(c) => {
                 let l = (c.image / c.patch).pow(2) + 1;
                 Some(call(
@@ -424,6 +436,18 @@ impl Arch {
                 });
             }
         }
+        if let Arch::Imported(g) = self {
+            self.image_size(recipe)?;
+            self.num_classes(recipe)?;
+            if recipe.head.is_some() {
+                return Err(ZooError::Unsupported {
+                    model: g.name.clone(),
+                    field: "head",
+                    msg: "a captured module's head is the one captured".into(),
+                });
+            }
+            return Ok(g.build(batch)?);
+        }
         let seq = recipe.seq;
         let head = self.head(recipe)?;
         let image = self.image_size(recipe)?;
@@ -503,6 +527,8 @@ impl Arch {
                 }
                 llama::llama_with_head(c, batch, seq, attn, head, recipe.loss)?
             }
+            // Built above, before the zoo's checks of heads and attention.
+            Arch::Imported(g) => g.build(batch)?,
         })
     }
 
@@ -513,7 +539,12 @@ impl Arch {
             Arch::Llama(_) => Some(Family::Llama),
             Arch::Bert(_) => Some(Family::Bert),
             Arch::NanoGpt(_) => Some(Family::NanoGpt),
-            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Vit(_) | Arch::Timm(_) => None,
+            Arch::Mlp
+            | Arch::ResNet(_)
+            | Arch::Vgg16
+            | Arch::Vit(_)
+            | Arch::Timm(_)
+            | Arch::Imported(_) => None,
         }
     }
 
@@ -556,6 +587,15 @@ impl Arch {
             Arch::Timm(c) => {
                 let size = recipe.image_size.unwrap_or_else(|| c.default_image());
                 return c.check_image(size).map(|()| size).map_err(bad);
+            }
+            Arch::Imported(g) => {
+                return match recipe.image_size {
+                    Some((h, w)) => Err(bad(format!(
+                        "{h}x{w}: {} is a captured module: its input shapes are the example inputs' (only the batch varies)",
+                        g.name
+                    ))),
+                    None => Ok((0, 0)),
+                }
             }
             Arch::Mlp => {
                 return match recipe.image_size {
@@ -630,6 +670,16 @@ impl Arch {
             Arch::Vit(c) => c.classes,
             Arch::Vgg16 | Arch::Timm(_) => 1000,
             Arch::Mlp => mlp::MLP_DIMS[mlp::MLP_DIMS.len() - 1],
+            Arch::Imported(g) => {
+                return match recipe.num_classes {
+                    Some(n) => Err(ZooError::Unsupported {
+                        model: g.name.clone(),
+                        field: "num-classes",
+                        msg: format!("{n}: a captured module's classifier is the one captured"),
+                    }),
+                    None => Ok(0),
+                }
+            }
             Arch::Bert(_) | Arch::Gpt2(_) | Arch::Llama(_) | Arch::NanoGpt(_) => {
                 return match recipe.num_classes {
                     Some(n) => Err(ZooError::Unsupported {
@@ -679,6 +729,8 @@ impl Arch {
     /// tensor of the graph, and no shape arithmetic can overflow while building it.
     fn largest_tensors(&self, b: u64, s: u64, (ih, iw): (u64, u64)) -> Vec<Vec<u64>> {
         match self {
+            // The graph builder checks each tensor of an imported graph as it makes it.
+            Arch::Imported(_) => vec![],
             Arch::Mlp => vec![vec![b, 4096]],
             Arch::ResNet(_) => vec![
                 vec![b, 256, ih.div_ceil(4), iw.div_ceil(4)],

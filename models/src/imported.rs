@@ -1,0 +1,837 @@
+//! Graphs captured from a user's `nn.Module` (`vramsim.from_module`), lowered like a zoo model.
+//!
+//! The Python side (`python/vramsim/_graph_capture.py`) runs the forward and the loss on the meta
+//! device under a `TorchFunctionMode` and writes each call (`F.linear`, `F.conv2d`, `Tensor.view`,
+//! `F.cross_entropy`, ...) with its module path, its arguments and its outputs' shapes to a JSON
+//! document (format `vramsim-graph`, version 1, described in `models/README.md`). Integers that
+//! depend on the batch are written `{"b": k, "c": c}` (`k * batch + c`), so [`ImportedGraph::build`]
+//! rebuilds the graph at any batch: each call is mapped onto the op library's builder method of the
+//! same PyTorch function (which writes the ATen ops eager PyTorch runs, autocast's casts included),
+//! so every recipe (precision, checkpointing of nothing but the whole step, accumulation, optimizer)
+//! applies as to a zoo model. Calls without a rule are an [`ImportError::Unsupported`] listing them.
+
+use crate::dtype::DType;
+use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, T};
+use serde_json::Value as J;
+use std::collections::BTreeMap;
+
+/// The `format` field of a graph document.
+pub const FORMAT: &str = "vramsim-graph";
+/// The version of the graph format read here.
+pub const VERSION: u64 = 1;
+
+/// Why a graph document cannot be imported or built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ImportError {
+    /// Not JSON, or not a `vramsim-graph` document of a known version.
+    #[error("not a vramsim graph document: {0}")]
+    Format(String),
+    /// Calls without a rule in the op library (name, module path, count).
+    #[error("calls without a rule in vramsim's op library (op @ module × count): {}", .0.iter().map(|(o, m, n)| format!("{o} @ {} × {n}", if m.is_empty() { "<top>" } else { m })).collect::<Vec<_>>().join(", "))]
+    Unsupported(Vec<(String, String, usize)>),
+    /// A call whose arguments the rule does not take (op, module, what).
+    #[error("{module}: {op}: {msg}")]
+    Arguments {
+        /// Call name.
+        op: String,
+        /// Module path.
+        module: String,
+        /// What is wrong.
+        msg: String,
+    },
+    /// Shapes that do not fit at this batch.
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+}
+
+/// A parsed graph document: builds the model's [`Graph`] at any batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ImportedGraph {
+    /// The model name (the module's class name unless given).
+    pub name: String,
+    /// The batch the example inputs had.
+    pub example_batch: u64,
+    doc: J,
+}
+
+fn field<'a>(j: &'a J, key: &str) -> Result<&'a J, ImportError> {
+    j.get(key)
+        .ok_or_else(|| ImportError::Format(format!("missing field {key:?}")))
+}
+
+/// An integer of the document at `batch` (`{"b": k, "c": c}` is `k * batch + c`).
+fn int_at(j: &J, batch: u64) -> Option<i64> {
+    if let Some(i) = j.as_i64() {
+        return Some(i);
+    }
+    let k = j.get("b")?.as_i64()?;
+    let c = j.get("c")?.as_i64()?;
+    k.checked_mul(i64::try_from(batch).ok()?)?.checked_add(c)
+}
+
+fn dtype_spec(name: &str) -> Result<DTypeSpec, ImportError> {
+    Ok(match name {
+        "model" => DTypeSpec::Model,
+        "float32" => DTypeSpec::Fixed(DType::F32),
+        "float16" => DTypeSpec::Fixed(DType::F16),
+        "bfloat16" => DTypeSpec::Fixed(DType::BF16),
+        "float64" => DTypeSpec::Fixed(DType::F64),
+        "int64" => DTypeSpec::Fixed(DType::I64),
+        "int32" => DTypeSpec::Fixed(DType::I32),
+        "bool" => DTypeSpec::Fixed(DType::Bool),
+        "uint8" => DTypeSpec::Fixed(DType::U8),
+        other => return Err(ImportError::Format(format!("unknown dtype {other:?}"))),
+    })
+}
+
+/// The calls the importer maps onto the op library (the `op` names of the document).
+pub const SUPPORTED: &[&str] = &[
+    "linear",
+    "conv2d",
+    "batch_norm",
+    "relu",
+    "relu_",
+    "gelu",
+    "silu",
+    "tanh",
+    "sigmoid",
+    "layer_norm",
+    "softmax",
+    "log_softmax",
+    "dropout",
+    "embedding",
+    "add",
+    "__add__",
+    "__radd__",
+    "sub",
+    "__sub__",
+    "mul",
+    "__mul__",
+    "__rmul__",
+    "div",
+    "__truediv__",
+    "add_",
+    "__iadd__",
+    "view",
+    "reshape",
+    "flatten",
+    "permute",
+    "transpose",
+    "t",
+    "contiguous",
+    "expand",
+    "unsqueeze",
+    "cat",
+    "matmul",
+    "__matmul__",
+    "mm",
+    "bmm",
+    "max_pool2d",
+    "_max_pool2d",
+    "adaptive_avg_pool2d",
+    "mean",
+    "float",
+    "cross_entropy",
+    "nll_loss",
+    "mse_loss",
+];
+
+impl ImportedGraph {
+    /// Parses a graph document (JSON text).
+    pub fn parse(text: &str) -> Result<ImportedGraph, ImportError> {
+        let doc: J = serde_json::from_str(text).map_err(|e| ImportError::Format(e.to_string()))?;
+        if doc.get("format").and_then(J::as_str) != Some(FORMAT) {
+            return Err(ImportError::Format(format!(
+                "the format field is not {FORMAT:?}"
+            )));
+        }
+        let version = doc.get("version").and_then(J::as_u64);
+        if version != Some(VERSION) {
+            return Err(ImportError::Format(format!(
+                "version {version:?} (this vramsim reads version {VERSION})"
+            )));
+        }
+        let name = field(&doc, "name")?
+            .as_str()
+            .unwrap_or("module")
+            .to_string();
+        let example_batch = field(&doc, "batch")?
+            .as_u64()
+            .ok_or_else(|| ImportError::Format("batch is not a count".into()))?;
+        for key in [
+            "values", "ops", "params", "buffers", "inputs", "output", "loss",
+        ] {
+            field(&doc, key)?;
+        }
+        let g = ImportedGraph {
+            name,
+            example_batch,
+            doc,
+        };
+        let missing = g.unsupported();
+        if !missing.is_empty() {
+            return Err(ImportError::Unsupported(missing));
+        }
+        Ok(g)
+    }
+
+    /// The checkpointable blocks the capture marked (module paths).
+    pub fn blocks(&self) -> Vec<String> {
+        self.doc["blocks"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|b| b["module"].as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    fn ops(&self) -> &[J] {
+        self.doc["ops"].as_array().map(Vec::as_slice).unwrap_or(&[])
+    }
+
+    /// The calls without a rule: (name, first module path, count), in program order.
+    pub fn unsupported(&self) -> Vec<(String, String, usize)> {
+        let mut seen: BTreeMap<String, (usize, String, usize)> = BTreeMap::new();
+        for (i, op) in self.ops().iter().enumerate() {
+            let name = op["op"].as_str().unwrap_or("?");
+            if !SUPPORTED.contains(&name) {
+                let e = seen.entry(name.to_string()).or_insert((
+                    i,
+                    op["module"].as_str().unwrap_or("").to_string(),
+                    0,
+                ));
+                e.2 += 1;
+            }
+        }
+        let mut v: Vec<_> = seen
+            .into_iter()
+            .map(|(n, (i, m, c))| (i, n, m, c))
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, n, m, c)| (n, m, c)).collect()
+    }
+
+    /// The model's graph at `batch` (dim 0 of every input).
+    pub fn build(&self, batch: u64) -> Result<Graph, ImportError> {
+        Builder::new(self, batch).run()
+    }
+}
+
+struct Builder<'a> {
+    g: &'a ImportedGraph,
+    batch: u64,
+    b: GraphBuilder,
+    vals: Vec<Option<T>>,
+}
+
+impl<'a> Builder<'a> {
+    fn new(g: &'a ImportedGraph, batch: u64) -> Self {
+        let n = g.doc["values"].as_array().map_or(0, Vec::len);
+        let mut b = GraphBuilder::new(&g.name, batch, 0);
+        b.meta(
+            "reference",
+            format!(
+                "vramsim.from_module capture of {} (example batch {}), lowered by the op library",
+                g.name, g.example_batch
+            )
+            .into(),
+        );
+        Builder {
+            g,
+            batch,
+            b,
+            vals: vec![None; n],
+        }
+    }
+
+    fn shape(&self, j: &J) -> Result<Vec<u64>, ImportError> {
+        j.as_array()
+            .ok_or_else(|| ImportError::Format("a shape is not a list".into()))?
+            .iter()
+            .map(|d| {
+                int_at(d, self.batch)
+                    .filter(|&x| x >= 0)
+                    .map(|x| x as u64)
+                    .ok_or_else(|| ImportError::Format(format!("bad dimension {d}")))
+            })
+            .collect()
+    }
+
+    fn value_decl(&self, vid: &J) -> Result<(usize, &'a J), ImportError> {
+        let i = vid
+            .as_u64()
+            .ok_or_else(|| ImportError::Format("a value id is not a count".into()))?
+            as usize;
+        let v = self.g.doc["values"]
+            .get(i)
+            .ok_or_else(|| ImportError::Format(format!("value {i} is not declared")))?;
+        Ok((i, v))
+    }
+
+    fn run(mut self) -> Result<Graph, ImportError> {
+        let doc = &self.g.doc;
+        let params = doc["params"].as_array().cloned().unwrap_or_default();
+        let buffers = doc["buffers"].as_array().cloned().unwrap_or_default();
+        // `model.to(device)`: each buffer after the parameters registered before it.
+        let mut bi = 0;
+        let mut place_buffers = |s: &mut Self, placed: usize| -> Result<(), ImportError> {
+            while bi < buffers.len() {
+                let (i, v) = s.value_decl(&buffers[bi])?;
+                if v["after_params"].as_u64().unwrap_or(0) as usize > placed {
+                    break;
+                }
+                let shape = s.shape(&v["shape"])?;
+                let dt = dtype_spec(v["dtype"].as_str().unwrap_or("?"))?;
+                let t =
+                    s.b.buffer(v["name"].as_str().unwrap_or("buffer"), &shape, dt);
+                s.vals[i] = Some(t);
+                bi += 1;
+            }
+            Ok(())
+        };
+        place_buffers(&mut self, 0)?;
+        for (n, p) in params.iter().enumerate() {
+            let (i, v) = self.value_decl(p)?;
+            let shape = self.shape(&v["shape"])?;
+            let trainable = v["trainable"].as_bool().unwrap_or(true);
+            let t = self
+                .b
+                .param_with(v["name"].as_str().unwrap_or("param"), &shape, trainable);
+            self.vals[i] = Some(t);
+            place_buffers(&mut self, n + 1)?;
+        }
+        place_buffers(&mut self, usize::MAX)?;
+        for x in doc["inputs"].as_array().cloned().unwrap_or_default() {
+            let (i, v) = self.value_decl(&x)?;
+            let shape = self.shape(&v["shape"])?;
+            let dt = dtype_spec(v["dtype"].as_str().unwrap_or("?"))?;
+            let t = self
+                .b
+                .input(v["name"].as_str().unwrap_or("input"), &shape, dt);
+            self.vals[i] = Some(t);
+        }
+        let output = doc["output"].as_u64().unwrap_or(u64::MAX) as usize;
+        let loss = doc["loss"].as_u64().unwrap_or(u64::MAX) as usize;
+        let forward_ops = doc["forward_ops"].as_u64().unwrap_or(0) as usize;
+        let ops = self.g.ops();
+        // Checkpointable blocks: the contiguous ops of each block module (`blocks`, the repeated
+        // children of an nn.Sequential/ModuleList unless `from_module(blocks=...)` named them).
+        let in_block = |m: &str, blk: &str| m == blk || m.starts_with(&format!("{blk}."));
+        let mut blocks: Vec<(usize, usize, String, Vec<usize>)> = Vec::new();
+        for blk in doc["blocks"].as_array().cloned().unwrap_or_default() {
+            let path = blk["module"].as_str().unwrap_or("").to_string();
+            let idx: Vec<usize> = (0..ops.len())
+                .filter(|&k| in_block(ops[k]["module"].as_str().unwrap_or(""), &path))
+                .collect();
+            let (Some(&first), Some(&last)) = (idx.first(), idx.last()) else {
+                continue;
+            };
+            if path.is_empty() || last + 1 - first != idx.len() || last >= forward_ops {
+                return Err(ImportError::Format(format!(
+                    "block {path:?} is not one contiguous run of forward calls"
+                )));
+            }
+            let args = blk["args"]
+                .as_array()
+                .map(|a| a.iter().filter_map(J::as_u64).map(|v| v as usize).collect())
+                .unwrap_or_default();
+            blocks.push((first, last + 1, path, args));
+        }
+        blocks.sort();
+        let calls: Vec<(usize, usize, Vec<usize>)> = doc["calls"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|c| {
+                        let c = c.as_array()?;
+                        let held = c.get(2)?.as_array()?;
+                        Some((
+                            c.first()?.as_u64()? as usize,
+                            c.get(1)?.as_u64()? as usize,
+                            held.iter()
+                                .filter_map(J::as_u64)
+                                .map(|v| v as usize)
+                                .collect(),
+                        ))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut open: Option<(usize, String)> = None;
+        for (k, op) in ops.iter().enumerate() {
+            if let Some((_, _, path, args)) = blocks.iter().find(|b| b.0 == k) {
+                if open.is_some() {
+                    return Err(ImportError::Format(format!(
+                        "block {path:?} is nested in another"
+                    )));
+                }
+                self.b.begin_region(RegionKind::Block, path);
+                // `forward(self, x)`: the block's arguments live until it returns.
+                for &a in args {
+                    let v = self.get(a)?;
+                    self.b.hold(v);
+                }
+                let end = blocks.iter().find(|b| b.0 == k).map_or(k + 1, |b| b.1);
+                open = Some((end, path.clone()));
+            }
+            if k == forward_ops {
+                // `output = model(x)` then `loss = loss_fn(output, y)`: the output lives until the
+                // loss returns (the loop's local), as the zoo's classifier loss holds it.
+                let out = self.get(output)?;
+                self.b.keep_output(out);
+                self.b.push_module("");
+                self.b.hold(out);
+            }
+            let full = op["module"].as_str().unwrap_or("").to_string();
+            // Inside a region the builder's path is the block's: push the rest.
+            let module = match &open {
+                Some((_, blk)) => full[blk.len()..].trim_start_matches('.').to_string(),
+                None => full,
+            };
+            self.b.push_module(&module);
+            let r = self.op(op);
+            self.b.pop_module(&module);
+            r?;
+            // A module call's tensor arguments live until it returns: the caller's frame holds
+            // them (`y = self.mlp(y)` rebinds `y` only after the call), whatever the callee does.
+            for (_, _, held) in calls.iter().filter(|c| c.1 == k + 1 && c.0 <= k) {
+                for &a in held {
+                    let v = self.get(a)?;
+                    self.b.hold_until_last_op(v);
+                }
+            }
+            if open.as_ref().is_some_and(|(end, _)| *end == k + 1) {
+                self.b.end_region();
+                open = None;
+            }
+        }
+        if ops.len() < forward_ops {
+            return Err(ImportError::Format(
+                "forward_ops is past the last op".into(),
+            ));
+        }
+        if forward_ops < ops.len() {
+            self.b.pop_module("");
+        }
+        let l = self.get(loss)?;
+        self.b.keep_output(l);
+        self.b.set_output(l);
+        Ok(self.b.finish()?)
+    }
+
+    fn get(&self, i: usize) -> Result<T, ImportError> {
+        self.vals
+            .get(i)
+            .copied()
+            .flatten()
+            .ok_or_else(|| ImportError::Format(format!("value {i} is used before it is made")))
+    }
+
+    fn op(&mut self, op: &J) -> Result<(), ImportError> {
+        let name = op["op"].as_str().unwrap_or("?").to_string();
+        let module = op["module"].as_str().unwrap_or("").to_string();
+        let args = op["args"].as_array().cloned().unwrap_or_default();
+        let kwargs = op["kwargs"].as_object().cloned().unwrap_or_default();
+        let outs: Vec<usize> = op["outputs"]
+            .as_array()
+            .map(|a| a.iter().filter_map(J::as_u64).map(|x| x as usize).collect())
+            .unwrap_or_default();
+        let bad = |msg: String| ImportError::Arguments {
+            op: name.clone(),
+            module: module.clone(),
+            msg,
+        };
+        // Argument `i` (positional) or `key` (keyword).
+        let arg = |i: usize, key: &str| -> Option<J> {
+            args.get(i)
+                .cloned()
+                .or_else(|| kwargs.get(key).cloned())
+                .filter(|v| !v.is_null())
+        };
+        let batch = self.batch;
+        let int = |j: &J| int_at(j, batch);
+        let ints = |j: &J| -> Option<Vec<i64>> {
+            match j.as_array() {
+                Some(a) => a.iter().map(int).collect(),
+                None => int(j).map(|x| vec![x]),
+            }
+        };
+        let pair = |j: Option<J>, default: [u64; 2]| -> Result<[u64; 2], ImportError> {
+            match j {
+                None => Ok(default),
+                Some(j) => match ints(&j).as_deref() {
+                    Some([a]) if *a >= 0 => Ok([*a as u64; 2]),
+                    Some([a, b]) if *a >= 0 && *b >= 0 => Ok([*a as u64, *b as u64]),
+                    _ => Err(bad(format!("expected an int or a pair, got {j}"))),
+                },
+            }
+        };
+        let tensor = |s: &Self, j: Option<J>| -> Result<Option<T>, ImportError> {
+            match j {
+                None => Ok(None),
+                Some(j) => match j.get("t").and_then(J::as_u64) {
+                    Some(i) => s.get(i as usize).map(Some),
+                    None => Ok(None),
+                },
+            }
+        };
+        let need = |s: &Self, i: usize, key: &str| -> Result<T, ImportError> {
+            tensor(s, arg(i, key))?.ok_or_else(|| bad(format!("argument {key} is not a tensor")))
+        };
+        let float_arg = |i: usize, key: &str, default: f64| -> f64 {
+            arg(i, key).and_then(|j| j.as_f64()).unwrap_or(default)
+        };
+        let bool_arg = |i: usize, key: &str, default: bool| -> bool {
+            arg(i, key).and_then(|j| j.as_bool()).unwrap_or(default)
+        };
+        // The rest of the positional arguments from `i` as one int list (`x.view(2, 3)` or
+        // `x.view((2, 3))`).
+        let rest_ints = |i: usize, key: &str| -> Result<Vec<i64>, ImportError> {
+            let j = if args.len() > i + 1 {
+                J::Array(args[i..].to_vec())
+            } else {
+                arg(i, key).ok_or_else(|| bad(format!("missing {key}")))?
+            };
+            let j = match j.as_array() {
+                Some(a) if a.len() == 1 && a[0].is_array() => a[0].clone(),
+                _ => j,
+            };
+            ints(&j).ok_or_else(|| bad(format!("{key} is not a list of ints: {j}")))
+        };
+        let x0 = || tensor(self, arg(0, "input"));
+        let out: Vec<T> = match name.as_str() {
+            "linear" => {
+                let x = need(self, 0, "input")?;
+                let w = need(self, 1, "weight")?;
+                let bias = tensor(self, arg(2, "bias"))?;
+                vec![self.b.linear_op(x, w, bias)]
+            }
+            "conv2d" => {
+                let x = need(self, 0, "input")?;
+                let w = need(self, 1, "weight")?;
+                let bias = tensor(self, arg(2, "bias"))?;
+                if arg(4, "padding").is_some_and(|p| p.is_string()) {
+                    return Err(bad("padding given as a string is not modelled".into()));
+                }
+                let stride = pair(arg(3, "stride"), [1, 1])?;
+                let padding = pair(arg(4, "padding"), [0, 0])?;
+                let dilation = pair(arg(5, "dilation"), [1, 1])?;
+                let groups = arg(6, "groups").and_then(|j| int(&j)).unwrap_or(1).max(1) as u64;
+                vec![self
+                    .b
+                    .conv2d_op(x, w, bias, stride, padding, dilation, groups)]
+            }
+            "batch_norm" => {
+                let x = need(self, 0, "input")?;
+                let rm = need(self, 1, "running_mean")?;
+                let rv = need(self, 2, "running_var")?;
+                let w = need(self, 3, "weight")?;
+                let bias = need(self, 4, "bias")?;
+                if !bool_arg(5, "training", false) {
+                    return Err(bad("batch_norm in eval mode is not modelled".into()));
+                }
+                vec![self.b.batch_norm_op(x, w, bias, rm, rv)]
+            }
+            "relu" | "relu_" => {
+                let x = need(self, 0, "input")?;
+                if name == "relu_" || bool_arg(1, "inplace", false) {
+                    vec![self.b.relu_(x)]
+                } else {
+                    vec![self.b.relu(x)]
+                }
+            }
+            "gelu" => {
+                let x = need(self, 0, "input")?;
+                let tanh = arg(1, "approximate").and_then(|j| j.as_str().map(|s| s == "tanh"));
+                vec![self.b.gelu(x, tanh.unwrap_or(false))]
+            }
+            "silu" | "tanh" | "sigmoid" | "float" | "contiguous" | "t" => {
+                let x = need(self, 0, "input")?;
+                if name == "silu" && bool_arg(1, "inplace", false) {
+                    return Err(bad("silu(inplace=True) is not modelled".into()));
+                }
+                vec![match name.as_str() {
+                    "silu" => self.b.silu(x),
+                    "tanh" => self.b.tanh(x),
+                    "sigmoid" => self.b.sigmoid(x),
+                    "float" => self.b.to_dtype(x, DType::F32),
+                    "contiguous" => self.b.contiguous(x),
+                    _ => self.b.t(x),
+                }]
+            }
+            "layer_norm" => {
+                let x = need(self, 0, "input")?;
+                let w = need(self, 2, "weight")?;
+                let bias = tensor(self, arg(3, "bias"))?;
+                vec![self.b.layer_norm_op_opt(x, w, bias)]
+            }
+            "softmax" | "log_softmax" => {
+                let x = need(self, 0, "input")?;
+                let dim = arg(1, "dim")
+                    .and_then(|j| int(&j))
+                    .ok_or_else(|| bad("softmax without dim".into()))?;
+                let f32 = arg(3, "dtype").and_then(|j| j.get("dtype").cloned());
+                if name == "softmax" {
+                    let to_f32 = f32.as_ref().and_then(J::as_str) == Some("float32");
+                    vec![self.b.softmax(x, dim as isize, to_f32)]
+                } else {
+                    vec![self.b.log_softmax(x, dim as isize)]
+                }
+            }
+            "dropout" => {
+                let x = need(self, 0, "input")?;
+                let p = float_arg(1, "p", 0.5);
+                let training = bool_arg(2, "training", true);
+                if bool_arg(3, "inplace", false) {
+                    return Err(bad("dropout(inplace=True) is not modelled".into()));
+                }
+                // ATen `_dropout_impl`: `if (p == 0 || !train || input.numel() == 0) return input`.
+                if p == 0.0 || !training {
+                    vec![x]
+                } else {
+                    vec![self.b.dropout(x, p)]
+                }
+            }
+            "embedding" => {
+                let ids = need(self, 0, "input")?;
+                let w = need(self, 1, "weight")?;
+                vec![self.b.embedding_op(w, ids)]
+            }
+            "add" | "__add__" | "__radd__" | "sub" | "__sub__" | "mul" | "__mul__" | "__rmul__"
+            | "div" | "__truediv__" => {
+                let a = need(self, 0, "input")?;
+                if arg(2, "alpha").is_some() {
+                    return Err(bad("alpha is not modelled".into()));
+                }
+                match tensor(self, arg(1, "other"))? {
+                    Some(o) => vec![match name.trim_matches('_') {
+                        "add" | "radd" => self.b.add(a, o),
+                        "sub" => self.b.sub(a, o),
+                        "mul" | "rmul" => self.b.mul(a, o),
+                        _ => self.b.div(a, o),
+                    }],
+                    None => vec![match name.trim_matches('_') {
+                        "add" | "radd" => self.b.add_scalar(a),
+                        "sub" => self.b.add_scalar(a),
+                        "mul" | "rmul" => self.b.mul_scalar(a),
+                        _ => self.b.div_scalar(a),
+                    }],
+                }
+            }
+            "add_" | "__iadd__" => {
+                let a = need(self, 0, "input")?;
+                match tensor(self, arg(1, "other"))? {
+                    Some(o) => vec![self.b.add_(a, o)],
+                    // `self.num_batches_tracked.add_(1)` (`_BatchNorm.forward`): in place on a
+                    // buffer, a kernel on existing storage: nothing allocated, nothing saved.
+                    None if !self.b.g_value_differentiable(a) => vec![a],
+                    None => {
+                        return Err(bad(
+                            "in-place add of a scalar to a float tensor is not modelled".into(),
+                        ))
+                    }
+                }
+            }
+            "view" | "reshape" => {
+                let x = need(self, 0, "input")?;
+                let shape = rest_ints(1, "shape")?;
+                vec![if name == "view" {
+                    self.b.view(x, &shape)
+                } else {
+                    self.b.reshape(x, &shape)
+                }]
+            }
+            "flatten" => {
+                let x = need(self, 0, "input")?;
+                let start = arg(1, "start_dim").and_then(|j| int(&j)).unwrap_or(0);
+                let end = arg(2, "end_dim").and_then(|j| int(&j)).unwrap_or(-1);
+                let s = self.b.shape(x);
+                let n = s.len() as i64;
+                let (st, en) = (
+                    if start < 0 { start + n } else { start },
+                    if end < 0 { end + n } else { end },
+                );
+                if st < 0 || en >= n || st > en {
+                    return Err(bad(format!("dims {start}..{end} of a {n}-D tensor")));
+                }
+                if en == n - 1 {
+                    vec![self.b.flatten(x, st as usize)]
+                } else {
+                    let (st, en) = (st as usize, en as usize);
+                    let mut shape: Vec<i64> = s[..st].iter().map(|&d| d as i64).collect();
+                    shape.push(s[st..=en].iter().product::<u64>() as i64);
+                    shape.extend(s[en + 1..].iter().map(|&d| d as i64));
+                    vec![self.b.reshape(x, &shape)]
+                }
+            }
+            "permute" => {
+                let x = need(self, 0, "input")?;
+                let n = self.b.shape(x).len() as i64;
+                let dims = rest_ints(1, "dims")?;
+                let dims: Vec<usize> = dims
+                    .iter()
+                    .map(|&d| if d < 0 { d + n } else { d } as usize)
+                    .collect();
+                vec![self.b.permute(x, &dims)]
+            }
+            "transpose" => {
+                let x = need(self, 0, "input")?;
+                let d0 = arg(1, "dim0").and_then(|j| int(&j)).unwrap_or(0);
+                let d1 = arg(2, "dim1").and_then(|j| int(&j)).unwrap_or(1);
+                vec![self.b.transpose(x, d0 as isize, d1 as isize)]
+            }
+            "unsqueeze" => {
+                let x = need(self, 0, "input")?;
+                let n = self.b.shape(x).len() as i64 + 1;
+                let d = arg(1, "dim").and_then(|j| int(&j)).unwrap_or(0);
+                vec![self.b.unsqueeze(x, if d < 0 { d + n } else { d } as usize)]
+            }
+            "expand" => {
+                let x = need(self, 0, "input")?;
+                let sizes = rest_ints(1, "size")?;
+                let s = self.b.shape(x);
+                let off = sizes.len().saturating_sub(s.len());
+                let shape: Vec<u64> = sizes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &d)| {
+                        if d < 0 {
+                            s.get(i.wrapping_sub(off)).copied().unwrap_or(1)
+                        } else {
+                            d as u64
+                        }
+                    })
+                    .collect();
+                vec![self.b.expand(x, &shape)]
+            }
+            "cat" => {
+                let list = arg(0, "tensors")
+                    .and_then(|j| j.as_array().cloned())
+                    .ok_or_else(|| bad("cat without a list of tensors".into()))?;
+                let mut xs = Vec::new();
+                for j in list {
+                    xs.push(
+                        tensor(self, Some(j))?.ok_or_else(|| bad("cat of a non-tensor".into()))?,
+                    );
+                }
+                let dim = arg(1, "dim").and_then(|j| int(&j)).unwrap_or(0);
+                vec![self.b.cat(&xs, dim as isize)]
+            }
+            "matmul" | "__matmul__" | "mm" | "bmm" => {
+                let a = need(self, 0, "input")?;
+                let o = need(self, 1, "other").or_else(|_| need(self, 1, "mat2"))?;
+                vec![match name.as_str() {
+                    "mm" => self.b.mm(a, o),
+                    "bmm" => self.b.bmm(a, o),
+                    _ => self.b.matmul(a, o),
+                }]
+            }
+            "max_pool2d" | "_max_pool2d" => {
+                let x = need(self, 0, "input")?;
+                let kernel = pair(arg(1, "kernel_size"), [1, 1])?;
+                let stride = match arg(2, "stride") {
+                    Some(j) if !j.as_array().is_some_and(Vec::is_empty) => pair(Some(j), kernel)?,
+                    _ => kernel,
+                };
+                let padding = pair(arg(3, "padding"), [0, 0])?;
+                if pair(arg(4, "dilation"), [1, 1])? != [1, 1]
+                    || bool_arg(5, "ceil_mode", false)
+                    || bool_arg(6, "return_indices", false)
+                {
+                    return Err(bad(
+                        "dilation, ceil_mode or return_indices are not modelled".into(),
+                    ));
+                }
+                vec![self.b.max_pool2d(x, kernel, stride, padding)]
+            }
+            "adaptive_avg_pool2d" => {
+                let x = need(self, 0, "input")?;
+                let o = pair(arg(1, "output_size"), [1, 1])?;
+                vec![self.b.adaptive_avg_pool2d(x, o)]
+            }
+            "mean" => {
+                let x = need(self, 0, "input")?;
+                if arg(3, "dtype").is_some() {
+                    return Err(bad("mean(dtype=...) is not modelled".into()));
+                }
+                let keep = bool_arg(2, "keepdim", false);
+                let n = self.b.shape(x).len() as isize;
+                match arg(1, "dim") {
+                    None => {
+                        let all: Vec<isize> = (0..n).collect();
+                        vec![self.b.mean_dims(x, &all, false)]
+                    }
+                    Some(j) => {
+                        let dims = ints(&j).ok_or_else(|| bad(format!("dim {j}")))?;
+                        if dims.len() == 1 && !j.is_array() {
+                            vec![self.b.mean_dim(x, dims[0] as isize, keep)]
+                        } else {
+                            let d: Vec<isize> = dims.iter().map(|&d| d as isize).collect();
+                            vec![self.b.mean_dims(x, &d, keep)]
+                        }
+                    }
+                }
+            }
+            "cross_entropy" | "nll_loss" | "mse_loss" => {
+                let x = need(self, 0, "input")?;
+                let y = need(self, 1, "target")?;
+                let reduction = arg(6, "reduction")
+                    .or_else(|| kwargs.get("reduction").cloned())
+                    .and_then(|j| j.as_str().map(str::to_string))
+                    .unwrap_or_else(|| "mean".into());
+                let weight = if name == "mse_loss" {
+                    None
+                } else {
+                    arg(2, "weight")
+                };
+                let smoothing = kwargs
+                    .get("label_smoothing")
+                    .and_then(J::as_f64)
+                    .unwrap_or(0.0);
+                if reduction != "mean" || weight.is_some() || smoothing != 0.0 {
+                    return Err(bad(
+                        "only reduction='mean' without class weights or label smoothing is modelled".into(),
+                    ));
+                }
+                vec![match name.as_str() {
+                    "cross_entropy" => self.b.cross_entropy(x, y),
+                    "nll_loss" => self.b.nll_loss(x, y),
+                    _ => self.b.mse_loss(x, y),
+                }]
+            }
+            _ => {
+                let _ = x0()?;
+                return Err(ImportError::Unsupported(vec![(
+                    name.clone(),
+                    module.clone(),
+                    1,
+                )]));
+            }
+        };
+        if out.len() != outs.len() {
+            return Err(bad(format!(
+                "the rule gives {} outputs, the capture {}",
+                out.len(),
+                outs.len()
+            )));
+        }
+        for (&i, &t) in outs.iter().zip(&out) {
+            let decl = self.g.doc["values"]
+                .get(i)
+                .ok_or_else(|| ImportError::Format(format!("value {i} is not declared")))?;
+            let want = self.shape(&decl["shape"])?;
+            let got = self.b.shape(t);
+            if want != got {
+                return Err(bad(format!(
+                    "the op library gives shape {got:?}, PyTorch gave {want:?}"
+                )));
+            }
+            if let Some(slot) = self.vals.get_mut(i) {
+                *slot = Some(t);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,317 @@
+"""Capture of a user's ``nn.Module`` as a vramsim graph (``from_module``), for lowering, not recording.
+
+The forward (and the loss) runs on the meta device (no weights materialised, no GPU) under a
+``TorchFunctionMode``, which sees each call at the level PyTorch module code writes it
+(``F.linear``, ``F.conv2d``, ``F.batch_norm``, ``Tensor.view``, ``F.cross_entropy``, ...): the level of
+the models crate's op library (``GraphBuilder::linear_op`` writes ``t`` + ``addmm`` and autocast's
+argument casts itself). While a mode handles a call it is disabled (``torch/overrides.py``
+``TorchFunctionMode``), so the calls a composite makes inside are not seen twice. A forward pre-hook
+and hook on every module (``register_module_forward_pre_hook``) give each call its module path.
+
+The batch size is a variable: the step is captured at the example batch ``B`` and at ``B + 1`` (dim 0
+of every input resized); every integer of the calls' arguments that differs is written as
+``{"b": k, "c": c}`` (``k * batch + c``). A forward whose calls depend on the batch otherwise is refused.
+
+The JSON format (``"format": "vramsim-graph"``, version 1) is documented in ``models/README.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+FORMAT = "vramsim-graph"
+VERSION = 1
+
+# Calls that only read metadata or return no tensor are not ops; these names are never recorded.
+_IGNORED = {
+    "size", "dim", "numel", "__get__", "__len__", "__format__", "__bool__", "__index__",
+    "is_floating_point", "data_ptr", "requires_grad_", "__setstate__", "stride", "ndimension",
+    "is_contiguous", "__repr__", "tolist", "item", "__hash__", "storage_offset", "element_size",
+}
+
+
+class FromModuleError(TypeError):
+    """A module or argument ``from_module`` cannot capture (the message names the argument)."""
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class _Capture:
+    """One capture of the forward and loss at one batch size."""
+
+    def __init__(self, torch: Any, model: Any, blocks: List[str]) -> None:
+        self.blocks = set(blocks)
+        self.block_calls: List[Dict[str, Any]] = []
+        # Module calls: [first op, one past the last op, tensor arguments], by call.
+        self.calls: List[List[Any]] = []
+        self.call_stack: List[int] = []
+        self.torch = torch
+        self.model = model
+        self.ids: Dict[int, int] = {}  # id(tensor) -> value id
+        self.keep: List[Any] = []  # keeps captured tensors alive, so id() is never reused
+        self.values: List[Dict[str, Any]] = []
+        self.ops: List[Dict[str, Any]] = []
+        self.stack: List[str] = []
+        self.names: Dict[int, str] = {id(m): n for n, m in model.named_modules()}
+        self.model_dtype = None
+
+    def value(self, t: Any, kind: str, **extra: Any) -> int:
+        vid = len(self.values)
+        self.ids[id(t)] = vid
+        self.keep.append(t)
+        self.values.append(dict(kind=kind, shape=list(t.shape), dtype=self.dtype_of(t), **extra))
+        return vid
+
+    def dtype_of(self, t: Any) -> str:
+        if t.is_floating_point() and t.dtype == self.model_dtype:
+            return "model"
+        return _dtype_name(t.dtype)
+
+    def encode(self, a: Any) -> Any:
+        torch = self.torch
+        if isinstance(a, torch.Tensor):
+            vid = self.ids.get(id(a))
+            if vid is None:
+                raise FromModuleError(
+                    f"a tensor of shape {tuple(a.shape)} is neither a parameter, a buffer, an input nor "
+                    "the result of a captured call (a plain tensor attribute? register it as a buffer)"
+                )
+            return {"t": vid}
+        if isinstance(a, bool) or a is None or isinstance(a, (int, float, str)):
+            return a
+        if isinstance(a, (list, tuple)):
+            return [self.encode(x) for x in a]
+        if isinstance(a, torch.Size):
+            return list(a)
+        if isinstance(a, torch.dtype):
+            return {"dtype": _dtype_name(a)}
+        if isinstance(a, torch.memory_format):
+            return {"memory_format": str(a).replace("torch.", "")}
+        if isinstance(a, torch.device):
+            return {"device": str(a)}
+        return {"other": type(a).__name__}
+
+    def outputs(self, out: Any) -> List[Any]:
+        torch = self.torch
+        if isinstance(out, torch.Tensor):
+            return [out]
+        if isinstance(out, (list, tuple)):
+            return [o for o in out if isinstance(o, torch.Tensor)]
+        return []
+
+    def run(self, example_inputs: List[Any], targets: List[Any], loss_fn: Any) -> Dict[str, Any]:
+        torch = self.torch
+        from torch.overrides import TorchFunctionMode
+
+        params = list(self.model.named_parameters())
+        if params:
+            self.model_dtype = params[0][1].dtype
+        else:
+            self.model_dtype = torch.float32
+        doc: Dict[str, Any] = {"params": [], "buffers": [], "inputs": []}
+        for name, p in params:
+            vid = self.value(p, "param", name=name, trainable=bool(p.requires_grad))
+            doc["params"].append(vid)
+        # `model.to(device)` allocates each module's parameters, then its buffers: a buffer comes
+        # after the parameters registered before it (pre-order of `named_modules`).
+        seen_params = 0
+        param_ids = {id(p) for _, p in params}
+        for mname, m in self.model.named_modules():
+            seen_params += sum(1 for p in m.parameters(recurse=False) if id(p) in param_ids)
+            for bname, buf in m.named_buffers(recurse=False):
+                if buf is None or id(buf) in self.ids:
+                    continue
+                full = f"{mname}.{bname}" if mname else bname
+                doc["buffers"].append(self.value(buf, "buffer", name=full, after_params=seen_params))
+        for i, x in enumerate(example_inputs):
+            doc["inputs"].append(self.value(x, "input", name=f"input{i}"))
+        for i, y in enumerate(targets):
+            doc["inputs"].append(self.value(y, "input", name=f"target{i}"))
+
+        cap = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                name = getattr(func, "__name__", str(func))
+                if name in _IGNORED:
+                    return out
+                outs = cap.outputs(out)
+                if not outs:
+                    return out
+                op = {
+                    "op": name,
+                    "module": cap.stack[-1] if cap.stack else "",
+                    "args": cap.encode(list(args)),
+                    "kwargs": {k: cap.encode(v) for k, v in kwargs.items()},
+                }
+                op["outputs"] = [cap.value(o, "op", op=len(cap.ops), index=i) for i, o in enumerate(outs)]
+                cap.ops.append(op)
+                return out
+
+        def pre(module, args):
+            name = self.names.get(id(module), "")
+            self.stack.append(name)
+            held = [self.ids[id(a)] for a in args if isinstance(a, torch.Tensor) and id(a) in self.ids]
+            self.call_stack.append(len(self.calls))
+            self.calls.append([len(self.ops), len(self.ops), held])
+            if name in self.blocks and not any(b["module"] == name for b in self.block_calls):
+                held = [self.ids[id(a)] for a in args if isinstance(a, torch.Tensor) and id(a) in self.ids]
+                self.block_calls.append({"module": name, "args": held})
+
+        def post(module, _args, _out):
+            self.stack.pop()
+            if self.call_stack:
+                self.calls[self.call_stack.pop()][1] = len(self.ops)
+
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        h1 = register_module_forward_pre_hook(pre)
+        h2 = register_module_forward_hook(post)
+        try:
+            with Mode():
+                self.stack = [""]
+                output = self.model(*example_inputs)
+                self.stack = []
+                if not isinstance(output, torch.Tensor):
+                    raise FromModuleError(
+                        f"model(*example_inputs) returned {type(output).__name__}; from_module needs a tensor "
+                        "(wrap the model to return one)"
+                    )
+                doc["output"] = self.ids[id(output)]
+                doc["forward_ops"] = len(self.ops)
+                if loss_fn is not None:
+                    loss = loss_fn(output, *targets)
+                elif targets:
+                    loss = torch.nn.functional.cross_entropy(output, targets[0])
+                else:
+                    loss = output.float().mean()
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise FromModuleError("loss_fn: must return a scalar tensor")
+                doc["loss"] = self.ids[id(loss)]
+        finally:
+            h1.remove()
+            h2.remove()
+        doc["blocks"] = self.block_calls
+        # Python keeps a call's arguments alive until it returns (the caller's frame holds them).
+        doc["calls"] = [c for c in self.calls if c[2] and c[1] > c[0]]
+        doc["values"] = self.values
+        doc["ops"] = self.ops
+        return doc
+
+
+def default_blocks(torch: Any, model: Any) -> List[str]:
+    """The checkpointable blocks: children of an ``nn.Sequential``/``nn.ModuleList`` that are not leaves
+    and repeat (two or more siblings of one class), such as torchvision's ResNet ``BasicBlock``s or a
+    transformer's layers (what ``--checkpoint full`` wraps, one ``torch.utils.checkpoint`` each)."""
+    out = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (torch.nn.Sequential, torch.nn.ModuleList)):
+            continue
+        children = list(m.named_children())
+        counts: Dict[type, int] = {}
+        for _, c in children:
+            counts[type(c)] = counts.get(type(c), 0) + 1
+        for cname, c in children:
+            if counts[type(c)] >= 2 and any(True for _ in c.children()):
+                out.append(f"{name}.{cname}" if name else cname)
+    return out
+
+
+def _resize_batch(torch: Any, t: Any, batch: int) -> Any:
+    shape = list(t.shape)
+    shape[0] = batch
+    return torch.empty(shape, dtype=t.dtype, device="meta")
+
+
+def _symbolic(a: Any, b: Any, batch: int, path: str) -> Any:
+    """Merge the captures at ``batch`` and ``batch + 1``: integers that differ become ``k * batch + c``."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        if a != b:
+            raise FromModuleError(f"the forward depends on the batch size beyond shapes ({path})")
+        return a
+    if isinstance(a, int) and isinstance(b, int):
+        if a == b:
+            return a
+        k = b - a
+        return {"b": k, "c": a - k * batch}
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [_symbolic(x, y, batch, f"{path}[{i}]") for i, (x, y) in enumerate(zip(a, b))]
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        return {k: _symbolic(a[k], b[k], batch, f"{path}.{k}") for k in a}
+    if a == b:
+        return a
+    raise FromModuleError(f"the forward depends on the batch size beyond shapes ({path}: {a!r} vs {b!r})")
+
+
+def capture(
+    model: Any,
+    example_inputs: Any,
+    loss_fn: Any = None,
+    targets: Any = None,
+    name: Optional[str] = None,
+    blocks: Any = None,
+) -> Dict[str, Any]:
+    """The JSON graph document of ``model`` (see :func:`vramsim.from_module`)."""
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("vramsim.from_module needs torch (pip install torch)") from e
+    if not isinstance(model, torch.nn.Module):
+        raise FromModuleError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = [example_inputs]
+    if not isinstance(example_inputs, (list, tuple)) or not example_inputs or not all(
+        isinstance(x, torch.Tensor) for x in example_inputs
+    ):
+        raise FromModuleError("example_inputs: expected a tensor or a non-empty list/tuple of tensors")
+    if loss_fn is not None and not callable(loss_fn):
+        raise FromModuleError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
+    if targets is None:
+        targets = []
+    elif isinstance(targets, torch.Tensor):
+        targets = [targets]
+    if not all(isinstance(y, torch.Tensor) for y in targets):
+        raise FromModuleError("targets: expected a tensor or a list/tuple of tensors")
+    for p in list(model.parameters()) + list(model.buffers()):
+        if p.device.type != "meta":
+            raise FromModuleError(
+                "model: its parameters must be on the meta device (build it under `with torch.device('meta'):` "
+                "or call model.to('meta')): no weights are materialised"
+            )
+    batch = int(example_inputs[0].shape[0]) if example_inputs[0].dim() else 0
+    if batch < 1 or any(x.dim() == 0 or x.shape[0] != batch for x in list(example_inputs) + list(targets)):
+        raise FromModuleError("example_inputs: dim 0 of every input and target is the batch and must agree")
+    if blocks is None:
+        blocks = default_blocks(torch, model)
+    known = {n for n, _ in model.named_modules()}
+    if isinstance(blocks, str) or not all(isinstance(b, str) and b in known for b in blocks):
+        raise FromModuleError("blocks: expected a list of submodule names (model.named_modules())")
+    default_ce = loss_fn is None and not targets
+    model.train()
+    docs = []
+    for b in (batch, batch + 1):
+        xs = [_resize_batch(torch, x, b) for x in example_inputs]
+        ys = [_resize_batch(torch, y, b) for y in targets]
+        if default_ce:
+            # Classification-shaped output ([B, C] floats): F.cross_entropy against int64 labels.
+            with torch.no_grad():
+                probe = model(*xs)
+            if isinstance(probe, torch.Tensor) and probe.dim() == 2 and probe.is_floating_point():
+                ys = [torch.empty([b], dtype=torch.int64, device="meta")]
+        docs.append(_Capture(torch, model, list(blocks)).run(xs, ys, loss_fn))
+    a, b2 = docs
+    if len(a["ops"]) != len(b2["ops"]) or [o["op"] for o in a["ops"]] != [o["op"] for o in b2["ops"]]:
+        raise FromModuleError("the forward runs different calls at batch sizes B and B+1; vramsim needs one graph")
+    merged = _symbolic(a, b2, batch, "graph")
+    merged["format"] = FORMAT
+    merged["version"] = VERSION
+    merged["name"] = name or type(model).__name__
+    merged["batch"] = batch
+    return merged
