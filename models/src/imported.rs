@@ -91,6 +91,8 @@ pub const SUPPORTED: &[&str] = &[
     "batch_norm",
     "relu",
     "relu_",
+    "hardtanh",
+    "hardtanh_",
     "gelu",
     "silu",
     "tanh",
@@ -540,6 +542,16 @@ impl<'a> Builder<'a> {
                     vec![self.b.relu_(x)]
                 } else {
                     vec![self.b.relu(x)]
+                }
+            }
+            // `nn.ReLU6` / `nn.Hardtanh` call `F.hardtanh(input, min_val, max_val, inplace)`
+            // (torch/nn/functional.py), which runs `hardtanh_` when `inplace`.
+            "hardtanh" | "hardtanh_" => {
+                let x = need(self, 0, "input")?;
+                if name == "hardtanh_" || bool_arg(3, "inplace", false) {
+                    vec![self.b.hardtanh_(x)]
+                } else {
+                    vec![self.b.hardtanh(x)]
                 }
             }
             "gelu" => {

@@ -91,3 +91,49 @@ fn unsupported_calls_are_listed() {
     let e = ImportedGraph::parse("{\"format\": \"other\"}").unwrap_err();
     assert!(e.to_string().contains("vramsim-graph"), "{e}");
 }
+
+#[test]
+fn relu6_in_place_saves_like_relu_in_place() {
+    // nn.Sequential(Linear(8, 16), ReLU6(inplace=True), Linear(16, 10)) against the same with
+    // ReLU(inplace=True). derivatives.yaml: `hardtanh_` saves its result for
+    // `hardtanh_backward(grad, result, min_val, max_val)`, as `relu_` does for
+    // `threshold_backward(grad, result, 0)`; neither allocates in the forward and each backward
+    // allocates one gradient of the input's shape — so the two steps are the same to the byte.
+    let relu = load("tiny_relu_inplace");
+    let relu6 = load("tiny_relu6_inplace");
+    for batch in [1, 4, 33] {
+        for precision in [Precision::Fp32, Precision::AmpBf16, Precision::Bf16] {
+            for fidelity in [Fidelity::Cuda, Fidelity::MetaCapture] {
+                let mut r = Recipe::new(batch, 0);
+                r.precision = precision;
+                r.fidelity = fidelity;
+                let a = peak_requested(&lower(&relu.build(batch).unwrap(), &r).unwrap());
+                let b = peak_requested(&lower(&relu6.build(batch).unwrap(), &r).unwrap());
+                assert_eq!(a, b, "batch {batch} {precision:?} {fidelity:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn torchvision_mobilenet_v2_lowers() {
+    // torchvision 0.29 `mobilenet_v2()` (ReLU6(inplace=True) is `F.hardtanh(x, 0, 6, True)`, the
+    // depthwise convolutions are `groups=C`): it lowers at any batch, with the 3,504,872
+    // parameters torchvision's model card lists (MobileNet_V2_Weights.IMAGENET1K_V1 `num_params`).
+    let g = load("mobilenet_v2");
+    let mut last = 0;
+    for batch in [1, 3, 16] {
+        let built = g.build(batch).unwrap();
+        assert_eq!(built.param_count(), 3_504_872);
+        for fidelity in [Fidelity::Cuda, Fidelity::MetaCapture] {
+            let mut r = Recipe::new(batch, 0);
+            r.fidelity = fidelity;
+            let peak = peak_requested(&lower(&built, &r).unwrap());
+            println!("mobilenet_v2 batch {batch} {fidelity:?}: {peak}");
+            if fidelity == Fidelity::MetaCapture {
+                assert!(peak > last, "the peak grows with the batch");
+                last = peak;
+            }
+        }
+    }
+}

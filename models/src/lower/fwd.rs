@@ -777,14 +777,16 @@ impl<'g> Lowering<'g> {
             | Tanh
             | Sigmoid
             | Relu
+            | Hardtanh
             | Gelu { .. }
             | Silu => {
                 let l = elementwise_layout(x[0].shape(), &[&x[0].layout]);
                 let o = self.alloc(l, x[0].dtype, m, name);
                 // derivatives.yaml: pow.Tensor_Scalar, gelu, silu save self; rsqrt, tanh, sigmoid,
-                // relu save result; add/mul/div by a scalar and neg save nothing on the device.
+                // relu save result; hardtanh saves self (`hardtanh_backward(grad, self, min_val,
+                // max_val)`); add/mul/div by a scalar and neg save nothing on the device.
                 let saves = match kind {
-                    PowScalar(_) | Gelu { .. } | Silu => vec![Save::In(0)],
+                    PowScalar(_) | Gelu { .. } | Silu | Hardtanh => vec![Save::In(0)],
                     Rsqrt | Tanh | Sigmoid | Relu => vec![Save::Out(0)],
                     _ => vec![],
                 };
@@ -1002,6 +1004,11 @@ impl<'g> Lowering<'g> {
             ReluInplace => {
                 let v = self.view(&x[0], x[0].layout.clone());
                 Fwd::New(vec![v], NodeKind::Op(Relu), vec![Save::Out(0)])
+            }
+            // derivatives.yaml hardtanh_: `hardtanh_backward(grad, result, min_val, max_val)`.
+            HardtanhInplace => {
+                let v = self.view(&x[0], x[0].layout.clone());
+                Fwd::New(vec![v], NodeKind::Op(Hardtanh), vec![Save::Out(0)])
             }
             AddInplace { composite } => {
                 if *composite && self.r.fidelity == Fidelity::MetaCapture {
