@@ -12,6 +12,8 @@
 
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, T};
+use crate::recipe::{Precision, Recipe};
+use crate::sdpa::{self, SdpaCall};
 use serde_json::Value as J;
 use std::collections::BTreeMap;
 
@@ -94,6 +96,8 @@ pub const SUPPORTED: &[&str] = &[
     "hardtanh",
     "hardtanh_",
     "gelu",
+    "multi_head_attention_forward",
+    "__getitem__",
     "silu",
     "tanh",
     "sigmoid",
@@ -215,9 +219,18 @@ impl ImportedGraph {
         v.into_iter().map(|(_, n, m, c)| (n, m, c)).collect()
     }
 
-    /// The model's graph at `batch` (dim 0 of every input).
+    /// The model's graph at `batch` (dim 0 of every input), its attention kernels chosen for the
+    /// default recipe ([`Recipe::new`]: fp32, `--attention auto`, sm 9.0).
     pub fn build(&self, batch: u64) -> Result<Graph, ImportError> {
-        Builder::new(self, batch).run()
+        self.build_for(batch, &Recipe::new(batch, 0))
+    }
+
+    /// The model's graph at `batch`, each `F.multi_head_attention_forward` on the SDPA backend
+    /// PyTorch picks for `recipe` (its precision, `--attention` and target), as the zoo's ViT does.
+    pub fn build_for(&self, batch: u64, recipe: &Recipe) -> Result<Graph, ImportError> {
+        let mut b = Builder::new(self, batch);
+        b.recipe = Some(recipe.clone());
+        b.run()
     }
 }
 
@@ -226,6 +239,7 @@ struct Builder<'a> {
     batch: u64,
     b: GraphBuilder,
     vals: Vec<Option<T>>,
+    recipe: Option<Recipe>,
 }
 
 impl<'a> Builder<'a> {
@@ -245,6 +259,7 @@ impl<'a> Builder<'a> {
             batch,
             b,
             vals: vec![None; n],
+            recipe: None,
         }
     }
 
@@ -553,6 +568,157 @@ impl<'a> Builder<'a> {
                 } else {
                     vec![self.b.hardtanh(x)]
                 }
+            }
+            // `nn.MultiheadAttention.forward` in training (its fast path is inference-only) with
+            // `query is key is value` (self-attention), torch/nn/functional.py: only the
+            // packed-projection, mask-free, `need_weights=False` path that calls
+            // `F.scaled_dot_product_attention` is modelled — the zoo ViT's, shared with it.
+            "multi_head_attention_forward" => {
+                let id = |i: usize, key: &str| arg(i, key).and_then(|j| j.get("t").cloned());
+                if id(1, "key") != id(0, "query") || id(2, "value") != id(0, "query") {
+                    return Err(bad(
+                        "only self-attention (query, key and value the same tensor) is modelled"
+                            .into(),
+                    ));
+                }
+                let q0 = need(self, 0, "query")?;
+                let heads = arg(4, "num_heads")
+                    .and_then(|j| int(&j))
+                    .filter(|&h| h > 0)
+                    .ok_or_else(|| bad("num_heads is not a positive int".into()))?
+                    as u64;
+                let w = need(self, 5, "in_proj_weight")?;
+                let in_bias = need(self, 6, "in_proj_bias")?;
+                let out_w = need(self, 11, "out_proj_weight")?;
+                let out_b = tensor(self, arg(12, "out_proj_bias"))?;
+                for (i, key) in [
+                    (7, "bias_k"),
+                    (8, "bias_v"),
+                    (14, "key_padding_mask"),
+                    (16, "attn_mask"),
+                    (18, "q_proj_weight"),
+                    (21, "static_k"),
+                    (22, "static_v"),
+                ] {
+                    if arg(i, key).is_some() {
+                        return Err(bad(format!("{key} is not modelled (only None)")));
+                    }
+                }
+                for (i, key, modelled) in [
+                    (9, "add_zero_attn", false),
+                    (15, "need_weights", false),
+                    (17, "use_separate_proj_weight", false),
+                    (24, "is_causal", false),
+                ] {
+                    if bool_arg(i, key, !modelled) != modelled {
+                        return Err(bad(format!("{key}={} is not modelled", !modelled)));
+                    }
+                }
+                let training = bool_arg(13, "training", true);
+                // `if not training: dropout_p = 0.0`.
+                let dropout = if training {
+                    float_arg(10, "dropout_p", 0.0)
+                } else {
+                    0.0
+                };
+                let s = self.b.shape(q0);
+                if s.len() != 3 || !s[2].is_multiple_of(heads) {
+                    return Err(bad(format!(
+                        "query {s:?} is not (L, N, E) with E divisible by {heads} heads"
+                    )));
+                }
+                let default = Recipe::new(self.batch, 0);
+                let r = self.recipe.as_ref().unwrap_or(&default);
+                // The call the SDPA dispatcher sees (crate::zoo's `sdpa_call` for the ViT).
+                let call = SdpaCall {
+                    dtype: match r.precision {
+                        Precision::Fp32 => DType::F32,
+                        Precision::Bf16 | Precision::AmpBf16 => DType::BF16,
+                        Precision::AmpFp16 => DType::F16,
+                    },
+                    batch: s[1],
+                    heads_q: heads,
+                    heads_kv: heads,
+                    seq_q: s[0],
+                    seq_kv: s[0],
+                    head_dim: s[2] / heads,
+                    head_dim_v: s[2] / heads,
+                    mask: false,
+                    dropout,
+                    is_causal: false,
+                    enable_gqa: false,
+                    requires_grad: !r.inference,
+                };
+                let backend = sdpa::choose(r.attention, &call, r.target)
+                    .map_err(|e| bad(e.to_string()))?
+                    .backend;
+                vec![crate::zoo::vit::multi_head_attention_forward(
+                    &mut self.b,
+                    q0,
+                    heads,
+                    w,
+                    in_bias,
+                    dropout,
+                    backend,
+                    |b, o| b.linear_op(o, out_w, out_b),
+                )]
+            }
+            // `x[idx]` with ints (select) and slices of step 1 (slice), e.g. ViT's `x[:, 0]`.
+            "__getitem__" => {
+                let mut x = need(self, 0, "self")?;
+                let idx = arg(1, "index").unwrap_or(J::Null);
+                let items = match idx {
+                    J::Array(a) => a,
+                    other => vec![other],
+                };
+                let mut dim = 0usize;
+                for it in &items {
+                    let shape = self.b.shape(x);
+                    let size = *shape.get(dim).ok_or_else(|| {
+                        bad(format!(
+                            "index {idx:?} has more entries than {shape:?} has dims",
+                            idx = items
+                        ))
+                    })? as i64;
+                    if let Some(i) = int(it) {
+                        let i = if i < 0 { i + size } else { i };
+                        if !(0..size).contains(&i) {
+                            return Err(bad(format!(
+                                "index {i} is out of dim {dim} of size {size}"
+                            )));
+                        }
+                        x = self.b.select(x, dim as isize, i as u64);
+                    } else if let Some([start, stop, step]) =
+                        it.get("slice").and_then(J::as_array).map(Vec::as_slice)
+                    {
+                        let bound = |j: &J, default: i64| -> Option<i64> {
+                            if j.is_null() {
+                                return Some(default);
+                            }
+                            let v = int(j)?;
+                            Some((if v < 0 { v + size } else { v }).clamp(0, size))
+                        };
+                        let (a, z) = (bound(start, 0), bound(stop, size));
+                        let unit = step.is_null() || int(step) == Some(1);
+                        match (a, z, unit) {
+                            (Some(0), Some(z), true) if z == size => {}
+                            (Some(a), Some(z), true) => {
+                                x = self.b.slice(x, dim as isize, a as u64, z.max(a) as u64)
+                            }
+                            _ => {
+                                return Err(bad(format!(
+                                    "slice {it} is not modelled (int bounds, step 1)"
+                                )))
+                            }
+                        }
+                        dim += 1;
+                    } else {
+                        return Err(bad(format!(
+                            "index entry {it} is not modelled (ints and slices)"
+                        )));
+                    }
+                }
+                vec![x]
             }
             "gelu" => {
                 let x = need(self, 0, "input")?;

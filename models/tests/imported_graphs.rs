@@ -137,3 +137,32 @@ fn torchvision_mobilenet_v2_lowers() {
         }
     }
 }
+
+#[test]
+fn imported_vit_b_16_matches_the_zoo() {
+    // torchvision 0.29 `vit_b_16()`: `nn.MultiheadAttention` in training calls
+    // `F.multi_head_attention_forward` (lowered by the zoo ViT's own function) and the head takes
+    // `x[:, 0]` (`__getitem__`: a select). The same step as the zoo's `vit-b-16` — 86,567,656
+    // parameters (torchvision's ViT_B_16_Weights `num_params`) — on each SDPA backend PyTorch
+    // picks (memory-efficient for fp32, FlashAttention-2 for bf16 on sm 9.0).
+    let imported = load("vit_b_16");
+    for batch in [1, 8, 32] {
+        for precision in [Precision::Fp32, Precision::AmpBf16, Precision::Bf16] {
+            for fidelity in [Fidelity::Cuda, Fidelity::MetaCapture] {
+                let mut r = Recipe::new(batch, 0);
+                r.precision = precision;
+                r.fidelity = fidelity;
+                let zoo_graph = zoo::build("vit-b-16", &r).unwrap();
+                let zoo_peak = peak_requested(&lower(&zoo_graph, &r).unwrap());
+                let g = imported.build_for(batch, &r).unwrap();
+                assert_eq!(g.param_count(), 86_567_656);
+                assert_eq!(zoo_graph.param_count(), 86_567_656);
+                let ours = peak_requested(&lower(&g, &r).unwrap());
+                println!(
+                    "vit_b_16 batch {batch} {precision:?} {fidelity:?}: {ours} (zoo {zoo_peak})"
+                );
+                assert_eq!(ours, zoo_peak, "batch {batch} {precision:?} {fidelity:?}");
+            }
+        }
+    }
+}

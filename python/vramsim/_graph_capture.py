@@ -91,6 +91,8 @@ class _Capture:
             return {"memory_format": str(a).replace("torch.", "")}
         if isinstance(a, torch.device):
             return {"device": str(a)}
+        if isinstance(a, slice):
+            return {"slice": [self.encode(a.start), self.encode(a.stop), self.encode(a.step)]}
         return {"other": type(a).__name__}
 
     def outputs(self, out: Any) -> List[Any]:

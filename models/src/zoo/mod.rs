@@ -528,7 +528,7 @@ impl Arch {
                 llama::llama_with_head(c, batch, seq, attn, head, recipe.loss)?
             }
             // Built above, before the zoo's checks of heads and attention.
-            Arch::Imported(g) => g.build(batch)?,
+            Arch::Imported(g) => g.build_for(batch, recipe)?,
         })
     }
 
