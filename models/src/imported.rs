@@ -56,6 +56,31 @@ pub struct ImportedGraph {
     doc: J,
 }
 
+/// The call `F.multi_head_attention_forward` makes to `F.scaled_dot_product_attention` under
+/// `recipe` for a `(l, n, e)` query with `heads` heads (the zoo's `sdpa_call` for the ViT):
+/// no mask, not causal, q/k/v in the recipe's compute dtype.
+fn mha_sdpa_call(recipe: &Recipe, [l, n, e]: [u64; 3], heads: u64, dropout: f64) -> SdpaCall {
+    SdpaCall {
+        dtype: match recipe.precision {
+            Precision::Fp32 => DType::F32,
+            Precision::Bf16 | Precision::AmpBf16 => DType::BF16,
+            Precision::AmpFp16 => DType::F16,
+        },
+        batch: n,
+        heads_q: heads,
+        heads_kv: heads,
+        seq_q: l,
+        seq_kv: l,
+        head_dim: e / heads.max(1),
+        head_dim_v: e / heads.max(1),
+        mask: false,
+        dropout,
+        is_causal: false,
+        enable_gqa: false,
+        requires_grad: !recipe.inference,
+    }
+}
+
 fn field<'a>(j: &'a J, key: &str) -> Result<&'a J, ImportError> {
     j.get(key)
         .ok_or_else(|| ImportError::Format(format!("missing field {key:?}")))
@@ -217,6 +242,35 @@ impl ImportedGraph {
             .collect();
         v.sort();
         v.into_iter().map(|(_, n, m, c)| (n, m, c)).collect()
+    }
+
+    /// The SDPA call of the graph's first `F.multi_head_attention_forward` under `recipe` (at
+    /// `recipe.batch`), `None` without one: what the attention kernel is chosen from.
+    pub fn sdpa_call(&self, recipe: &Recipe) -> Option<SdpaCall> {
+        let op = self
+            .ops()
+            .iter()
+            .find(|o| o["op"] == "multi_head_attention_forward")?;
+        let q = op["args"].get(0)?.get("t")?.as_u64()? as usize;
+        let shape: Vec<u64> = self.doc["values"].get(q)?["shape"]
+            .as_array()?
+            .iter()
+            .map(|d| int_at(d, recipe.batch).map(|x| x.max(0) as u64))
+            .collect::<Option<_>>()?;
+        let heads = op["args"]
+            .get(4)
+            .and_then(|h| int_at(h, recipe.batch))?
+            .max(1) as u64;
+        let training = op["kwargs"]["training"].as_bool().unwrap_or(true);
+        let dropout = if training {
+            op["args"].get(10).and_then(J::as_f64).unwrap_or(0.0)
+        } else {
+            0.0
+        };
+        match shape.as_slice() {
+            [l, n, e] => Some(mha_sdpa_call(recipe, [*l, *n, *e], heads, dropout)),
+            _ => None,
+        }
     }
 
     /// The model's graph at `batch` (dim 0 of every input), its attention kernels chosen for the
@@ -629,26 +683,7 @@ impl<'a> Builder<'a> {
                 }
                 let default = Recipe::new(self.batch, 0);
                 let r = self.recipe.as_ref().unwrap_or(&default);
-                // The call the SDPA dispatcher sees (crate::zoo's `sdpa_call` for the ViT).
-                let call = SdpaCall {
-                    dtype: match r.precision {
-                        Precision::Fp32 => DType::F32,
-                        Precision::Bf16 | Precision::AmpBf16 => DType::BF16,
-                        Precision::AmpFp16 => DType::F16,
-                    },
-                    batch: s[1],
-                    heads_q: heads,
-                    heads_kv: heads,
-                    seq_q: s[0],
-                    seq_kv: s[0],
-                    head_dim: s[2] / heads,
-                    head_dim_v: s[2] / heads,
-                    mask: false,
-                    dropout,
-                    is_causal: false,
-                    enable_gqa: false,
-                    requires_grad: !r.inference,
-                };
+                let call = mha_sdpa_call(r, [s[0], s[1], s[2]], heads, dropout);
                 let backend = sdpa::choose(r.attention, &call, r.target)
                     .map_err(|e| bad(e.to_string()))?
                     .backend;

@@ -166,3 +166,34 @@ fn imported_vit_b_16_matches_the_zoo() {
         }
     }
 }
+
+#[test]
+fn imported_vit_b_16_chooses_the_zoo_attention_kernel() {
+    // The kernel reported for (and shared across GPUs by `target_choices`) a captured
+    // nn.MultiheadAttention is the zoo ViT's on every target and precision: cuDNN is preferred
+    // only on sm 9.x/10.x (`check_prefer_cudnn_attention`), so sm 8.0 and sm 9.0 differ for bf16.
+    let imported = std::sync::Arc::new(load("vit_b_16"));
+    let ours = zoo::Arch::Imported(imported.clone());
+    let theirs = zoo::Arch::from_name("vit-b-16").unwrap();
+    let mut kernels = std::collections::BTreeSet::new();
+    for cc in [(8, 0), (9, 0)] {
+        for precision in [Precision::Fp32, Precision::Bf16] {
+            let mut r = Recipe::new(4, 0);
+            r.precision = precision;
+            r.target.compute_capability = cc;
+            let a = ours.attention_kernel(&r).unwrap().unwrap();
+            let b = theirs.attention_kernel(&r).unwrap().unwrap();
+            assert_eq!(a.kernel, b.kernel, "sm {cc:?} {precision:?}");
+            assert_eq!(
+                ours.target_choices(&r).unwrap(),
+                theirs.target_choices(&r).unwrap()
+            );
+            kernels.insert(format!("{:?}", a.kernel));
+            let zoo_peak =
+                peak_requested(&lower(&zoo::build("vit-b-16", &r).unwrap(), &r).unwrap());
+            let g = imported.build_for(4, &r).unwrap();
+            assert_eq!(peak_requested(&lower(&g, &r).unwrap()), zoo_peak);
+        }
+    }
+    assert!(kernels.len() >= 3, "{kernels:?}");
+}
