@@ -123,6 +123,9 @@ pub const SUPPORTED: &[&str] = &[
     "gelu",
     "multi_head_attention_forward",
     "__getitem__",
+    "empty",
+    "bernoulli_",
+    "div_",
     "silu",
     "tanh",
     "sigmoid",
@@ -294,6 +297,8 @@ struct Builder<'a> {
     b: GraphBuilder,
     vals: Vec<Option<T>>,
     recipe: Option<Recipe>,
+    /// Values made by a factory (`torch.empty`) and written in place since: outside autograd.
+    no_grad: std::collections::BTreeSet<T>,
 }
 
 impl<'a> Builder<'a> {
@@ -314,6 +319,7 @@ impl<'a> Builder<'a> {
             b,
             vals: vec![None; n],
             recipe: None,
+            no_grad: Default::default(),
         }
     }
 
@@ -752,6 +758,38 @@ impl<'a> Builder<'a> {
                             "index entry {it} is not modelled (ints and slices)"
                         )));
                     }
+                }
+                vec![x]
+            }
+            // torchvision.ops.stochastic_depth in training (`noise = torch.empty(size,
+            // dtype=input.dtype)`, `noise.bernoulli_(survival_rate)`, `noise.div_(survival_rate)`,
+            // `input * noise`): the empty tensor is an allocation outside autograd; bernoulli_ and
+            // div_ by a scalar write into it (no allocation, no autograd node).
+            "empty" => {
+                let shape = rest_ints(0, "size")?;
+                if shape.iter().any(|&d| d < 0) {
+                    return Err(bad(format!("negative size {shape:?}")));
+                }
+                let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+                let dt = match kwargs.get("dtype") {
+                    None | Some(J::Null) => DTypeSpec::Model,
+                    Some(d) if d["model"].as_bool() == Some(true) => DTypeSpec::Model,
+                    Some(d) => dtype_spec(d["dtype"].as_str().unwrap_or("?"))?,
+                };
+                let t = self.b.factory("aten.empty", &[], &shape, dt, vec![]);
+                self.no_grad.insert(t);
+                vec![t]
+            }
+            "bernoulli_" | "div_" => {
+                let x = need(self, 0, "self")?;
+                if !self.no_grad.contains(&x) {
+                    return Err(bad(
+                        "in place on a tensor other than a fresh torch.empty is not modelled"
+                            .into(),
+                    ));
+                }
+                if name == "div_" && tensor(self, arg(1, "other"))?.is_some() {
+                    return Err(bad("div_ by a tensor is not modelled".into()));
                 }
                 vec![x]
             }

@@ -197,3 +197,27 @@ fn imported_vit_b_16_chooses_the_zoo_attention_kernel() {
     }
     assert!(kernels.len() >= 3, "{kernels:?}");
 }
+
+#[test]
+fn torchvision_convnext_tiny_lowers_with_stochastic_depth() {
+    // torchvision 0.29 `convnext_tiny()` in training: each CNBlock's StochasticDepth (p up to 0.1,
+    // "row") runs `torch.empty([B, 1, 1, 1])`, `bernoulli_`, `div_` and `input * noise`. It lowers
+    // at any batch with the 28,589,128 parameters of torchvision's model card
+    // (ConvNeXt_Tiny_Weights.IMAGENET1K_V1 `num_params`).
+    let g = load("convnext_tiny");
+    let mut last = 0;
+    for batch in [1, 3, 16] {
+        let built = g.build(batch).unwrap();
+        assert_eq!(built.param_count(), 28_589_128);
+        for precision in [Precision::Fp32, Precision::AmpBf16, Precision::Bf16] {
+            let mut r = Recipe::new(batch, 0);
+            r.precision = precision;
+            let peak = peak_requested(&lower(&g.build_for(batch, &r).unwrap(), &r).unwrap());
+            println!("convnext_tiny batch {batch} {precision:?}: {peak}");
+            if precision == Precision::Fp32 {
+                assert!(peak > last, "the peak grows with the batch");
+                last = peak;
+            }
+        }
+    }
+}

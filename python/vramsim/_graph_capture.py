@@ -86,6 +86,10 @@ class _Capture:
         if isinstance(a, torch.Size):
             return list(a)
         if isinstance(a, torch.dtype):
+            # The model's own dtype is marked: a factory such as stochastic depth's
+            # `torch.empty(size, dtype=input.dtype)` follows the model's precision.
+            if a == self.model_dtype:
+                return {"dtype": _dtype_name(a), "model": True}
             return {"dtype": _dtype_name(a)}
         if isinstance(a, torch.memory_format):
             return {"memory_format": str(a).replace("torch.", "")}
