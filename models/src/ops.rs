@@ -166,7 +166,9 @@ pub enum OpKind {
     /// `relu_` (`nn.ReLU(inplace=True)`): no allocation; the node (`ReluBackward0`) saves the
     /// result, which is the mutated input's storage.
     ReluInplace,
-    /// `hardtanh_` (`nn.ReLU6(inplace=True)`): no allocation; `HardtanhBackward1` saves the result.
+    /// `hardtanh_` (`nn.ReLU6(inplace=True)`): writes into its input; autograd first saves
+    /// `original_self = self.clone()` for `HardtanhBackward0` (PyTorch 2.15 has no formula of its
+    /// own for `hardtanh_`, and hardtanh's reads `self`).
     HardtanhInplace,
     /// `add_(other)` (`out += identity`): no allocation, nothing saved. `composite` marks the
     /// `output.add_(bias)` inside `at::linear`, which ATen replaces by an out-of-place `add` when the

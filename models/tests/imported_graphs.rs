@@ -93,25 +93,26 @@ fn unsupported_calls_are_listed() {
 }
 
 #[test]
-fn relu6_in_place_saves_like_relu_in_place() {
-    // nn.Sequential(Linear(8, 16), ReLU6(inplace=True), Linear(16, 10)) against the same with
-    // ReLU(inplace=True). derivatives.yaml: `hardtanh_` saves its result for
-    // `hardtanh_backward(grad, result, min_val, max_val)`, as `relu_` does for
-    // `threshold_backward(grad, result, 0)`; neither allocates in the forward and each backward
-    // allocates one gradient of the input's shape — so the two steps are the same to the byte.
-    let relu = load("tiny_relu_inplace");
-    let relu6 = load("tiny_relu6_inplace");
-    for batch in [1, 4, 33] {
-        for precision in [Precision::Fp32, Precision::AmpBf16, Precision::Bf16] {
-            for fidelity in [Fidelity::Cuda, Fidelity::MetaCapture] {
-                let mut r = Recipe::new(batch, 0);
-                r.precision = precision;
-                r.fidelity = fidelity;
-                let a = peak_requested(&lower(&relu.build(batch).unwrap(), &r).unwrap());
-                let b = peak_requested(&lower(&relu6.build(batch).unwrap(), &r).unwrap());
-                assert_eq!(a, b, "batch {batch} {precision:?} {fidelity:?}");
-            }
-        }
+fn relu6_saves_its_input_in_and_out_of_place() {
+    // nn.Sequential(Linear(8, 16), act, Linear(16, 10)) at batch 4. PyTorch 2.15 autograd:
+    // `hardtanh` saves `self`; `hardtanh_` (ReLU6(inplace=True)) has no formula of its own, so
+    // it saves `original_self = self.clone()` and runs in place. Either way the step holds two
+    // [4, 16] tensors (pre-activation or its clone, and the activation) with the same lifetimes:
+    // the two steps agree to the byte. ReLU saves its result instead, so the pre-activation h
+    // (4·16·4 = 256 B) is freed when relu returns: at every moment the ReLU6 step holds what the
+    // ReLU step holds or 256 B more, so its peak lies in [ReLU's, ReLU's + 256].
+    let relu = load("tiny");
+    let relu6 = load("tiny_relu6");
+    let relu6_ = load("tiny_relu6_inplace");
+    for fidelity in [Fidelity::Cuda, Fidelity::MetaCapture] {
+        let mut r = Recipe::new(4, 0);
+        r.optimizer = OptimizerKind::Sgd;
+        r.fidelity = fidelity;
+        let peak = |g: &ImportedGraph| peak_requested(&lower(&g.build(4).unwrap(), &r).unwrap());
+        let (a, b, c) = (peak(&relu), peak(&relu6), peak(&relu6_));
+        println!("{fidelity:?}: relu {a}, relu6 {b}, relu6_ {c}");
+        assert_eq!(b, c, "{fidelity:?}");
+        assert!(a <= b && b <= a + 256, "{fidelity:?}: {a} vs {b}");
     }
 }
 
