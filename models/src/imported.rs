@@ -800,10 +800,9 @@ impl<'a> Builder<'a> {
             }
             "silu" | "tanh" | "sigmoid" | "float" | "contiguous" | "t" => {
                 let x = need(self, 0, "input")?;
-                if name == "silu" && bool_arg(1, "inplace", false) {
-                    return Err(bad("silu(inplace=True) is not modelled".into()));
-                }
+                let inplace = name == "silu" && bool_arg(1, "inplace", false);
                 vec![match name.as_str() {
+                    "silu" if inplace => self.b.silu_(x),
                     "silu" => self.b.silu(x),
                     "tanh" => self.b.tanh(x),
                     "sigmoid" => self.b.sigmoid(x),

@@ -170,6 +170,9 @@ pub enum OpKind {
     /// `original_self = self.clone()` for `HardtanhBackward0` (PyTorch 2.15 has no formula of its
     /// own for `hardtanh_`, and hardtanh's reads `self`).
     HardtanhInplace,
+    /// `silu_` (`nn.SiLU(inplace=True)`): writes into its input; autograd first saves
+    /// `original_self = self.clone()` for `SiluBackward0` (silu's formula reads `self`).
+    SiluInplace,
     /// `add_(other)` (`out += identity`): no allocation, nothing saved. `composite` marks the
     /// `output.add_(bias)` inside `at::linear`, which ATen replaces by an out-of-place `add` when the
     /// tensor is subclass-like — always under a dispatch mode, so in the meta-device capture
@@ -309,6 +312,7 @@ impl OpKind {
             AutocastLower => "aten._to_copy",
             ReluInplace => "aten.relu_",
             HardtanhInplace => "aten.hardtanh_",
+            SiluInplace => "aten.silu_",
             AddInplace { .. } => "aten.add_",
             Conv2d { .. } => "aten.convolution",
             BatchNorm => "aten.native_batch_norm",
@@ -346,7 +350,10 @@ impl OpKind {
     pub fn is_inplace(&self) -> bool {
         matches!(
             self,
-            OpKind::ReluInplace | OpKind::HardtanhInplace | OpKind::AddInplace { .. }
+            OpKind::ReluInplace
+                | OpKind::HardtanhInplace
+                | OpKind::SiluInplace
+                | OpKind::AddInplace { .. }
         )
     }
 }
@@ -588,6 +595,11 @@ impl GraphBuilder {
     /// `x`; use the returned handle afterwards.
     pub fn hardtanh_(&mut self, x: T) -> T {
         self.unary(OpKind::HardtanhInplace, x)
+    }
+    /// `F.silu(x, inplace=True)` (`nn.SiLU(inplace=True)`): writes into `x`; use the returned
+    /// handle afterwards.
+    pub fn silu_(&mut self, x: T) -> T {
+        self.unary(OpKind::SiluInplace, x)
     }
     /// `F.gelu(x, approximate=...)` (one ATen op).
     pub fn gelu(&mut self, x: T, tanh: bool) -> T {

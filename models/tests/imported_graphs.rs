@@ -222,3 +222,27 @@ fn torchvision_convnext_tiny_lowers_with_stochastic_depth() {
         }
     }
 }
+
+#[test]
+fn silu_in_place_saves_a_clone() {
+    // nn.Sequential(Linear(8, 16), SiLU(inplace=True), Linear(16, 10)) against SiLU(): `silu`
+    // saves `self`; `silu_` has no formula of its own and saves `original_self = self.clone()`
+    // before running in place. Both hold two [4, 16] tensors with the same lifetimes: the same
+    // step to the byte.
+    let out_of_place = load("tiny_silu");
+    let in_place = load("tiny_silu_inplace");
+    for fidelity in [Fidelity::Cuda, Fidelity::MetaCapture] {
+        for precision in [Precision::Fp32, Precision::AmpBf16] {
+            let mut r = Recipe::new(4, 0);
+            r.precision = precision;
+            r.fidelity = fidelity;
+            let peak =
+                |g: &ImportedGraph| peak_requested(&lower(&g.build(4).unwrap(), &r).unwrap());
+            assert_eq!(
+                peak(&out_of_place),
+                peak(&in_place),
+                "{fidelity:?} {precision:?}"
+            );
+        }
+    }
+}

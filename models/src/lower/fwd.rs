@@ -1026,6 +1026,13 @@ impl<'g> Lowering<'g> {
                 let v = self.view(&x[0], x[0].layout.clone());
                 Fwd::New(vec![v], NodeKind::Op(Hardtanh), vec![Save::Extra(c)])
             }
+            // silu_ likewise (derivatives.yaml silu: `silu_backward(grad, self)`, no silu_ entry;
+            // on CPU `F.silu(h, inplace=True).grad_fn._saved_self` is not `h`'s storage).
+            SiluInplace => {
+                let c = self.alloc(x[0].layout.empty_like(), x[0].dtype, m, "aten.clone");
+                let v = self.view(&x[0], x[0].layout.clone());
+                Fwd::New(vec![v], NodeKind::Op(Silu), vec![Save::Extra(c)])
+            }
             AddInplace { composite } => {
                 if *composite && self.r.fidelity == Fidelity::MetaCapture {
                     // at::linear: `isTensorSubclassLike` is true under a dispatch mode, so the
