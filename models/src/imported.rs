@@ -12,6 +12,8 @@
 
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, T};
+use crate::recipe::{Precision, Recipe};
+use crate::sdpa::{self, SdpaCall};
 use serde_json::Value as J;
 use std::collections::BTreeMap;
 
@@ -54,6 +56,31 @@ pub struct ImportedGraph {
     doc: J,
 }
 
+/// The call `F.multi_head_attention_forward` makes to `F.scaled_dot_product_attention` under
+/// `recipe` for a `(l, n, e)` query with `heads` heads (the zoo's `sdpa_call` for the ViT):
+/// no mask, not causal, q/k/v in the recipe's compute dtype.
+fn mha_sdpa_call(recipe: &Recipe, [l, n, e]: [u64; 3], heads: u64, dropout: f64) -> SdpaCall {
+    SdpaCall {
+        dtype: match recipe.precision {
+            Precision::Fp32 => DType::F32,
+            Precision::Bf16 | Precision::AmpBf16 => DType::BF16,
+            Precision::AmpFp16 => DType::F16,
+        },
+        batch: n,
+        heads_q: heads,
+        heads_kv: heads,
+        seq_q: l,
+        seq_kv: l,
+        head_dim: e / heads.max(1),
+        head_dim_v: e / heads.max(1),
+        mask: false,
+        dropout,
+        is_causal: false,
+        enable_gqa: false,
+        requires_grad: !recipe.inference,
+    }
+}
+
 fn field<'a>(j: &'a J, key: &str) -> Result<&'a J, ImportError> {
     j.get(key)
         .ok_or_else(|| ImportError::Format(format!("missing field {key:?}")))
@@ -91,7 +118,14 @@ pub const SUPPORTED: &[&str] = &[
     "batch_norm",
     "relu",
     "relu_",
+    "hardtanh",
+    "hardtanh_",
     "gelu",
+    "multi_head_attention_forward",
+    "__getitem__",
+    "empty",
+    "bernoulli_",
+    "div_",
     "silu",
     "tanh",
     "sigmoid",
@@ -213,9 +247,47 @@ impl ImportedGraph {
         v.into_iter().map(|(_, n, m, c)| (n, m, c)).collect()
     }
 
-    /// The model's graph at `batch` (dim 0 of every input).
+    /// The SDPA call of the graph's first `F.multi_head_attention_forward` under `recipe` (at
+    /// `recipe.batch`), `None` without one: what the attention kernel is chosen from.
+    pub fn sdpa_call(&self, recipe: &Recipe) -> Option<SdpaCall> {
+        let op = self
+            .ops()
+            .iter()
+            .find(|o| o["op"] == "multi_head_attention_forward")?;
+        let q = op["args"].get(0)?.get("t")?.as_u64()? as usize;
+        let shape: Vec<u64> = self.doc["values"].get(q)?["shape"]
+            .as_array()?
+            .iter()
+            .map(|d| int_at(d, recipe.batch).map(|x| x.max(0) as u64))
+            .collect::<Option<_>>()?;
+        let heads = op["args"]
+            .get(4)
+            .and_then(|h| int_at(h, recipe.batch))?
+            .max(1) as u64;
+        let training = op["kwargs"]["training"].as_bool().unwrap_or(true);
+        let dropout = if training {
+            op["args"].get(10).and_then(J::as_f64).unwrap_or(0.0)
+        } else {
+            0.0
+        };
+        match shape.as_slice() {
+            [l, n, e] => Some(mha_sdpa_call(recipe, [*l, *n, *e], heads, dropout)),
+            _ => None,
+        }
+    }
+
+    /// The model's graph at `batch` (dim 0 of every input), its attention kernels chosen for the
+    /// default recipe ([`Recipe::new`]: fp32, `--attention auto`, sm 9.0).
     pub fn build(&self, batch: u64) -> Result<Graph, ImportError> {
-        Builder::new(self, batch).run()
+        self.build_for(batch, &Recipe::new(batch, 0))
+    }
+
+    /// The model's graph at `batch`, each `F.multi_head_attention_forward` on the SDPA backend
+    /// PyTorch picks for `recipe` (its precision, `--attention` and target), as the zoo's ViT does.
+    pub fn build_for(&self, batch: u64, recipe: &Recipe) -> Result<Graph, ImportError> {
+        let mut b = Builder::new(self, batch);
+        b.recipe = Some(recipe.clone());
+        b.run()
     }
 }
 
@@ -224,6 +296,9 @@ struct Builder<'a> {
     batch: u64,
     b: GraphBuilder,
     vals: Vec<Option<T>>,
+    recipe: Option<Recipe>,
+    /// Values made by a factory (`torch.empty`) and written in place since: outside autograd.
+    no_grad: std::collections::BTreeSet<T>,
 }
 
 impl<'a> Builder<'a> {
@@ -243,6 +318,8 @@ impl<'a> Builder<'a> {
             batch,
             b,
             vals: vec![None; n],
+            recipe: None,
+            no_grad: Default::default(),
         }
     }
 
@@ -542,6 +619,180 @@ impl<'a> Builder<'a> {
                     vec![self.b.relu(x)]
                 }
             }
+            // `nn.ReLU6` / `nn.Hardtanh` call `F.hardtanh(input, min_val, max_val, inplace)`
+            // (torch/nn/functional.py), which runs `hardtanh_` when `inplace`.
+            "hardtanh" | "hardtanh_" => {
+                let x = need(self, 0, "input")?;
+                if name == "hardtanh_" || bool_arg(3, "inplace", false) {
+                    vec![self.b.hardtanh_(x)]
+                } else {
+                    vec![self.b.hardtanh(x)]
+                }
+            }
+            // `nn.MultiheadAttention.forward` in training (its fast path is inference-only) with
+            // `query is key is value` (self-attention), torch/nn/functional.py: only the
+            // packed-projection, mask-free, `need_weights=False` path that calls
+            // `F.scaled_dot_product_attention` is modelled — the zoo ViT's, shared with it.
+            "multi_head_attention_forward" => {
+                let id = |i: usize, key: &str| arg(i, key).and_then(|j| j.get("t").cloned());
+                if id(1, "key") != id(0, "query") || id(2, "value") != id(0, "query") {
+                    return Err(bad(
+                        "only self-attention (query, key and value the same tensor) is modelled"
+                            .into(),
+                    ));
+                }
+                let q0 = need(self, 0, "query")?;
+                let heads = arg(4, "num_heads")
+                    .and_then(|j| int(&j))
+                    .filter(|&h| h > 0)
+                    .ok_or_else(|| bad("num_heads is not a positive int".into()))?
+                    as u64;
+                let w = need(self, 5, "in_proj_weight")?;
+                let in_bias = need(self, 6, "in_proj_bias")?;
+                let out_w = need(self, 11, "out_proj_weight")?;
+                let out_b = tensor(self, arg(12, "out_proj_bias"))?;
+                for (i, key) in [
+                    (7, "bias_k"),
+                    (8, "bias_v"),
+                    (14, "key_padding_mask"),
+                    (16, "attn_mask"),
+                    (18, "q_proj_weight"),
+                    (21, "static_k"),
+                    (22, "static_v"),
+                ] {
+                    if arg(i, key).is_some() {
+                        return Err(bad(format!("{key} is not modelled (only None)")));
+                    }
+                }
+                for (i, key, modelled) in [
+                    (9, "add_zero_attn", false),
+                    (15, "need_weights", false),
+                    (17, "use_separate_proj_weight", false),
+                    (24, "is_causal", false),
+                ] {
+                    if bool_arg(i, key, !modelled) != modelled {
+                        return Err(bad(format!("{key}={} is not modelled", !modelled)));
+                    }
+                }
+                let training = bool_arg(13, "training", true);
+                // `if not training: dropout_p = 0.0`.
+                let dropout = if training {
+                    float_arg(10, "dropout_p", 0.0)
+                } else {
+                    0.0
+                };
+                let s = self.b.shape(q0);
+                if s.len() != 3 || !s[2].is_multiple_of(heads) {
+                    return Err(bad(format!(
+                        "query {s:?} is not (L, N, E) with E divisible by {heads} heads"
+                    )));
+                }
+                let default = Recipe::new(self.batch, 0);
+                let r = self.recipe.as_ref().unwrap_or(&default);
+                let call = mha_sdpa_call(r, [s[0], s[1], s[2]], heads, dropout);
+                let backend = sdpa::choose(r.attention, &call, r.target)
+                    .map_err(|e| bad(e.to_string()))?
+                    .backend;
+                vec![crate::zoo::vit::multi_head_attention_forward(
+                    &mut self.b,
+                    q0,
+                    heads,
+                    w,
+                    in_bias,
+                    dropout,
+                    backend,
+                    |b, o| b.linear_op(o, out_w, out_b),
+                )]
+            }
+            // `x[idx]` with ints (select) and slices of step 1 (slice), e.g. ViT's `x[:, 0]`.
+            "__getitem__" => {
+                let mut x = need(self, 0, "self")?;
+                let idx = arg(1, "index").unwrap_or(J::Null);
+                let items = match idx {
+                    J::Array(a) => a,
+                    other => vec![other],
+                };
+                let mut dim = 0usize;
+                for it in &items {
+                    let shape = self.b.shape(x);
+                    let size = *shape.get(dim).ok_or_else(|| {
+                        bad(format!(
+                            "index {idx:?} has more entries than {shape:?} has dims",
+                            idx = items
+                        ))
+                    })? as i64;
+                    if let Some(i) = int(it) {
+                        let i = if i < 0 { i + size } else { i };
+                        if !(0..size).contains(&i) {
+                            return Err(bad(format!(
+                                "index {i} is out of dim {dim} of size {size}"
+                            )));
+                        }
+                        x = self.b.select(x, dim as isize, i as u64);
+                    } else if let Some([start, stop, step]) =
+                        it.get("slice").and_then(J::as_array).map(Vec::as_slice)
+                    {
+                        let bound = |j: &J, default: i64| -> Option<i64> {
+                            if j.is_null() {
+                                return Some(default);
+                            }
+                            let v = int(j)?;
+                            Some((if v < 0 { v + size } else { v }).clamp(0, size))
+                        };
+                        let (a, z) = (bound(start, 0), bound(stop, size));
+                        let unit = step.is_null() || int(step) == Some(1);
+                        match (a, z, unit) {
+                            (Some(0), Some(z), true) if z == size => {}
+                            (Some(a), Some(z), true) => {
+                                x = self.b.slice(x, dim as isize, a as u64, z.max(a) as u64)
+                            }
+                            _ => {
+                                return Err(bad(format!(
+                                    "slice {it} is not modelled (int bounds, step 1)"
+                                )))
+                            }
+                        }
+                        dim += 1;
+                    } else {
+                        return Err(bad(format!(
+                            "index entry {it} is not modelled (ints and slices)"
+                        )));
+                    }
+                }
+                vec![x]
+            }
+            // torchvision.ops.stochastic_depth in training (`noise = torch.empty(size,
+            // dtype=input.dtype)`, `noise.bernoulli_(survival_rate)`, `noise.div_(survival_rate)`,
+            // `input * noise`): the empty tensor is an allocation outside autograd; bernoulli_ and
+            // div_ by a scalar write into it (no allocation, no autograd node).
+            "empty" => {
+                let shape = rest_ints(0, "size")?;
+                if shape.iter().any(|&d| d < 0) {
+                    return Err(bad(format!("negative size {shape:?}")));
+                }
+                let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+                let dt = match kwargs.get("dtype") {
+                    None | Some(J::Null) => DTypeSpec::Model,
+                    Some(d) if d["model"].as_bool() == Some(true) => DTypeSpec::Model,
+                    Some(d) => dtype_spec(d["dtype"].as_str().unwrap_or("?"))?,
+                };
+                let t = self.b.factory("aten.empty", &[], &shape, dt, vec![]);
+                self.no_grad.insert(t);
+                vec![t]
+            }
+            "bernoulli_" | "div_" => {
+                let x = need(self, 0, "self")?;
+                if !self.no_grad.contains(&x) {
+                    return Err(bad(
+                        "in place on a tensor other than a fresh torch.empty is not modelled"
+                            .into(),
+                    ));
+                }
+                if name == "div_" && tensor(self, arg(1, "other"))?.is_some() {
+                    return Err(bad("div_ by a tensor is not modelled".into()));
+                }
+                vec![x]
+            }
             "gelu" => {
                 let x = need(self, 0, "input")?;
                 let tanh = arg(1, "approximate").and_then(|j| j.as_str().map(|s| s == "tanh"));
@@ -549,10 +800,9 @@ impl<'a> Builder<'a> {
             }
             "silu" | "tanh" | "sigmoid" | "float" | "contiguous" | "t" => {
                 let x = need(self, 0, "input")?;
-                if name == "silu" && bool_arg(1, "inplace", false) {
-                    return Err(bad("silu(inplace=True) is not modelled".into()));
-                }
+                let inplace = name == "silu" && bool_arg(1, "inplace", false);
                 vec![match name.as_str() {
+                    "silu" if inplace => self.b.silu_(x),
                     "silu" => self.b.silu(x),
                     "tanh" => self.b.tanh(x),
                     "sigmoid" => self.b.sigmoid(x),

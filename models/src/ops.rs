@@ -101,6 +101,8 @@ pub enum OpKind {
     Sigmoid,
     /// `relu` (out of place).
     Relu,
+    /// `hardtanh(x, min_val, max_val)` out of place (`nn.Hardtanh`, `nn.ReLU6`): saves its input.
+    Hardtanh,
     /// `gelu(approximate=...)` as one ATen op (`nn.GELU`).
     Gelu {
         /// `approximate="tanh"`.
@@ -164,6 +166,13 @@ pub enum OpKind {
     /// `relu_` (`nn.ReLU(inplace=True)`): no allocation; the node (`ReluBackward0`) saves the
     /// result, which is the mutated input's storage.
     ReluInplace,
+    /// `hardtanh_` (`nn.ReLU6(inplace=True)`): writes into its input; autograd first saves
+    /// `original_self = self.clone()` for `HardtanhBackward0` (PyTorch 2.15 has no formula of its
+    /// own for `hardtanh_`, and hardtanh's reads `self`).
+    HardtanhInplace,
+    /// `silu_` (`nn.SiLU(inplace=True)`): writes into its input; autograd first saves
+    /// `original_self = self.clone()` for `SiluBackward0` (silu's formula reads `self`).
+    SiluInplace,
     /// `add_(other)` (`out += identity`): no allocation, nothing saved. `composite` marks the
     /// `output.add_(bias)` inside `at::linear`, which ATen replaces by an out-of-place `add` when the
     /// tensor is subclass-like — always under a dispatch mode, so in the meta-device capture
@@ -277,6 +286,7 @@ impl OpKind {
             Tanh => "aten.tanh",
             Sigmoid => "aten.sigmoid",
             Relu => "aten.relu",
+            Hardtanh => "aten.hardtanh",
             Gelu { .. } => "aten.gelu",
             Silu => "aten.silu",
             MeanDim { .. } => "aten.mean",
@@ -301,6 +311,8 @@ impl OpKind {
             } => "aten._scaled_dot_product_cudnn_attention",
             AutocastLower => "aten._to_copy",
             ReluInplace => "aten.relu_",
+            HardtanhInplace => "aten.hardtanh_",
+            SiluInplace => "aten.silu_",
             AddInplace { .. } => "aten.add_",
             Conv2d { .. } => "aten.convolution",
             BatchNorm => "aten.native_batch_norm",
@@ -336,7 +348,13 @@ impl OpKind {
 
     /// Whether the op writes into its first input instead of allocating (`relu_`, `add_`).
     pub fn is_inplace(&self) -> bool {
-        matches!(self, OpKind::ReluInplace | OpKind::AddInplace { .. })
+        matches!(
+            self,
+            OpKind::ReluInplace
+                | OpKind::HardtanhInplace
+                | OpKind::SiluInplace
+                | OpKind::AddInplace { .. }
+        )
     }
 }
 
@@ -568,6 +586,20 @@ impl GraphBuilder {
     /// `F.relu(x)` (not in place).
     pub fn relu(&mut self, x: T) -> T {
         self.unary(OpKind::Relu, x)
+    }
+    /// `F.hardtanh(x, min_val, max_val)` (`nn.ReLU6()` is `hardtanh(x, 0, 6)`), not in place.
+    pub fn hardtanh(&mut self, x: T) -> T {
+        self.unary(OpKind::Hardtanh, x)
+    }
+    /// `F.hardtanh(x, min_val, max_val, inplace=True)` (`nn.ReLU6(inplace=True)`): writes into
+    /// `x`; use the returned handle afterwards.
+    pub fn hardtanh_(&mut self, x: T) -> T {
+        self.unary(OpKind::HardtanhInplace, x)
+    }
+    /// `F.silu(x, inplace=True)` (`nn.SiLU(inplace=True)`): writes into `x`; use the returned
+    /// handle afterwards.
+    pub fn silu_(&mut self, x: T) -> T {
+        self.unary(OpKind::SiluInplace, x)
     }
     /// `F.gelu(x, approximate=...)` (one ATen op).
     pub fn gelu(&mut self, x: T, tanh: bool) -> T {

@@ -91,3 +91,158 @@ fn unsupported_calls_are_listed() {
     let e = ImportedGraph::parse("{\"format\": \"other\"}").unwrap_err();
     assert!(e.to_string().contains("vramsim-graph"), "{e}");
 }
+
+#[test]
+fn relu6_saves_its_input_in_and_out_of_place() {
+    // nn.Sequential(Linear(8, 16), act, Linear(16, 10)) at batch 4. PyTorch 2.15 autograd:
+    // `hardtanh` saves `self`; `hardtanh_` (ReLU6(inplace=True)) has no formula of its own, so
+    // it saves `original_self = self.clone()` and runs in place. Either way the step holds two
+    // [4, 16] tensors (pre-activation or its clone, and the activation) with the same lifetimes:
+    // the two steps agree to the byte. ReLU saves its result instead, so the pre-activation h
+    // (4·16·4 = 256 B) is freed when relu returns: at every moment the ReLU6 step holds what the
+    // ReLU step holds or 256 B more, so its peak lies in [ReLU's, ReLU's + 256].
+    let relu = load("tiny");
+    let relu6 = load("tiny_relu6");
+    let relu6_ = load("tiny_relu6_inplace");
+    for fidelity in [Fidelity::Cuda, Fidelity::MetaCapture] {
+        let mut r = Recipe::new(4, 0);
+        r.optimizer = OptimizerKind::Sgd;
+        r.fidelity = fidelity;
+        let peak = |g: &ImportedGraph| peak_requested(&lower(&g.build(4).unwrap(), &r).unwrap());
+        let (a, b, c) = (peak(&relu), peak(&relu6), peak(&relu6_));
+        println!("{fidelity:?}: relu {a}, relu6 {b}, relu6_ {c}");
+        assert_eq!(b, c, "{fidelity:?}");
+        assert!(a <= b && b <= a + 256, "{fidelity:?}: {a} vs {b}");
+    }
+}
+
+#[test]
+fn torchvision_mobilenet_v2_lowers() {
+    // torchvision 0.29 `mobilenet_v2()` (ReLU6(inplace=True) is `F.hardtanh(x, 0, 6, True)`, the
+    // depthwise convolutions are `groups=C`): it lowers at any batch, with the 3,504,872
+    // parameters torchvision's model card lists (MobileNet_V2_Weights.IMAGENET1K_V1 `num_params`).
+    let g = load("mobilenet_v2");
+    let mut last = 0;
+    for batch in [1, 3, 16] {
+        let built = g.build(batch).unwrap();
+        assert_eq!(built.param_count(), 3_504_872);
+        for fidelity in [Fidelity::Cuda, Fidelity::MetaCapture] {
+            let mut r = Recipe::new(batch, 0);
+            r.fidelity = fidelity;
+            let peak = peak_requested(&lower(&built, &r).unwrap());
+            println!("mobilenet_v2 batch {batch} {fidelity:?}: {peak}");
+            if fidelity == Fidelity::MetaCapture {
+                assert!(peak > last, "the peak grows with the batch");
+                last = peak;
+            }
+        }
+    }
+}
+
+#[test]
+fn imported_vit_b_16_matches_the_zoo() {
+    // torchvision 0.29 `vit_b_16()`: `nn.MultiheadAttention` in training calls
+    // `F.multi_head_attention_forward` (lowered by the zoo ViT's own function) and the head takes
+    // `x[:, 0]` (`__getitem__`: a select). The same step as the zoo's `vit-b-16` — 86,567,656
+    // parameters (torchvision's ViT_B_16_Weights `num_params`) — on each SDPA backend PyTorch
+    // picks (memory-efficient for fp32, FlashAttention-2 for bf16 on sm 9.0).
+    let imported = load("vit_b_16");
+    for batch in [1, 8, 32] {
+        for precision in [Precision::Fp32, Precision::AmpBf16, Precision::Bf16] {
+            for fidelity in [Fidelity::Cuda, Fidelity::MetaCapture] {
+                let mut r = Recipe::new(batch, 0);
+                r.precision = precision;
+                r.fidelity = fidelity;
+                let zoo_graph = zoo::build("vit-b-16", &r).unwrap();
+                let zoo_peak = peak_requested(&lower(&zoo_graph, &r).unwrap());
+                let g = imported.build_for(batch, &r).unwrap();
+                assert_eq!(g.param_count(), 86_567_656);
+                assert_eq!(zoo_graph.param_count(), 86_567_656);
+                let ours = peak_requested(&lower(&g, &r).unwrap());
+                println!(
+                    "vit_b_16 batch {batch} {precision:?} {fidelity:?}: {ours} (zoo {zoo_peak})"
+                );
+                assert_eq!(ours, zoo_peak, "batch {batch} {precision:?} {fidelity:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn imported_vit_b_16_chooses_the_zoo_attention_kernel() {
+    // The kernel reported for (and shared across GPUs by `target_choices`) a captured
+    // nn.MultiheadAttention is the zoo ViT's on every target and precision: cuDNN is preferred
+    // only on sm 9.x/10.x (`check_prefer_cudnn_attention`), so sm 8.0 and sm 9.0 differ for bf16.
+    let imported = std::sync::Arc::new(load("vit_b_16"));
+    let ours = zoo::Arch::Imported(imported.clone());
+    let theirs = zoo::Arch::from_name("vit-b-16").unwrap();
+    let mut kernels = std::collections::BTreeSet::new();
+    for cc in [(8, 0), (9, 0)] {
+        for precision in [Precision::Fp32, Precision::Bf16] {
+            let mut r = Recipe::new(4, 0);
+            r.precision = precision;
+            r.target.compute_capability = cc;
+            let a = ours.attention_kernel(&r).unwrap().unwrap();
+            let b = theirs.attention_kernel(&r).unwrap().unwrap();
+            assert_eq!(a.kernel, b.kernel, "sm {cc:?} {precision:?}");
+            assert_eq!(
+                ours.target_choices(&r).unwrap(),
+                theirs.target_choices(&r).unwrap()
+            );
+            kernels.insert(format!("{:?}", a.kernel));
+            let zoo_peak =
+                peak_requested(&lower(&zoo::build("vit-b-16", &r).unwrap(), &r).unwrap());
+            let g = imported.build_for(4, &r).unwrap();
+            assert_eq!(peak_requested(&lower(&g, &r).unwrap()), zoo_peak);
+        }
+    }
+    assert!(kernels.len() >= 3, "{kernels:?}");
+}
+
+#[test]
+fn torchvision_convnext_tiny_lowers_with_stochastic_depth() {
+    // torchvision 0.29 `convnext_tiny()` in training: each CNBlock's StochasticDepth (p up to 0.1,
+    // "row") runs `torch.empty([B, 1, 1, 1])`, `bernoulli_`, `div_` and `input * noise`. It lowers
+    // at any batch with the 28,589,128 parameters of torchvision's model card
+    // (ConvNeXt_Tiny_Weights.IMAGENET1K_V1 `num_params`).
+    let g = load("convnext_tiny");
+    let mut last = 0;
+    for batch in [1, 3, 16] {
+        let built = g.build(batch).unwrap();
+        assert_eq!(built.param_count(), 28_589_128);
+        for precision in [Precision::Fp32, Precision::AmpBf16, Precision::Bf16] {
+            let mut r = Recipe::new(batch, 0);
+            r.precision = precision;
+            let peak = peak_requested(&lower(&g.build_for(batch, &r).unwrap(), &r).unwrap());
+            println!("convnext_tiny batch {batch} {precision:?}: {peak}");
+            if precision == Precision::Fp32 {
+                assert!(peak > last, "the peak grows with the batch");
+                last = peak;
+            }
+        }
+    }
+}
+
+#[test]
+fn silu_in_place_saves_a_clone() {
+    // nn.Sequential(Linear(8, 16), SiLU(inplace=True), Linear(16, 10)) against SiLU(): `silu`
+    // saves `self`; `silu_` has no formula of its own and saves `original_self = self.clone()`
+    // before running in place. Both hold two [4, 16] tensors with the same lifetimes: the same
+    // step to the byte.
+    let out_of_place = load("tiny_silu");
+    let in_place = load("tiny_silu_inplace");
+    for fidelity in [Fidelity::Cuda, Fidelity::MetaCapture] {
+        for precision in [Precision::Fp32, Precision::AmpBf16] {
+            let mut r = Recipe::new(4, 0);
+            r.precision = precision;
+            r.fidelity = fidelity;
+            let peak =
+                |g: &ImportedGraph| peak_requested(&lower(&g.build(4).unwrap(), &r).unwrap());
+            assert_eq!(
+                peak(&out_of_place),
+                peak(&in_place),
+                "{fidelity:?} {precision:?}"
+            );
+        }
+    }
+}

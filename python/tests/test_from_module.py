@@ -36,6 +36,7 @@ CASES = [
     ("mlp", _mlp, (2, 1024)),
     ("resnet18", lambda: _torchvision("resnet18"), (2, 3, 224, 224)),
     ("vgg16", lambda: _torchvision("vgg16"), (2, 3, 224, 224)),
+    ("vit-b-16", lambda: _torchvision("vit_b_16"), (2, 3, 224, 224)),
 ] + [
     (n, (lambda n=n: _torchvision(n)), (2, 3, 224, 224))
     for n in ("resnet34", "resnet50", "resnet101", "resnet152")

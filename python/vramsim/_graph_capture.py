@@ -86,11 +86,17 @@ class _Capture:
         if isinstance(a, torch.Size):
             return list(a)
         if isinstance(a, torch.dtype):
+            # The model's own dtype is marked: a factory such as stochastic depth's
+            # `torch.empty(size, dtype=input.dtype)` follows the model's precision.
+            if a == self.model_dtype:
+                return {"dtype": _dtype_name(a), "model": True}
             return {"dtype": _dtype_name(a)}
         if isinstance(a, torch.memory_format):
             return {"memory_format": str(a).replace("torch.", "")}
         if isinstance(a, torch.device):
             return {"device": str(a)}
+        if isinstance(a, slice):
+            return {"slice": [self.encode(a.start), self.encode(a.stop), self.encode(a.step)]}
         return {"other": type(a).__name__}
 
     def outputs(self, out: Any) -> List[Any]:

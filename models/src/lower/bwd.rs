@@ -656,8 +656,19 @@ impl<'g> Lowering<'g> {
             }
             // derivatives.yaml tanh/relu/gelu/silu: tanh_backward(grad, result), threshold_backward(grad, result, 0),
             // gelu_backward(grad, self), silu_backward(grad, self).
-            Tanh | Sigmoid | Relu | ReluInplace | Gelu { .. } | Silu => {
+            // hardtanh/hardtanh_: hardtanh_backward(grad, self or original_self, min_val, max_val);
+            // silu_: silu_backward(grad, original_self).
+            Tanh
+            | Sigmoid
+            | Relu
+            | ReluInplace
+            | Hardtanh
+            | HardtanhInplace
+            | SiluInplace
+            | Gelu { .. }
+            | Silu => {
                 let name = match op {
+                    Hardtanh | HardtanhInplace => "aten.hardtanh_backward",
                     Tanh => "aten.tanh_backward",
                     Sigmoid => "aten.sigmoid_backward",
                     Relu | ReluInplace => "aten.threshold_backward",

@@ -10,11 +10,15 @@ use crate::ops::{FusedSdpa, OpKind};
 use crate::recipe::{CheckpointImpl, Fidelity, TorchVersion};
 use std::collections::HashMap;
 
-/// A tensor an autograd node saves: input `j` or output `k` of its op.
-#[derive(Clone, Copy, Debug)]
+/// A tensor an autograd node saves: input `j` or output `k` of its op, or a tensor the
+/// autograd wrapper made for the node (`Extra`: the `original_self = self.clone()` of an
+/// in-place op whose derivative formula uses `self`; the rule's reference is dropped once the
+/// node has saved it).
+#[derive(Clone, Debug)]
 pub(crate) enum Save {
     In(usize),
     Out(usize),
+    Extra(Rt),
 }
 
 /// What an op's forward rule produced.
@@ -302,6 +306,11 @@ impl<'g> Lowering<'g> {
                         matches!(kind, OpKind::ToDtypeOf | OpKind::AsStridedInplace);
                     self.record_node(nk, &casted, &mut outs, &saves, m, gop, dtype_only_arg1);
                 }
+                for s in saves {
+                    if let Save::Extra(t) = s {
+                        self.drop_rt(t);
+                    }
+                }
                 outs
             }
         };
@@ -323,9 +332,10 @@ impl<'g> Lowering<'g> {
         dtype_only_arg1: bool,
     ) {
         let pick = |s: &Save, outs: &[Rt]| -> Rt {
-            match *s {
-                Save::In(j) => ins[j].clone(),
-                Save::Out(k) => outs[k].clone(),
+            match s {
+                Save::In(j) => ins[*j].clone(),
+                Save::Out(k) => outs[*k].clone(),
+                Save::Extra(t) => t.clone(),
             }
         };
         if let Some(map) = self.recompute_saved.as_mut() {
@@ -777,14 +787,16 @@ impl<'g> Lowering<'g> {
             | Tanh
             | Sigmoid
             | Relu
+            | Hardtanh
             | Gelu { .. }
             | Silu => {
                 let l = elementwise_layout(x[0].shape(), &[&x[0].layout]);
                 let o = self.alloc(l, x[0].dtype, m, name);
                 // derivatives.yaml: pow.Tensor_Scalar, gelu, silu save self; rsqrt, tanh, sigmoid,
-                // relu save result; add/mul/div by a scalar and neg save nothing on the device.
+                // relu save result; hardtanh saves self (`hardtanh_backward(grad, self, min_val,
+                // max_val)`); add/mul/div by a scalar and neg save nothing on the device.
                 let saves = match kind {
-                    PowScalar(_) | Gelu { .. } | Silu => vec![Save::In(0)],
+                    PowScalar(_) | Gelu { .. } | Silu | Hardtanh => vec![Save::In(0)],
                     Rsqrt | Tanh | Sigmoid | Relu => vec![Save::Out(0)],
                     _ => vec![],
                 };
@@ -1002,6 +1014,24 @@ impl<'g> Lowering<'g> {
             ReluInplace => {
                 let v = self.view(&x[0], x[0].layout.clone());
                 Fwd::New(vec![v], NodeKind::Op(Relu), vec![Save::Out(0)])
+            }
+            // hardtanh_ has no derivatives.yaml entry of its own in PyTorch 2.15: autograd's
+            // codegen reuses hardtanh's `hardtanh_backward(grad, self, ...)`, and as that formula
+            // reads `self`, which the op overwrites, the generated VariableType kernel saves
+            // `original_self = self.clone()` (preserve format) before running it in place — on
+            // CPU, `F.relu6(h, inplace=True).grad_fn` is `HardtanhBackward0` whose `_saved_self`
+            // is not `h`'s storage.
+            HardtanhInplace => {
+                let c = self.alloc(x[0].layout.empty_like(), x[0].dtype, m, "aten.clone");
+                let v = self.view(&x[0], x[0].layout.clone());
+                Fwd::New(vec![v], NodeKind::Op(Hardtanh), vec![Save::Extra(c)])
+            }
+            // silu_ likewise (derivatives.yaml silu: `silu_backward(grad, self)`, no silu_ entry;
+            // on CPU `F.silu(h, inplace=True).grad_fn._saved_self` is not `h`'s storage).
+            SiluInplace => {
+                let c = self.alloc(x[0].layout.empty_like(), x[0].dtype, m, "aten.clone");
+                let v = self.view(&x[0], x[0].layout.clone());
+                Fwd::New(vec![v], NodeKind::Op(Silu), vec![Save::Extra(c)])
             }
             AddInplace { composite } => {
                 if *composite && self.r.fidelity == Fidelity::MetaCapture {

@@ -297,8 +297,10 @@ impl Arch {
         };
         match self {
             // timm 0.6's models run explicit attention (`q @ k.transpose(-2, -1)`), no SDPA.
-            // An imported graph's SDPA calls are not mapped (listed as unsupported).
-            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Timm(_) | Arch::Imported(_) => None,
+            Arch::Mlp | Arch::ResNet(_) | Arch::Vgg16 | Arch::Timm(_) => None,
+            // A captured module's SDPA comes from `F.multi_head_attention_forward` (the only
+            // attention call the importer maps).
+            Arch::Imported(g) => g.sdpa_call(recipe),
             Arch::Vit(c) => {
                 let l = (c.image / c.patch).pow(2) + 1;
                 Some(call(
@@ -352,7 +354,7 @@ impl Arch {
         let Some(call) = self.sdpa_call(recipe) else {
             return self.attention_without_sdpa(recipe);
         };
-        let vit = matches!(self, Arch::Vit(_));
+        let vit = matches!(self, Arch::Vit(_) | Arch::Imported(_));
         let nano = matches!(self, Arch::NanoGpt(_));
         if recipe.attention == Attention::Eager && nano {
             return Ok(Some(KernelChoice {
@@ -446,7 +448,7 @@ impl Arch {
                     msg: "a captured module's head is the one captured".into(),
                 });
             }
-            return Ok(g.build(batch)?);
+            return Ok(g.build_for(batch, recipe)?);
         }
         let seq = recipe.seq;
         let head = self.head(recipe)?;
@@ -528,7 +530,7 @@ impl Arch {
                 llama::llama_with_head(c, batch, seq, attn, head, recipe.loss)?
             }
             // Built above, before the zoo's checks of heads and attention.
-            Arch::Imported(g) => g.build(batch)?,
+            Arch::Imported(g) => g.build_for(batch, recipe)?,
         })
     }
 

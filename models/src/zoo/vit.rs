@@ -129,15 +129,40 @@ fn encoder_block(b: &mut GraphBuilder, cfg: &VitConfig, input: T, backend: SdpaB
 
 /// `nn.MultiheadAttention(E, H, batch_first=True)(x, x, x, need_weights=False)` in training.
 fn mha(b: &mut GraphBuilder, cfg: &VitConfig, x: T, backend: SdpaBackend) -> T {
-    let s = b.shape(x);
-    let (n, l, e) = (s[0], s[1], s[2]);
-    let (h, hd) = (cfg.heads, cfg.hidden / cfg.heads);
-    let (ni, li, ei, hi, hdi) = (n as i64, l as i64, e as i64, h as i64, hd as i64);
+    let e = b.shape(x)[2];
     let w = b.param("in_proj_weight", &[3 * e, e]);
     let bias = b.param("in_proj_bias", &[3 * e]);
     // query = key = value = x.transpose(1, 0): the arguments live until the function returns.
     let q0 = b.transpose(x, 1, 0);
     b.hold(q0);
+    let o = multi_head_attention_forward(b, q0, cfg.heads, w, bias, 0.0, backend, |b, o| {
+        b.linear("out_proj", o, e, true)
+    });
+    b.transpose(o, 1, 0)
+}
+
+/// `F.multi_head_attention_forward(q0, q0, q0, E, heads, in_proj_weight, in_proj_bias, None,
+/// None, False, dropout, out_proj.weight, out_proj.bias, training=True, need_weights=False)`
+/// (torch/nn/functional.py) on one `(L, N, E)` tensor used as query, key and value (self-attention,
+/// no masks, packed in-projection): the output is `(L, N, E)`. `out_proj` applies the output
+/// projection to the `(L·N, E)` attention output (`F.linear(attn_output, out_proj_weight,
+/// out_proj_bias)`); the zoo's ViT builds its parameters there, an imported graph passes its own.
+/// Shared by the zoo's ViT and `vramsim.from_module` ([`crate::imported`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn multi_head_attention_forward(
+    b: &mut GraphBuilder,
+    q0: T,
+    heads: u64,
+    w: T,
+    bias: T,
+    dropout: f64,
+    backend: SdpaBackend,
+    out_proj: impl FnOnce(&mut GraphBuilder, T) -> T,
+) -> T {
+    let s = b.shape(q0);
+    let (l, n, e) = (s[0], s[1], s[2]);
+    let (h, hd) = (heads, e / heads.max(1));
+    let (ni, li, ei, hi, hdi) = (n as i64, l as i64, e as i64, h as i64, hd as i64);
     // _in_projection_packed: linear, then unflatten(-1, (3, E)).unsqueeze(0).transpose(0, -2)
     // .squeeze(-2).contiguous(), and proj[0], proj[1], proj[2].
     let proj = b.linear_strided(q0, w, Some(bias));
@@ -155,10 +180,12 @@ fn mha(b: &mut GraphBuilder, cfg: &VitConfig, x: T, backend: SdpaBackend) -> T {
     let q = heads(b, 0);
     let k = heads(b, 1);
     let v = heads(b, 2);
-    let o = b.region(RegionKind::AttentionCore, "", |b| b.sdpa(q, k, v, backend));
+    // `dropout_p = 0.0 if not training else dropout_p`, `is_causal=False`, no mask.
+    let o = b.region(RegionKind::AttentionCore, "", |b| {
+        b.sdpa_with(q, k, v, backend, false, dropout)
+    });
     let o = b.permute(o, &[2, 0, 1, 3]);
     let o = b.reshape(o, &[li * ni, ei]);
-    let o = b.linear("out_proj", o, e, true);
-    let o = b.view(o, &[li, ni, ei]);
-    b.transpose(o, 1, 0)
+    let o = out_proj(b, o);
+    b.view(o, &[li, ni, ei])
 }
