@@ -19,15 +19,19 @@ fn recipe_of(fx: &serde_json::Value) -> Recipe {
         r.checkpointing = Checkpointing::Full;
     }
     r.use_cache = rc["use_cache"].as_bool();
+    r.keep_outputs = rc["keep_outputs"].as_bool().unwrap();
     r.fidelity = Fidelity::MetaCapture;
-    // The captures ran HF's eager attention (the capture tool's `attn_implementation="eager"`).
-    r.attention = Attention::Eager;
+    r.attention = rc["attention"]
+        .as_str()
+        .unwrap()
+        .parse::<Attention>()
+        .unwrap();
     r
 }
 
 #[test]
 fn default_use_cache_agrees_with_pytorch_captures() {
-    common::check_captures("captures/use_cache", 5, recipe_of);
+    common::check_captures("captures/use_cache", 7, recipe_of);
 }
 
 /// The captures see the cache: lowered with `use_cache=False` (what the capture tool's own
@@ -56,4 +60,30 @@ fn tinyllama_cache_is_visible_in_the_forward() {
     let cache = 22 * 2 * (2 * 4 * 128 * 64 * 4);
     assert_eq!(ours[1].0, "forward");
     assert_eq!(ours[1].1 + cache, theirs[1][1].as_u64().unwrap());
+}
+
+/// `--inference` (no_grad, eval): no activation is saved, so without the cache each layer's keys
+/// and values die with its attention; with transformers' default cache every layer's copies
+/// accumulate until the model output dies. float32 at B 2, S 1024: the step peaks in the last
+/// layer's eager attention (the scores [B, 32, S, S] and their scaled copy, 2 × 268 MB, above the
+/// head's logits and log-probabilities, 2 × 262 MB), where that layer's own keys and values are
+/// alive either way, so the peak grows by the 21 earlier layers' copies, 2 × [B, Hkv, S, D]
+/// (Hkv 4, D 64) each. Gradient checkpointing does not turn the cache off in eval mode
+/// (`self.training` is False).
+#[test]
+fn inference_accumulates_every_layers_cache() {
+    let peak = |use_cache: Option<bool>, ckpt: Checkpointing| {
+        let mut r = Recipe::new(2, 1024);
+        r.inference = true;
+        r.attention = Attention::Eager;
+        r.checkpointing = ckpt;
+        r.use_cache = use_cache;
+        let g = vramsim_models::zoo::build("tinyllama-1.1b", &r).unwrap();
+        let t = vramsim_models::lower(&g, &r).unwrap();
+        common::segments(&t).iter().map(|s| s.1).max().unwrap()
+    };
+    let cache = 21 * 2 * (2 * 4 * 1024 * 64 * 4);
+    let without = peak(Some(false), Checkpointing::None);
+    assert_eq!(peak(None, Checkpointing::None), without + cache);
+    assert_eq!(peak(Some(true), Checkpointing::Full), without + cache);
 }

@@ -6,7 +6,8 @@ The capture tool builds its HF configs with ``use_cache=False``; a user's config
 ``model.train()`` too: ``merge_with_config_defaults`` (utils/generic.py) turns ``use_cache`` off only
 when gradient checkpointing is on and the model trains. Every other setting is the capture tool's
 (``vramsim_capture.zoo``): the configs are the same but for ``use_cache``, which is left at its
-default. Run from the repository root (torch, transformers; no GPU, no network)::
+default; the ``-keep`` cases keep ``outputs = model(**batch)`` until the next step rebinds it.
+Run from the repository root (torch, transformers; no GPU, no network)::
 
     python models/tools/make_use_cache_captures.py
 """
@@ -25,13 +26,18 @@ import vramsim_capture as vc  # noqa: E402
 
 OUT_DIR = os.path.join(ROOT, "models", "tests", "captures", "use_cache")
 
-# (model, batch, seq, dtype, attention, checkpoint)
+# (model, batch, seq, dtype, attention, checkpoint, keep_outputs)
 CASES = [
-    ("tinyllama-1.1b", 2, 128, "fp32", "eager", "none"),
-    ("tinyllama-1.1b", 2, 128, "bf16", "eager", "none"),
-    ("tinyllama-1.1b", 2, 128, "fp32", "eager", "full"),
-    ("gpt2", 2, 128, "fp32", "eager", "none"),
-    ("gpt2", 2, 128, "bf16", "eager", "none"),
+    ("tinyllama-1.1b", 2, 128, "fp32", "eager", "none", False),
+    ("tinyllama-1.1b", 2, 128, "bf16", "eager", "none", False),
+    ("tinyllama-1.1b", 2, 128, "fp32", "eager", "full", False),
+    ("tinyllama-1.1b", 2, 128, "bf16", "eager", "none", True),
+    ("gpt2", 2, 128, "fp32", "eager", "none", False),
+    ("gpt2", 2, 128, "bf16", "eager", "none", False),
+    # No SDPA case: the tool pins only SDPA calls without a mask or enable_gqa, and HF's decoders
+    # pass the all-ones mask on fake CPU tensors (GPT-2) or enable_gqa (TinyLlama), with or
+    # without the cache.
+    ("gpt2", 2, 128, "fp32", "eager", "none", True),
 ]
 
 
@@ -55,13 +61,29 @@ def main() -> int:
     vc._hf_config = _default_cache_config
     os.makedirs(OUT_DIR, exist_ok=True)
     rows = []
-    for model, B, S, dtype, attn, ckpt in CASES:
+    for model, B, S, dtype, attn, ckpt, keep in CASES:
         recipe = vc.Recipe(model, B, S, dtype, "adamw", ckpt, 1, 2, attention=attn)
-        cap = vc.capture_zoo(recipe)
-        base = f"{model}__b{B}s{S}__{recipe.name()}__use-cache"
+        if keep:
+            # `outputs = model(**batch)` kept by the loop until the next step rebinds it: the
+            # output carries past_key_values.
+            model_fn, inputs_fn, loss_fn, optimizer_fn = vc.zoo(recipe)
+            state = {}
+
+            def keep_loss(m, inp):
+                state["out"] = m(**inp)
+                return state["out"].loss
+
+            meta = {"model": model, "recipe": recipe.name(), "batch": B, "seq": S, "dtype": dtype,
+                    "optimizer": "adamw", "foreach": True, "checkpoint": ckpt,
+                    "attn_implementation": attn, "keep_outputs": True}
+            cap = vc.capture(model_fn, inputs_fn, keep_loss, optimizer_fn, 2, meta=meta,
+                             sdpa=recipe.sdpa_backend())
+        else:
+            cap = vc.capture_zoo(recipe)
+        base = f"{model}__b{B}s{S}__{recipe.name()}__use-cache" + ("-keep" if keep else "")
         cap.write(os.path.join(OUT_DIR, base + ".jsonl.gz"))
         fx = mf.fixture(cap, recipe, base + ".jsonl.gz")
-        fx["recipe"].update({"use_cache": True})
+        fx["recipe"].update({"use_cache": True, "attention": attn, "keep_outputs": keep})
         with open(os.path.join(OUT_DIR, base + ".json"), "w") as f:
             json.dump(fx, f, indent=1)
             f.write("\n")
