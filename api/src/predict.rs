@@ -175,6 +175,13 @@ pub struct PredictArgs {
     /// instead of a zoo model: lowered like one, with the batch a variable (--batch).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["model", "hf_config"])]
     pub graph: Option<PathBuf>,
+    /// `use_cache` passed to an HF decoder's forward (GPT-2, LLaMA family): false for a loop that
+    /// calls `model(..., use_cache=False)`. Default: the config's (`use_cache` of --hf-config, else
+    /// transformers' True), with which the forward builds a KV cache (a copy of every layer's keys
+    /// and values, alive as long as the model output) unless gradient checkpointing is on in
+    /// training.
+    #[arg(long, value_name = "true|false")]
+    pub use_cache: Option<bool>,
 }
 
 /// A parser for `--image-size` (`H` or `HxW`).
@@ -393,6 +400,8 @@ pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
 /// user (ignored options, unknown config fields, the config's dtype).
 pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
     let mut warnings = Vec::new();
+    // `use_cache` of an imported config.json (None: absent, transformers' default).
+    let mut config_use_cache = None;
     let arch = match (&args.model, &args.hf_config) {
         _ if args.graph.is_some() => {
             let path = args.graph.as_deref().unwrap_or(std::path::Path::new(""));
@@ -417,6 +426,7 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
             let cfg = hf::read(path, &opts)
                 .with_context(|| format!("cannot import {}", path.display()))?;
             warnings.extend(cfg.warnings);
+            config_use_cache = cfg.use_cache;
             if let Some(dtype) = cfg.torch_dtype {
                 if args.precision.to_string() != short_dtype(&dtype) {
                     warnings.push(format!(
@@ -478,6 +488,7 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
         checkpoint_impl: args.checkpoint_impl,
         torch_version: args.torch_version,
         transformers_version: args.transformers_version,
+        use_cache: args.use_cache.or(config_use_cache),
         ..Recipe::default()
     };
     recipe.validate()?;

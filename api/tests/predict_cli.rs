@@ -1056,3 +1056,34 @@ fn forced_attention_on_models_without_sdpa_is_refused() {
     // Image models take nn.CrossEntropyLoss: --loss does not apply.
     assert_eq!(j["recipe"]["loss"], serde_json::Value::Null);
 }
+
+/// `--inference` with transformers' default `use_cache=True`: TinyLlama's forward keeps a
+/// `torch.cat` copy of every layer's keys and values in the output's DynamicCache, so at the
+/// peak (the head, after the last layer: the default attention is SDPA, whose scores are never
+/// materialized) all 22 layers' copies are alive: 22 × 2 × [B 2, Hkv 4, S 1024, D 64] float32
+/// (each a multiple of 512 bytes, so the requested and the allocated peaks grow alike).
+/// `--use-cache false` is the loop that passes `use_cache=False`; a bad value is exit 2.
+#[test]
+fn inference_keeps_the_kv_cache_unless_use_cache_is_false() {
+    let base = [
+        "--model",
+        "tinyllama-1.1b",
+        "--batch",
+        "2",
+        "--seq",
+        "1024",
+        "--inference",
+    ];
+    let on = predict_json(&base);
+    let mut off_args = base.to_vec();
+    off_args.extend(["--use-cache", "false"]);
+    let off = predict_json(&off_args);
+    let cache = 22 * 2 * (2 * 4 * 1024 * 64 * 4);
+    assert_eq!(
+        on["peak_allocated_bytes"].as_u64().unwrap(),
+        off["peak_allocated_bytes"].as_u64().unwrap() + cache
+    );
+    let mut bad = base.to_vec();
+    bad.extend(["--use-cache", "maybe"]);
+    assert_fails(&bad, &["--use-cache", "true, false"]);
+}

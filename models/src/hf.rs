@@ -34,9 +34,13 @@
 //!   epsilons (`rms_norm_eps`, `layer_norm_eps`, `layer_norm_epsilon`), `rope_theta` and the rope
 //!   scaling parameters (all rope types only rescale the `[D/2]` frequency buffer), generation
 //!   settings, labels, `architectures`, versions, GPT-2's `summary_*` (double-heads only) and
-//!   `n_ctx`, `use_cache` (training keeps no cache), `gradient_checkpointing` and
+//!   `n_ctx`, `gradient_checkpointing` and
 //!   `attn_implementation` (the recipe decides both), and `torch_dtype`/`dtype`, which is
 //!   informational: the recipe's precision decides ([`HfConfig::torch_dtype`] keeps it).
+//! * **`use_cache`** (GPT-2, LLaMA family; transformers' default True) is kept in
+//!   [`HfConfig::use_cache`]: the decoders' forward then builds a `DynamicCache` even in training
+//!   (unless gradient checkpointing is on), see [`crate::zoo::use_cache`]. BERT reads it only as a
+//!   decoder, which the import refuses.
 //! * **anything else** is an error naming every such field ([`HfError::UnknownFields`]), because a
 //!   field vramsim does not know may change memory (`quantization_config`, `num_experts`, ...).
 //!   [`ImportOptions::allow_unknown_fields`] turns that error into warnings
@@ -80,6 +84,9 @@ pub struct HfConfig {
     pub torch_dtype: Option<String>,
     /// Fields outside the allow-lists, when [`ImportOptions::allow_unknown_fields`] let them pass.
     pub warnings: Vec<String>,
+    /// `use_cache`; `None` when the file has none (transformers' default, True). A recipe takes
+    /// it as [`crate::Recipe::use_cache`] unless the loop passes its own.
+    pub use_cache: Option<bool>,
 }
 
 /// Why a `config.json` could not be imported.
@@ -197,6 +204,10 @@ pub fn parse(text: &str, opts: &ImportOptions) -> Result<HfConfig, HfError> {
             .filter(|s| !s.is_empty())
             .unwrap_or_else(|| format!("hf-{model_type}")),
     );
+    let use_cache = match obj.get("use_cache") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(r.bool_or("use_cache", true)?),
+    };
     let arch = match model_type.as_str() {
         "gpt2" => Arch::Gpt2(gpt2(&mut r, name)?),
         "bert" => Arch::Bert(bert(&mut r, name)?),
@@ -231,6 +242,7 @@ pub fn parse(text: &str, opts: &ImportOptions) -> Result<HfConfig, HfError> {
         model_type,
         torch_dtype,
         warnings,
+        use_cache,
     })
 }
 
@@ -249,7 +261,6 @@ const NEUTRAL: &[&str] = &[
     "pad_token_id",
     "sep_token_id",
     "decoder_start_token_id",
-    "use_cache",
     "tokenizer_class",
     "task_specific_params",
     "id2label",

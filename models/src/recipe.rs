@@ -445,6 +445,11 @@ pub struct Recipe {
     pub torch_version: TorchVersion,
     /// The transformers release whose model code applies (`--transformers-version`).
     pub transformers_version: TransformersVersion,
+    /// `use_cache` of an HF decoder (GPT-2, LLaMA family) (`--use-cache`); `None`: the config's
+    /// (`use_cache` of an imported config.json, else transformers' default True). The forward then
+    /// builds a `DynamicCache` unless gradient checkpointing is on in training: see
+    /// [`crate::zoo::use_cache`].
+    pub use_cache: Option<bool>,
 }
 
 impl Default for Recipe {
@@ -474,6 +479,7 @@ impl Default for Recipe {
             checkpoint_impl: CheckpointImpl::NonReentrant,
             torch_version: TorchVersion::V2_15,
             transformers_version: TransformersVersion::V5_23,
+            use_cache: None,
         }
     }
 }

@@ -117,6 +117,8 @@ fn recipe_of(fx: &serde_json::Value) -> Result<Recipe, String> {
         .as_u64()
         .ok_or("recipe.iterations missing")? as u32;
     r.fidelity = Fidelity::MetaCapture;
+    // The capture tool builds its HF configs with `use_cache=False`.
+    r.use_cache = Some(false);
     // The recordings checkpointed with use_reentrant=False: pin it, whatever the default is.
     r.checkpoint_impl = CheckpointImpl::NonReentrant;
     Ok(r)

@@ -105,6 +105,8 @@ fn peaks_agree_with_pytorch_captures() {
         };
         let theirs = fx["peak_requested_bytes"].as_u64().unwrap();
         r.fidelity = Fidelity::MetaCapture;
+        // The capture tool builds its HF configs with `use_cache=False`.
+        r.use_cache = Some(false);
         let g = zoo::build(model, &r).unwrap();
         let ours = peak(&lower(&g, &r).unwrap());
         r.fidelity = Fidelity::Cuda;

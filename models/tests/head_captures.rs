@@ -26,6 +26,8 @@ fn recipe_of(fx: &serde_json::Value) -> Recipe {
         .map(|a| (a[0].as_u64().unwrap(), a[1].as_u64().unwrap()));
     r.num_classes = rc["num_classes"].as_u64();
     r.fidelity = Fidelity::MetaCapture;
+    // The capture tool builds its HF configs with `use_cache=False`.
+    r.use_cache = Some(false);
     // The captures ran HF's eager attention (the capture tool's `attn_implementation="eager"`).
     r.attention = Attention::Eager;
     r

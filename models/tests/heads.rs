@@ -185,9 +185,15 @@ fn keep_outputs_holds_the_previous_logits_through_the_next_forward() {
     };
     // `outputs = model(**batch)`: the first forward runs with nothing kept yet.
     assert_eq!(fwd_peak(&kept, 0), fwd_peak(&plain, 0));
-    // The second runs while the loop still holds the first step's float32 logits [B, S, V] and
-    // loss (a float32 scalar): both are rebound only when the forward returns.
-    assert_eq!(fwd_peak(&kept, 1), fwd_peak(&plain, 1) + b * s * v * 4 + 4);
+    // The second runs while the loop still holds the first step's float32 logits [B, S, V], loss
+    // (a float32 scalar) and, with transformers' default `use_cache=True`, past_key_values: the
+    // DynamicCache's keys and values of GPT-2's 12 layers, [B, 12, S, 64] float32 each. All are
+    // rebound only when the forward returns.
+    let cache = 12 * 2 * b * 12 * s * 64 * 4;
+    assert_eq!(
+        fwd_peak(&kept, 1),
+        fwd_peak(&plain, 1) + b * s * v * 4 + 4 + cache
+    );
     // And they are alive through the step's own backward too.
     let live = |t: &Trace| {
         live_at_phase(t, "optimizer", 0)
@@ -195,7 +201,7 @@ fn keep_outputs_holds_the_previous_logits_through_the_next_forward() {
             .copied()
             .sum::<u64>()
     };
-    assert_eq!(live(&kept), live(&plain) + b * s * v * 4 + 4);
+    assert_eq!(live(&kept), live(&plain) + b * s * v * 4 + 4 + cache);
 }
 
 #[test]

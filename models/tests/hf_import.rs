@@ -437,3 +437,27 @@ fn live_by_category(t: &Trace, category: Category) -> u64 {
     }
     live.values().sum()
 }
+
+/// `use_cache` is no longer ignored: GPT-2's published config has none (transformers' default),
+/// TinyLlama's sets it true, a patched false is kept, anything else is an error naming the field.
+#[test]
+fn use_cache_is_read_from_the_config() {
+    assert_eq!(patch_file("gpt2.json", &[]).use_cache, None);
+    let tiny = patch_file("TinyLlama-1.1B-intermediate-step-1431k-3T.json", &[]);
+    assert_eq!(tiny.use_cache, Some(true));
+    let off = patch_file(
+        "TinyLlama-1.1B-intermediate-step-1431k-3T.json",
+        &[("use_cache", serde_json::json!(false))],
+    );
+    assert_eq!(off.use_cache, Some(false));
+    let text = std::fs::read_to_string(fixture("gpt2.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["use_cache"] = serde_json::json!("yes");
+    let e = hf::parse(&v.to_string(), &ImportOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("use_cache") && e.contains("true or false"),
+        "{e}"
+    );
+}

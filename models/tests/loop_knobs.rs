@@ -455,6 +455,8 @@ fn knobs_agree_with_pytorch_meta_captures() {
         r.optimizer_impl = imp.parse().unwrap();
         r.zero_grad = zero.parse().unwrap();
         r.fidelity = Fidelity::MetaCapture;
+        // The capture tool builds its HF configs with `use_cache=False`.
+        r.use_cache = Some(false);
         let ours = lower(&zoo::build(model, &r).unwrap(), &r).unwrap();
         assert_eq!(peak_requested(&ours), peak_requested(&theirs), "{file}");
         let (a, oa) = sequences(&ours);

@@ -26,6 +26,8 @@ fn reentrant(model: &str, batch: u64, seq: u64) -> (Recipe, Trace) {
     r.checkpoint_impl = CheckpointImpl::Reentrant;
     r.attention = Attention::Eager;
     r.fidelity = Fidelity::MetaCapture;
+    // The capture tool builds its HF configs with `use_cache=False`.
+    r.use_cache = Some(false);
     let t = lower(&zoo::build(model, &r).unwrap(), &r).unwrap();
     (r, t)
 }
@@ -63,6 +65,8 @@ fn reentrant_mlp_backward_by_hand() {
     let mut r = Recipe::new(64, 0);
     r.checkpointing = Checkpointing::Full;
     r.fidelity = Fidelity::MetaCapture;
+    // The capture tool builds its HF configs with `use_cache=False`.
+    r.use_cache = Some(false);
     let t = lower(&zoo::build("mlp", &r).unwrap(), &r).unwrap();
     assert!(sequences(&t).1.len() > 3 * expected.len());
 }

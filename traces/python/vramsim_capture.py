@@ -965,7 +965,8 @@ def _make_mlp() -> "torch.nn.Module":
 
 def _hf_config(model: str, attn: str = "eager") -> Any:
     import transformers as tf
-    # use_cache=False: training keeps no KV cache.
+    # use_cache=False: no KV cache. transformers' default (True) builds a DynamicCache in training
+    # too (unless gradient checkpointing is on); models/tools/make_use_cache_captures.py records it.
     if model == "gpt2":
         return tf.GPT2Config(attn_implementation=attn, use_cache=False)
     if model == "bert-base":

@@ -74,7 +74,7 @@ pub const GPT2_XL: GptConfig = GptConfig::new("gpt2-xl", 1600, 48, 25);
 
 /// Builds `GPT2LMHeadModel(cfg)` at `batch` × `seq` with the loss from `labels`.
 pub fn gpt2(cfg: &GptConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Graph, GraphError> {
-    gpt2_with_head(cfg, batch, seq, attn, Head::Lm, Loss::Hf)
+    gpt2_with_head(cfg, batch, seq, attn, Head::Lm, Loss::Hf, false)
 }
 
 /// The dropout of `GPT2ForTokenClassification` when the config has neither `classifier_dropout`
@@ -90,6 +90,7 @@ pub fn gpt2_with_head(
     attn: AttnImpl,
     head: Head,
     loss: Loss,
+    use_cache: bool,
 ) -> Result<Graph, GraphError> {
     let (h, nh) = (cfg.hidden, cfg.heads);
     let hd = h / nh;
@@ -114,7 +115,7 @@ pub fn gpt2_with_head(
     } else {
         "transformer"
     };
-    let (hidden, wte) = b.module(prefix, |b| {
+    let (hidden, wte, cache) = b.module(prefix, |b| {
         let (emb, wte) = b.module("wte", |b| {
             let w = b.param("weight", &[cfg.vocab, h]);
             (b.embedding_op(w, ids), w)
@@ -140,6 +141,7 @@ pub fn gpt2_with_head(
             AttnImpl::Sdpa(_) => None,
         };
         let mut x = b.module("drop", |b| b.dropout(x, cfg.embd_dropout));
+        let mut cache = Vec::new();
         for l in 0..cfg.layers {
             x = b.region(RegionKind::Block, &format!("h.{l}"), |b| {
                 let residual = x;
@@ -155,6 +157,13 @@ pub fn gpt2_with_head(
                     let v = b.transpose(v, 1, 2);
                     let q = b.view(parts[0], &shp);
                     let q = b.transpose(q, 1, 2);
+                    let (k, v) = if use_cache {
+                        let (k, v) = b.kv_cache_update(k, v);
+                        cache.extend([k, v]);
+                        (k, v)
+                    } else {
+                        (k, v)
+                    };
                     let (o, probs) =
                         b.attention_core_probs(q, k, v, mask, cfg.attn_dropout, false, attn);
                     let o = b.reshape(o, &[batch as i64, seq as i64, -1]);
@@ -181,7 +190,7 @@ pub fn gpt2_with_head(
                 b.add(residual, f)
             });
         }
-        (b.layer_norm("ln_f", x), wte)
+        (b.layer_norm("ln_f", x), wte, cache)
     });
     let tied = cfg.tie_embeddings.then_some(wte);
     let out = heads::decoder_head(
@@ -195,6 +204,7 @@ pub fn gpt2_with_head(
         cfg.vocab,
         loss,
     );
+    b.hold_cache(&cache);
     b.keep_output(out);
     b.set_output(out);
     b.finish()

@@ -111,7 +111,7 @@ pub const LLAMA3_8B: LlamaConfig = preset("llama3-8b", 4096, 14336, 32, 32, 8, 1
 
 /// Builds `LlamaForCausalLM(cfg)` at `batch` × `seq` with the loss from `labels`.
 pub fn llama(cfg: &LlamaConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Graph, GraphError> {
-    llama_with_head(cfg, batch, seq, attn, Head::Lm, Loss::Hf)
+    llama_with_head(cfg, batch, seq, attn, Head::Lm, Loss::Hf, false)
 }
 
 /// The dropout of `GenericForTokenClassification` when the config has neither
@@ -119,7 +119,8 @@ pub fn llama(cfg: &LlamaConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<
 pub const CLASSIFIER_DROPOUT: f64 = 0.1;
 
 /// Builds the LLaMA-style decoder with `head` (see [`super::heads`]) at `batch` × `seq`, its loss
-/// computed as `loss` says.
+/// computed as `loss` says; `use_cache`: the forward builds a `DynamicCache` (see
+/// [`super::nn`]'s `kv_cache_update`) that the model output carries.
 pub fn llama_with_head(
     cfg: &LlamaConfig,
     batch: u64,
@@ -127,6 +128,7 @@ pub fn llama_with_head(
     attn: AttnImpl,
     head: Head,
     loss: Loss,
+    use_cache: bool,
 ) -> Result<Graph, GraphError> {
     let (h, nh, nkv) = (cfg.hidden, cfg.heads, cfg.kv_heads);
     let hd = cfg.head_dim();
@@ -159,7 +161,7 @@ pub fn llama_with_head(
     let labels = heads::labels_input(&mut b, head, batch, seq);
     // The base model's parameters: `model.*` under a head, top-level for `LlamaModel`.
     let prefix = if head == Head::None { "" } else { "model" };
-    let (hidden, embed_w) = b.module(prefix, |b| {
+    let (hidden, embed_w, cache) = b.module(prefix, |b| {
         let (emb, w) = b.module("embed_tokens", |b| {
             let w = b.param("weight", &[cfg.vocab, h]);
             (b.embedding_op(w, ids), w)
@@ -213,6 +215,7 @@ pub fn llama_with_head(
         });
         b.hold(cos);
         b.hold(sin);
+        let mut cache = Vec::new();
         let mut x = emb;
         for l in 0..cfg.layers {
             x = b.region(RegionKind::Block, &format!("layers.{l}"), |b| {
@@ -234,7 +237,9 @@ pub fn llama_with_head(
                     let v = b.linear("v_proj", y, nkv * hd, cfg.qkv_bias);
                     let v = b.view(v, &shp);
                     let v = b.transpose(v, 1, 2);
-                    b.hold(v);
+                    if !use_cache {
+                        b.hold(v);
+                    }
                     // apply_rotary_pos_emb: q*cos + rotate_half(q)*sin, same for k.
                     let c = b.unsqueeze(cos, 1);
                     let s = b.unsqueeze(sin, 1);
@@ -250,6 +255,13 @@ pub fn llama_with_head(
                     let q = rope(q, b);
                     let k = rope(k, b);
                     b.hold(q);
+                    let (k, v) = if use_cache {
+                        let (k, v) = b.kv_cache_update(k, v);
+                        cache.extend([k, v]);
+                        (k, v)
+                    } else {
+                        (k, v)
+                    };
                     b.hold(k);
                     let (o, probs) =
                         b.attention_core_probs(q, k, v, mask, cfg.attention_dropout, true, attn);
@@ -277,7 +289,7 @@ pub fn llama_with_head(
         // the norm returns.
         let out = b.rms_norm("norm", x);
         b.hold_through(x);
-        (out, w)
+        (out, w, cache)
     });
     let tied = cfg.tie_embeddings.then_some(embed_w);
     let out = heads::decoder_head(
@@ -291,6 +303,7 @@ pub fn llama_with_head(
         cfg.vocab,
         loss,
     );
+    b.hold_cache(&cache);
     b.keep_output(out);
     b.set_output(out);
     b.finish()

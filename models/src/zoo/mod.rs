@@ -511,7 +511,9 @@ impl Arch {
                 head,
                 recipe.transformers_version == crate::recipe::TransformersVersion::V4_16,
             )?,
-            Arch::Gpt2(c) => gpt2::gpt2_with_head(c, batch, seq, attn, head, recipe.loss)?,
+            Arch::Gpt2(c) => {
+                gpt2::gpt2_with_head(c, batch, seq, attn, head, recipe.loss, use_cache(recipe))?
+            }
             // The loss is GPT.forward's own (plain cross-entropy): `--loss` does not apply.
             Arch::NanoGpt(c) => nanogpt::nanogpt(c, batch, seq, attn)?,
             Arch::Timm(c) => return build_timm(c, recipe),
@@ -527,7 +529,7 @@ impl Arch {
                         });
                     }
                 }
-                llama::llama_with_head(c, batch, seq, attn, head, recipe.loss)?
+                llama::llama_with_head(c, batch, seq, attn, head, recipe.loss, use_cache(recipe))?
             }
             // Built above, before the zoo's checks of heads and attention.
             Arch::Imported(g) => g.build_for(batch, recipe)?,
@@ -819,6 +821,20 @@ pub fn vit_backend(arch: &Arch, r: &Recipe) -> Result<SdpaBackend, ZooError> {
 
 /// Builds a timm model at the recipe's batch, `image_size` (default: the model's, 224×224 or
 /// 384×384) and `num_classes` (default 1000), checking both and the tensor sizes first.
+/// Whether an HF decoder's forward builds a `DynamicCache`: `use_cache` is the loop's
+/// [`Recipe::use_cache`] or else the config's (`PretrainedConfig.use_cache`, True by default), and
+/// transformers 5.23 turns it off when gradient checkpointing is on and the model trains
+/// (`utils/generic.py` `merge_with_config_defaults`, applied to `LlamaModel.forward` /
+/// `GPT2Model.forward`); then `if use_cache and past_key_values is None: past_key_values =
+/// DynamicCache(config=self.config)`.
+pub fn use_cache(recipe: &Recipe) -> bool {
+    // Only `Checkpointing::Full` is HF's `gradient_checkpointing_enable()` (which sets the
+    // model's `gradient_checkpointing` flag); the other modes wrap blocks from the loop.
+    let hf_checkpointing = recipe.checkpointing == crate::recipe::Checkpointing::Full;
+    let training = !recipe.inference;
+    recipe.use_cache.unwrap_or(true) && !(hf_checkpointing && training)
+}
+
 fn build_timm(c: &timm::TimmConfig, recipe: &Recipe) -> Result<Graph, ZooError> {
     let image = recipe.image_size.unwrap_or_else(|| c.default_image());
     let classes = recipe.num_classes.unwrap_or(1000);

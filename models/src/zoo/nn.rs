@@ -143,6 +143,30 @@ impl GraphBuilder {
         self.hold_until_last_op(v);
     }
 
+    /// `key_states, value_states = past_key_values.update(key_states, value_states, layer_idx)`
+    /// of a `DynamicCache` (transformers 5.23 `cache_utils.py`, `DynamicLayer.update`): the first
+    /// update of a layer stores `torch.cat([self.keys, key_states], dim=-2)` with `self.keys` the
+    /// empty `torch.tensor([])` of `lazy_initialization`, so the cache holds a new copy of `k`
+    /// and of `v`, and attention receives those copies. The caller's `k`, `v` stay alive until
+    /// both copies exist (the tuple assignment rebinds them after `update` returns).
+    pub fn kv_cache_update(&mut self, k: T, v: T) -> (T, T) {
+        let kc = self.cat(&[k], -2);
+        let vc = self.cat(&[v], -2);
+        self.hold_until_last_op(k);
+        self.hold_until_last_op(v);
+        (kc, vc)
+    }
+
+    /// The model output's `past_key_values` (`DynamicCache`) holds `cache` (the copies of
+    /// [`GraphBuilder::kv_cache_update`]) as long as the output: until the loss is read from it
+    /// (the op appended last), or with `--keep-outputs` until the loop rebinds the output.
+    pub fn hold_cache(&mut self, cache: &[T]) {
+        for &v in cache {
+            self.hold_until_last_op(v);
+            self.keep_output(v);
+        }
+    }
+
     /// `nn.LayerNorm(h)` named `name`.
     pub fn layer_norm(&mut self, name: &str, x: T) -> T {
         let h = *self.shape(x).last().unwrap_or(&0);

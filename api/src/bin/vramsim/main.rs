@@ -19,6 +19,8 @@ struct Cli {
     command: Command,
 }
 
+// Built once per process from the command line: the size of the predict options is no concern.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Replay an allocation trace (JSON or JSON Lines, optionally gzipped) and report peaks, statistics,
