@@ -23,7 +23,6 @@ iterations). Run from the repository root (torch, torchvision, transformers; no 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -161,13 +160,9 @@ def main() -> int:
         variant = (head or "image").replace(":", "") + ("-plain" if loss == "plain" else "") \
             + ("-keep" if keep else "")
         base = f"{model}__{shape}__{dtype}__{variant}"
-        cap.write(os.path.join(OUT_DIR, base + ".jsonl.gz"))
-        fx = mf.fixture(cap, recipe, base + ".jsonl.gz")
-        fx["recipe"].update({"head": head, "loss": loss, "keep_outputs": keep,
-                             "image_size": list(image) if image else None, "num_classes": classes})
-        with open(os.path.join(OUT_DIR, base + ".json"), "w") as f:
-            json.dump(fx, f, indent=1)
-            f.write("\n")
+        fx = mf.write_fixture(cap, recipe, OUT_DIR, base, {
+            "head": head, "loss": loss, "keep_outputs": keep,
+            "image_size": list(image) if image else None, "num_classes": classes})
         rows.append((base, fx["params"], fx["peak_requested_bytes"], fx["peak_phase"]))
         print(f"{base}: peak {fx['peak_requested_bytes']} in {fx['peak_phase']}")
     v = vc.versions()

@@ -22,7 +22,6 @@ Run from the repository root (torch only; no GPU, no network)::
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -185,12 +184,7 @@ def main() -> int:
         cap = vc.capture(*build(model, B, S, dtype, keep), iterations=2, meta=meta,
                          device="cpu" if amp else "meta", amp=amp)
         base = f"{model}__b{B}s{S}__{dtype}" + ("-keep" if keep else "")
-        cap.write(os.path.join(OUT_DIR, base + ".jsonl.gz"))
-        fx = mf.fixture(cap, recipe, base + ".jsonl.gz")
-        fx["recipe"].update({"keep_outputs": keep})
-        with open(os.path.join(OUT_DIR, base + ".json"), "w") as f:
-            json.dump(fx, f, indent=1)
-            f.write("\n")
+        fx = mf.write_fixture(cap, recipe, OUT_DIR, base, {"keep_outputs": keep})
         rows.append((base, fx["params"], fx["peak_requested_bytes"], fx["peak_phase"]))
         print(f"{base}: params {fx['params']} peak {fx['peak_requested_bytes']} in {fx['peak_phase']}")
     v = vc.versions()

@@ -14,7 +14,6 @@ Run from the repository root (torch, transformers; no GPU, no network)::
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -81,12 +80,7 @@ def main() -> int:
         else:
             cap = vc.capture_zoo(recipe)
         base = f"{model}__b{B}s{S}__{recipe.name()}__use-cache" + ("-keep" if keep else "")
-        cap.write(os.path.join(OUT_DIR, base + ".jsonl.gz"))
-        fx = mf.fixture(cap, recipe, base + ".jsonl.gz")
-        fx["recipe"].update({"use_cache": True, "attention": attn, "keep_outputs": keep})
-        with open(os.path.join(OUT_DIR, base + ".json"), "w") as f:
-            json.dump(fx, f, indent=1)
-            f.write("\n")
+        fx = mf.write_fixture(cap, recipe, OUT_DIR, base, {"use_cache": True, "attention": attn, "keep_outputs": keep})
         rows.append((base, fx["params"], fx["peak_requested_bytes"], fx["peak_phase"]))
         print(f"{base}: peak {fx['peak_requested_bytes']} in {fx['peak_phase']}")
     v = vc.versions()

@@ -125,6 +125,19 @@ def fixture(cap: vc.Capture, recipe: vc.Recipe, trace_file: str | None) -> dict:
     }
 
 
+
+def write_fixture(cap: vc.Capture, recipe: vc.Recipe, out_dir: str, base: str,
+                  recipe_fields: dict) -> dict:
+    """Writes `base.jsonl.gz` (the trace) and `base.json` (its fixture, with `recipe_fields` added to its
+    recipe) into `out_dir`, and returns the fixture."""
+    cap.write(os.path.join(out_dir, base + ".jsonl.gz"))
+    fx = fixture(cap, recipe, base + ".jsonl.gz")
+    fx["recipe"].update(recipe_fields)
+    with open(os.path.join(out_dir, base + ".json"), "w") as f:
+        json.dump(fx, f, indent=1)
+        f.write("\n")
+    return fx
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=OUT_DIR)
