@@ -468,10 +468,7 @@ impl Arch {
                 msg: format!("{layers} is more than the {MAX_LAYERS} layers vramsim builds"),
             });
         }
-        if let Arch::Timm(c) = self {
-            return build_timm(c, recipe);
-        }
-        for shape in self.largest_tensors(batch, seq, image) {
+        for shape in self.largest_tensors(batch, seq, image, classes) {
             if !crate::graph::fits_in_memory(&shape) {
                 return Err(ZooError::TooLarge {
                     model: self.name().to_string(),
@@ -516,7 +513,7 @@ impl Arch {
             }
             // The loss is GPT.forward's own (plain cross-entropy): `--loss` does not apply.
             Arch::NanoGpt(c) => nanogpt::nanogpt(c, batch, seq, attn)?,
-            Arch::Timm(c) => return build_timm(c, recipe),
+            Arch::Timm(c) => c.build(batch, image, classes)?,
             Arch::Llama(c) => {
                 if let (Some(w), AttnImpl::Sdpa(_)) = (c.sliding_window, attn) {
                     if seq > w {
@@ -731,7 +728,7 @@ impl Arch {
     /// The shapes of the largest tensors a step makes (`[B, H, S, S]` scores, `[B, S, V]` logits, the
     /// first feature maps, ...): if they fit in [`crate::graph::MAX_TENSOR_BYTES`], so does every
     /// tensor of the graph, and no shape arithmetic can overflow while building it.
-    fn largest_tensors(&self, b: u64, s: u64, (ih, iw): (u64, u64)) -> Vec<Vec<u64>> {
+    fn largest_tensors(&self, b: u64, s: u64, (ih, iw): (u64, u64), classes: u64) -> Vec<Vec<u64>> {
         match self {
             // The graph builder checks each tensor of an imported graph as it makes it.
             Arch::Imported(_) => vec![],
@@ -767,7 +764,7 @@ impl Arch {
                 vec![c.vocab, c.hidden],
                 vec![c.inner, c.hidden],
             ],
-            Arch::Timm(c) => c.largest_tensors(b, c.default_image(), 1000),
+            Arch::Timm(c) => c.largest_tensors(b, (ih, iw), classes),
             Arch::NanoGpt(c) => vec![
                 vec![b, c.heads, s, s],
                 vec![b, s, c.vocab],
@@ -833,33 +830,6 @@ pub fn use_cache(recipe: &Recipe) -> bool {
     let hf_checkpointing = recipe.checkpointing == crate::recipe::Checkpointing::Full;
     let training = !recipe.inference;
     recipe.use_cache.unwrap_or(true) && !(hf_checkpointing && training)
-}
-
-fn build_timm(c: &timm::TimmConfig, recipe: &Recipe) -> Result<Graph, ZooError> {
-    let image = recipe.image_size.unwrap_or_else(|| c.default_image());
-    let classes = recipe.num_classes.unwrap_or(1000);
-    let unsupported = |field: &'static str, msg: String| ZooError::Unsupported {
-        model: c.name().to_string(),
-        field,
-        msg,
-    };
-    if classes == 0 {
-        return Err(unsupported(
-            "num_classes",
-            "must be 1 or more (timm's num_classes=0 drops the head and the loss)".into(),
-        ));
-    }
-    c.check_image(image)
-        .map_err(|msg| unsupported("image_size", msg))?;
-    for shape in c.largest_tensors(recipe.batch, image, classes) {
-        if !crate::graph::fits_in_memory(&shape) {
-            return Err(ZooError::TooLarge {
-                model: c.name().to_string(),
-                shape,
-            });
-        }
-    }
-    Ok(c.build(recipe.batch, image, classes)?)
 }
 
 /// Builds zoo model `name` at the recipe's batch and sequence length.
