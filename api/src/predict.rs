@@ -180,7 +180,7 @@ pub struct PredictArgs {
     /// transformers' True), with which the forward builds a KV cache (a copy of every layer's keys
     /// and values, alive as long as the model output) unless gradient checkpointing is on in
     /// training.
-    #[arg(long, value_name = "true|false")]
+    #[arg(long, value_name = "BOOL", value_parser = boolean("use-cache"))]
     pub use_cache: Option<bool>,
 }
 
