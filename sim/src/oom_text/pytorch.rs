@@ -40,9 +40,7 @@ pub fn locate(line: &str) -> Option<usize> {
 /// The backend word before the anchor (`CUDA`, `HIP`, `NPU`).
 fn backend(line: &str, anchor: usize) -> String {
     let head = &line[..anchor];
-    let start = head
-        .rfind(|c: char| !c.is_ascii_alphanumeric())
-        .map_or(0, |i| i + 1);
+    let start = super::scan::after_last(head, |c| !c.is_ascii_alphanumeric());
     let word = &head[start..];
     if word.is_empty() {
         "CUDA".to_string()

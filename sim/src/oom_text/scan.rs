@@ -2,6 +2,14 @@
 
 use super::sizes::{self, Printer, Size};
 
+/// The byte position right after the last character of `s` for which `stop` holds (0 if none).
+pub fn after_last(s: &str, stop: impl Fn(char) -> bool) -> usize {
+    s.char_indices()
+        .rev()
+        .find(|(_, c)| stop(*c))
+        .map_or(0, |(i, c)| i + c.len_utf8())
+}
+
 /// The size that starts at `pos` (after spaces): a number, then (for PyTorch, after one space) a unit.
 /// Returns the size and the position after it.
 pub fn size_after(s: &str, pos: usize, printer: Printer) -> Option<(Size, usize)> {
@@ -32,14 +40,10 @@ pub fn size_after(s: &str, pos: usize, printer: Printer) -> Option<(Size, usize)
 /// The size that ends right before `end` (before spaces): a number, spaces, a unit.
 pub fn size_before(s: &str, end: usize, printer: Printer) -> Option<Size> {
     let head = s.get(..end)?.trim_end();
-    let u_start = head
-        .rfind(|c: char| !c.is_ascii_alphabetic())
-        .map_or(0, |i| i + 1);
+    let u_start = after_last(head, |c| !c.is_ascii_alphabetic());
     let unit = &head[u_start..];
     let before = head[..u_start].trim_end();
-    let n_start = before
-        .rfind(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .map_or(0, |i| i + 1);
+    let n_start = after_last(before, |c| !(c.is_ascii_digit() || c == '.'));
     let number = &before[n_start..];
     if number.is_empty() || unit.is_empty() {
         return None;

@@ -147,8 +147,9 @@ pub fn read(number: &str, unit: &str, printer: Printer) -> Option<Size> {
 fn rounding_interval(value: Decimal, power: u32) -> Option<(u64, u64)> {
     let unit = unit_bytes(power) as u128;
     let scale = 10u128.pow(value.decimals) * 2;
-    let lo = (value.mantissa * 2).saturating_sub(1) * unit;
-    let hi = (value.mantissa * 2 + 1) * unit;
+    let twice = value.mantissa.checked_mul(2)?;
+    let lo = twice.saturating_sub(1).checked_mul(unit)?;
+    let hi = (twice + 1).checked_mul(unit)?;
     let min = lo.div_ceil(scale);
     let max = (hi / scale).min(u64::MAX as u128);
     Some((u64::try_from(min).ok()?, max as u64))
