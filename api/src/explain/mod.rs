@@ -84,8 +84,9 @@ pub fn explain(text: &str, args: &ExplainArgs) -> Result<Explained> {
     let given_capacity = command_line_capacity(&args.predict)?;
     let figures = Figures::of(&parsed, given_capacity);
     let verdict = verdict::decide(&figures);
-    let mut remedies = remedies::for_verdict(&parsed, &figures, &verdict);
-    let checked = if checks::has_model(&args.predict) {
+    let with_model = checks::has_model(&args.predict);
+    let mut remedies = remedies::for_verdict(&parsed, &figures, &verdict, with_model);
+    let checked = if with_model {
         let fixed = checks::on_device(&args.predict, figures.capacity.map(|c| c.bytes));
         let checked = checks::check(&fixed).context("checking the remedies")?;
         remedies.extend(checked.fitting.iter().cloned());

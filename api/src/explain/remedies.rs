@@ -33,7 +33,8 @@ impl Remedy {
 }
 
 /// The remedies for `verdict` (unchecked: what the message alone supports).
-pub fn for_verdict(oom: &ParsedOom, f: &Figures, verdict: &Verdict) -> Vec<Remedy> {
+/// `checked` says the what-ifs are replayed (a model was given), so the text does not ask for one.
+pub fn for_verdict(oom: &ParsedOom, f: &Figures, verdict: &Verdict, checked: bool) -> Vec<Remedy> {
     let mut out = Vec::new();
     let size = |b: u64| format_size(b);
     let requested = f.requested.bytes;
@@ -120,8 +121,12 @@ pub fn for_verdict(oom: &ParsedOom, f: &Figures, verdict: &Verdict) -> Vec<Remed
                         "the device is full: at least {short} must go at the moment of this request \
                          (more if the peak comes later). The usual levers: a smaller batch or sequence \
                          with gradient accumulation to keep the effective batch, mixed precision (AMP), \
-                         activation checkpointing, an optimizer with less state, offloading; give \
-                         --model or --hf-config with the recipe to check which of them fit"
+                         activation checkpointing, an optimizer with less state, offloading{}",
+                        if checked {
+                            " (replayed below: only the changes that fit are listed)"
+                        } else {
+                            "; give --model or --hf-config with the recipe to check which of them fit"
+                        }
                     ),
                 ));
             }
