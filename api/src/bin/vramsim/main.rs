@@ -1,7 +1,8 @@
 //! The `vramsim` command line: replay traces and snapshots against simulated allocators, import and check
 //! PyTorch snapshots, predict a model's training step, sweep what-ifs over it (the largest batch, the
-//! recipes that reach a global batch), list GPUs, benchmark, and hand validation on real GPUs to
-//! `vramsim-validate`. A thin shell: each command's options and work are in the `vramsim_api` library.
+//! recipes that reach a global batch), explain a pasted out-of-memory message, list GPUs, benchmark, and
+//! hand validation on real GPUs to `vramsim-validate`. A thin shell: each command's options and work
+//! are in the `vramsim_api` library.
 
 mod bench;
 
