@@ -2,7 +2,7 @@
 //! rule found (and only those), with the figures from the message that make them apply.
 
 use vramsim_sim::format::format_size;
-use vramsim_sim::oom_text::ParsedOom;
+use vramsim_sim::oom_text::{Format, ParsedOom};
 
 use super::figures::Figures;
 use super::verdict::{Cause, Verdict};
@@ -69,6 +69,24 @@ pub fn for_verdict(oom: &ParsedOom, f: &Figures, verdict: &Verdict, checked: boo
                             None => String::new(),
                         }
                     ),
+                ));
+            }
+            Cause::Fragmentation if oom.format == Format::TensorFlow => {
+                out.push(Remedy::text(
+                    "allocator",
+                    "TensorFlow's BFC allocator may hold the bytes in pieces: TF_GPU_ALLOCATOR=cuda_malloc_async \
+                     hands allocation to CUDA's stream-ordered pool; tf.config.experimental.set_memory_growth \
+                     changes how the BFC region grows"
+                        .into(),
+                ));
+            }
+            Cause::Fragmentation if oom.format == Format::Xla => {
+                out.push(Remedy::text(
+                    "allocator",
+                    "XLA's client allocator may hold the bytes in pieces, or other processes the rest: \
+                     XLA_PYTHON_CLIENT_PREALLOCATE=false, XLA_PYTHON_CLIENT_MEM_FRACTION, or \
+                     XLA_PYTHON_CLIENT_ALLOCATOR=platform (JAX's GPU memory allocation notes)"
+                        .into(),
                 ));
             }
             Cause::Fragmentation => {

@@ -82,6 +82,10 @@ pub fn decide(f: &Figures) -> Verdict {
         shortfall,
         undecided: Some(why),
     };
+    // PyTorch's "more than 1EB" (2^60 bytes): larger than any device made
+    if f.requested.min >= 1 << 60 {
+        return decided(Cause::ExceedsDevice, None);
+    }
     let Some(limit) = f.limit else {
         return undecided(
             vec![Cause::ExceedsDevice, Cause::Fragmentation, Cause::Capacity],
@@ -155,5 +159,33 @@ fn decided(cause: Cause, shortfall: Option<Range>) -> Verdict {
         possible: vec![cause],
         shortfall,
         undecided: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vramsim_sim::oom_text::parse;
+
+    fn verdict(text: &str) -> Verdict {
+        decide(&Figures::of(&parse(text).unwrap(), None))
+    }
+
+    #[test]
+    fn a_request_as_large_as_the_device_is_undecided_by_rounding() {
+        // 8.00 GiB requested on an 8.00 GiB device: each stands for 8 GiB ± 5 MiB
+        let v = verdict(
+            "CUDA out of memory. Tried to allocate 8.00 GiB (GPU 0; 8.00 GiB total capacity; 0 bytes \
+             already allocated; 7.50 GiB free; 0 bytes reserved in total by PyTorch)",
+        );
+        assert_eq!(v.cause, None);
+        assert_eq!(v.possible, [Cause::ExceedsDevice, Cause::Capacity]);
+    }
+
+    #[test]
+    fn more_than_1eb_exceeds_every_device() {
+        let v =
+            verdict("RuntimeError: CUDA out of memory. Tried to allocate more than 1EB memory.");
+        assert_eq!(v.cause, Some(Cause::ExceedsDevice));
     }
 }

@@ -264,3 +264,57 @@ fn capacity_of(
     )?;
     Ok(oom)
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::device::{Device, OtherProcess};
+    use crate::oom::{out_of_memory_message_with, OomContext, OomFacts};
+    use crate::oom_text::{parse, Format};
+
+    #[test]
+    fn vramsims_own_message_reads_back_with_every_optional_sentence() {
+        let mut device = Device::with_capacity(85_017_755_648);
+        device.context_bytes = 500 << 20;
+        device.other_processes = vec![OtherProcess {
+            pid: 4321,
+            bytes: 3 << 30,
+        }];
+        let facts = OomFacts {
+            device: &device,
+            alloc_size: 20 << 20,
+            device_free: 3_870_000,
+            allowed: Some(70 << 30),
+            allocated_bytes: 60 << 30,
+            reserved_bytes: (62 << 30) + 12345,
+        };
+        let context = OomContext {
+            allocated_in_private_pools: 17 << 20,
+            this_process_position: 1,
+            nvml_available: true,
+        };
+        let message = out_of_memory_message_with(&facts, &context);
+        let oom = parse(&message).unwrap();
+        assert_eq!(oom.format, Format::PyTorchCapacityOf);
+        let inside = |s: &Option<crate::oom_text::Size>, v: u64| {
+            let s = s.as_ref().unwrap();
+            assert!(s.min <= v && v <= s.max, "{} for {v}", s.printed);
+        };
+        assert!(oom.requested.min <= 20 << 20 && 20 << 20 <= oom.requested.max);
+        inside(&oom.capacity, device.total_memory);
+        inside(&oom.free, facts.device_free);
+        inside(&oom.allowed, 70 << 30);
+        inside(&oom.allocated, facts.allocated_bytes + (17 << 20));
+        inside(&oom.private_pools, 17 << 20);
+        inside(
+            &oom.reserved_unallocated,
+            facts.reserved_bytes - facts.allocated_bytes - (17 << 20),
+        );
+        inside(
+            &oom.this_process,
+            facts.reserved_bytes + device.context_bytes,
+        );
+        assert_eq!(oom.processes.len(), 1);
+        assert_eq!(oom.processes[0].pid, 4321);
+        assert_eq!(oom.device.as_deref(), Some("GPU 0"));
+    }
+}
