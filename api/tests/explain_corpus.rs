@@ -248,6 +248,10 @@ fn bad_input_says_what_was_not_found() {
         old.contains("\"free\"") && old.contains("reserved in total by PyTorch"),
         "{old}"
     );
+    let raw = err("RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported");
+    assert!(raw.contains("carries no figures"), "{raw}");
+    let bare = format!("{:#}", explain("out of memory. Tried to allocate 2.00 MiB (GPU 0; 1.00 GiB total capacity; 0 bytes already allocated; 1.00 MiB free; 0 bytes reserved in total by PyTorch)", &args()).map(|e| e.to_json()["cause"].clone()).unwrap());
+    assert_eq!(bare, "\"capacity\"");
     let tf = err("OOM when allocating tensor with shape[2,3] and type string on /device:GPU:0");
     assert!(tf.contains("string"), "{tf}");
 }

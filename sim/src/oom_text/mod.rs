@@ -158,6 +158,13 @@ pub enum ParseError {
          (or \"Out of memory allocating\", \"Failed to allocate request for\")"
     )]
     NotFound,
+    /// CUDA's own error, raised outside PyTorch's caching allocator: it carries no figures.
+    #[error(
+        "\"CUDA error: out of memory\" is CUDA's own error (cudaErrorMemoryAllocation raised outside \
+         PyTorch's caching allocator: the CUDA context, a library's handle or workspace, another \
+         allocator), and it carries no figures to explain; the device was full when it was raised"
+    )]
+    RawCudaError,
     /// A message whose template is known but which lacks figures it must have.
     #[error("{format} message without {}", missing.join(", "))]
     Missing {
@@ -194,6 +201,7 @@ pub fn parse(text: &str) -> Result<ParsedOom, ParseError> {
         Some((at, 0)) => pytorch::read(&line, at),
         Some((at, 1)) => tensorflow::read(&line, at),
         Some((at, _)) => xla::read(&line, at),
+        None if line.contains("CUDA error: out of memory") => Err(ParseError::RawCudaError),
         None => Err(ParseError::NotFound),
     }
 }

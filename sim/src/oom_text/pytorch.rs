@@ -30,7 +30,7 @@ use super::sizes::{Printer, Size};
 use super::{Format, ParseError, ParsedOom, Process};
 
 /// The anchor every PyTorch template shares.
-const ANCHOR: &str = " out of memory. Tried to allocate ";
+const ANCHOR: &str = "out of memory. Tried to allocate ";
 
 /// Where the first PyTorch message starts (its anchor), if any.
 pub fn locate(line: &str) -> Option<usize> {
@@ -39,7 +39,7 @@ pub fn locate(line: &str) -> Option<usize> {
 
 /// The backend word before the anchor (`CUDA`, `HIP`, `NPU`).
 fn backend(line: &str, anchor: usize) -> String {
-    let head = &line[..anchor];
+    let head = line[..anchor].trim_end();
     let start = super::scan::after_last(head, |c| !c.is_ascii_alphanumeric());
     let word = &head[start..];
     if word.is_empty() {
