@@ -183,6 +183,25 @@ mod tests {
     }
 
     #[test]
+    fn a_memory_fraction_limits_what_a_new_segment_can_take() {
+        // the 1.4–2.0 template with allowed_info: 12 GiB free on the device, but 10 GiB allowed with
+        // 9.50 GiB reserved leaves 0.50 GiB for a new segment; + 0.50 GiB unallocated = 1 GiB < 2 GiB
+        let v = verdict(
+            "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 23.69 GiB total capacity; 9.00 GiB \
+             already allocated; 12.00 GiB free; 10.00 GiB allowed; 9.50 GiB reserved in total by PyTorch)",
+        );
+        assert_eq!(v.cause, Some(Cause::Capacity));
+        let short = v.shortfall.unwrap();
+        assert_eq!(short.bytes, 1 << 30);
+        // and a request above the limit exceeds it even though the device is larger
+        let over = verdict(
+            "CUDA out of memory. Tried to allocate 11.00 GiB (GPU 0; 23.69 GiB total capacity; 0 bytes \
+             already allocated; 23.00 GiB free; 10.00 GiB allowed; 0 bytes reserved in total by PyTorch)",
+        );
+        assert_eq!(over.cause, Some(Cause::ExceedsDevice));
+    }
+
+    #[test]
     fn more_than_1eb_exceeds_every_device() {
         let v =
             verdict("RuntimeError: CUDA out of memory. Tried to allocate more than 1EB memory.");
