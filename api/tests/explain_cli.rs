@@ -172,3 +172,35 @@ fn with_a_model_only_the_remedies_that_fit_are_listed() {
         assert_eq!(p["fits"], true, "{command}");
     }
 }
+
+#[test]
+fn with_a_recorded_run_only_the_allocator_settings_that_fit_are_listed() {
+    // tests/data/oom/fragmented.jsonl: a 60 MiB block is cached, then split by a 20 MiB and a 30 MiB
+    // tensor; the 20 MiB one is freed and 45 MiB is asked for on a 100 MiB device. By hand: the
+    // request's segment is 46 MiB (2 MiB rounding, §1.4); 40 MiB are free and 30 MiB are cached in
+    // the split segment, so 46 ≤ 70: fragmentation. Replayed: with expandable_segments the 10 MiB
+    // free at the segment's end grows by 36 MiB of the 40 free (§7.2); with max_split_size_mb:46 the
+    // 60 MiB block serves no smaller request (§3.1), the 20 MiB tensor gets its own segment, the cached
+    // block is released when the 30 MiB one needs room (§5.2), and the 46 MiB segment then fits in the
+    // 50 MiB left; with 128 or 512 the block splits as by default.
+    let run = "api/tests/data/oom/fragmented.jsonl";
+    let replayed = json(&["replay", run, "--capacity", "100MiB"]);
+    let message = replayed["oom"]["message"]
+        .as_str()
+        .expect("it runs out of memory");
+    let doc = json(&["explain", message, "--snapshot", run]);
+    assert_eq!(doc["cause"], "fragmentation");
+    assert_eq!(doc["checked_snapshot"]["fits"], false);
+    let fitting: Vec<&str> = doc["remedies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["kind"] == "allocator_whatif")
+        .map(|r| r["command"].as_str().unwrap().rsplit(' ').next().unwrap())
+        .collect();
+    assert_eq!(
+        fitting,
+        ["expandable_segments:True", "max_split_size_mb:46"]
+    );
+    assert_eq!(doc["checked_snapshot"]["settings_tried"], 4);
+}

@@ -4,13 +4,15 @@
 //! effective batch, expandable segments) is evaluated by `predict`'s own code through the sweep
 //! machinery of `whatif` ([`crate::sweep::evaluate`]), and the largest batch that fits is found by
 //! `max-batch`'s search ([`crate::maxbatch::search`]); only the changes whose peak fits the device are
-//! listed.
+//! listed. With a trace or PyTorch snapshot of the run instead, its allocator settings are replayed
+//! ([`crate::replay::replay`]) and those under which it no longer runs out of memory are listed.
 
 use anyhow::{bail, Result};
 use vramsim_sim::format::format_size;
 
 use super::remedies::Remedy;
 use crate::maxbatch;
+use crate::replay::{self, ReplayArgs};
 use crate::sweep::{self, Evaluated, FixedOptions, Progress, Setting, Wants};
 
 /// What the replays said.
@@ -165,5 +167,93 @@ pub fn check(fixed: &FixedOptions) -> Result<Checked> {
         tried: changes.len(),
         fitting: fitting.into_iter().map(|(_, r)| r).collect(),
         max_batch,
+    })
+}
+
+/// What replaying a recorded run under other allocator settings said.
+pub struct RunChecked {
+    /// The run's file.
+    pub path: String,
+    /// Whether the run, with the settings as given, runs out of memory on the device.
+    pub base_fits: bool,
+    /// Settings tried.
+    pub tried: usize,
+    /// The settings under which it fits.
+    pub fitting: Vec<Remedy>,
+}
+
+/// Replays the trace or snapshot at `path` on the device (`fixed`'s machine options, else `capacity`)
+/// with the allocator settings as given, then with `expandable_segments:True` and `max_split_size_mb`
+/// at the request's size (blocks that large stay whole, §12.3) and at 128 and 512 MiB.
+pub fn check_run(
+    path: &std::path::Path,
+    fixed: &FixedOptions,
+    capacity: Option<u64>,
+    requested: u64,
+) -> Result<RunChecked> {
+    let set = crate::sweep::OptionSet::predict();
+    let on = on_device(fixed, capacity);
+    let machine: Vec<(String, Option<String>)> = on
+        .given
+        .iter()
+        .filter(|(k, _)| k != "alloc-conf" && set.find(k).is_some_and(|o| o.machine))
+        .cloned()
+        .collect();
+    let given_conf = fixed.value("alloc-conf").unwrap_or("").to_string();
+    let run = |conf: &str| -> Result<bool> {
+        let mut args: Vec<String> = vec![path.display().to_string()];
+        for (k, v) in &machine {
+            args.push(match v {
+                Some(v) => format!("--{k}={v}"),
+                None => format!("--{k}"),
+            });
+        }
+        if !conf.is_empty() {
+            args.push(format!("--alloc-conf={conf}"));
+        }
+        let a: ReplayArgs = crate::parse_args("replay", &args)?;
+        Ok(replay::replay(a)?.report.fits())
+    };
+    let base_fits = run(&given_conf)?;
+    let with = |extra: &str| {
+        if given_conf.is_empty() {
+            extra.to_string()
+        } else {
+            format!("{given_conf},{extra}")
+        }
+    };
+    // §12.3: max_split_size_mb must exceed 20 MiB
+    let mut splits: Vec<u64> = vec![(requested >> 20).max(21), 128, 512];
+    splits.dedup();
+    let mut confs = vec![with("expandable_segments:True")];
+    confs.extend(
+        splits
+            .iter()
+            .map(|n| with(&format!("max_split_size_mb:{n}"))),
+    );
+    let mut fitting = Vec::new();
+    for conf in &confs {
+        if run(conf)? {
+            let mut command = format!("vramsim replay {}", path.display());
+            for (k, v) in &machine {
+                command.push_str(&format!(" --{k} {}", v.as_deref().unwrap_or("")));
+            }
+            command.push_str(&format!(" --alloc-conf {conf}"));
+            fitting.push(Remedy {
+                kind: "allocator_whatif",
+                text: format!(
+                    "--alloc-conf {conf}: the recorded run, replayed on the device, no longer runs out \
+                     of memory"
+                ),
+                command: Some(command),
+                peak_device_used_bytes: None,
+            });
+        }
+    }
+    Ok(RunChecked {
+        path: path.display().to_string(),
+        base_fits,
+        tried: confs.len(),
+        fitting,
     })
 }

@@ -33,6 +33,11 @@ pub struct ExplainArgs {
     /// Print the explanation as JSON.
     #[arg(long)]
     pub json: bool,
+    /// A trace or PyTorch memory snapshot of the run that failed: its allocator settings
+    /// (expandable_segments, max_split_size_mb) are replayed on the message's device and those under
+    /// which it no longer runs out of memory are listed.
+    #[arg(long, value_name = "FILE")]
+    pub snapshot: Option<std::path::PathBuf>,
     /// The options of `vramsim predict`: with --model, --hf-config or --graph and the recipe (--batch,
     /// ...), the remedies are replayed on the message's device and only those that fit are listed;
     /// --gpu or --capacity give the device when the message does not (TensorFlow, XLA).
@@ -52,6 +57,8 @@ pub struct Explained {
     pub remedies: Vec<Remedy>,
     /// The replayed what-ifs, when a model was given.
     pub checked: Option<checks::Checked>,
+    /// The recorded run replayed under other allocator settings, when `--snapshot` was given.
+    pub checked_run: Option<checks::RunChecked>,
 }
 
 /// The device capacity the command line gives (`--gpu`, `--capacity`, `--calibration`), if any.
@@ -84,9 +91,9 @@ pub fn explain(text: &str, args: &ExplainArgs) -> Result<Explained> {
     let given_capacity = command_line_capacity(&args.predict)?;
     let figures = Figures::of(&parsed, given_capacity);
     let verdict = verdict::decide(&figures);
-    let with_model = checks::has_model(&args.predict);
+    let with_model = checks::has_model(&args.predict) || args.snapshot.is_some();
     let mut remedies = remedies::for_verdict(&parsed, &figures, &verdict, with_model);
-    let checked = if with_model {
+    let checked = if checks::has_model(&args.predict) {
         let fixed = checks::on_device(&args.predict, figures.capacity.map(|c| c.bytes));
         let checked = checks::check(&fixed).context("checking the remedies")?;
         remedies.extend(checked.fitting.iter().cloned());
@@ -95,12 +102,27 @@ pub fn explain(text: &str, args: &ExplainArgs) -> Result<Explained> {
     } else {
         None
     };
+    let checked_run = match &args.snapshot {
+        Some(path) => {
+            let c = checks::check_run(
+                path,
+                &args.predict,
+                figures.capacity.map(|c| c.bytes),
+                figures.requested.bytes,
+            )
+            .with_context(|| format!("replaying {}", path.display()))?;
+            remedies.extend(c.fitting.iter().cloned());
+            Some(c)
+        }
+        None => None,
+    };
     Ok(Explained {
         parsed,
         figures,
         verdict,
         remedies,
         checked,
+        checked_run,
     })
 }
 
@@ -209,6 +231,12 @@ impl Explained {
                 "device_total_bytes": c.base.report.device.total_memory,
                 "changes_tried": c.tried,
                 "changes_that_fit": c.fitting.len(),
+            })),
+            "checked_snapshot": self.checked_run.as_ref().map(|c| json!({
+                "path": c.path,
+                "fits": c.base_fits,
+                "settings_tried": c.tried,
+                "settings_that_fit": c.fitting.len(),
             })),
             "notes": f.notes,
         })
@@ -333,6 +361,16 @@ impl Explained {
                 } else {
                     "out of memory"
                 },
+                c.fitting.len(),
+                c.tried
+            );
+        }
+        if let Some(c) = &self.checked_run {
+            let _ = writeln!(
+                out,
+                "replayed   {}: {} as given; {} of {} allocator settings fit",
+                c.path,
+                if c.base_fits { "fits" } else { "out of memory" },
                 c.fitting.len(),
                 c.tried
             );

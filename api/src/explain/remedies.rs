@@ -33,7 +33,8 @@ impl Remedy {
 }
 
 /// The remedies for `verdict` (unchecked: what the message alone supports).
-/// `checked` says the what-ifs are replayed (a model was given), so the text does not ask for one.
+/// `checked` says the what-ifs are replayed (a model or a recorded run was given), so the text does not
+/// ask for one.
 pub fn for_verdict(oom: &ParsedOom, f: &Figures, verdict: &Verdict, checked: bool) -> Vec<Remedy> {
     let mut out = Vec::new();
     let size = |b: u64| format_size(b);
@@ -109,8 +110,8 @@ pub fn for_verdict(oom: &ParsedOom, f: &Figures, verdict: &Verdict, checked: boo
                         "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N: cached blocks of N MiB or more are \
                          never split, so a freed large block stays whole for the next large request \
                          (one within 20 MiB of its size) instead of being carved into slivers; it helps \
-                         when large requests of varied sizes fragment the cache (N below {} MiB keeps \
-                         blocks of this request's size whole), at the cost of more cudaMalloc calls. \
+                         when large requests of varied sizes fragment the cache (N at or below {} MiB \
+                         keeps blocks of this request's size whole), at the cost of more cudaMalloc calls. \
                          torch.cuda.empty_cache() does not help: the allocator already released every \
                          wholly free segment before raising",
                         requested >> 20
