@@ -4,15 +4,17 @@
 //! Each command has its options as a clap-derived struct (the command line's options, with its
 //! defaults and its parsers: [`predict::PredictArgs`], [`whatif::WhatifArgs`],
 //! [`maxbatch::MaxBatchArgs`], [`recommend::RecommendArgs`], [`replay::ReplayArgs`],
-//! [`import::ImportArgs`], [`check::CheckArgs`]), built from an argument list by [`parse_args`] (as the
-//! command line parses it, with its error messages), and a function that computes the result as a typed
-//! value whose `to_json` is the document the command prints with `--json`. The `run` functions are the
+//! [`import::ImportArgs`], [`check::CheckArgs`], [`explain::ExplainArgs`]), built from an argument
+//! list by [`parse_args`] (as the command line parses it, with its error messages), and a function that
+//! computes the result as a typed value whose `to_json` is the document the command prints with
+//! `--json`. The `run` functions are the
 //! command line's: they compute, then print.
 //!
 //! This crate depends on `vramsim-sim` (the replay) and `vramsim-models` (the lowering); `vramsim-sim`
 //! itself knows no model internals.
 
 pub mod check;
+pub mod explain;
 pub mod import;
 pub mod machine;
 pub mod maxbatch;

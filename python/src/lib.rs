@@ -12,6 +12,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use vramsim_api::check::{self, CheckArgs};
+use vramsim_api::explain::{self, ExplainArgs};
 use vramsim_api::import::{self, ImportArgs};
 use vramsim_api::maxbatch::{self, MaxBatchArgs};
 use vramsim_api::predict::{self, PredictArgs};
@@ -50,6 +51,7 @@ const COMMANDS: &[&str] = &[
     "replay",
     "import",
     "check-snapshot",
+    "explain",
 ];
 
 /// The clap definition of `command`'s options.
@@ -63,6 +65,7 @@ fn definition(command: &str) -> Option<Command> {
         "replay" => ReplayArgs::augment_args(c),
         "import" => ImportArgs::augment_args(c),
         "check-snapshot" => CheckArgs::augment_args(c),
+        "explain" => ExplainArgs::augment_args(c),
         _ => return None,
     })
 }
@@ -154,6 +157,14 @@ fn compute(command: &str, args: &[String]) -> anyhow::Result<Output> {
                 check::reports_json(&reports),
                 reports.iter().map(|r| r.to_table()).collect(),
             )
+        }
+        "explain" => {
+            let a: ExplainArgs = parse_args("explain", args)?;
+            let Some(text) = a.text.as_deref() else {
+                anyhow::bail!("explain needs the message: explain(exception or text)");
+            };
+            let e = explain::explain(text, &a)?;
+            (e.to_json(), e.to_table())
         }
         _ => anyhow::bail!(
             "unknown command {command:?}; valid: {}",

@@ -277,3 +277,47 @@ def test_record_a_step_and_replay_it():
     assert r.peak_requested_bytes == s["peak_requested_bytes"]
     with pytest.raises(vramsim.ConfigError, match="unknown option 'batch'"):
         vramsim.record(model_fn, inputs_fn, loss_fn, torch.optim.SGD, batch=2)
+
+
+# ---- explain ---------------------------------------------------------------------------------------
+
+OOM_TEXT = (
+    "CUDA out of memory. Tried to allocate 22.78 GiB. GPU 0 has a total capacity of 31.47 GiB of which "
+    "12.73 GiB is free. Including non-PyTorch memory, this process has 18.73 GiB memory in use. Of the "
+    "allocated memory 9.08 GiB is allocated by PyTorch, and 9.35 GiB is reserved by PyTorch but "
+    "unallocated."
+)  # https://github.com/murong-xu/CADS/issues/4
+
+
+def test_explain_reads_the_exception_a_try_except_caught():
+    torch = pytest.importorskip("torch")
+    try:
+        raise torch.OutOfMemoryError(OOM_TEXT)
+    except torch.OutOfMemoryError as e:
+        x = vramsim.explain(e)
+    assert isinstance(x, vramsim.Explanation)
+    assert x.cause == "capacity"
+    assert x.framework == "pytorch"
+    # 22.78 - 12.73 - 9.35 = 0.70 GiB at face value
+    assert abs(x.shortfall_bytes / 2**30 - 0.70) < 1e-6
+    assert x.bounds["requested_bytes"]["printed"] == "22.78 GiB"
+    assert any(r["kind"] == "shed_bytes" for r in x.remedies)
+
+
+def test_explain_takes_text_and_matches_the_command_line():
+    x = vramsim.explain(OOM_TEXT)
+    out = cli("explain", OOM_TEXT, "--json")
+    assert out.returncode == 0, out.stderr
+    assert x.to_dict() == json.loads(out.stdout)
+
+
+def test_explain_bad_input_is_a_config_error():
+    with pytest.raises(vramsim.ConfigError, match="no out-of-memory message found"):
+        vramsim.explain("ValueError: shapes do not match")
+    with pytest.raises(vramsim.ConfigError, match="reserved by PyTorch but unallocated"):
+        vramsim.explain(
+            "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.18 GiB "
+            "of which 3.69 MiB is free."
+        )
+    with pytest.raises(vramsim.ConfigError):
+        vramsim.explain(42)

@@ -37,6 +37,7 @@ __all__ = [
     "replay",
     "check_snapshot",
     "import_snapshot",
+    "explain",
     "gpus",
     "from_module",
     "Model",
@@ -53,6 +54,7 @@ __all__ = [
     "SnapshotCheck",
     "ImportedDevice",
     "Gpu",
+    "Explanation",
     "VramsimError",
     "ConfigError",
     "TraceError",
@@ -409,6 +411,21 @@ class Gpu(Result):
         return f"{d['name']}: {d['device']}, {_size(d['total_memory_bytes'])}"
 
 
+class Explanation(Result):
+    """What ``explain`` made of an out-of-memory message: ``framework``, ``device``, the figures in bytes
+    (``requested_bytes``, ``capacity_bytes``, ``free_bytes``, ``pytorch_allocated_bytes``,
+    ``pytorch_reserved_unallocated_bytes``, ``this_process_bytes``, ``processes``,
+    ``non_pytorch_bytes``) with their rounding intervals in ``bounds``, the ``cause`` (``exceeds_device``,
+    ``fragmentation``, ``capacity`` or ``undecided`` with ``possible_causes``) by ``cause_rule``,
+    ``shortfall_bytes`` and the ``remedies``."""
+
+    def _summary(self) -> str:
+        d = self._data
+        short = d.get("shortfall_bytes")
+        extra = f", short by {_size(short)}" if short else ""
+        return f"{d.get('framework')}: {d.get('cause')}, request {_size(d.get('requested_bytes'))}{extra}"
+
+
 class Model:
     """A user's ``nn.Module`` captured by :func:`from_module`: pass it as ``model=`` to ``predict``,
     ``whatif`` and ``max_batch`` like a zoo model's name (the batch is a variable; every recipe option
@@ -547,6 +564,28 @@ def import_snapshot(snapshot: Any = None, output: Any = None, **kwargs: Any) -> 
     return [ImportedDevice(d, "") for d in data]
 
 
+def explain(exc_or_text: Any = None, **kwargs: Any) -> Explanation:
+    """``vramsim explain``: reads an out-of-memory message — the text, or the exception object a
+    ``try/except torch.OutOfMemoryError`` (or TensorFlow's ``ResourceExhaustedError``, JAX's
+    ``XlaRuntimeError``) caught — and says what decided it and what would fix it. With ``model=`` (or
+    ``hf_config=``) and the recipe, the remedies are replayed on the message's device."""
+    if exc_or_text is None:
+        raise ConfigError("explain() needs the message: an exception or its text")
+    if isinstance(exc_or_text, BaseException):
+        text = str(exc_or_text) or repr(exc_or_text)
+        # TensorFlow's OpError keeps the text in .message
+        text = getattr(exc_or_text, "message", None) or text
+    elif isinstance(exc_or_text, (str, bytes)):
+        text = exc_or_text.decode("utf-8", "replace") if isinstance(exc_or_text, bytes) else exc_or_text
+    else:
+        raise ConfigError(
+            f"explain() takes an exception or its text, got {type(exc_or_text).__name__}"
+        )
+    kwargs["text"] = text
+    data, text_out, _ = _call("explain", "explain", kwargs)
+    return Explanation(data, text_out)
+
+
 def gpus() -> List[Gpu]:
     """The GPU presets ``gpu=`` accepts, with their capacities, contexts and sources."""
     return [Gpu(g) for g in _json.loads(_native.gpus())]
@@ -637,6 +676,7 @@ def _document() -> None:
         (replay, "replay"),
         (check_snapshot, "check-snapshot"),
         (import_snapshot, "import"),
+        (explain, "explain"),
     ]:
         lines = ["", "Keyword arguments (the command line's options, same defaults):", ""]
         for o in options(command).values():

@@ -14,6 +14,7 @@ pub mod export;
 pub mod format;
 pub mod import;
 pub mod oom;
+pub mod oom_text;
 pub mod plot;
 pub mod report;
 pub mod rounding;

@@ -1,14 +1,17 @@
 //! The `vramsim` command line: replay traces and snapshots against simulated allocators, import and check
 //! PyTorch snapshots, predict a model's training step, sweep what-ifs over it (the largest batch, the
-//! recipes that reach a global batch), list GPUs, benchmark, and hand validation on real GPUs to
-//! `vramsim-validate`. A thin shell: each command's options and work are in the `vramsim_api` library.
+//! recipes that reach a global batch), explain a pasted out-of-memory message, list GPUs, benchmark, and
+//! hand validation on real GPUs to `vramsim-validate`. A thin shell: each command's options and work
+//! are in the `vramsim_api` library.
 
 mod bench;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use vramsim_api::{check, import, machine, maxbatch, predict, recommend, replay, steptime, whatif};
+use vramsim_api::{
+    check, explain, import, machine, maxbatch, predict, recommend, replay, steptime, whatif,
+};
 
 /// vramsim: will it fit, what is the peak, where does the memory go? A discrete-event simulator of GPU
 /// memory with a faithful model of PyTorch's CUDA caching allocator.
@@ -63,6 +66,10 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
     },
+    /// Read a pasted out-of-memory message (PyTorch, torch_npu, TensorFlow, JAX/XLA; stdin with `-`):
+    /// its figures in bytes with their rounding bounds, the cause by a stated rule (exceeds_device,
+    /// fragmentation, capacity and the shortfall), and the remedies for it, replayed when a model is given.
+    Explain(explain::ExplainArgs),
 }
 
 fn main() -> ExitCode {
@@ -78,6 +85,7 @@ fn main() -> ExitCode {
         Command::MaxBatch(args) => maxbatch::run(args),
         Command::Recommend(args) => recommend::run(args),
         Command::Validate { args } => return validate(&args),
+        Command::Explain(args) => explain::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
