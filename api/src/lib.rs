@@ -13,6 +13,7 @@
 //! itself knows no model internals.
 
 pub mod check;
+pub mod diagnose;
 pub mod framework;
 pub mod import;
 pub mod machine;

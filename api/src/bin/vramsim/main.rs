@@ -8,7 +8,9 @@ mod bench;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use vramsim_api::{check, import, machine, maxbatch, predict, recommend, replay, steptime, whatif};
+use vramsim_api::{
+    check, diagnose, import, machine, maxbatch, predict, recommend, replay, steptime, whatif,
+};
 
 /// vramsim: will it fit, what is the peak, where does the memory go? A discrete-event simulator of GPU
 /// memory with a faithful model of PyTorch's CUDA caching allocator.
@@ -63,6 +65,10 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<std::ffi::OsString>,
     },
+    /// Explain an out-of-memory error or a growth that already happened, from a PyTorch snapshot or a
+    /// trace: iterations, growth per iteration and the allocation sites that leak, what decided the
+    /// OOM (live tensors, fragmentation, other processes), and remedies verified by replay.
+    Diagnose(diagnose::DiagnoseArgs),
 }
 
 fn main() -> ExitCode {
@@ -78,6 +84,7 @@ fn main() -> ExitCode {
         Command::MaxBatch(args) => maxbatch::run(args),
         Command::Recommend(args) => recommend::run(args),
         Command::Validate { args } => return validate(&args),
+        Command::Diagnose(args) => diagnose::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
