@@ -12,6 +12,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use vramsim_api::check::{self, CheckArgs};
+use vramsim_api::diagnose::{self, DiagnoseArgs};
 use vramsim_api::import::{self, ImportArgs};
 use vramsim_api::maxbatch::{self, MaxBatchArgs};
 use vramsim_api::predict::{self, PredictArgs};
@@ -50,6 +51,7 @@ const COMMANDS: &[&str] = &[
     "replay",
     "import",
     "check-snapshot",
+    "diagnose",
 ];
 
 /// The clap definition of `command`'s options.
@@ -63,6 +65,7 @@ fn definition(command: &str) -> Option<Command> {
         "replay" => ReplayArgs::augment_args(c),
         "import" => ImportArgs::augment_args(c),
         "check-snapshot" => CheckArgs::augment_args(c),
+        "diagnose" => DiagnoseArgs::augment_args(c),
         _ => return None,
     })
 }
@@ -155,6 +158,11 @@ fn compute(command: &str, args: &[String]) -> anyhow::Result<Output> {
                 reports.iter().map(|r| r.to_table()).collect(),
             )
         }
+        "diagnose" => {
+            let a: DiagnoseArgs = parse_args("diagnose", args)?;
+            let d = diagnose::diagnose(&a)?;
+            (d.to_json(), d.to_table())
+        }
         _ => anyhow::bail!(
             "unknown command {command:?}; valid: {}",
             COMMANDS.join(", ")
@@ -166,7 +174,7 @@ fn compute(command: &str, args: &[String]) -> anyhow::Result<Output> {
 /// the options): a trace, snapshot, import or replay error, or, for the commands that take a trace or
 /// snapshot file, an I/O error (a file that cannot be read or written).
 fn is_trace_error(command: &str, error: &anyhow::Error) -> bool {
-    let file_command = matches!(command, "replay" | "import" | "check-snapshot");
+    let file_command = matches!(command, "replay" | "import" | "check-snapshot" | "diagnose");
     error.chain().any(|e| {
         (file_command && e.is::<std::io::Error>())
             || e.is::<vramsim_traces::TraceError>()
@@ -174,6 +182,7 @@ fn is_trace_error(command: &str, error: &anyhow::Error) -> bool {
             || e.is::<import::NotASnapshot>()
             || e.is::<vramsim_sim::engine::ReplayError>()
             || e.is::<vramsim_sim::import::ImportError>()
+            || e.is::<diagnose::NoHistory>()
     })
 }
 

@@ -19,7 +19,7 @@ pub mod remedies;
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 use vramsim_sim::device::Device;
@@ -54,6 +54,22 @@ pub struct DiagnoseArgs {
     #[arg(long)]
     pub plot: Option<PathBuf>,
 }
+
+/// A snapshot without allocation history: nothing to diagnose. Holds the file's name.
+#[derive(Debug)]
+pub struct NoHistory(pub String);
+
+impl std::fmt::Display for NoHistory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: no trace recorded (the snapshot holds segments but no allocation history); record with `torch.cuda.memory._record_memory_history()` before the run, then `torch.cuda.memory._dump_snapshot(\"run.pickle\")`",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for NoHistory {}
 
 /// The part of an out-of-memory error that decides it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -200,10 +216,7 @@ pub fn diagnose(args: &DiagnoseArgs) -> Result<Diagnosis> {
     let h = match &recorded {
         Some(s) => {
             if s.import.recorded.entries == 0 {
-                bail!(
-                    "{}: no trace recorded (the snapshot holds segments but no allocation history); record with `torch.cuda.memory._record_memory_history()` before the run, then `torch.cuda.memory._dump_snapshot(\"run.pickle\")`",
-                    args.trace.display()
-                );
+                return Err(NoHistory(args.trace.display().to_string()).into());
             }
             let sites =
                 vramsim_traces::sites::load_trace_sites(&args.trace).with_context(|| {
