@@ -171,7 +171,15 @@ fn fragmentation_is_named_and_the_remedies_that_avoid_it_are_verified() {
             json!({"op": "alloc", "id": "d", "size": 700 * MIB}),
         ],
     );
-    let d = diagnose(&[path.to_str().unwrap(), "--capacity", "1GiB"]);
+    let png = tmp("frag.png");
+    let d = diagnose(&[
+        path.to_str().unwrap(),
+        "--capacity",
+        "1GiB",
+        "--plot",
+        png.to_str().unwrap(),
+    ]);
+    assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
     let cause = &d["oom_cause"];
     assert_eq!(cause["decided_by"], "fragmentation");
     assert_eq!(cause["live_tensor_bytes"], 200 * MIB);
@@ -242,4 +250,52 @@ fn a_snapshot_without_history_is_refused_with_how_to_record_one() {
     assert!(err.contains("no trace recorded"), "{err}");
     assert!(err.contains("_record_memory_history"), "{err}");
     assert!(!err.contains("panicked"));
+}
+
+#[test]
+fn a_known_model_step_is_retried_with_smaller_batches() {
+    // gpt2 at batch 8 and 4: a capacity between their peaks makes 8 fail and 4 fit.
+    let peak = |batch: &str| -> u64 {
+        let out = vramsim(&[
+            "predict",
+            "--model",
+            "gpt2",
+            "--batch",
+            batch,
+            "--seq",
+            "256",
+            "--capacity",
+            "80GiB",
+            "--json",
+        ]);
+        assert!(out.status.success());
+        let json: Value = serde_json::from_slice(&out.stdout).unwrap();
+        json["peak_device_used_bytes"].as_u64().unwrap()
+    };
+    let (p8, p4) = (peak("8"), peak("4"));
+    assert!(p4 < p8);
+    let capacity = ((p4 + p8) / 2).to_string();
+    let trace = tmp("gpt2_b8.jsonl");
+    let out = vramsim(&[
+        "predict",
+        "--model",
+        "gpt2",
+        "--batch",
+        "8",
+        "--seq",
+        "256",
+        "--trace-out",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(out.status.success());
+    let d = diagnose(&[trace.to_str().unwrap(), "--capacity", &capacity]);
+    assert!(d["oom"].is_object(), "{d}");
+    let remedies = d["remedies"].as_array().unwrap();
+    let b4 = remedies
+        .iter()
+        .find(|r| r["name"] == "batch 4 instead of 8")
+        .expect("the half batch is tried");
+    assert_eq!(b4["avoids_oom"], true);
+    assert!(b4["peaks"]["device_used_bytes"].as_u64().unwrap() <= p4);
+    assert!(remedies.iter().any(|r| r["name"] == "batch 6 instead of 8"));
 }

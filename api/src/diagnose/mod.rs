@@ -11,8 +11,10 @@
 //!    that decides is named: the request does not fit even an empty device → live tensors; it would
 //!    fit the device without the other processes and context → those; otherwise → fragmentation.
 //!    With growth and no OOM, the iteration where the growth would exhaust the device is projected.
-//! 3. The remedies ([`remedies`]): each candidate setting replays the same history; a remedy is reported
-//!    with its setting, whether the OOM disappears and the new peaks. Nothing is recommended untested.
+//! 3. The remedies ([`remedies`]): each candidate setting replays the same history (for a trace of a
+//!    known model step, `predict --trace-out`'s, smaller batches are lowered and replayed too); a remedy
+//!    is reported with its setting, whether the OOM disappears and the new peaks. Nothing is recommended
+//!    untested.
 
 pub mod history;
 pub mod remedies;
@@ -258,7 +260,20 @@ pub fn diagnose(args: &DiagnoseArgs) -> Result<Diagnosis> {
         }),
         _ => None,
     };
-    let remedies = remedies::try_all(&events, &machine, &iterations, oom.is_some())?;
+    let mut remedies = remedies::try_all(&events, &machine, &iterations, oom.is_some())?;
+    if recorded.is_none() {
+        // a known model step (a trace `predict --trace-out` wrote): smaller batches too
+        let meta = vramsim_traces::open_events(&args.trace)
+            .with_context(|| format!("cannot read {}", args.trace.display()))?
+            .meta()
+            .clone();
+        remedies.extend(remedies::smaller_batches(
+            &meta,
+            events.len(),
+            &machine,
+            oom.is_some(),
+        )?);
+    }
     let diagnosis = Diagnosis {
         source: args.trace.display().to_string(),
         snapshot: recorded.is_some(),

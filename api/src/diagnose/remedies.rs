@@ -212,3 +212,78 @@ pub fn try_all(
     }
     Ok(out)
 }
+
+/// `predict`'s options that a lowered trace's `meta` records, as (meta key, option).
+const RECIPE_KEYS: &[(&str, &str)] = &[
+    ("model", "--model"),
+    ("seq", "--seq"),
+    ("precision", "--precision"),
+    ("optimizer", "--optimizer"),
+    ("checkpoint", "--checkpoint"),
+    ("accum", "--accum"),
+    ("iterations", "--iterations"),
+];
+
+/// For a trace `vramsim predict --trace-out` wrote (a known model step: its `meta` names the model and
+/// batch): the same recipe at ¾ and ½ of the recorded batch, lowered and replayed on `machine`. Tried
+/// only when lowering the recorded batch gives back a trace of the same length (the meta describes the
+/// trace); otherwise, as for any other trace, there is no batch to scale and no candidate.
+pub fn smaller_batches(
+    meta: &vramsim_traces::Meta,
+    events: usize,
+    machine: &MachineArgs,
+    had_oom: bool,
+) -> Result<Vec<Remedy>> {
+    let Some(batch) = meta.get("batch").and_then(Value::as_u64) else {
+        return Ok(Vec::new());
+    };
+    if meta.get("tool").and_then(Value::as_str) != Some("vramsim-models") || batch < 2 {
+        return Ok(Vec::new());
+    }
+    let recipe: Vec<String> = RECIPE_KEYS
+        .iter()
+        .filter_map(|(key, option)| {
+            let v = meta.get(*key)?;
+            let text = match v {
+                Value::String(s) => s.clone(),
+                Value::Number(n) => n.to_string(),
+                _ => return None,
+            };
+            Some([option.to_string(), text])
+        })
+        .flatten()
+        .collect();
+    let lower = |b: u64| -> Result<ReplayOutcome> {
+        let mut args: Vec<String> = recipe.clone();
+        args.extend(["--batch".to_string(), b.to_string()]);
+        let mut a: crate::predict::PredictArgs = crate::parse_args("predict", &args)?;
+        a.machine = machine.clone();
+        let p = crate::predict::predict(&a)?;
+        if b == batch && p.lowered.trace.events.len() != events {
+            anyhow::bail!("the trace's meta does not describe it");
+        }
+        Ok(p.report.outcome)
+    };
+    if lower(batch).is_err() {
+        return Ok(Vec::new());
+    }
+    let mut sizes: Vec<u64> = [batch * 3 / 4, batch / 2]
+        .into_iter()
+        .filter(|&b| b >= 1 && b < batch)
+        .collect();
+    sizes.dedup();
+    let mut out = Vec::new();
+    for b in sizes {
+        let outcome = lower(b)?;
+        out.push(Remedy {
+            name: format!("batch {b} instead of {batch}"),
+            setting: format!(
+                "batch size {b} (vramsim predict {} --batch {b})",
+                recipe.join(" ")
+            ),
+            avoids_oom: had_oom.then_some(outcome.oom.is_none()),
+            outcome,
+        });
+    }
+    Ok(out)
+}
