@@ -1,6 +1,7 @@
 //! `--allocator tf-bfc` and `--allocator jax` end to end: the reservation with and without growth,
 //! the frameworks' default memory limits, their environment variables, and bad input.
 
+use std::path::PathBuf;
 use std::process::{Command, Output};
 
 const EXAMPLE: &str = concat!(
@@ -84,6 +85,45 @@ fn tensorflow_preallocates_unless_memory_growth_is_set() {
     // a logical device's memory_limit
     let limited = replay(&["--allocator", "tf-bfc", "--memory-limit", "10GiB"]);
     assert_eq!(u(&limited, "peak_reserved_bytes"), 10 << 30);
+}
+
+#[test]
+fn get_memory_info_counts_whole_chunks() {
+    // 4 bytes and 1000 bytes are chunks of 256 and 1024 bytes (RoundedBytes); the first is freed
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let path = dir.join("tf_small.jsonl");
+    std::fs::write(
+        &path,
+        concat!(
+            "{\"format\":\"vramsim-trace\",\"version\":1,\"meta\":{}}\n",
+            "{\"op\":\"alloc\",\"id\":1,\"size\":4}\n",
+            "{\"op\":\"alloc\",\"id\":2,\"size\":1000}\n",
+            "{\"op\":\"free\",\"id\":1}\n"
+        ),
+    )
+    .unwrap();
+    let output = vramsim(&[
+        "replay",
+        path.to_str().unwrap(),
+        "--allocator",
+        "tf-bfc",
+        "--json",
+    ]);
+    assert!(output.status.success());
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(
+        json["get_memory_info"],
+        serde_json::json!({"current": 1024, "peak": 1280})
+    );
+    let output = vramsim(&[
+        "replay",
+        path.to_str().unwrap(),
+        "--allocator",
+        "jax",
+        "--json",
+    ]);
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(json["memory_stats"]["peak_bytes_in_use"], 1280);
 }
 
 #[test]
