@@ -586,6 +586,16 @@ impl Allocator for BfcAllocator {
         self.insert_free(merged);
     }
 
+    /// Refused: a PyTorch snapshot's segments have no BFC regions and chunks to start from.
+    fn adopt_segment(
+        &mut self,
+        _segment: &vramsim_traces::InitialSegment,
+    ) -> Result<Vec<BlockRef>, crate::allocator::AdoptError> {
+        Err(crate::allocator::AdoptError::Unsupported {
+            model: "BFC (tf-bfc, jax)",
+        })
+    }
+
     /// Ignored: TF and XLA run a device's work on one compute stream.
     fn record_stream(&mut self, _block: BlockRef, _stream: StreamId) {}
 
