@@ -189,6 +189,10 @@ fn fragmentation_is_named_and_the_remedies_that_avoid_it_are_verified() {
         cause["live_by_site"][0],
         json!({"site": "model.py:7", "bytes": 200 * MIB})
     );
+    assert_eq!(
+        cause["live_by_category"],
+        json!([{"category": "other", "bytes": 200 * MIB}])
+    );
     let remedies = d["remedies"].as_array().unwrap();
     for mb in [128, 256, 512] {
         let r = remedies

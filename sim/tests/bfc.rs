@@ -352,3 +352,82 @@ fn tensorflow_reserves_system_memory_by_compute_capability() {
     assert_eq!(tf_default_memory_limit(22 * GIB, 7), 22 * GIB - 1050 * MIB);
     assert_eq!(tf_default_memory_limit(GIB, 9), GIB - 225 * MIB);
 }
+
+mod random {
+    //! Random programs: after every step the chunks tile their regions, no two free chunks are
+    //! neighbours (`TryToCoalesce` merged them), `bytes_in_use` is the sum of the chunks in use, every
+    //! live block holds at least its rounded request, and the regions stay within the memory limit.
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Alloc(u64),
+        Free(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let size = (0u32..25, any::<u64>()).prop_map(|(e, r)| (1u64 << e) + r % (1u64 << e));
+        prop_oneof![3 => size.prop_map(Op::Alloc), 2 => any::<usize>().prop_map(Op::Free)]
+    }
+
+    fn check(a: &BfcAllocator, live: &[(BlockRef, u64)], limit: u64) {
+        let mut in_use = 0;
+        let mut reserved = 0;
+        for s in a.segments() {
+            reserved += s.total_size;
+            let mut at = s.address;
+            let mut previous_free = false;
+            for b in &s.blocks {
+                assert_eq!(b.address, at, "chunks tile the region");
+                at += b.size;
+                assert_eq!(b.size % 256, 0);
+                let free = b.state == BlockState::Inactive;
+                assert!(!(free && previous_free), "two free neighbours");
+                previous_free = free;
+                if !free {
+                    in_use += b.size;
+                }
+            }
+            assert_eq!(at, s.address + s.total_size);
+        }
+        assert!(reserved <= limit);
+        assert_eq!(a.bfc_stats().bytes_in_use, in_use);
+        assert_eq!(a.bfc_stats().pool_bytes, reserved);
+        assert_eq!(a.stats().allocated_bytes.all.current as u64, in_use);
+        for &(b, size) in live {
+            assert!(a.allocated_size(b) >= rounded_bytes(size));
+            assert_eq!(a.requested_size(b), size);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+        #[test]
+        fn invariants_hold_after_every_step(
+            ops in proptest::collection::vec(op(), 1..80),
+            growth in any::<bool>(),
+            gc in any::<bool>(),
+        ) {
+            let limit = 256 * MIB;
+            let mut a = BfcAllocator::new(tf(limit, growth, gc), Device::with_capacity(GIB));
+            let mut tl = Timeline::new();
+            let mut live: Vec<(BlockRef, u64)> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Alloc(size) => {
+                        if let Ok(b) = a.malloc(size, 0, &mut tl) {
+                            live.push((b, size));
+                        }
+                    }
+                    Op::Free(pick) if !live.is_empty() => {
+                        let (b, _) = live.swap_remove(pick % live.len());
+                        a.free(b, &mut tl);
+                    }
+                    Op::Free(_) => {}
+                }
+                check(&a, &live, limit);
+            }
+        }
+    }
+}

@@ -28,6 +28,8 @@ pub struct Allocation {
     pub freed: Option<u64>,
     /// Where it was made (a snapshot's stack frame, a trace's tag, or its category).
     pub site: String,
+    /// Its category (`other` for a snapshot's).
+    pub category: &'static str,
     /// Whether it was live before the history starts (a snapshot's state at recording start).
     pub before_recording: bool,
 }
@@ -60,6 +62,7 @@ pub fn history(events: &[Event], site: &dyn Fn(usize, Option<&str>, &str) -> Str
                         size: b.requested,
                         freed: None,
                         site: "live before recording".to_string(),
+                        category: b.category.name(),
                         before_recording: true,
                     });
                 }
@@ -77,6 +80,7 @@ pub fn history(events: &[Event], site: &dyn Fn(usize, Option<&str>, &str) -> Str
                     size: *size,
                     freed: None,
                     site: site(i, tag.as_deref(), category.name()),
+                    category: category.name(),
                     before_recording: false,
                 });
             }
@@ -267,10 +271,23 @@ pub fn growth(h: &History, it: &Iterations) -> Growth {
 
 /// Live requested bytes by site just before event `at`, largest first.
 pub fn live_by_site(h: &History, at: u64) -> Vec<(String, u64)> {
+    live_by(h, at, |a| a.site.as_str())
+}
+
+/// Live requested bytes by category just before event `at`, largest first.
+pub fn live_by_category(h: &History, at: u64) -> Vec<(String, u64)> {
+    live_by(h, at, |a| a.category)
+}
+
+fn live_by<'a>(
+    h: &'a History,
+    at: u64,
+    key: impl Fn(&'a Allocation) -> &'a str,
+) -> Vec<(String, u64)> {
     let mut sites: BTreeMap<&str, u64> = BTreeMap::new();
     for a in &h.allocations {
         if a.event < at && a.freed.is_none_or(|f| f >= at) {
-            *sites.entry(a.site.as_str()).or_default() += a.size;
+            *sites.entry(key(a)).or_default() += a.size;
         }
     }
     let mut v: Vec<(String, u64)> = sites.into_iter().map(|(s, b)| (s.to_string(), b)).collect();

@@ -131,6 +131,8 @@ pub struct OomSplit {
     pub total_memory_bytes: u64,
     /// Live requested bytes by site at the failure, largest first.
     pub top_sites: Vec<(String, u64)>,
+    /// Live requested bytes by category at the failure, largest first.
+    pub categories: Vec<(String, u64)>,
     /// What decides it.
     pub cause: OomCause,
 }
@@ -204,6 +206,7 @@ fn split_oom(outcome: &ReplayOutcome, device: &Device, h: &History) -> Option<Oo
             .into_iter()
             .take(TOP_SITES)
             .collect(),
+        categories: history::live_by_category(h, oom.event_index),
         cause,
     })
 }
@@ -368,6 +371,7 @@ impl Diagnosis {
                 "context_bytes": o.context_bytes,
                 "total_memory_bytes": o.total_memory_bytes,
                 "live_by_site": o.top_sites.iter().map(|(s, b)| json!({"site": s, "bytes": b})).collect::<Vec<_>>(),
+                "live_by_category": o.categories.iter().map(|(c, b)| json!({"category": c, "bytes": b})).collect::<Vec<_>>(),
             })),
             "remedies": self.remedies.iter().map(Remedy::to_json).collect::<Vec<_>>(),
         })
