@@ -126,6 +126,10 @@ pub struct Machine {
     pub config: AllocatorConfig,
     /// The memory fraction in force.
     pub memory_fraction: Option<f64>,
+    /// The most bytes the allocator may hold, where it has a limit below the device: PyTorch's
+    /// `fraction × total memory` (`set_per_process_memory_fraction`), a BFC allocator's memory limit,
+    /// TF's `cuda_malloc_async` pool limit.
+    pub memory_limit: Option<u64>,
 }
 
 impl MachineArgs {
@@ -227,6 +231,7 @@ impl MachineArgs {
             (kind, _) => kind,
         };
         let vmm = kind == AllocatorKind::Pytorch && config.expandable_segments;
+        let device_total = device.total_memory;
         let allocator: Box<dyn Allocator> = match kind {
             AllocatorKind::Pytorch => Box::new(CachingAllocator::new(config.clone(), device)),
             AllocatorKind::TfBfc | AllocatorKind::Jax => {
@@ -250,11 +255,13 @@ impl MachineArgs {
             Some(latency) => Box::new(TimedAllocator::new(allocator, latency)),
             None => allocator,
         };
+        let memory_limit = memory_fraction.map(|f| (f * device_total as f64) as u64);
         Ok(Machine {
             allocator,
             alloc_conf: self.alloc_conf.clone(),
             config,
             memory_fraction,
+            memory_limit,
         })
     }
 }
@@ -294,6 +301,11 @@ impl MachineArgs {
         } else {
             framework::jax(&settings, &device)?
         };
+        let memory_limit = match &chosen {
+            FrameworkAllocator::Bfc(config) => Some(config.memory_limit),
+            FrameworkAllocator::CudaMallocAsync { memory_limit } => Some(*memory_limit),
+            FrameworkAllocator::Platform => None,
+        };
         let allocator: Box<dyn Allocator> = match chosen {
             FrameworkAllocator::Bfc(config) => Box::new(BfcAllocator::new(config, device)),
             FrameworkAllocator::CudaMallocAsync { memory_limit } => {
@@ -311,6 +323,7 @@ impl MachineArgs {
             alloc_conf: String::new(),
             config: AllocatorConfig::default(),
             memory_fraction: self.memory_fraction,
+            memory_limit,
         })
     }
 }

@@ -303,3 +303,45 @@ fn a_known_model_step_is_retried_with_smaller_batches() {
     assert!(b4["peaks"]["device_used_bytes"].as_u64().unwrap() <= p4);
     assert!(remedies.iter().any(|r| r["name"] == "batch 6 instead of 8"));
 }
+
+#[test]
+fn a_bfc_memory_limit_is_named_and_no_remedy_is_claimed() {
+    // TF BFC preallocating a 100 MiB limit on a 1 GiB device: the first 60 MiB takes the whole 100 MiB
+    // chunk (100 < 2 × 60 and 40 MiB < 128 MiB: not split); the second 60 MiB finds no chunk and no
+    // room to extend. 100 + 60 MiB fit the device but not the limit. With growth, the region for the
+    // first is 64 MiB (2 MiB doubled until it holds 60) and the 36 MiB left cannot hold the second;
+    // cuda_malloc_async's pool is held to the same 100 MiB.
+    let path = write_trace(
+        "bfc_limit.jsonl",
+        &[
+            json!({"op": "alloc", "id": 1, "size": 60 * MIB}),
+            json!({"op": "alloc", "id": 2, "size": 60 * MIB}),
+        ],
+    );
+    let d = diagnose(&[
+        path.to_str().unwrap(),
+        "--allocator",
+        "tf-bfc",
+        "--capacity",
+        "1GiB",
+        "--memory-limit",
+        "100MiB",
+    ]);
+    let cause = &d["oom_cause"];
+    assert_eq!(cause["decided_by"], "memory_limit");
+    assert_eq!(cause["memory_limit_bytes"], 100 * MIB);
+    assert_eq!(cause["live_tensor_bytes"], 100 * MIB);
+    let remedies = d["remedies"].as_array().unwrap();
+    let settings: Vec<&str> = remedies
+        .iter()
+        .map(|r| r["setting"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        settings,
+        [
+            "TF_GPU_ALLOCATOR=cuda_malloc_async",
+            "tf.config.experimental.set_memory_growth(gpu, True)"
+        ]
+    );
+    assert!(remedies.iter().all(|r| r["avoids_oom"] == false));
+}

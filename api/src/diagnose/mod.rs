@@ -8,8 +8,10 @@
 //!    settings and the capacity its history implies). If it runs out of memory, the shortfall at the
 //!    failing allocation is split into live tensors (by site), reserved-but-unallocated bytes
 //!    (fragmentation) and memory outside the allocator (other processes, CUDA context), and the part
-//!    that decides is named: the request does not fit even an empty device → live tensors; it would
-//!    fit the device without the other processes and context → those; otherwise → fragmentation.
+//!    that decides is named: the request does not fit even an empty device → live tensors; it fits the
+//!    device but not the allocator's own limit (PyTorch's memory fraction, a BFC memory limit or JAX's
+//!    preallocated share) → the memory limit; it would fit the device without the other processes and
+//!    context → those; otherwise → fragmentation.
 //!    With growth and no OOM, the iteration where the growth would exhaust the device is projected.
 //! 3. The remedies ([`remedies`]): each candidate setting replays the same history (for a trace of a
 //!    known model step, `predict --trace-out`'s, smaller batches are lowered and replayed too); a remedy
@@ -78,6 +80,9 @@ impl std::error::Error for NoHistory {}
 pub enum OomCause {
     /// The live tensors alone exceed the device.
     LiveTensors,
+    /// The live tensors and the request exceed the allocator's limit (memory fraction, memory limit,
+    /// preallocated share) but not the device.
+    MemoryLimit,
     /// Memory outside the allocator (other processes, the CUDA context) takes the room it needed.
     OtherProcesses,
     /// Reserved but unallocated memory (fragmentation, cached blocks) takes the room it needed.
@@ -89,6 +94,7 @@ impl OomCause {
     pub fn name(self) -> &'static str {
         match self {
             OomCause::LiveTensors => "live_tensors",
+            OomCause::MemoryLimit => "memory_limit",
             OomCause::OtherProcesses => "other_processes",
             OomCause::Fragmentation => "fragmentation",
         }
@@ -99,6 +105,9 @@ impl OomCause {
         match self {
             OomCause::LiveTensors => {
                 "the live tensors and the request exceed the whole device: the model needs less memory (a smaller batch, checkpointing, lower precision), no allocator setting can help"
+            }
+            OomCause::MemoryLimit => {
+                "it would fit the device but not the allocator's limit (memory fraction, memory limit or the preallocated share): raise the limit"
             }
             OomCause::OtherProcesses => {
                 "it would fit without the other processes and the CUDA context"
@@ -129,6 +138,8 @@ pub struct OomSplit {
     pub context_bytes: u64,
     /// The device's total memory.
     pub total_memory_bytes: u64,
+    /// The allocator's limit, where it has one below the device.
+    pub memory_limit_bytes: Option<u64>,
     /// Live requested bytes by site at the failure, largest first.
     pub top_sites: Vec<(String, u64)>,
     /// Live requested bytes by category at the failure, largest first.
@@ -171,24 +182,45 @@ pub(crate) fn replay_events(
     events: &[Event],
     args: &MachineArgs,
     timeline_points: usize,
-) -> Result<(ReplayOutcome, Device, String)> {
+) -> Result<Replayed> {
     let machine = args.build()?;
     let device = machine.allocator.device().clone();
     let options = ReplayOptions { timeline_points };
     let outcome = Replay::new(machine.allocator, &options).run(events.iter().cloned().map(Ok))?;
-    Ok((outcome, device, machine.alloc_conf))
+    Ok(Replayed {
+        outcome,
+        device,
+        alloc_conf: machine.alloc_conf,
+        memory_limit: machine.memory_limit,
+    })
+}
+
+/// A replay of the history and the machine it ran on.
+pub(crate) struct Replayed {
+    pub outcome: ReplayOutcome,
+    pub device: Device,
+    pub alloc_conf: String,
+    pub memory_limit: Option<u64>,
 }
 
 /// Splits an out-of-memory error (see the module documentation).
-fn split_oom(outcome: &ReplayOutcome, device: &Device, h: &History) -> Option<OomSplit> {
+fn split_oom(
+    outcome: &ReplayOutcome,
+    device: &Device,
+    limit: Option<u64>,
+    h: &History,
+) -> Option<OomSplit> {
     let oom = outcome.oom.as_ref()?;
     let allocated = outcome.stats.allocated_bytes.all.current.max(0) as u64;
     let reserved = outcome.stats.reserved_bytes.all.current.max(0) as u64;
     let others: u64 = device.other_processes.iter().map(|p| p.bytes).sum();
     let need = allocated + oom.requested_bytes;
+    let room = device.total_memory - device.non_allocator_bytes();
     let cause = if need > device.total_memory {
         OomCause::LiveTensors
-    } else if need > device.total_memory - device.non_allocator_bytes() {
+    } else if limit.is_some_and(|l| l < room && need > l) {
+        OomCause::MemoryLimit
+    } else if need > room {
         OomCause::OtherProcesses
     } else {
         OomCause::Fragmentation
@@ -202,6 +234,7 @@ fn split_oom(outcome: &ReplayOutcome, device: &Device, h: &History) -> Option<Oo
         other_processes_bytes: others,
         context_bytes: device.context_bytes,
         total_memory_bytes: device.total_memory,
+        memory_limit_bytes: limit,
         top_sites: history::live_by_site(h, oom.event_index)
             .into_iter()
             .take(TOP_SITES)
@@ -249,9 +282,14 @@ pub fn diagnose(args: &DiagnoseArgs) -> Result<Diagnosis> {
     let iterations = history::iterations(&h);
     let growth = iterations.as_ref().map(|it| history::growth(&h, it));
     let points = if args.plot.is_some() { PLOT_POINTS } else { 0 };
-    let (baseline, device, alloc_conf) = replay_events(&events, &machine, points)
+    let Replayed {
+        outcome: baseline,
+        device,
+        alloc_conf,
+        memory_limit,
+    } = replay_events(&events, &machine, points)
         .with_context(|| format!("cannot replay {}", args.trace.display()))?;
-    let oom = split_oom(&baseline, &device, &h);
+    let oom = split_oom(&baseline, &device, memory_limit, &h);
     let projected_oom_iteration = match (&growth, &iterations) {
         (Some(g), Some(it)) if oom.is_none() => g.bytes_per_iteration.filter(|&b| b > 0).map(|b| {
             let room = (device.total_memory - device.non_allocator_bytes()).saturating_sub(
@@ -370,6 +408,7 @@ impl Diagnosis {
                 "other_processes_bytes": o.other_processes_bytes,
                 "context_bytes": o.context_bytes,
                 "total_memory_bytes": o.total_memory_bytes,
+                "memory_limit_bytes": o.memory_limit_bytes,
                 "live_by_site": o.top_sites.iter().map(|(s, b)| json!({"site": s, "bytes": b})).collect::<Vec<_>>(),
                 "live_by_category": o.categories.iter().map(|(c, b)| json!({"category": c, "bytes": b})).collect::<Vec<_>>(),
             })),

@@ -200,8 +200,10 @@ pub fn try_all(
     let mut out = Vec::new();
     for c in candidates(machine, iterations) {
         let outcome = match (c.empty_cache, iterations) {
-            (true, Some(it)) => replay_events(&with_empty_cache(events, it), &c.machine, 0)?.0,
-            _ => replay_events(events, &c.machine, 0)?.0,
+            (true, Some(it)) => {
+                replay_events(&with_empty_cache(events, it), &c.machine, 0)?.outcome
+            }
+            _ => replay_events(events, &c.machine, 0)?.outcome,
         };
         out.push(Remedy {
             name: c.name,
