@@ -39,7 +39,9 @@
 //! - **Out of memory**: after all of the above, the allocation fails.
 //!
 //! What this model leaves out, and why: the sub-allocator's region coalescing (`coalesce_regions_`,
-//! only for the virtual-memory sub-allocator; `cudaMalloc` regions are never adjacent by contract); the
+//! only for the virtual-memory sub-allocator, which TensorFlow's `GPUProcessState::CreateSubAllocator`
+//! keeps disabled (`#if 0`, "observed OOM issues"): regions come from `cudaMalloc` through
+//! `DeviceMemAllocator`, separate regions whose chunks never merge across them); the
 //! timestamped chunks of stream-ordered reuse (`timing_counter_`, unset for TF's and JAX's GPU
 //! allocators); the 10-second retry for other threads (a replay has one thread); the driver's 2 MiB
 //! physical granularity (regions count their exact bytes, as for the other models).
