@@ -276,7 +276,7 @@ impl SnapshotInput {
         let mut machine = given.clone();
         let s = self;
         machine.device_index = s.import.device;
-        if machine.alloc_conf.is_empty() {
+        if machine.alloc_conf.is_empty() && machine.allocator.is_pytorch() {
             machine.alloc_conf = settings_string(&s.settings.config);
         }
         if machine.gpu.is_none() && machine.capacity.is_none() {

@@ -14,7 +14,9 @@
 //! itself knows no model internals.
 
 pub mod check;
+pub mod diagnose;
 pub mod explain;
+pub mod framework;
 pub mod import;
 pub mod machine;
 pub mod maxbatch;

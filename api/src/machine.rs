@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
+use vramsim_sim::allocator::bfc::BfcAllocator;
 use vramsim_sim::allocator::caching::CachingAllocator;
 use vramsim_sim::allocator::cuda_async::{CudaAsyncAllocator, CudaAsyncConfig};
 use vramsim_sim::allocator::cuda_malloc::CudaMallocAllocator;
@@ -26,6 +27,12 @@ pub enum AllocatorKind {
     /// CUDA's stream-ordered pool (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync); also chosen by that
     /// --alloc-conf with the default allocator.
     CudaAsync,
+    /// TensorFlow's BFC allocator (preallocates its memory limit unless --allow-growth; --env
+    /// TF_GPU_ALLOCATOR=cuda_malloc_async and the other TF_* variables).
+    TfBfc,
+    /// JAX/XLA's BFC allocator (preallocates 75% of the memory unless --allow-growth; --env
+    /// XLA_PYTHON_CLIENT_*).
+    Jax,
 }
 
 impl AllocatorKind {
@@ -35,7 +42,15 @@ impl AllocatorKind {
             AllocatorKind::Pytorch => "pytorch",
             AllocatorKind::CudaMalloc => "cuda-malloc",
             AllocatorKind::CudaAsync => "cuda-async",
+            AllocatorKind::TfBfc => "tf-bfc",
+            AllocatorKind::Jax => "jax",
         }
+    }
+
+    /// Whether the allocator is PyTorch's (reads PYTORCH_CUDA_ALLOC_CONF and the memory fraction as
+    /// PyTorch does) rather than TensorFlow's or JAX's.
+    pub fn is_pytorch(self) -> bool {
+        !matches!(self, AllocatorKind::TfBfc | AllocatorKind::Jax)
     }
 }
 
@@ -82,6 +97,18 @@ pub struct MachineArgs {
     /// `cublas_own_bytes`).
     #[arg(skip)]
     pub library_bytes: u64,
+    /// --allocator tf-bfc|jax: grow the allocator's regions on demand instead of preallocating
+    /// (TF's set_memory_growth, JAX's XLA_PYTHON_CLIENT_PREALLOCATE=false).
+    #[arg(long)]
+    pub allow_growth: bool,
+    /// --allocator tf-bfc|jax: the allocator's memory limit, e.g. 10GiB (a TF logical device's
+    /// memory_limit); the default is TF's free memory less its system reserve, JAX's 75% of the total.
+    #[arg(long, value_name = "SIZE")]
+    pub memory_limit: Option<String>,
+    /// --allocator tf-bfc|jax: framework environment variables, e.g. TF_GPU_ALLOCATOR=cuda_malloc_async,
+    /// TF_FORCE_GPU_ALLOW_GROWTH=true, XLA_PYTHON_CLIENT_MEM_FRACTION=.5, XLA_PYTHON_CLIENT_ALLOCATOR=platform.
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub env: Vec<String>,
 }
 
 /// `--cuda`: a CUDA major version vramsim has context figures for.
@@ -99,6 +126,10 @@ pub struct Machine {
     pub config: AllocatorConfig,
     /// The memory fraction in force.
     pub memory_fraction: Option<f64>,
+    /// The most bytes the allocator may hold, where it has a limit below the device: PyTorch's
+    /// `fraction × total memory` (`set_per_process_memory_fraction`), a BFC allocator's memory limit,
+    /// TF's `cuda_malloc_async` pool limit.
+    pub memory_limit: Option<u64>,
 }
 
 impl MachineArgs {
@@ -176,6 +207,14 @@ impl MachineArgs {
     pub fn build(&self) -> Result<Machine> {
         let calibration = self.calibration()?;
         let device = self.device(calibration.as_ref())?;
+        if !self.allocator.is_pytorch() {
+            return self.build_framework(device);
+        }
+        if self.allow_growth || self.memory_limit.is_some() || !self.env.is_empty() {
+            bail!(
+                "--allow-growth, --memory-limit and --env are TensorFlow/JAX settings: use them with --allocator tf-bfc or --allocator jax (PyTorch's allocator reads --alloc-conf and --memory-fraction)"
+            );
+        }
         let mut config = AllocatorConfig::parse(&self.alloc_conf)
             .map_err(|e| anyhow::anyhow!("invalid --alloc-conf {:?}: {e}", self.alloc_conf))?;
         if let Some(fraction) = self.memory_fraction {
@@ -192,8 +231,12 @@ impl MachineArgs {
             (kind, _) => kind,
         };
         let vmm = kind == AllocatorKind::Pytorch && config.expandable_segments;
+        let device_total = device.total_memory;
         let allocator: Box<dyn Allocator> = match kind {
             AllocatorKind::Pytorch => Box::new(CachingAllocator::new(config.clone(), device)),
+            AllocatorKind::TfBfc | AllocatorKind::Jax => {
+                unreachable!("TensorFlow's and JAX's allocators are built by build_framework")
+            }
             AllocatorKind::CudaMalloc => Box::new(CudaMallocAllocator::new(device)),
             AllocatorKind::CudaAsync => {
                 let base = CudaAsyncConfig {
@@ -212,11 +255,75 @@ impl MachineArgs {
             Some(latency) => Box::new(TimedAllocator::new(allocator, latency)),
             None => allocator,
         };
+        let memory_limit = memory_fraction.map(|f| (f * device_total as f64) as u64);
         Ok(Machine {
             allocator,
             alloc_conf: self.alloc_conf.clone(),
             config,
             memory_fraction,
+            memory_limit,
+        })
+    }
+}
+
+impl MachineArgs {
+    /// `--allocator tf-bfc|jax`: the framework's allocator on `device` (see [`crate::framework`]).
+    fn build_framework(&self, device: Device) -> Result<Machine> {
+        use crate::framework::{self, FrameworkAllocator, FrameworkSettings};
+        if !self.alloc_conf.is_empty() {
+            bail!(
+                "--alloc-conf {:?} is PyTorch's PYTORCH_CUDA_ALLOC_CONF: the {} allocator does not read it; use --allow-growth, --memory-limit, --memory-fraction or --env",
+                self.alloc_conf,
+                self.allocator.name()
+            );
+        }
+        if let Some(fraction) = self.memory_fraction {
+            if !(fraction > 0.0 && fraction <= 1.0) {
+                bail!("invalid --memory-fraction {fraction}: a fraction in (0, 1]");
+            }
+        }
+        let memory_limit = match &self.memory_limit {
+            Some(text) => Some(parse_size(text).context("invalid --memory-limit")?),
+            None => None,
+        };
+        let settings = FrameworkSettings {
+            allow_growth: self.allow_growth,
+            memory_limit,
+            memory_fraction: self.memory_fraction,
+            env: &self.env,
+        };
+        let chosen = if self.allocator == AllocatorKind::TfBfc {
+            // MinSystemMemory depends on the compute capability: the preset's, else Hopper's.
+            let cc_major = find_preset(self.gpu.as_deref().unwrap_or(DEFAULT_GPU))
+                .filter(|_| self.capacity.is_none() && self.calibration.is_none())
+                .map_or(9, |p| p.compute_capability.0);
+            framework::tensorflow(&settings, &device, cc_major)?
+        } else {
+            framework::jax(&settings, &device)?
+        };
+        let memory_limit = match &chosen {
+            FrameworkAllocator::Bfc(config) => Some(config.memory_limit),
+            FrameworkAllocator::CudaMallocAsync { memory_limit } => Some(*memory_limit),
+            FrameworkAllocator::Platform => None,
+        };
+        let allocator: Box<dyn Allocator> = match chosen {
+            FrameworkAllocator::Bfc(config) => Box::new(BfcAllocator::new(config, device)),
+            FrameworkAllocator::CudaMallocAsync { memory_limit } => {
+                let pool = CudaAsyncConfig {
+                    release_threshold: memory_limit,
+                    memory_fraction: Some(memory_limit as f64 / device.total_memory as f64),
+                    ..CudaAsyncConfig::pytorch()
+                };
+                Box::new(CudaAsyncAllocator::new(pool, device))
+            }
+            FrameworkAllocator::Platform => Box::new(CudaMallocAllocator::new(device)),
+        };
+        Ok(Machine {
+            allocator,
+            alloc_conf: String::new(),
+            config: AllocatorConfig::default(),
+            memory_fraction: self.memory_fraction,
+            memory_limit,
         })
     }
 }

@@ -61,6 +61,21 @@ impl Replayed {
         if self.summary {
             json["memory_summary"] = memory_summary(&self.report.outcome.stats, 0, false).into();
         }
+        // what the framework itself reports: its allocated bytes are the BFC chunks in use
+        let allocated = &self.report.outcome.stats.allocated_bytes.all;
+        match self.report.allocator.as_str() {
+            "tf-bfc" => {
+                json["get_memory_info"] =
+                    serde_json::json!({"current": allocated.current, "peak": allocated.peak});
+            }
+            "jax" => {
+                json["memory_stats"] = serde_json::json!({
+                    "bytes_in_use": allocated.current,
+                    "peak_bytes_in_use": allocated.peak,
+                });
+            }
+            _ => {}
+        }
         json
     }
 

@@ -351,15 +351,17 @@ fn allocator_settings_follow_the_settings_string() {
         .all(|(k, &(start, d))| start == 1 << k && d == 4));
 }
 
-const SNAPSHOTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/snapshots");
+const SNAPSHOTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/snapshots");
 
-/// A real snapshot's `allocator_settings`, or `None` (reason printed) where the fixtures are absent.
+/// A real snapshot's `allocator_settings` (the test fails if the file is missing).
 fn real_settings(prefix: &str) -> Option<vramsim_traces::snapshot::AllocatorSettings> {
     let dir = Path::new(SNAPSHOTS);
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        eprintln!("skipping: {} is absent", dir.display());
-        return None;
-    };
+    let entries = std::fs::read_dir(dir).unwrap_or_else(|e| {
+        panic!(
+            "{} is missing ({e}): the test data is not there",
+            dir.display()
+        )
+    });
     let mut files: Vec<PathBuf> = entries
         .map(|e| e.unwrap().path())
         .filter(|p| {
@@ -369,10 +371,12 @@ fn real_settings(prefix: &str) -> Option<vramsim_traces::snapshot::AllocatorSett
         })
         .collect();
     files.sort();
-    let Some(file) = files.first() else {
-        eprintln!("skipping: no {prefix}* snapshot in {}", dir.display());
-        return None;
-    };
+    let file = files.first().unwrap_or_else(|| {
+        panic!(
+            "no {prefix}* snapshot in {}: the test data is not there",
+            dir.display()
+        )
+    });
     let snap = load_snapshot_file(file).unwrap();
     snap.allocator_settings
 }
@@ -381,18 +385,15 @@ fn real_settings(prefix: &str) -> Option<vramsim_traces::snapshot::AllocatorSett
 fn default_allocator_settings_are_those_of_real_pytorch_snapshots() {
     // Recorded with PyTorch 2.9+ (graph_capture_record_stream_reuse present), PYTORCH_CUDA_ALLOC_CONF
     // unset: vramsim's export for "" must be the same dict, value for value and in the same key order.
-    let Some(real) = real_settings("Wedsonlin__assignment2-systems__results_medium_128_training")
-    else {
-        return;
-    };
+    let real = real_settings("Wedsonlin__assignment2-systems__results_medium_128_training")
+        .expect("the snapshot records allocator_settings");
     let ours = allocator_settings(&AllocatorConfig::default());
     assert_eq!(ours, real);
     assert_eq!(ours.to_value(), real.to_value());
 
     // Recorded with expandable_segments:True by an older PyTorch (no graph_capture key).
-    let Some(mut real) = real_settings("Constructor-Sun") else {
-        return;
-    };
+    let mut real =
+        real_settings("Constructor-Sun").expect("the snapshot records allocator_settings");
     let mut ours = allocator_settings(&AllocatorConfig::parse("expandable_segments:True").unwrap());
     assert_eq!(real.graph_capture_record_stream_reuse, None);
     ours.graph_capture_record_stream_reuse = None;

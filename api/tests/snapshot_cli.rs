@@ -1,10 +1,10 @@
 //! `vramsim import`, `vramsim check-snapshot` and `vramsim replay SNAPSHOT` end to end, on the shipped
-//! snapshots (skipped, with the reason printed, where they are absent) and on bad input.
+//! snapshots of `testdata/snapshots/` (a missing file fails the test) and on bad input.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/snapshots");
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/snapshots");
 const NESTA: &str = "Nesta-gitU__discrete_diffusion__memory_snapshot.json__1ab3368e.pickle.gz";
 const CONSTRUCTOR: &str =
     "Constructor-Sun__code_location__memory_snapshot.pickle__b5ef67ce.pickle.gz";
@@ -20,14 +20,15 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-fn snapshot(name: &str) -> Option<PathBuf> {
+/// The path of a shipped snapshot; the test fails if the file is missing.
+fn snapshot(name: &str) -> PathBuf {
     let path = Path::new(DIR).join(name);
-    if path.exists() {
-        Some(path)
-    } else {
-        eprintln!("skipping: {} is absent", path.display());
-        None
-    }
+    assert!(
+        path.exists(),
+        "{} is missing: the test data is not there",
+        path.display()
+    );
+    path
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -49,7 +50,7 @@ fn assert_fails(output: &Output, fragments: &[&str]) {
 
 #[test]
 fn check_snapshot_prints_the_required_json() {
-    let Some(path) = snapshot(NESTA) else { return };
+    let path = snapshot(NESTA);
     let output = vramsim(&["check-snapshot", path.to_str().unwrap(), "--json"]);
     assert!(output.status.success(), "{}", text(&output.stderr));
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
@@ -75,7 +76,7 @@ fn check_snapshot_prints_the_required_json() {
 
 #[test]
 fn a_snapshot_replays_from_its_recorded_state_and_says_if_its_oom_still_happens() {
-    let Some(path) = snapshot(NESTA) else { return };
+    let path = snapshot(NESTA);
     let output = vramsim(&["replay", path.to_str().unwrap(), "--json"]);
     assert!(output.status.success(), "{}", text(&output.stderr));
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
@@ -89,9 +90,7 @@ fn a_snapshot_replays_from_its_recorded_state_and_says_if_its_oom_still_happens(
     assert!(output.status.success(), "{}", text(&output.stderr));
     assert!(text(&output.stdout).contains("does not happen"));
     // several devices: --device is needed, and an absent one is named
-    let Some(multi) = snapshot(CONSTRUCTOR) else {
-        return;
-    };
+    let multi = snapshot(CONSTRUCTOR);
     assert_fails(
         &vramsim(&["replay", multi.to_str().unwrap()]),
         &["the snapshot holds devices 0, 1, 2: choose one with --device N"],
@@ -108,9 +107,7 @@ fn a_snapshot_replays_from_its_recorded_state_and_says_if_its_oom_still_happens(
 
 #[test]
 fn import_writes_one_trace_per_device() {
-    let Some(path) = snapshot(CONSTRUCTOR) else {
-        return;
-    };
+    let path = snapshot(CONSTRUCTOR);
     let out = tmp("constructor.jsonl");
     let output = vramsim(&[
         "import",
@@ -188,9 +185,7 @@ fn foreign_and_broken_pickles_are_errors() {
 fn a_replayed_snapshot_names_its_own_device_in_the_oom_message() {
     // The recorded OOM of Constructor-Sun happened on device 1 (its `oom` trace entry is in
     // device_traces[1]): PyTorch's message names "GPU 1".
-    let Some(path) = snapshot(CONSTRUCTOR) else {
-        return;
-    };
+    let path = snapshot(CONSTRUCTOR);
     let output = vramsim(&["replay", path.to_str().unwrap(), "--device", "1", "--json"]);
     assert!(output.status.success(), "{}", text(&output.stderr));
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();

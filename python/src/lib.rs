@@ -12,6 +12,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use vramsim_api::check::{self, CheckArgs};
+use vramsim_api::diagnose::{self, DiagnoseArgs};
 use vramsim_api::explain::{self, ExplainArgs};
 use vramsim_api::import::{self, ImportArgs};
 use vramsim_api::maxbatch::{self, MaxBatchArgs};
@@ -52,6 +53,7 @@ const COMMANDS: &[&str] = &[
     "import",
     "check-snapshot",
     "explain",
+    "diagnose",
 ];
 
 /// The clap definition of `command`'s options.
@@ -66,6 +68,7 @@ fn definition(command: &str) -> Option<Command> {
         "import" => ImportArgs::augment_args(c),
         "check-snapshot" => CheckArgs::augment_args(c),
         "explain" => ExplainArgs::augment_args(c),
+        "diagnose" => DiagnoseArgs::augment_args(c),
         _ => return None,
     })
 }
@@ -166,6 +169,11 @@ fn compute(command: &str, args: &[String]) -> anyhow::Result<Output> {
             let e = explain::explain(text, &a)?;
             (e.to_json(), e.to_table())
         }
+        "diagnose" => {
+            let a: DiagnoseArgs = parse_args("diagnose", args)?;
+            let d = diagnose::diagnose(&a)?;
+            (d.to_json(), d.to_table())
+        }
         _ => anyhow::bail!(
             "unknown command {command:?}; valid: {}",
             COMMANDS.join(", ")
@@ -177,7 +185,7 @@ fn compute(command: &str, args: &[String]) -> anyhow::Result<Output> {
 /// the options): a trace, snapshot, import or replay error, or, for the commands that take a trace or
 /// snapshot file, an I/O error (a file that cannot be read or written).
 fn is_trace_error(command: &str, error: &anyhow::Error) -> bool {
-    let file_command = matches!(command, "replay" | "import" | "check-snapshot");
+    let file_command = matches!(command, "replay" | "import" | "check-snapshot" | "diagnose");
     error.chain().any(|e| {
         (file_command && e.is::<std::io::Error>())
             || e.is::<vramsim_traces::TraceError>()
@@ -185,6 +193,7 @@ fn is_trace_error(command: &str, error: &anyhow::Error) -> bool {
             || e.is::<import::NotASnapshot>()
             || e.is::<vramsim_sim::engine::ReplayError>()
             || e.is::<vramsim_sim::import::ImportError>()
+            || e.is::<diagnose::NoHistory>()
     })
 }
 

@@ -180,6 +180,40 @@ def test_replay_snapshot_check_and_import(tmp_path):
     assert again.peak_reserved_bytes == r.peak_reserved_bytes
 
 
+NESTA = ROOT / "testdata" / "snapshots" / "Nesta-gitU__discrete_diffusion__memory_snapshot.json__1ab3368e.pickle.gz"
+
+
+def test_diagnose_is_the_command_lines_json(tmp_path):
+    assert NESTA.is_file(), f"{NESTA} is missing: the repository's test data is not there"
+    d = vramsim.diagnose(NESTA)
+    out = cli("diagnose", str(NESTA), "--json")
+    assert out.returncode == 0, out.stderr
+    assert d.to_dict() == json.loads(out.stdout)
+    assert isinstance(d, vramsim.Diagnosis)
+    # the recorded OOM: 384 MiB requested on top of live tensors that fill the device
+    assert d.oom_cause["requested_bytes"] == 384 * 2**20
+    assert d.oom_cause["decided_by"] == "live_tensors"
+    assert all(r["avoids_oom"] is False for r in d.remedies)
+    assert "OOM decided by live_tensors" in repr(d)
+    # tf-bfc options reach the library too
+    t = vramsim.diagnose(EXAMPLE, allocator="tf-bfc", allow_growth=True, gpu="rtx4090")
+    assert t.allocator == "tf-bfc"
+    assert [r["setting"] for r in t.remedies] == ["TF_GPU_ALLOCATOR=cuda_malloc_async"]
+
+
+def test_diagnose_without_history_is_a_trace_error(tmp_path):
+    import gzip
+    import pickle
+
+    snap = pickle.load(gzip.open(NESTA, "rb"))
+    snap["device_traces"] = [[] for _ in snap["device_traces"]]
+    path = tmp_path / "no_history.pickle"
+    with open(path, "wb") as f:
+        pickle.dump(snap, f)
+    with pytest.raises(vramsim.TraceError, match="_record_memory_history"):
+        vramsim.diagnose(path)
+
+
 def test_gpus():
     presets = vramsim.gpus()
     names = [g.name for g in presets]

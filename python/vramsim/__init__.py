@@ -36,6 +36,7 @@ __all__ = [
     "recommend",
     "replay",
     "check_snapshot",
+    "diagnose",
     "import_snapshot",
     "explain",
     "gpus",
@@ -52,6 +53,7 @@ __all__ = [
     "Recommendation",
     "ReplayReport",
     "SnapshotCheck",
+    "Diagnosis",
     "ImportedDevice",
     "Gpu",
     "Explanation",
@@ -398,6 +400,22 @@ class SnapshotCheck(Result):
     the first divergence."""
 
 
+class Diagnosis(Result):
+    """What ``diagnose`` says of a snapshot or trace: ``iterations``, ``growth_bytes_per_iteration``,
+    ``leaks`` (sites and bytes), ``projected_oom_iteration``, ``oom`` and ``oom_cause`` (the shortfall
+    split, ``decided_by``), and ``remedies`` (each with its ``setting``, ``avoids_oom`` and the replayed
+    ``peaks``)."""
+
+    def _summary(self) -> str:
+        d = self._data
+        cause = (d.get("oom_cause") or {}).get("decided_by")
+        growth = d.get("growth_bytes_per_iteration")
+        return (
+            f"{d.get('source')}: growth {_size(growth) if growth is not None else 'unknown'} per iteration, "
+            f"{'OOM decided by ' + cause if cause else 'no OOM'}"
+        )
+
+
 class ImportedDevice(Result):
     """One device of a snapshot imported as a trace: ``path``, ``events``, ``notes``."""
 
@@ -552,6 +570,17 @@ def check_snapshot(snapshot: Any = None, **kwargs: Any):
     if isinstance(data, list):
         return [SnapshotCheck(d) for d in data]
     return SnapshotCheck(data, text)
+
+
+def diagnose(trace: Any = None, **kwargs: Any) -> Diagnosis:
+    """``vramsim diagnose``: explains an OOM or a growth from a PyTorch snapshot (recorded with
+    ``torch.cuda.memory._record_memory_history()``) or a trace: iterations, growth and leaking sites,
+    what decided the OOM, and remedies verified by replay. A snapshot without history raises
+    :class:`TraceError`."""
+    if trace is not None:
+        kwargs["trace"] = trace
+    data, text, images = _call("diagnose", "diagnose", kwargs)
+    return Diagnosis(data, text, images)
 
 
 def import_snapshot(snapshot: Any = None, output: Any = None, **kwargs: Any) -> List[ImportedDevice]:

@@ -1,6 +1,6 @@
 //! Importing PyTorch memory snapshots: the state recording began from, the inferences the importer makes
 //! (block sizes, releases, deferred frees, capacity), bad input, and the 17 real snapshots of
-//! `shared/snapshots/` (skipped, with the reason printed, where the directory is absent).
+//! `testdata/snapshots/` (a missing file fails the test).
 
 use std::path::Path;
 use std::time::Instant;
@@ -17,7 +17,7 @@ use vramsim_traces::snapshot::{
 use vramsim_traces::{read_jsonl, write_jsonl, AllocId, Event, Pool};
 
 const MIB: u64 = 1 << 20;
-const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/snapshots");
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/snapshots");
 
 fn entry(action: &str, addr: u64, size: u64) -> TraceEntry {
     TraceEntry {
@@ -384,10 +384,8 @@ fn bad_input_is_an_error_not_a_panic() {
 /// What each real snapshot's import says, checked against sums taken from the snapshot directly.
 #[test]
 fn real_snapshots_import_to_replayable_traces() {
-    let Ok(files) = std::fs::read_dir(DIR) else {
-        eprintln!("skipping: {DIR} is absent");
-        return;
-    };
+    let files = std::fs::read_dir(DIR)
+        .unwrap_or_else(|e| panic!("{DIR} is missing ({e}): the test data is not there"));
     let mut paths: Vec<_> = files
         .filter_map(|f| f.ok().map(|f| f.path()))
         .filter(|p| p.to_string_lossy().ends_with(".pickle.gz"))
@@ -447,10 +445,11 @@ fn time_to_import_the_largest_snapshot() {
     let path = Path::new(DIR).join(
         "Wedsonlin__assignment2-systems__results_medium_512_training_memory_snapshot.pickle__61dcd14d.pickle.gz",
     );
-    if !path.exists() {
-        eprintln!("skipping: {} is absent", path.display());
-        return;
-    }
+    assert!(
+        path.exists(),
+        "{} is missing: the test data is not there",
+        path.display()
+    );
     let started = Instant::now();
     let snapshot = load_snapshot_file(&path).unwrap();
     let loaded = started.elapsed();

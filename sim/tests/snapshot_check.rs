@@ -1,9 +1,9 @@
-//! Issue 3's acceptance: `check-snapshot` on every snapshot in `shared/snapshots/` (recorded on real GPUs
+//! Issue 3's acceptance: `check-snapshot` on every snapshot in `testdata/snapshots/` (recorded on real GPUs
 //! by other people) reproduces every recorded segment event at the same request, every allocation at the
 //! same offset of the same segment, the recorded out-of-memory errors, and the final reserved and
 //! allocated bytes and segments. Every expected figure is counted from the snapshot itself (and
 //! cross-checked against `index.json`, the independent summary Python wrote of the same files), never taken
-//! from the simulator. Skipped, with the reason printed, where the directory is absent.
+//! from the simulator. A missing file fails the test.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -11,16 +11,18 @@ use std::time::Instant;
 use vramsim_sim::check::{check_device, CheckOptions, CheckReport};
 use vramsim_traces::snapshot::{load_snapshot_file, Action, Snapshot};
 
-const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/snapshots");
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/snapshots");
 
-/// `index.json`'s entries, or `None` (with the reason printed) if the fixtures are absent.
-fn index() -> Option<Vec<serde_json::Value>> {
+/// `index.json`'s entries (the test fails if the file is missing).
+fn index() -> Vec<serde_json::Value> {
     let path = Path::new(DIR).join("index.json");
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        eprintln!("skipping: {} is absent", path.display());
-        return None;
-    };
-    Some(serde_json::from_str(&text).unwrap())
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{} is missing ({e}): the test data is not there",
+            path.display()
+        )
+    });
+    serde_json::from_str(&text).unwrap()
 }
 
 fn file_of(entry: &serde_json::Value) -> PathBuf {
@@ -111,7 +113,7 @@ fn assert_reproduced(name: &str, device: u32, want: &Recorded, report: &CheckRep
 
 #[test]
 fn every_recorded_history_is_reproduced() {
-    let Some(entries) = index() else { return };
+    let entries = index();
     let started = Instant::now();
     let mut rows = Vec::new();
     let mut histories = 0;
@@ -166,7 +168,7 @@ fn every_recorded_history_is_reproduced() {
 /// the OOM happen at the same requests as on the GPU.
 #[test]
 fn the_expandable_oom_is_reproduced_with_its_release() {
-    let Some(entries) = index() else { return };
+    let entries = index();
     let entry = entries
         .iter()
         .find(|e| e["file"].as_str().unwrap().starts_with("Constructor-Sun"))
@@ -203,7 +205,7 @@ fn the_expandable_oom_is_reproduced_with_its_release() {
 /// another segment than the GPU chose. With the GPU's addresses (the default) it does not.
 #[test]
 fn address_order_decides_best_fit_ties() {
-    let Some(entries) = index() else { return };
+    let entries = index();
     let entry = entries
         .iter()
         .find(|e| e["file"].as_str().unwrap().contains("inference2_peso_oct"))

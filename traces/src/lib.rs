@@ -41,6 +41,7 @@ pub mod file;
 pub mod json;
 pub mod jsonl;
 pub mod pickle;
+pub mod sites;
 pub mod snapshot;
 pub mod trace;
 

@@ -9,26 +9,25 @@ use proptest::sample::{select, Index};
 use vramsim_traces::pickle::{self, PickleErrorKind, Value};
 use vramsim_traces::snapshot::{self, Snapshot};
 
-const SNAPSHOTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/snapshots");
+const SNAPSHOTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/snapshots");
 /// The smallest real snapshot (72 KB of pickle): cheap enough to parse thousands of times.
 const SMALL: &str = "silmont2000__assignment2-systems__mem_snapshot.pickle__b61be409.pickle.gz";
 
-/// The uncompressed pickle of [`SMALL`], or `None` (with the reason printed) if the fixtures are absent.
-fn small_snapshot() -> Option<&'static [u8]> {
-    static BYTES: OnceLock<Option<Vec<u8>>> = OnceLock::new();
-    BYTES
-        .get_or_init(|| {
-            let path = std::path::Path::new(SNAPSHOTS).join(SMALL);
-            let Ok(gz) = std::fs::read(&path) else {
-                eprintln!("skipping: {} is absent", path.display());
-                return None;
-            };
-            let mut plain = Vec::new();
-            std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&gz[..]), &mut plain)
-                .unwrap();
-            Some(plain)
-        })
-        .as_deref()
+/// The uncompressed pickle of [`SMALL`] (the test fails if the file is missing).
+fn small_snapshot() -> &'static [u8] {
+    static BYTES: OnceLock<Vec<u8>> = OnceLock::new();
+    BYTES.get_or_init(|| {
+        let path = std::path::Path::new(SNAPSHOTS).join(SMALL);
+        let gz = std::fs::read(&path).unwrap_or_else(|e| {
+            panic!(
+                "{} is missing ({e}): the test data is not there",
+                path.display()
+            )
+        });
+        let mut plain = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&gz[..]), &mut plain).unwrap();
+        plain
+    })
 }
 
 /// Every opcode byte plus typical argument bytes, so random sequences get past the first opcode.
@@ -86,7 +85,7 @@ proptest! {
 
     #[test]
     fn mutated_snapshot_never_panics(mutations in vec((any::<Index>(), any::<u8>()), 1..6)) {
-        let Some(original) = small_snapshot() else { return Ok(()) };
+        let original = small_snapshot();
         let mut bytes = original.to_vec();
         for (at, byte) in mutations {
             let i = at.index(bytes.len());
@@ -100,9 +99,7 @@ proptest! {
 
 #[test]
 fn every_truncation_of_a_real_snapshot_is_a_truncation_error() {
-    let Some(bytes) = small_snapshot() else {
-        return;
-    };
+    let bytes = small_snapshot();
     assert!(pickle::from_slice(bytes).is_ok());
     // all prefixes of the first 4 KiB, then every 97th
     let lens = (0..4096.min(bytes.len())).chain((4096..bytes.len()).step_by(97));

@@ -1,6 +1,6 @@
-//! The 17 real snapshots in `shared/snapshots/` (recorded on GPUs by other people), checked against
+//! The 17 real snapshots in `testdata/snapshots/` (recorded on GPUs by other people), checked against
 //! `index.json`, the independent summary Python derived from the same files; against the sums of §8.4;
-//! and through export and re-import. Skipped, with the reason printed, where the directory is absent.
+//! and through export and re-import. A missing file fails the test.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -11,18 +11,20 @@ use std::time::Instant;
 use vramsim_traces::pickle;
 use vramsim_traces::snapshot::{load_snapshot_file, Action, Snapshot, TraceEntry};
 
-const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/snapshots");
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/snapshots");
 
-/// `index.json`'s entries, or `None` (with the reason printed) if the fixtures are absent.
-fn index() -> Option<Vec<serde_json::Value>> {
+/// `index.json`'s entries (the test fails if the file is missing).
+fn index() -> Vec<serde_json::Value> {
     let path = Path::new(DIR).join("index.json");
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        eprintln!("skipping: {} is absent", path.display());
-        return None;
-    };
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{} is missing ({e}): the test data is not there",
+            path.display()
+        )
+    });
     let entries: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
     assert_eq!(entries.len(), 17, "index.json lists the 17 snapshots");
-    Some(entries)
+    entries
 }
 
 fn file_of(entry: &serde_json::Value) -> PathBuf {
@@ -30,17 +32,14 @@ fn file_of(entry: &serde_json::Value) -> PathBuf {
 }
 
 /// Every snapshot, loaded, with its index entry.
-fn all() -> Option<Vec<(serde_json::Value, Snapshot)>> {
-    let entries = index()?;
-    Some(
-        entries
-            .into_iter()
-            .map(|e| {
-                let snap = load_snapshot_file(file_of(&e)).unwrap_or_else(|err| panic!("{err}"));
-                (e, snap)
-            })
-            .collect(),
-    )
+fn all() -> Vec<(serde_json::Value, Snapshot)> {
+    index()
+        .into_iter()
+        .map(|e| {
+            let snap = load_snapshot_file(file_of(&e)).unwrap_or_else(|err| panic!("{err}"));
+            (e, snap)
+        })
+        .collect()
 }
 
 /// The keys a trace entry had in the file, `frames` left out (what `index.json`'s `event_keys` lists
@@ -73,7 +72,7 @@ fn keys_of(e: &TraceEntry) -> Vec<String> {
 
 #[test]
 fn every_snapshot_matches_its_index_entry() {
-    let Some(all) = all() else { return };
+    let all = all();
     for (entry, snap) in &all {
         let name = entry["file"].as_str().unwrap();
         let want = |key: &str| &entry[key];
@@ -158,7 +157,7 @@ fn every_snapshot_matches_its_index_entry() {
 
 #[test]
 fn uncompressed_pickles_have_the_recorded_length() {
-    let Some(entries) = index() else { return };
+    let entries = index();
     for entry in &entries {
         let gz = std::fs::read(file_of(entry)).unwrap();
         let mut plain = Vec::new();
@@ -178,7 +177,7 @@ fn uncompressed_pickles_have_the_recorded_length() {
 /// order; segments are sorted by address within a device.
 #[test]
 fn segment_sizes_are_sums_over_their_blocks() {
-    let Some(all) = all() else { return };
+    let all = all();
     for (entry, snap) in &all {
         let name = entry["file"].as_str().unwrap();
         for (i, seg) in snap.segments.iter().enumerate() {
@@ -218,7 +217,7 @@ fn segment_sizes_are_sums_over_their_blocks() {
 
 #[test]
 fn export_then_reimport_is_identity() {
-    let Some(all) = all() else { return };
+    let all = all();
     for (entry, snap) in &all {
         let name = entry["file"].as_str().unwrap();
         assert_eq!(
@@ -237,7 +236,7 @@ fn export_then_reimport_is_identity() {
 /// `_memory_viz.py` and `MemoryViz.js` read.
 #[test]
 fn exports_load_in_cpython_as_the_original_without_stacks() {
-    let Some(all) = all() else { return };
+    let all = all();
     if Command::new("python3").arg("--version").output().is_err() {
         eprintln!("skipping: python3 is not available");
         return;
@@ -301,7 +300,7 @@ for original, ours in json.load(sys.stdin):
 /// `--release --nocapture` for numbers worth quoting).
 #[test]
 fn time_to_load_the_largest_snapshot() {
-    let Some(entries) = index() else { return };
+    let entries = index();
     let largest = entries
         .iter()
         .max_by_key(|e| e["bytes"].as_u64().unwrap())

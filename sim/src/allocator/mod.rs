@@ -5,6 +5,7 @@
 //! block or an out-of-memory error carrying PyTorch's message. Models are deterministic: the same calls with
 //! the same settings give the same bytes, every time.
 
+pub mod bfc;
 pub mod caching;
 pub mod cuda_async;
 pub mod cuda_malloc;

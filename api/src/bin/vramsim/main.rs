@@ -10,7 +10,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use vramsim_api::{
-    check, explain, import, machine, maxbatch, predict, recommend, replay, steptime, whatif,
+    check, diagnose, explain, import, machine, maxbatch, predict, recommend, replay, steptime,
+    whatif,
 };
 
 /// vramsim: will it fit, what is the peak, where does the memory go? A discrete-event simulator of GPU
@@ -70,6 +71,10 @@ enum Command {
     /// its figures in bytes with their rounding bounds, the cause by a stated rule (exceeds_device,
     /// fragmentation, capacity and the shortfall), and the remedies for it, replayed when a model is given.
     Explain(explain::ExplainArgs),
+    /// Explain an out-of-memory error or a growth that already happened, from a PyTorch snapshot or a
+    /// trace: iterations, growth per iteration and the allocation sites that leak, what decided the
+    /// OOM (live tensors, fragmentation, other processes), and remedies verified by replay.
+    Diagnose(diagnose::DiagnoseArgs),
 }
 
 fn main() -> ExitCode {
@@ -86,6 +91,7 @@ fn main() -> ExitCode {
         Command::Recommend(args) => recommend::run(args),
         Command::Validate { args } => return validate(&args),
         Command::Explain(args) => explain::run(args),
+        Command::Diagnose(args) => diagnose::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
