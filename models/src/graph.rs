@@ -196,7 +196,14 @@ impl Graph {
         g
     }
 
-    /// Number of trainable parameter elements (`sum(p.numel() for p in model.parameters())`).
+    /// Number of parameter elements, frozen ones included (`sum(p.numel() for p in
+    /// model.parameters())`, PEFT's "all params").
+    pub fn total_param_count(&self) -> u64 {
+        self.params.iter().map(|p| numel(&p.shape)).sum()
+    }
+
+    /// Number of trainable parameter elements (`sum(p.numel() for p in model.parameters() if
+    /// p.requires_grad)`, PEFT's "trainable params").
     pub fn param_count(&self) -> u64 {
         self.params
             .iter()
@@ -478,6 +485,46 @@ impl GraphBuilder {
             differentiable,
         });
         id
+    }
+
+    /// A builder that appends to `g` (for graph rewrites such as LoRA, [`crate::finetune`]): the
+    /// module stack is empty; set it with [`GraphBuilder::set_path`].
+    pub(crate) fn resume(g: Graph) -> GraphBuilder {
+        let mut b = GraphBuilder::new(&g.name, g.batch, g.seq);
+        b.module_ids = g
+            .modules
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.clone(), ModuleId(i as u32)))
+            .collect();
+        b.g = g;
+        b
+    }
+
+    /// The graph built so far.
+    pub(crate) fn graph(&self) -> &Graph {
+        &self.g
+    }
+
+    /// The parameters registered so far.
+    pub(crate) fn params_mut(&mut self) -> &mut [Param] {
+        &mut self.g.params
+    }
+
+    /// Sets the current module path (`model.layers.0.self_attn.q_proj`) for the ops that follow.
+    pub(crate) fn set_path(&mut self, path: &str) {
+        self.stack = path
+            .split('.')
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect();
+    }
+
+    /// [`GraphBuilder::param_with`] of a given dtype class (PEFT's fp32 adapters on a bf16 model).
+    pub(crate) fn param_typed(&mut self, name: &str, shape: &[u64], dtype: DTypeSpec) -> T {
+        let v = self.param_with(name, shape, true);
+        self.g.values[v.0 as usize].dtype = dtype;
+        v
     }
 
     /// A trainable parameter `name` of the current module, in the model dtype.

@@ -450,6 +450,11 @@ pub struct Recipe {
     /// builds a `DynamicCache` unless gradient checkpointing is on in training: see
     /// [`crate::zoo::use_cache`].
     pub use_cache: Option<bool>,
+    /// Module paths whose parameters are frozen (`requires_grad_(False)`), `--freeze`: see
+    /// [`crate::finetune::freeze`].
+    pub freeze: Vec<String>,
+    /// PEFT LoRA adapters (`--lora`): see [`crate::finetune::lora`].
+    pub lora: Option<crate::finetune::LoraConfig>,
 }
 
 impl Default for Recipe {
@@ -480,6 +485,8 @@ impl Default for Recipe {
             torch_version: TorchVersion::V2_15,
             transformers_version: TransformersVersion::V5_23,
             use_cache: None,
+            freeze: Vec::new(),
+            lora: None,
         }
     }
 }

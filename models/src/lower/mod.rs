@@ -711,11 +711,13 @@ impl<'g> Lowering<'g> {
                 next_buffer += 1;
             }
             let layout = Layout::contiguous(&p.shape);
-            let size = layout.numel() * self.param_dtype.size();
+            // The model dtype, or the parameter's own (PEFT's fp32 LoRA adapters).
+            let dtype = self.resolve(g.values[p.value.0 as usize].dtype);
+            let size = layout.numel() * dtype.size();
             let st = self.alloc_raw(size, Kind::Param, p.name.as_str().into());
             let mut rt = Rt {
                 layout,
-                dtype: self.param_dtype,
+                dtype,
                 st,
                 edge: None,
             };
