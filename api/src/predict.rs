@@ -182,6 +182,24 @@ pub struct PredictArgs {
     /// training.
     #[arg(long, value_name = "BOOL", value_parser = boolean("use-cache"))]
     pub use_cache: Option<bool>,
+    /// Freeze (`requires_grad_(False)`) the parameters under these module paths, comma-separated:
+    /// `model.embed_tokens,model.layers.0-15` (a component `A-B` is a range of layer numbers).
+    /// Frozen parameters get no gradient, no AccumulateGrad and no optimizer state; ops save
+    /// activations only where some input still needs a gradient. A pattern that matches nothing
+    /// is an error listing the model's modules.
+    #[arg(long, value_name = "PATHS", value_delimiter = ',')]
+    pub freeze: Vec<String>,
+    /// PEFT LoRA adapters: `r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj` (PEFT's
+    /// defaults: r 8, alpha 8, dropout 0; `targets=all-linear`: every linear layer but the output
+    /// head; `dtype=model` keeps the adapters in the model's dtype instead of PEFT's float32).
+    /// Every base parameter is frozen.
+    #[arg(long, value_name = "SPEC", value_parser = lora_spec)]
+    pub lora: Option<vramsim_models::finetune::LoraConfig>,
+}
+
+/// A parser for `--lora`.
+fn lora_spec(s: &str) -> Result<vramsim_models::finetune::LoraConfig, String> {
+    s.parse()
 }
 
 /// A parser for `--image-size` (`H` or `HxW`).
@@ -282,7 +300,7 @@ pub struct Prediction {
     pub arch: Arch,
     /// Its reference implementation.
     pub reference: String,
-    /// Trainable parameters.
+    /// Parameters, frozen ones included (PEFT's "all params").
     pub params: u64,
     /// The recipe.
     pub recipe: Recipe,
@@ -304,6 +322,8 @@ pub struct Prediction {
     pub context: ContextChoice,
     /// The attention kernel and why (`None` for models without attention).
     pub attention: Option<KernelChoice>,
+    /// Trainable parameters (`requires_grad`); [`Prediction::params`] counts every parameter.
+    pub trainable_params: u64,
 }
 
 /// A finished `predict`: the lowered step, the replay's report and what `predict` adds to it.
@@ -489,6 +509,8 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
         torch_version: args.torch_version,
         transformers_version: args.transformers_version,
         use_cache: args.use_cache.or(config_use_cache),
+        freeze: args.freeze.clone(),
+        lora: args.lora.clone(),
         ..Recipe::default()
     };
     recipe.validate()?;
@@ -572,7 +594,8 @@ pub fn replay_step(
     let prediction = Prediction {
         arch: lowered.arch.clone(),
         reference: lowered.reference.clone(),
-        params: lowered.graph.param_count(),
+        params: lowered.graph.total_param_count(),
+        trainable_params: lowered.graph.param_count(),
         recipe: lowered.recipe.clone(),
         seq_given: lowered.seq_given,
         events: trace.events.len(),
@@ -669,6 +692,12 @@ fn recipe_line(p: &Prediction) -> String {
         {
             s.push_str(" (reentrant)");
         }
+        if let Some(l) = &r.lora {
+            let _ = write!(s, ", LoRA {l}");
+        }
+        if !r.freeze.is_empty() {
+            let _ = write!(s, ", frozen {}", r.freeze.join(","));
+        }
         if r.zero_grad == ZeroGrad::Zero {
             s.push_str(", zero_grad(set_to_none=False)");
         }
@@ -747,10 +776,15 @@ pub fn to_table(report: &Report, p: &Prediction) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "model      {}: {}, {} parameters",
+        "model      {}: {}, {} parameters{}",
         p.arch.name(),
         p.reference,
-        group_digits(p.params)
+        group_digits(p.params),
+        if p.trainable_params == p.params {
+            String::new()
+        } else {
+            format!(" ({} trainable)", group_digits(p.trainable_params))
+        }
     );
     let _ = writeln!(out, "recipe     {}", recipe_line(p));
     let _ = writeln!(out, "kernels    {}", workspace_line(&p.recipe));
@@ -872,6 +906,7 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
     j["model"] = json!(p.arch.name());
     j["reference"] = json!(p.reference);
     j["params"] = json!(p.params);
+    j["trainable_params"] = json!(p.trainable_params);
     j["recipe"] = json!({
         "batch": r.batch,
         "seq": if r.seq > 0 { json!(r.seq) } else { Value::Null },
@@ -908,6 +943,8 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
         "keep_outputs": r.keep_outputs,
         "image_size": p.arch.image_size(r).ok().filter(|s| s.0 > 0).map(|(h, w)| json!([h, w])),
         "num_classes": p.arch.num_classes(r).ok().filter(|&n| n > 0),
+        "freeze": r.freeze,
+        "lora": r.lora.as_ref().map(|l| l.to_string()),
     });
     let w = &r.workspaces;
     j["workspaces"] = json!({
