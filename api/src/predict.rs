@@ -195,6 +195,13 @@ pub struct PredictArgs {
     /// Every base parameter is frozen.
     #[arg(long, value_name = "SPEC", value_parser = lora_spec)]
     pub lora: Option<vramsim_models::finetune::LoraConfig>,
+    /// bitsandbytes-quantized linear layers, as transformers' BitsAndBytesConfig loads them:
+    /// nf4, fp4 (4-bit, float32 absmax per 64-block), nf4-dq, fp4-dq (double quantization, the
+    /// QLoRA setting), int8 (LLM.int8). The output layer, embeddings, norms and biases stay in
+    /// the model's dtype; each 4-bit layer dequantizes its weight into a temporary in forward and
+    /// backward.
+    #[arg(long, value_name = "FORMAT")]
+    pub quant: Option<vramsim_models::finetune::Quant>,
 }
 
 /// A parser for `--lora`.
@@ -511,6 +518,7 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
         use_cache: args.use_cache.or(config_use_cache),
         freeze: args.freeze.clone(),
         lora: args.lora.clone(),
+        quant: args.quant,
         ..Recipe::default()
     };
     recipe.validate()?;
@@ -691,6 +699,9 @@ fn recipe_line(p: &Prediction) -> String {
         if r.checkpointing != Checkpointing::None && r.checkpoint_impl == CheckpointImpl::Reentrant
         {
             s.push_str(" (reentrant)");
+        }
+        if let Some(q) = r.quant {
+            let _ = write!(s, ", {q} weights");
         }
         if let Some(l) = &r.lora {
             let _ = write!(s, ", LoRA {l}");
@@ -945,6 +956,7 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
         "num_classes": p.arch.num_classes(r).ok().filter(|&n| n > 0),
         "freeze": r.freeze,
         "lora": r.lora.as_ref().map(|l| l.to_string()),
+        "quant": r.quant.map(|q| q.to_string()),
     });
     let w = &r.workspaces;
     j["workspaces"] = json!({

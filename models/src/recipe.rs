@@ -455,6 +455,8 @@ pub struct Recipe {
     pub freeze: Vec<String>,
     /// PEFT LoRA adapters (`--lora`): see [`crate::finetune::lora`].
     pub lora: Option<crate::finetune::LoraConfig>,
+    /// bitsandbytes-quantized linear layers (`--quant`): see [`crate::finetune::quant`].
+    pub quant: Option<crate::finetune::Quant>,
 }
 
 impl Default for Recipe {
@@ -487,6 +489,7 @@ impl Default for Recipe {
             use_cache: None,
             freeze: Vec::new(),
             lora: None,
+            quant: None,
         }
     }
 }

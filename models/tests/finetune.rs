@@ -116,3 +116,75 @@ fn bad_input_is_an_error() {
     assert!("r=0".parse::<LoraConfig>().is_err());
     assert!("r=-4".parse::<LoraConfig>().is_err());
 }
+
+/// Bytes allocated before the first forward (the model on the device).
+fn setup_bytes(t: &vramsim_traces::Trace) -> u64 {
+    let end = t
+        .events
+        .iter()
+        .position(|e| matches!(e, vramsim_traces::Event::Phase { name } if &**name == "forward"))
+        .unwrap();
+    common::live_by_category(t, end).values().sum()
+}
+
+/// QLoRA storage (Dettmers et al. 2023, §3; bitsandbytes `quantize_4bit`): a linear weight of n
+/// elements takes n/2 bytes of 4-bit codes plus one float32 absmax per 64-block (0.5 bits per
+/// parameter), or with double quantization one uint8 absmax per 64-block plus a float32 constant
+/// per 256 of those (8/64 + 32/(64·256) = 0.127 bits per parameter), a 256-entry float32 map and
+/// the float32 offset; every layer keeps its 16-entry float32 NF4 table. Everything else (the
+/// embedding, the norms, lm_head) stays in bf16.
+#[test]
+fn nf4_storage_is_the_qlora_closed_form() {
+    let (h, ff, layers, vocab) = (4096u64, 11008u64, 32u64, 32000u64);
+    let linears: Vec<u64> = (0..layers)
+        .flat_map(|_| [h * h, h * h, h * h, h * h, h * ff, h * ff, ff * h])
+        .collect();
+    let psi_linear: u64 = linears.iter().sum();
+    let rest = 2 * vocab * h + (2 * layers + 1) * h;
+    assert_eq!(
+        psi_linear + rest,
+        6_738_415_616,
+        "Llama 2 7B's parameter count"
+    );
+    let inv_freq = 64 * 4; // the rotary buffer, float32 [head_dim / 2]
+    let setup = |q: &str| {
+        let mut r = Recipe::new(1, 64);
+        r.precision = Precision::Bf16;
+        r.quant = Some(q.parse().unwrap());
+        let g = zoo::build("llama2-7b", &r).unwrap();
+        // Counts stay the unquantized ones (PEFT counts a Params4bit twice its uint8 numel).
+        assert_eq!(g.total_param_count(), psi_linear + rest);
+        setup_bytes(&lower(&g, &r).unwrap())
+    };
+    let per = |n: u64, dq: bool| {
+        let blocks = n.div_ceil(64);
+        let absmax = if dq {
+            blocks + 4 * blocks.div_ceil(256) + 256 * 4 + 4
+        } else {
+            4 * blocks
+        };
+        n.div_ceil(2) + absmax + 16 * 4
+    };
+    let nf4: u64 = linears.iter().map(|&n| per(n, false)).sum();
+    let dq: u64 = linears.iter().map(|&n| per(n, true)).sum();
+    assert_eq!(setup("nf4"), 2 * rest + inv_freq + nf4);
+    assert_eq!(setup("nf4-dq"), 2 * rest + inv_freq + dq);
+    // LLM.int8: int8 CB [out, in] and float32 SCB [out] per layer.
+    let outs: u64 = (0..layers).map(|_| 4 * h + 2 * ff + h).sum();
+    assert_eq!(setup("int8"), 2 * rest + inv_freq + psi_linear + 4 * outs);
+    // Double quantization saves ≈ 0.373 bits per linear parameter (0.5 − 0.127), about 0.30 GB
+    // on Llama 2 7B: LitGPT's nf4 and nf4-dq rows differ by 14.14 − 13.84 = 0.30 GB.
+    let saved = (nf4 - dq) as f64 / 1e9;
+    assert!((saved - 0.30).abs() < 0.01, "{saved}");
+}
+
+/// `--quant` on a model whose only linear layer is the output layer (which bitsandbytes leaves
+/// in 16 bits), and an unknown format, are errors.
+#[test]
+fn quant_errors() {
+    let mut r = Recipe::new(1, 0);
+    r.quant = Some("nf4".parse().unwrap());
+    let e = zoo::build("resnet18", &r).unwrap_err().to_string();
+    assert!(e.contains("no linear layer"), "{e}");
+    assert!("nf5".parse::<vramsim_models::finetune::Quant>().is_err());
+}

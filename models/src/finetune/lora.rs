@@ -195,6 +195,32 @@ pub fn linear_modules(g: &Graph) -> Vec<LinearLayer> {
         if ops.iter().any(|o| o.module.0 as usize != m) {
             continue;
         }
+        // A bitsandbytes layer ([`crate::finetune::quant`]): its op knows its features.
+        if let Some(op) = ops
+            .iter()
+            .find(|o| matches!(o.kind, OpKind::QuantLinear { .. }))
+        {
+            if let (
+                OpKind::QuantLinear {
+                    in_features,
+                    out_features,
+                    ..
+                },
+                Some(&Source::Param(w)),
+            ) = (
+                &op.kind,
+                op.inputs.get(1).map(|v| &g.values[v.0 as usize].source),
+            ) {
+                out.push(LinearLayer {
+                    path: path.clone(),
+                    in_features: *in_features,
+                    out_features: *out_features,
+                    weight: w,
+                    ops: (first, last),
+                });
+            }
+            continue;
+        }
         // The weight: a parameter `<path>.weight` of 2 dims.
         let Some(w) = g
             .params
@@ -244,7 +270,7 @@ pub fn linear_modules(g: &Graph) -> Vec<LinearLayer> {
 
 /// The output embedding PEFT's `all-linear` leaves out (`get_output_embeddings()` of the
 /// transformers models of the zoo: `lm_head`, BERT's `cls.predictions.decoder`).
-fn is_output_embedding(path: &str) -> bool {
+pub(crate) fn is_output_embedding(path: &str) -> bool {
     path == "lm_head" || path == "cls.predictions.decoder"
 }
 
@@ -327,6 +353,10 @@ pub fn apply_lora(g: Graph, cfg: &LoraConfig) -> Result<Graph, FinetuneError> {
             .iter()
             .rposition(|p| p.name.starts_with(&format!("{}.", l.path)))
             .unwrap_or(l.weight);
+        let quant = g.ops[l.ops.0..=l.ops.1].iter().find_map(|o| match o.kind {
+            OpKind::QuantLinear { quant, .. } => Some(quant),
+            _ => None,
+        });
         let (op0, p0) = (g.ops.len(), g.params.len());
         // PEFT's module names: `<layer>.lora_A.default`, ...
         b.set_path(&format!("{}.lora_A.default", l.path));
@@ -334,6 +364,12 @@ pub fn apply_lora(g: Graph, cfg: &LoraConfig) -> Result<Graph, FinetuneError> {
         b.set_path(&format!("{}.lora_B.default", l.path));
         let bw = b.param_typed("weight", &[l.out_features, cfg.r], adapter);
         b.set_path(&l.path);
+        // A bitsandbytes base layer: PEFT's `lora/bnb.py` wrappers.
+        // `Linear4bit.forward`: "for 4bit, we need to defensively clone here".
+        let result = match quant {
+            Some(q) if q != crate::finetune::Quant::Int8 => b.clone_t(y),
+            _ => y,
+        };
         // _cast_input_dtype: `x.to(lora_A.weight.dtype)` if they differ (an alias otherwise).
         let xc = match cfg.dtype {
             Some(d) => b.to_dtype(x, d),
@@ -347,8 +383,15 @@ pub fn apply_lora(g: Graph, cfg: &LoraConfig) -> Result<Graph, FinetuneError> {
         let o = b.linear_op(h, bw, None);
         b.set_path(&l.path);
         let scaled = b.mul_scalar(o);
-        let sum = b.add(y, scaled);
-        let y_new = b.to_dtype_of(sum, y);
+        let y_new = if quant.is_some() {
+            // bnb wrappers: `output = (lora_B(lora_A(dropout(x))) * scaling).to(expected_dtype)`,
+            // `result = result + output`.
+            let back = b.to_dtype_of(scaled, y);
+            b.add(result, back)
+        } else {
+            let sum = b.add(result, scaled);
+            b.to_dtype_of(sum, y)
+        };
         inserts.push(Insert {
             after_op: l.ops.1,
             y,
@@ -359,31 +402,8 @@ pub fn apply_lora(g: Graph, cfg: &LoraConfig) -> Result<Graph, FinetuneError> {
         });
     }
     let mut g = b.finish()?;
-    // The layer's users take the new result: every original op after the layer, the holds,
-    // the kept outputs, the graph's output and the regions' arguments.
     for ins in &inserts {
-        for op in &mut g.ops[ins.after_op + 1..n_ops] {
-            for v in &mut op.inputs {
-                if *v == ins.y {
-                    *v = ins.y_new;
-                }
-            }
-        }
-        for (v, _) in g.holds.iter_mut().chain(g.kept_outputs.iter_mut()) {
-            if *v == ins.y {
-                *v = ins.y_new;
-            }
-        }
-        if g.output == Some(ins.y) {
-            g.output = Some(ins.y_new);
-        }
-        for r in &mut g.regions {
-            for v in &mut r.args {
-                if *v == ins.y {
-                    *v = ins.y_new;
-                }
-            }
-        }
+        replace_uses(&mut g, ins.after_op, n_ops, ins.y, ins.y_new);
     }
     // Program order: each layer's new ops right after its own; parameter order: each adapter's
     // after its layer's parameters (`model.to()` and `named_parameters()` visit `base_layer`,
@@ -399,20 +419,68 @@ pub fn apply_lora(g: Graph, cfg: &LoraConfig) -> Result<Graph, FinetuneError> {
     Ok(g)
 }
 
+/// The users of `y` among the original ops after `after_op` (those before `n_ops`), the holds,
+/// the kept outputs, the graph's output and the regions' arguments take `y_new` instead.
+pub(crate) fn replace_uses(
+    g: &mut Graph,
+    after_op: usize,
+    n_ops: usize,
+    y: ValueId,
+    y_new: ValueId,
+) {
+    for op in &mut g.ops[after_op + 1..n_ops] {
+        for v in &mut op.inputs {
+            if *v == y {
+                *v = y_new;
+            }
+        }
+    }
+    for (v, _) in g.holds.iter_mut().chain(g.kept_outputs.iter_mut()) {
+        if *v == y {
+            *v = y_new;
+        }
+    }
+    if g.output == Some(y) {
+        g.output = Some(y_new);
+    }
+    for r in &mut g.regions {
+        for v in &mut r.args {
+            if *v == y {
+                *v = y_new;
+            }
+        }
+    }
+}
+
 /// Puts the ops in the order of `groups` (each group: an original op, then ops to run after it),
 /// renumbering every reference to an op.
-fn reorder_ops(g: &mut Graph, groups: &[Vec<usize>]) {
+pub(crate) fn reorder_ops(g: &mut Graph, groups: &[Vec<usize>]) {
     let order: Vec<usize> = groups.iter().flatten().copied().collect();
-    let mut new_of = vec![0usize; order.len()];
+    let total = order.len().max(groups.len());
+    let n_all = g.ops.len();
+    let mut new_of: Vec<Option<usize>> = vec![None; n_all.max(total)];
     for (new, &old) in order.iter().enumerate() {
-        new_of[old] = new;
+        new_of[old] = Some(new);
     }
-    // The last new position of each original op's group (a release "after op k" waits for what
-    // runs after k inside the same module call).
-    let group_end: Vec<usize> = groups
-        .iter()
-        .map(|gr| new_of[*gr.last().expect("non-empty")])
-        .collect();
+    // An op dropped (an empty group: a layer replaced by one op) stands for the next kept one;
+    // a release "after op k" waits for the last op of k's group (what runs after k inside the
+    // same module call), or of the nearest earlier kept group for a dropped op.
+    let mut group_end: Vec<usize> = vec![0; groups.len()];
+    let mut last_end = 0;
+    for (k, gr) in groups.iter().enumerate() {
+        if let Some(&l) = gr.last() {
+            last_end = new_of[l].expect("placed");
+        }
+        group_end[k] = last_end;
+    }
+    let mut next_kept = order.len().saturating_sub(1);
+    for k in (0..n_all).rev() {
+        match new_of[k] {
+            Some(n) => next_kept = n,
+            None => new_of[k] = Some(next_kept),
+        }
+    }
+    let new_of: Vec<usize> = new_of.into_iter().map(|x| x.unwrap_or(0)).collect();
     let end_of = |k: usize| {
         if k < group_end.len() {
             group_end[k]

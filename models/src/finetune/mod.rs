@@ -9,12 +9,14 @@
 
 pub mod freeze;
 pub mod lora;
+pub mod quant;
 
 use crate::graph::Graph;
 use crate::recipe::Recipe;
 
 pub use freeze::{freeze, module_listing};
 pub use lora::{apply_lora, linear_modules, LoraConfig, LoraTargets};
+pub use quant::{apply_quant, Quant};
 
 /// Why a fine-tuning option cannot apply to a model.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -52,9 +54,13 @@ pub enum FinetuneError {
     Graph(#[from] crate::graph::GraphError),
 }
 
-/// Applies the recipe's fine-tuning options to `g`: LoRA adapters (which freeze every base
+/// Applies the recipe's fine-tuning options to `g`: quantized linear layers (as
+/// `from_pretrained(quantization_config=...)` loads them), LoRA adapters (which freeze every base
 /// parameter, as `get_peft_model` does), then the `--freeze` patterns.
 pub fn apply(mut g: Graph, recipe: &Recipe) -> Result<Graph, FinetuneError> {
+    if let Some(q) = recipe.quant {
+        g = apply_quant(g, q)?;
+    }
     if let Some(cfg) = &recipe.lora {
         g = apply_lora(g, cfg)?;
     }

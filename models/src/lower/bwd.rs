@@ -1072,6 +1072,14 @@ impl<'g> Lowering<'g> {
             }
             // Not differentiable: no node is ever made.
             Factory { .. } => {}
+            QuantLinear { .. } => {
+                let xl = need(0).then(|| meta(0).layout);
+                let (ga, gb) = self.quant_linear_bwd(&op, &g, xl, k > 2 && need(2), m);
+                out[0] = ga;
+                if k > 2 {
+                    out[2] = gb;
+                }
+            }
         }
         out
     }

@@ -666,6 +666,7 @@ impl<'g> Lowering<'g> {
         let op_kind = NodeKind::Op(kind.clone());
         let shape0 = || outs.first().map(|o| o.0.clone()).unwrap_or_default();
         match kind {
+            QuantLinear { .. } => self.quant_linear_fwd(kind, x, shape0(), m),
             AutocastLower => Fwd::Alias(self.dup(&x[0])),
             // aten reshape (TensorShape.cpp): a view when computeStride allows, else
             // `_unsafe_view(clone(contiguous))`; views save nothing.

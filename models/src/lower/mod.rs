@@ -36,6 +36,7 @@
 mod bwd;
 mod fwd;
 mod optim;
+mod quant;
 
 use crate::dtype::DType;
 use crate::graph::{Graph, ModuleId, RegionKind, Source, ValueId};
