@@ -8,7 +8,7 @@
 mod common;
 
 use vramsim_models::finetune::LoraConfig;
-use vramsim_models::{Attention, Fidelity, Recipe};
+use vramsim_models::{Attention, CheckpointImpl, Checkpointing, Fidelity, Recipe};
 
 fn recipe_of(fx: &serde_json::Value) -> Recipe {
     let rc = &fx["recipe"];
@@ -22,6 +22,11 @@ fn recipe_of(fx: &serde_json::Value) -> Recipe {
     r.fidelity = Fidelity::MetaCapture;
     r.attention = Attention::Eager;
     r.use_cache = Some(false);
+    if rc["checkpoint"].as_str() == Some("full") {
+        // HF's own per-layer wrapper, use_reentrant=False.
+        r.checkpointing = Checkpointing::Full;
+        r.checkpoint_impl = CheckpointImpl::NonReentrant;
+    }
     if let Some(f) = rc["freeze"].as_str() {
         r.freeze = f.split(',').map(String::from).collect();
     }
@@ -33,5 +38,5 @@ fn recipe_of(fx: &serde_json::Value) -> Recipe {
 
 #[test]
 fn finetuning_agrees_with_pytorch_captures() {
-    common::check_captures("captures/finetune", 12, recipe_of);
+    common::check_captures("captures/finetune", 15, recipe_of);
 }

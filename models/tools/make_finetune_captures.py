@@ -31,7 +31,7 @@ import vramsim_capture as vc  # noqa: E402
 
 OUT_DIR = os.path.join(ROOT, "models", "tests", "captures", "finetune")
 
-# (model, batch, seq, dtype, kind, spec)
+# (model, batch, seq, dtype, kind, spec[, checkpoint])
 CASES = [
     ("mlp", 64, 0, "fp32", "freeze", "0"),
     ("mlp", 64, 0, "fp32", "freeze", "2,6"),
@@ -45,6 +45,11 @@ CASES = [
     ("tinyllama-1.1b", 2, 128, "bf16", "lora", "r=16,alpha=32,dropout=0,targets=all-linear"),
     ("gpt2", 2, 128, "fp32", "lora", "r=8,alpha=16,dropout=0.1,targets=c_attn"),
     ("gpt2", 2, 128, "bf16", "lora", "r=4,alpha=8,dropout=0.05,targets=all-linear"),
+    # HF's activation_checkpointing_enable calls enable_input_require_grads (transformers 5.23):
+    # the frozen embedding's output requires grad.
+    ("tinyllama-1.1b", 2, 128, "fp32", "freeze", "model.embed_tokens,model.layers.0-10", "full"),
+    ("tinyllama-1.1b", 2, 128, "bf16", "lora", "r=8,alpha=16,dropout=0.05,targets=q_proj,v_proj", "full"),
+    ("gpt2", 2, 128, "fp32", "lora", "r=8,alpha=16,dropout=0,targets=c_attn", "full"),
 ]
 
 
@@ -103,8 +108,15 @@ def main() -> int:
     import peft
     os.makedirs(OUT_DIR, exist_ok=True)
     rows = []
-    for model, B, S, dtype, kind, spec in CASES:
-        recipe = vc.Recipe(model, B, S or 128, dtype, "adamw", "none", 1, 2)
+    only = sys.argv[1:]
+    for case in CASES:
+        model, B, S, dtype, kind, spec = case[:6]
+        ckpt = case[6] if len(case) > 6 else "none"
+        recipe = vc.Recipe(model, B, S or 128, dtype, "adamw", ckpt, 1, 2)
+        tag = spec.replace(",", "+").replace("=", "").replace(".", "_")
+        base = f"{model}__{mf.shape_name(recipe) if S else f'b{B}'}__{recipe.name()}__{kind}-{tag}"
+        if only and base not in only:
+            continue
         model_fn, inputs_fn, loss_fn, optimizer_fn = vc.zoo(recipe)
         built = {}
 
@@ -113,14 +125,12 @@ def main() -> int:
             return built["m"]
 
         meta = {"model": model, "recipe": recipe.name(), "batch": B, "seq": S or None, "dtype": dtype,
-                "optimizer": "adamw", "foreach": True, "checkpoint": "none",
+                "optimizer": "adamw", "foreach": True, "checkpoint": ckpt,
                 "attn_implementation": "eager" if S else None, kind: spec}
         cap = vc.capture(mfn, inputs_fn, loss_fn, optimizer_fn, 2, meta=meta)
         m = built["m"]
         trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)
         total = sum(p.numel() for p in m.parameters())
-        tag = spec.replace(",", "+").replace("=", "").replace(".", "_")
-        base = f"{model}__{mf.shape_name(recipe) if S else f'b{B}'}__{recipe.name()}__{kind}-{tag}"
         fx = mf.write_fixture(cap, recipe, OUT_DIR, base, {kind: spec, "trainable_params": trainable})
         rows.append((base, total, trainable, fx["peak_requested_bytes"], fx["peak_phase"]))
         print(f"{base}: params {total} trainable {trainable} peak {fx['peak_requested_bytes']} in {fx['peak_phase']}",

@@ -271,6 +271,30 @@ pub(crate) struct Lowering<'g> {
     leaf_grads: Vec<Option<Rt>>,
     /// The region input values of each `CheckpointFunctionBackward` node, in `saved` order.
     reentrant_inputs: HashMap<u32, Vec<ValueId>>,
+    /// The input embedding's output that `enable_input_require_grads` marks as requiring grad
+    /// ([`input_grad_hook`]).
+    input_grad_hook: Option<ValueId>,
+}
+
+/// `PreTrainedModel.enable_input_require_grads`: a forward hook on `get_input_embeddings()` that
+/// calls `output.requires_grad_(True)`. transformers 5.23's `activation_checkpointing_enable`
+/// (`modeling_utils.py`) registers it for every model whose `main_input_name` is `input_ids`, so
+/// with gradient checkpointing a frozen embedding's output is a leaf that requires grad (its
+/// `AccumulateGrad` keeps it and its `.grad` until the graph dies) and the frozen layers after it
+/// keep their checkpoint inputs. Not in transformers 4.16. Returns the output of the embedding
+/// lookup of the `input_ids` input.
+fn input_grad_hook(g: &Graph, r: &Recipe) -> Option<ValueId> {
+    if r.checkpointing == Checkpointing::None
+        || r.inference
+        || r.transformers_version == crate::recipe::TransformersVersion::V4_16
+    {
+        return None;
+    }
+    let ids = g.inputs.iter().find(|i| i.name == "input_ids")?.value;
+    g.ops
+        .iter()
+        .find(|op| op.kind == OpKind::Embedding && op.inputs.contains(&ids))
+        .and_then(|op| op.outputs.first().copied())
 }
 
 /// Lowers a training step (or inference, per the recipe) of `graph` to an allocation trace.
@@ -424,6 +448,7 @@ impl<'g> Lowering<'g> {
             in_reentrant_recompute: false,
             leaf_grads: Vec::new(),
             reentrant_inputs: HashMap::new(),
+            input_grad_hook: input_grad_hook(g, r),
         }
     }
 
