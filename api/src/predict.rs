@@ -687,6 +687,13 @@ fn recipe_line(p: &Prediction) -> String {
         let imp = match (r.optimizer, r.optimizer_impl) {
             // transformers' Adafactor has only its Python loop
             (OptimizerKind::AdafactorHf | OptimizerKind::AdamWHf, _) => "for-loop",
+            // bitsandbytes: one fused kernel per parameter
+            (
+                OptimizerKind::AdamW8bit
+                | OptimizerKind::PagedAdamW
+                | OptimizerKind::PagedAdamW8bit,
+                _,
+            ) => "bitsandbytes",
             (_, OptimizerImpl::Foreach) => "foreach",
             (_, OptimizerImpl::Fused) => "fused",
             (_, OptimizerImpl::ForLoop) => "for-loop",
@@ -918,6 +925,12 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
     j["reference"] = json!(p.reference);
     j["params"] = json!(p.params);
     j["trainable_params"] = json!(p.trainable_params);
+    // bitsandbytes paged optimizer states: CUDA managed memory, outside the device figures.
+    j["paged_optimizer_bytes"] = trace
+        .meta
+        .get("paged_optimizer_bytes")
+        .cloned()
+        .unwrap_or(json!(0));
     j["recipe"] = json!({
         "batch": r.batch,
         "seq": if r.seq > 0 { json!(r.seq) } else { Value::Null },

@@ -558,11 +558,23 @@ impl StepWork {
             (OptimizerKind::AdafactorHf, _) => (16.0, 16.0),
             // transformers' AdamW loop: mul_, add_, mul_, addcmul_, sqrt, add_, addcdiv_ per tensor
             (OptimizerKind::AdamWHf, _) => (20.0, 7.0),
+            // bitsandbytes: one fused kernel per parameter reading grad, param and two states
+            // (1 or 4 bytes each), writing param and states
+            (
+                OptimizerKind::AdamW8bit
+                | OptimizerKind::PagedAdamW
+                | OptimizerKind::PagedAdamW8bit,
+                _,
+            ) => (7.0, 1.0),
         };
         let launches = match self.optimizer_impl {
             _ if matches!(
                 self.optimizer,
-                OptimizerKind::AdafactorHf | OptimizerKind::AdamWHf
+                OptimizerKind::AdafactorHf
+                    | OptimizerKind::AdamWHf
+                    | OptimizerKind::AdamW8bit
+                    | OptimizerKind::PagedAdamW
+                    | OptimizerKind::PagedAdamW8bit
             ) =>
             {
                 ops_per_tensor * self.param_tensors as f64

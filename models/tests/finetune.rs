@@ -188,3 +188,42 @@ fn quant_errors() {
     assert!(e.contains("no linear layer"), "{e}");
     assert!("nf5".parse::<vramsim_models::finetune::Quant>().is_err());
 }
+
+/// bitsandbytes' AdamW8bit (`Optimizer2State.init_state`): uint8 `state1`/`state2` plus float32
+/// `absmax1`/`absmax2` per 256-element block for tensors of 4096 elements or more, float32 states
+/// below that, and the two 256-entry float32 quantization maps once: 2 × (1 + 4/256) bytes per
+/// parameter against AdamW's 8. Paged variants take `state1`/`state2` of tensors of 1e5 elements
+/// or more from CUDA managed memory, which vramsim does not count against the device.
+#[test]
+fn bitsandbytes_optimizer_states() {
+    let state = |opt: &str| {
+        let mut r = Recipe::new(1, 64);
+        r.precision = Precision::Bf16;
+        r.optimizer = opt.parse().unwrap();
+        let g = zoo::build("tinyllama-1.1b", &r).unwrap();
+        let t = lower(&g, &r).unwrap();
+        let live = common::live_by_category(&t, t.events.len());
+        let paged = t.meta.get("paged_optimizer_bytes").and_then(|v| v.as_u64());
+        let sizes: Vec<u64> = g.params.iter().map(|p| p.shape.iter().product()).collect();
+        (live[&Category::OptimizerState], paged, sizes)
+    };
+    let (adamw8, paged, sizes) = state("adamw8bit");
+    assert_eq!(paged, None);
+    let eight = |n: u64| 2 * n + 2 * 4 * n.div_ceil(256);
+    let want: u64 = sizes
+        .iter()
+        .map(|&n| if n >= 4096 { eight(n) } else { 8 * n })
+        .sum::<u64>()
+        + 2 * 256 * 4;
+    assert_eq!(adamw8, want);
+    // About a quarter of AdamW's (bf16 model: AdamW's states are bf16, 4 bytes per parameter).
+    let (adamw, _, _) = state("adamw");
+    assert_eq!(adamw, 4 * sizes.iter().sum::<u64>());
+    let (p32, paged32, _) = state("paged-adamw");
+    let big: u64 = sizes.iter().filter(|&&n| n >= 100_000).sum();
+    assert_eq!(paged32, Some(8 * big));
+    assert_eq!(p32, 8 * (sizes.iter().sum::<u64>() - big));
+    let (p8, paged8, _) = state("paged-adamw8bit");
+    assert_eq!(paged8, Some(2 * big));
+    assert_eq!(p8, want - 2 * big);
+}

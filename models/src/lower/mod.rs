@@ -274,6 +274,10 @@ pub(crate) struct Lowering<'g> {
     /// The input embedding's output that `enable_input_require_grads` marks as requiring grad
     /// ([`input_grad_hook`]).
     input_grad_hook: Option<ValueId>,
+    /// bitsandbytes' 8-bit quantization maps are on the device.
+    bnb_qmaps: bool,
+    /// Bytes of paged optimizer state (CUDA managed memory, outside the caching allocator).
+    paged_bytes: u64,
 }
 
 /// `PreTrainedModel.enable_input_require_grads`: a forward hook on `get_input_embeddings()` that
@@ -449,6 +453,8 @@ impl<'g> Lowering<'g> {
             leaf_grads: Vec::new(),
             reentrant_inputs: HashMap::new(),
             input_grad_hook: input_grad_hook(g, r),
+            bnb_qmaps: false,
+            paged_bytes: 0,
         }
     }
 
@@ -943,6 +949,9 @@ impl<'g> Lowering<'g> {
         m.insert("clip_grad_norm".into(), self.r.clip_grad_norm.into());
         m.insert("grad_scaler".into(), self.r.uses_grad_scaler().into());
         m.insert("params".into(), self.g.param_count().into());
+        if self.paged_bytes > 0 {
+            m.insert("paged_optimizer_bytes".into(), self.paged_bytes.into());
+        }
         m.insert(
             "fidelity".into(),
             match self.r.fidelity {
