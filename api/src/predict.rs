@@ -200,8 +200,42 @@ pub struct PredictArgs {
     /// QLoRA setting), int8 (LLM.int8). The output layer, embeddings, norms and biases stay in
     /// the model's dtype; each 4-bit layer dequantizes its weight into a temporary in forward and
     /// backward.
-    #[arg(long, value_name = "FORMAT")]
-    pub quant: Option<vramsim_models::finetune::Quant>,
+    #[arg(long, value_name = "FORMAT", value_parser = quant_arg)]
+    pub quant: Option<QuantArg>,
+    /// A fine-tuning tool's defaults: peft-lora (PEFT's LoraConfig()), torchtune-qlora
+    /// (torchtune's llama3_1/8B_qlora_single_device.yaml), litgpt-lora (LitGPT's
+    /// finetune/lora.py). Options given explicitly (--lora, --quant, or --precision, --optimizer,
+    /// --checkpoint, --accum changed from their defaults) override the preset.
+    #[arg(long = "recipe", value_name = "PRESET")]
+    pub preset: Option<crate::presets::Preset>,
+    /// LoRA rank: overrides r of --lora (or of the preset); alone, PEFT's defaults with this rank.
+    /// `--vary lora.r=8,16,64` varies it.
+    #[arg(long, value_name = "R", value_parser = lora_rank)]
+    pub lora_r: Option<u64>,
+}
+
+/// `--quant`'s value: a bitsandbytes format, or `none` (what no `--quant` gives; for `--vary
+/// quant=none,nf4`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuantArg(pub Option<vramsim_models::finetune::Quant>);
+
+/// A parser for `--quant`.
+fn quant_arg(s: &str) -> Result<QuantArg, String> {
+    if s == "none" {
+        return Ok(QuantArg(None));
+    }
+    s.parse::<vramsim_models::finetune::Quant>()
+        .map(|q| QuantArg(Some(q)))
+        .map_err(|e| format!("{e}, none"))
+}
+
+/// A parser for `--lora-r`: an integer ≥ 1.
+fn lora_rank(s: &str) -> Result<u64, String> {
+    s.parse::<i64>()
+        .ok()
+        .filter(|&r| r > 0)
+        .map(|r| r as u64)
+        .ok_or_else(|| format!("{s}: the LoRA rank must be an integer ≥ 1"))
 }
 
 /// A parser for `--lora`.
@@ -518,9 +552,28 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
         use_cache: args.use_cache.or(config_use_cache),
         freeze: args.freeze.clone(),
         lora: args.lora.clone(),
-        quant: args.quant,
+        quant: args.quant.and_then(|q| q.0),
         ..Recipe::default()
     };
+    let mut recipe = recipe;
+    if let Some(preset) = args.preset {
+        let defaults = crate::presets::Defaults {
+            precision: args.precision == Precision::Fp32,
+            optimizer: args.optimizer == OptimizerKind::AdamW,
+            optimizer_impl: args.optimizer_impl == OptimizerImpl::Foreach,
+            checkpoint: args.checkpoint == Checkpointing::None,
+            accum: args.accum == 1,
+        };
+        warnings.extend(crate::presets::apply(
+            preset,
+            &arch,
+            &mut recipe,
+            &defaults,
+        )?);
+    }
+    if let Some(r) = args.lora_r {
+        recipe.lora.get_or_insert_with(Default::default).r = r;
+    }
     recipe.validate()?;
     let (_, cublas_warning) = recipe
         .workspaces
