@@ -227,3 +227,29 @@ fn bitsandbytes_optimizer_states() {
     assert_eq!(paged8, Some(2 * big));
     assert_eq!(p8, want - 2 * big);
 }
+
+/// A bitsandbytes 4-bit layer's forward, by hand from `MatMul4Bit.forward` /
+/// `dequantize_4bit` (bitsandbytes 0.49): with double quantization a float32 absmax of n/64
+/// entries, the dequantized `[out, in]` weight in the model dtype, the absmax freed when
+/// `dequantize_4bit` returns, the GEMM's output, then the weight freed; nothing kept. The MLP's
+/// first layer (1024 → 4096, float32, batch 8) under the meta capture (no cuBLAS workspaces).
+#[test]
+fn a_4bit_layer_dequantizes_into_a_temporary() {
+    let mut r = Recipe::new(8, 0);
+    r.quant = Some("nf4-dq".parse().unwrap());
+    r.fidelity = vramsim_models::Fidelity::MetaCapture;
+    let g = zoo::build("mlp", &r).unwrap();
+    let t = lower(&g, &r).unwrap();
+    let (_, fwd) = common::signed_sizes(&t, "forward", Some(1));
+    let n = 1024 * 4096i64;
+    let want = [
+        8 * 1024 * 4, // the input batch
+        8 * 8,        // the labels
+        n / 64 * 4,   // absmax, float32
+        n * 4,        // the dequantized weight
+        -(n / 64 * 4),
+        8 * 4096 * 4, // the layer's output
+        -(n * 4),
+    ];
+    assert_eq!(&fwd[..want.len()], &want);
+}
