@@ -421,11 +421,16 @@ fn to_table(all: &[Recipe], shown: &[Recipe], base: &FixedOptions, n: u64, tried
     let device = &first.report.device;
     let _ = writeln!(
         out,
-        "recommend  {} to global batch {n} on {} ({} total): {} of {tried} precision × checkpointing recipes fit",
+        "recommend  {} to global batch {n} on {} ({} total): {} of {tried} precision × checkpointing{} recipes fit",
         first.prediction.arch.name(),
         device.name,
         format_size(device.total_memory),
-        all.len()
+        all.len(),
+        if all.iter().any(|r| method_name(&r.settings) != "full") {
+            " × method"
+        } else {
+            ""
+        }
     );
     let _ = writeln!(
         out,

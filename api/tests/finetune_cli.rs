@@ -156,3 +156,43 @@ fn whatif_varies_rank_and_quantization() {
         .collect();
     assert_eq!(got, want);
 }
+
+#[test]
+fn recommend_proposes_full_lora_and_qlora() {
+    let j = json(&[
+        "recommend",
+        "--model",
+        "gpt2",
+        "--seq",
+        "128",
+        "--global-batch",
+        "4",
+        "--finetune",
+        "--precision",
+        "bf16",
+        "--checkpoint",
+        "none",
+    ]);
+    let mut methods: Vec<&str> = j["recipes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["method"].as_str().unwrap())
+        .collect();
+    methods.sort();
+    assert_eq!(methods, ["full", "lora", "qlora"]);
+    assert_eq!(j["recipes_tried"], 3);
+    assert_fails(
+        &[
+            "recommend",
+            "--model",
+            "gpt2",
+            "--global-batch",
+            "4",
+            "--finetune",
+            "--quant",
+            "nf4",
+        ],
+        &["--finetune tries full fine-tuning, LoRA and QLoRA itself"],
+    );
+}
