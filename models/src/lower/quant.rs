@@ -10,10 +10,12 @@
 //! in `quant_state.dtype` (the model's dtype at quantization); the float32 absmax dies when it
 //! returns. Only the packed weight is saved for backward: **the input is not**.
 //!
-//! 8-bit, `MatMul8bitLt` with `has_fp16_weights=False`: `A.to(float16)` (a copy for bf16/fp32
-//! inputs), `int8_vectorwise_quant` → `CA` int8 `[T, in]`, `SCA` float32 `[T]`; the int8 GEMM's
-//! int32 `[T, out]` is dequantized into the output. Outlier columns (`threshold=6.0`) depend on
-//! the data: none are modelled (their `subA` is `[T, n_outliers]`). Saved: `A`, the input.
+//! 8-bit, `MatMul8bitLt` with `has_fp16_weights=False` (0.49 `autograd/_functions.py`,
+//! `backends/cuda/ops.py`): `A.to(float16)` (a copy for bf16/fp32 inputs), `int8_vectorwise_quant`
+//! → `SCA` float32 `[T]`, `CA` int8 `[T, in]` and the outlier search of `threshold=6.0`; the int8
+//! GEMM's int32 `[T, out]` is dequantized into a float16 output, cast to the input's dtype.
+//! Outlier columns depend on the data: none are modelled (their `subA` is `[T, n_outliers]`, and
+//! the order of `int8_mixed_scaled_mm`'s allocations is unconfirmed). Saved: `A`, the input.
 //! Backward: `CB.to(dtype_A, copy=True).mul_(SCB.unsqueeze(1).mul(1/127))` (an `[out, in]` copy
 //! and an `[out, 1]` float32 scale), then `matmul(grad_output, CB)`.
 
@@ -74,38 +76,61 @@ impl<'g> Lowering<'g> {
         let tokens = a.layout.numel() / in_features.max(1);
         let bias = x.len() > 2;
         if quant == Quant::Int8 {
-            let a16 = (a.dtype != DType::F16)
-                .then(|| self.alloc(a.layout.empty_like(), DType::F16, m, "aten._to_copy"));
-            let ca = self.alloc(
-                Layout::contiguous(&[tokens, in_features]),
-                DType::U8,
-                m,
-                "bitsandbytes.int8_vectorwise_quant",
-            );
+            let t2 = |s: &mut Self, cols: u64, d: DType, op: &str| {
+                s.alloc(Layout::contiguous(&[tokens, cols]), d, m, op)
+            };
+            // `A.to(torch.float16)` (a copy unless A is float16).
+            let a16 =
+                (a.dtype != DType::F16).then(|| t2(self, in_features, DType::F16, "aten._to_copy"));
+            // backends/cuda/ops.py `int8_vectorwise_quant`: row_stats, out_row, then with
+            // threshold 6.0 `outliers = A.abs() >= threshold` (the abs dies at once) and
+            // `outliers.any()`; no outlier column (data-dependent) is modelled.
             let sca = self.alloc(
                 Layout::contiguous(&[tokens]),
                 DType::F32,
                 m,
                 "bitsandbytes.int8_vectorwise_quant",
             );
+            let ca = t2(
+                self,
+                in_features,
+                DType::U8,
+                "bitsandbytes.int8_vectorwise_quant",
+            );
+            let abs = t2(self, in_features, DType::F16, "aten.abs");
+            let outliers = t2(self, in_features, DType::Bool, "aten.ge");
+            self.drop_rt(abs);
+            let any = self.alloc(Layout::contiguous(&[]), DType::Bool, m, "aten.any");
+            self.drop_rt(any);
+            self.drop_rt(outliers);
             if let Some(t) = a16 {
                 self.drop_rt(t);
             }
-            let acc = self.alloc(
-                Layout::contiguous(&[tokens, out_features]),
+            // int8_scaled_mm: int8_linear_matmul's int32 [T, out], int8_mm_dequant's float16
+            // output (bias added in place), `.to(A.dtype)` when A is not float16.
+            let acc = t2(
+                self,
+                out_features,
                 DType::I32,
-                m,
                 "bitsandbytes.int8_linear_matmul",
             );
-            let o = self.alloc(
+            let o16 = self.alloc(
                 Layout::contiguous(&out_shape),
-                a.dtype,
+                DType::F16,
                 m,
                 "bitsandbytes.int8_mm_dequant",
             );
+            let o = if a.dtype == DType::F16 {
+                o16
+            } else {
+                let o = self.alloc(Layout::contiguous(&out_shape), a.dtype, m, "aten._to_copy");
+                self.drop_rt(o16);
+                o
+            };
             self.drop_rt(acc);
-            self.drop_rt(sca);
             self.drop_rt(ca);
+            self.drop_rt(sca);
+            // ctx.tensors = (CAt, subA, A): the input is kept.
             let saves = if a.requires_grad() {
                 vec![Save::In(0)]
             } else {
