@@ -858,7 +858,7 @@ mod tests {
             Checkpointing::Every(2)
         );
         let e = "adamx".parse::<OptimizerKind>().unwrap_err();
-        assert_eq!(e.to_string(), "unknown optimizer \"adamx\": valid values are adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf, adamw-hf");
+        assert_eq!(e.to_string(), "unknown optimizer \"adamx\": valid values are adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf, adamw-hf, adamw8bit, paged-adamw, paged-adamw8bit");
         assert!("every:0".parse::<Checkpointing>().is_err());
         assert!("fp64"
             .parse::<Precision>()
