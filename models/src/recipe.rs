@@ -579,7 +579,7 @@ impl Recipe {
         {
             return Err(RecipeError::Invalid {
                 field: "optimizer",
-                msg: "Adafactor and transformers' AdamW have no fused implementation (use foreach or for-loop)".into(),
+                msg: "Adafactor, transformers' AdamW and bitsandbytes' optimizers have no fused implementation (use foreach or for-loop; bitsandbytes runs its own kernel either way)".into(),
             });
         }
         if let Some(m) = self.clip_grad_norm {
