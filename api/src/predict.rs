@@ -182,6 +182,65 @@ pub struct PredictArgs {
     /// training.
     #[arg(long, value_name = "BOOL", value_parser = boolean("use-cache"))]
     pub use_cache: Option<bool>,
+    /// Freeze (`requires_grad_(False)`) the parameters under these module paths, comma-separated:
+    /// `model.embed_tokens,model.layers.0-15` (a component `A-B` is a range of layer numbers).
+    /// Frozen parameters get no gradient, no AccumulateGrad and no optimizer state; ops save
+    /// activations only where some input still needs a gradient. A pattern that matches nothing
+    /// is an error listing the model's modules.
+    #[arg(long, value_name = "PATHS", value_delimiter = ',')]
+    pub freeze: Vec<String>,
+    /// PEFT LoRA adapters: `r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj` (PEFT's
+    /// defaults: r 8, alpha 8, dropout 0; `targets=all-linear`: every linear layer but the output
+    /// head; `dtype=model` keeps the adapters in the model's dtype instead of PEFT's float32).
+    /// Every base parameter is frozen.
+    #[arg(long, value_name = "SPEC", value_parser = lora_spec)]
+    pub lora: Option<vramsim_models::finetune::LoraConfig>,
+    /// bitsandbytes-quantized linear layers, as transformers' BitsAndBytesConfig loads them:
+    /// nf4, fp4 (4-bit, float32 absmax per 64-block), nf4-dq, fp4-dq (double quantization, the
+    /// QLoRA setting), int8 (LLM.int8). The output layer, embeddings, norms and biases stay in
+    /// the model's dtype; each 4-bit layer dequantizes its weight into a temporary in forward and
+    /// backward.
+    #[arg(long, value_name = "FORMAT", value_parser = quant_arg)]
+    pub quant: Option<QuantArg>,
+    /// A fine-tuning tool's defaults: peft-lora (PEFT's LoraConfig()), torchtune-qlora
+    /// (torchtune's llama3_1/8B_qlora_single_device.yaml), litgpt-lora (LitGPT's
+    /// finetune/lora.py). Options given explicitly (--lora, --quant, or --precision, --optimizer,
+    /// --checkpoint, --accum changed from their defaults) override the preset.
+    #[arg(long = "recipe", value_name = "PRESET")]
+    pub preset: Option<crate::presets::Preset>,
+    /// LoRA rank: overrides r of --lora (or of the preset); alone, PEFT's defaults with this rank.
+    /// `--vary lora.r=8,16,64` varies it.
+    #[arg(long, value_name = "R", value_parser = lora_rank)]
+    pub lora_r: Option<u64>,
+}
+
+/// `--quant`'s value: a bitsandbytes format, or `none` (what no `--quant` gives; for `--vary
+/// quant=none,nf4`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuantArg(pub Option<vramsim_models::finetune::Quant>);
+
+/// A parser for `--quant`.
+fn quant_arg(s: &str) -> Result<QuantArg, String> {
+    if s == "none" {
+        return Ok(QuantArg(None));
+    }
+    s.parse::<vramsim_models::finetune::Quant>()
+        .map(|q| QuantArg(Some(q)))
+        .map_err(|e| format!("{e}, none"))
+}
+
+/// A parser for `--lora-r`: an integer ≥ 1.
+fn lora_rank(s: &str) -> Result<u64, String> {
+    s.parse::<i64>()
+        .ok()
+        .filter(|&r| r > 0)
+        .map(|r| r as u64)
+        .ok_or_else(|| format!("{s}: the LoRA rank must be an integer ≥ 1"))
+}
+
+/// A parser for `--lora`.
+fn lora_spec(s: &str) -> Result<vramsim_models::finetune::LoraConfig, String> {
+    s.parse()
 }
 
 /// A parser for `--image-size` (`H` or `HxW`).
@@ -282,7 +341,7 @@ pub struct Prediction {
     pub arch: Arch,
     /// Its reference implementation.
     pub reference: String,
-    /// Trainable parameters.
+    /// Parameters, frozen ones included (PEFT's "all params").
     pub params: u64,
     /// The recipe.
     pub recipe: Recipe,
@@ -304,6 +363,8 @@ pub struct Prediction {
     pub context: ContextChoice,
     /// The attention kernel and why (`None` for models without attention).
     pub attention: Option<KernelChoice>,
+    /// Trainable parameters (`requires_grad`); [`Prediction::params`] counts every parameter.
+    pub trainable_params: u64,
 }
 
 /// A finished `predict`: the lowered step, the replay's report and what `predict` adds to it.
@@ -489,8 +550,30 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
         torch_version: args.torch_version,
         transformers_version: args.transformers_version,
         use_cache: args.use_cache.or(config_use_cache),
+        freeze: args.freeze.clone(),
+        lora: args.lora.clone(),
+        quant: args.quant.and_then(|q| q.0),
         ..Recipe::default()
     };
+    let mut recipe = recipe;
+    if let Some(preset) = args.preset {
+        let defaults = crate::presets::Defaults {
+            precision: args.precision == Precision::Fp32,
+            optimizer: args.optimizer == OptimizerKind::AdamW,
+            optimizer_impl: args.optimizer_impl == OptimizerImpl::Foreach,
+            checkpoint: args.checkpoint == Checkpointing::None,
+            accum: args.accum == 1,
+        };
+        warnings.extend(crate::presets::apply(
+            preset,
+            &arch,
+            &mut recipe,
+            &defaults,
+        )?);
+    }
+    if let Some(r) = args.lora_r {
+        recipe.lora.get_or_insert_with(Default::default).r = r;
+    }
     recipe.validate()?;
     let (_, cublas_warning) = recipe
         .workspaces
@@ -572,7 +655,8 @@ pub fn replay_step(
     let prediction = Prediction {
         arch: lowered.arch.clone(),
         reference: lowered.reference.clone(),
-        params: lowered.graph.param_count(),
+        params: lowered.graph.total_param_count(),
+        trainable_params: lowered.graph.param_count(),
         recipe: lowered.recipe.clone(),
         seq_given: lowered.seq_given,
         events: trace.events.len(),
@@ -656,6 +740,13 @@ fn recipe_line(p: &Prediction) -> String {
         let imp = match (r.optimizer, r.optimizer_impl) {
             // transformers' Adafactor has only its Python loop
             (OptimizerKind::AdafactorHf | OptimizerKind::AdamWHf, _) => "for-loop",
+            // bitsandbytes: one fused kernel per parameter
+            (
+                OptimizerKind::AdamW8bit
+                | OptimizerKind::PagedAdamW
+                | OptimizerKind::PagedAdamW8bit,
+                _,
+            ) => "bitsandbytes",
             (_, OptimizerImpl::Foreach) => "foreach",
             (_, OptimizerImpl::Fused) => "fused",
             (_, OptimizerImpl::ForLoop) => "for-loop",
@@ -668,6 +759,15 @@ fn recipe_line(p: &Prediction) -> String {
         if r.checkpointing != Checkpointing::None && r.checkpoint_impl == CheckpointImpl::Reentrant
         {
             s.push_str(" (reentrant)");
+        }
+        if let Some(q) = r.quant {
+            let _ = write!(s, ", {q} weights");
+        }
+        if let Some(l) = &r.lora {
+            let _ = write!(s, ", LoRA {l}");
+        }
+        if !r.freeze.is_empty() {
+            let _ = write!(s, ", frozen {}", r.freeze.join(","));
         }
         if r.zero_grad == ZeroGrad::Zero {
             s.push_str(", zero_grad(set_to_none=False)");
@@ -747,10 +847,15 @@ pub fn to_table(report: &Report, p: &Prediction) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "model      {}: {}, {} parameters",
+        "model      {}: {}, {} parameters{}",
         p.arch.name(),
         p.reference,
-        group_digits(p.params)
+        group_digits(p.params),
+        if p.trainable_params == p.params {
+            String::new()
+        } else {
+            format!(" ({} trainable)", group_digits(p.trainable_params))
+        }
     );
     let _ = writeln!(out, "recipe     {}", recipe_line(p));
     let _ = writeln!(out, "kernels    {}", workspace_line(&p.recipe));
@@ -872,6 +977,13 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
     j["model"] = json!(p.arch.name());
     j["reference"] = json!(p.reference);
     j["params"] = json!(p.params);
+    j["trainable_params"] = json!(p.trainable_params);
+    // bitsandbytes paged optimizer states: CUDA managed memory, outside the device figures.
+    j["paged_optimizer_bytes"] = trace
+        .meta
+        .get("paged_optimizer_bytes")
+        .cloned()
+        .unwrap_or(json!(0));
     j["recipe"] = json!({
         "batch": r.batch,
         "seq": if r.seq > 0 { json!(r.seq) } else { Value::Null },
@@ -908,6 +1020,9 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
         "keep_outputs": r.keep_outputs,
         "image_size": p.arch.image_size(r).ok().filter(|s| s.0 > 0).map(|(h, w)| json!([h, w])),
         "num_classes": p.arch.num_classes(r).ok().filter(|&n| n > 0),
+        "freeze": r.freeze,
+        "lora": r.lora.as_ref().map(|l| l.to_string()),
+        "quant": r.quant.map(|q| q.to_string()),
     });
     let w = &r.workspaces;
     j["workspaces"] = json!({

@@ -23,6 +23,18 @@ const PRECISIONS: &[&str] = &["fp32", "bf16", "amp-fp16", "amp-bf16"];
 /// Checkpointing policies tried when `--checkpoint` is not given.
 const CHECKPOINTS: &[&str] = &["none", "selective", "sqrt", "full"];
 
+/// The predict settings a fine-tuning method adds (`("quant", "nf4-dq")`, ...).
+type Method = &'static [(&'static str, &'static str)];
+
+/// Fine-tuning methods `--finetune` adds: every parameter trained, PEFT's LoRA (`--recipe
+/// peft-lora`), and QLoRA (the same adapters on NF4 double-quantized base weights, the QLoRA
+/// paper's setting): `(name, predict settings)`.
+const METHODS: &[(&str, Method)] = &[
+    ("full", &[]),
+    ("lora", &[("recipe", "peft-lora")]),
+    ("qlora", &[("recipe", "peft-lora"), ("quant", "nf4-dq")]),
+];
+
 /// Options of `vramsim recommend`.
 #[derive(Args, Debug)]
 pub struct RecommendArgs {
@@ -42,6 +54,11 @@ pub struct RecommendArgs {
     /// --checkpoint, --batch or --accum, when given, are kept instead of searched.
     #[command(flatten)]
     pub predict: FixedOptions,
+    /// Also propose fine-tuning methods: full fine-tuning, LoRA (PEFT's defaults, `--recipe
+    /// peft-lora`) and QLoRA (LoRA on nf4-dq weights), each with every precision and checkpointing
+    /// (not with --lora, --quant or --recipe given: those fix the method).
+    #[arg(long)]
+    pub finetune: bool,
 }
 
 /// A recipe that reaches the global batch.
@@ -175,17 +192,29 @@ pub fn recommend(args: &RecommendArgs) -> Result<Recommendation> {
             .collect(),
     };
     // check the fixed options once (a bad model or GPU is one error, not one per recipe)
-    let probe_settings = candidate(&precisions[0], &checkpoints[0], divisors[0], n);
+    let probe_settings = candidate(&precisions[0], &checkpoints[0], &[], divisors[0], n);
     let parsed = sweep::OptionSet::predict().parse(&base.args(&probe_settings))?;
     sweep::check(&parsed)?;
 
-    let combos: Vec<(&String, &String)> = precisions
+    let methods: Vec<Method> = if args.finetune {
+        if ["lora", "quant", "recipe", "lora-r"]
+            .iter()
+            .any(|k| fixed.has(k))
+        {
+            bail!("--finetune tries full fine-tuning, LoRA and QLoRA itself: leave out --lora, --quant, --recipe and --lora-r");
+        }
+        METHODS.iter().map(|(_, m)| *m).collect()
+    } else {
+        vec![&[]]
+    };
+    let combos: Vec<(&String, &String, Method)> = precisions
         .iter()
         .flat_map(|p| checkpoints.iter().map(move |c| (p, c)))
+        .flat_map(|(p, c)| methods.iter().map(move |m| (p, c, *m)))
         .collect();
     let outcomes: Vec<Result<Result<Recipe, Miss>, String>> = combos
         .par_iter()
-        .map(|(p, c)| best_for(&base, p, c, &divisors, n, args.headroom))
+        .map(|(p, c, m)| best_for(&base, p, c, m, &divisors, n, args.headroom))
         .collect();
     let mut recipes = Vec::new();
     let mut misses = Vec::new();
@@ -235,13 +264,35 @@ pub fn recommend(args: &RecommendArgs) -> Result<Recommendation> {
     })
 }
 
-fn candidate(precision: &str, checkpoint: &str, batch: u64, n: u64) -> Vec<Setting> {
-    vec![
+fn candidate(
+    precision: &str,
+    checkpoint: &str,
+    method: &[(&str, &str)],
+    batch: u64,
+    n: u64,
+) -> Vec<Setting> {
+    let mut v = vec![
         ("precision".to_string(), precision.to_string()),
         ("checkpoint".to_string(), checkpoint.to_string()),
         ("batch".to_string(), batch.to_string()),
         ("accum".to_string(), (n / batch).to_string()),
-    ]
+    ];
+    v.extend(
+        method
+            .iter()
+            .map(|(k, val)| (k.to_string(), val.to_string())),
+    );
+    v
+}
+
+/// The fine-tuning method of a candidate's settings (`full`, `lora`, `qlora`).
+fn method_name(settings: &[Setting]) -> &'static str {
+    let has = |k: &str| settings.iter().any(|(key, _)| key == k);
+    match (has("recipe"), has("quant")) {
+        (true, true) => "qlora",
+        (true, false) => "lora",
+        _ => "full",
+    }
 }
 
 /// `amp-bf16, checkpoint full, batch 8 × accum 4`.
@@ -252,8 +303,12 @@ fn describe(settings: &[Setting]) -> String {
             .find(|(key, _)| key == k)
             .map_or("", |(_, v)| v.as_str())
     };
+    let method = match method_name(settings) {
+        "full" => String::new(),
+        m => format!(", {m}"),
+    };
     format!(
-        "{}, checkpoint {}, batch {} × accum {}",
+        "{}, checkpoint {}, batch {} × accum {}{method}",
         get("precision"),
         get("checkpoint"),
         get("batch"),
@@ -268,13 +323,14 @@ fn best_for(
     base: &FixedOptions,
     precision: &str,
     checkpoint: &str,
+    method: &[(&str, &str)],
     divisors: &[u64],
     n: u64,
     headroom: Option<Headroom>,
 ) -> Result<Result<Recipe, Miss>, String> {
     type Probe = (Vec<Setting>, Evaluated, Option<String>);
     let eval = |i: usize| -> Result<Probe, String> {
-        let settings = candidate(precision, checkpoint, divisors[i], n);
+        let settings = candidate(precision, checkpoint, method, divisors[i], n);
         let evaluated = sweep::evaluate_one(&base.args(&settings), Wants::default())
             .map_err(|e| format!("{e:#}"))?;
         let reason = misfit(&evaluated, headroom);
@@ -311,15 +367,24 @@ fn best_for(
         (None, Some((settings, evaluated, reason))) => Ok(Err(Miss {
             settings,
             reason: reason.unwrap_or_default(),
-            frugality: frugality(precision, checkpoint),
+            frugality: frugality(
+                precision,
+                checkpoint,
+                method_name(&candidate(precision, checkpoint, method, 1, 1)),
+            ),
             device_used: evaluated.report.peak_device_used(),
         })),
         (None, None) => Err("no micro-batch was tried".to_string()),
     }
 }
 
-/// How little memory a precision and checkpointing policy need, in the usual order (higher is less).
-fn frugality(precision: &str, checkpoint: &str) -> usize {
+/// How little memory a precision, checkpointing policy and fine-tuning method need, in the usual
+/// order (higher is less).
+fn frugality(precision: &str, checkpoint: &str, method: &str) -> usize {
+    let m = ["full", "lora", "qlora"]
+        .iter()
+        .position(|x| *x == method)
+        .unwrap_or(0);
     let p = ["fp32", "amp-fp16", "amp-bf16", "bf16"]
         .iter()
         .position(|x| *x == precision)
@@ -328,7 +393,7 @@ fn frugality(precision: &str, checkpoint: &str) -> usize {
         .iter()
         .position(|x| *x == checkpoint)
         .unwrap_or(0);
-    4 * c + p
+    16 * m + 4 * c + p
 }
 
 fn recipe_json(rank: usize, r: &Recipe, base: &FixedOptions) -> Value {
@@ -336,6 +401,7 @@ fn recipe_json(rank: usize, r: &Recipe, base: &FixedOptions) -> Value {
     let rec = &e.prediction.recipe;
     json!({
         "rank": rank,
+        "method": method_name(&r.settings),
         "precision": rec.precision.to_string(),
         "checkpoint": rec.checkpointing.to_string(),
         "batch": rec.batch,
@@ -355,11 +421,16 @@ fn to_table(all: &[Recipe], shown: &[Recipe], base: &FixedOptions, n: u64, tried
     let device = &first.report.device;
     let _ = writeln!(
         out,
-        "recommend  {} to global batch {n} on {} ({} total): {} of {tried} precision × checkpointing recipes fit",
+        "recommend  {} to global batch {n} on {} ({} total): {} of {tried} precision × checkpointing{} recipes fit",
         first.prediction.arch.name(),
         device.name,
         format_size(device.total_memory),
-        all.len()
+        all.len(),
+        if all.iter().any(|r| method_name(&r.settings) != "full") {
+            " × method"
+        } else {
+            ""
+        }
     );
     let _ = writeln!(
         out,
@@ -367,16 +438,24 @@ fn to_table(all: &[Recipe], shown: &[Recipe], base: &FixedOptions, n: u64, tried
     );
     let _ = writeln!(
         out,
-        "{:>4}  {:<9} {:<10} {:>13}  {:>12}  {:>10}  {:>10}",
-        "rank", "precision", "checkpoint", "batch × accum", "device used", "step (ms)", "samples/s"
+        "{:>4}  {:<6} {:<9} {:<10} {:>13}  {:>12}  {:>10}  {:>10}",
+        "rank",
+        "method",
+        "precision",
+        "checkpoint",
+        "batch × accum",
+        "device used",
+        "step (ms)",
+        "samples/s"
     );
     for (i, r) in shown.iter().enumerate() {
         let e = &r.evaluated;
         let rec = &e.prediction.recipe;
         let _ = writeln!(
             out,
-            "{:>4}  {:<9} {:<10} {:>13}  {:>12}  {:>10.1}  {:>10.1}",
+            "{:>4}  {:<6} {:<9} {:<10} {:>13}  {:>12}  {:>10.1}  {:>10.1}",
             i + 1,
+            method_name(&r.settings),
             rec.precision.to_string(),
             rec.checkpointing.to_string(),
             format!("{} × {}", rec.batch, rec.accum),

@@ -31,7 +31,10 @@
 //! From the forward time `F` of one micro-batch:
 //!
 //! * **backward** takes `2F` (each product needs two of the same size, for the input's and the weight's
-//!   gradients; memory-bound ops read the gradient and what they saved and write a gradient);
+//!   gradients; memory-bound ops read the gradient and what they saved and write a gradient), op by
+//!   op: a product with a frozen weight (`--freeze`, LoRA's base layers, bitsandbytes layers) takes
+//!   its forward time once (the input's gradient only), an op none of whose inputs requires grad
+//!   (a frozen prefix) takes none;
 //! * **recomputation** takes the forward time of the ops that checkpointing reruns: every block for
 //!   `full`, every K-th for `every:K`, the attention cores for `selective`, all segments but the last
 //!   for `sqrt` (the regions the lowering checkpoints);
@@ -350,6 +353,10 @@ struct OpWork {
     flops: f64,
     bytes: f64,
     conv: bool,
+    /// Backward time over forward time: 2 by default (see the module doc), 1 for a matrix
+    /// product whose weight is frozen (only the input's gradient) or a bitsandbytes layer, 0 for
+    /// an op none of whose inputs requires grad.
+    bwd: f64,
 }
 
 /// The estimate for one step.
@@ -391,11 +398,40 @@ impl StepWork {
         let bytes_of = |v: vramsim_models::ValueId, f32_op: bool| -> f64 {
             numel(v) * width(graph.values[v.0 as usize].dtype, f32_op)
         };
+        // Which values require grad (trainable parameters and what is computed from them), and
+        // which are frozen parameters (followed through transposes and autocast casts).
+        let mut rg = vec![false; graph.values.len()];
+        let mut frozen = vec![false; graph.values.len()];
+        for p in &graph.params {
+            rg[p.value.0 as usize] = p.trainable;
+            frozen[p.value.0 as usize] = !p.trainable;
+        }
+        for op in &graph.ops {
+            let any = op.inputs.iter().any(|v| rg[v.0 as usize]);
+            let through = matches!(
+                op.kind,
+                OpKind::T | OpKind::Transpose(..) | OpKind::AutocastLower
+            ) && op.inputs.first().is_some_and(|v| frozen[v.0 as usize]);
+            for o in &op.outputs {
+                rg[o.0 as usize] = any;
+                frozen[o.0 as usize] = through;
+            }
+        }
         let ops = graph
             .ops
             .iter()
             .map(|op| {
                 use OpKind::*;
+                let bwd = if !op.inputs.iter().any(|v| rg[v.0 as usize]) {
+                    0.0
+                } else if matches!(op.kind, QuantLinear { .. })
+                    || (matches!(op.kind, Mm | Addmm)
+                        && op.inputs.iter().any(|v| frozen[v.0 as usize]))
+                {
+                    1.0
+                } else {
+                    2.0
+                };
                 let f32_op = matches!(
                     op.kind,
                     LayerNorm | Softmax { .. } | LogSoftmax { .. } | NllLoss | PowScalar(_) | Rsqrt
@@ -418,6 +454,19 @@ impl StepWork {
                     kind if kind.is_view() => (0.0, 0.0, false),
                     Mm | Bmm => (product(op.inputs.first()), moved(), false),
                     Addmm => (product(op.inputs.get(1)), moved(), false),
+                    // a bitsandbytes layer: the GEMM, and the dequantized weight written and read
+                    QuantLinear {
+                        in_features,
+                        out_features,
+                        ..
+                    } => (
+                        product(op.inputs.first()),
+                        moved()
+                            + 2.0
+                                * (in_features * out_features) as f64
+                                * width(DTypeSpec::Model, false),
+                        false,
+                    ),
                     Conv2d { .. } => {
                         // weight [C_out, C_in/groups, kh, kw]
                         let per_output = op.inputs.get(1).map_or(0.0, |&w| {
@@ -465,7 +514,12 @@ impl StepWork {
                     ),
                     _ => (0.0, moved(), false),
                 };
-                OpWork { flops, bytes, conv }
+                OpWork {
+                    flops,
+                    bytes,
+                    conv,
+                    bwd,
+                }
             })
             .collect();
         let trainable: Vec<&vramsim_models::graph::Param> =
@@ -534,7 +588,7 @@ impl StepWork {
             .iter()
             .map(|&(a, b)| self.ops[a..b].iter().map(|w| w.flops).sum::<f64>())
             .sum();
-        let backward = 2.0 * forward;
+        let backward: f64 = self.ops.iter().map(|w| w.bwd * op_time(w)).sum();
         // parameters, gradients and optimizer state: float32 except under bf16
         let width = if self.precision == Precision::Bf16 {
             2.0
@@ -558,11 +612,23 @@ impl StepWork {
             (OptimizerKind::AdafactorHf, _) => (16.0, 16.0),
             // transformers' AdamW loop: mul_, add_, mul_, addcmul_, sqrt, add_, addcdiv_ per tensor
             (OptimizerKind::AdamWHf, _) => (20.0, 7.0),
+            // bitsandbytes: one fused kernel per parameter reading grad, param and two states
+            // (1 or 4 bytes each), writing param and states
+            (
+                OptimizerKind::AdamW8bit
+                | OptimizerKind::PagedAdamW
+                | OptimizerKind::PagedAdamW8bit,
+                _,
+            ) => (7.0, 1.0),
         };
         let launches = match self.optimizer_impl {
             _ if matches!(
                 self.optimizer,
-                OptimizerKind::AdafactorHf | OptimizerKind::AdamWHf
+                OptimizerKind::AdafactorHf
+                    | OptimizerKind::AdamWHf
+                    | OptimizerKind::AdamW8bit
+                    | OptimizerKind::PagedAdamW
+                    | OptimizerKind::PagedAdamW8bit
             ) =>
             {
                 ops_per_tensor * self.param_tensors as f64

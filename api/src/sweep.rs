@@ -85,7 +85,8 @@ impl OptionSet {
 
     /// The option called `key` (`alloc-conf`, `alloc_conf` or `--alloc-conf`).
     pub fn find(&self, key: &str) -> Option<&OptionInfo> {
-        let key = key.trim().trim_start_matches("--").replace('_', "-");
+        // `lora.r` names `--lora-r`.
+        let key = key.trim().trim_start_matches("--").replace(['_', '.'], "-");
         self.options.iter().find(|o| o.long == key)
     }
 

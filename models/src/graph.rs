@@ -75,6 +75,10 @@ pub struct Param {
     pub shape: Vec<u64>,
     /// Whether it is trained (`requires_grad`).
     pub trainable: bool,
+    /// The weight's shape before quantization when `shape` is its packed storage (bitsandbytes
+    /// `Params4bit`, `Int8Params`): what parameter counts use, as PEFT's
+    /// `get_nb_trainable_parameters` does. `None`: `shape`.
+    pub logical_shape: Option<Vec<u64>>,
 }
 
 /// A module buffer (BatchNorm running stats, rotary `inv_freq`): on the device, never trained.
@@ -196,7 +200,39 @@ impl Graph {
         g
     }
 
-    /// Number of trainable parameter elements (`sum(p.numel() for p in model.parameters())`).
+    /// Number of parameter elements, frozen ones included (`sum(p.numel() for p in
+    /// model.parameters())`, PEFT's "all params").
+    pub fn total_param_count(&self) -> u64 {
+        self.params
+            .iter()
+            .map(|p| numel(p.logical_shape.as_deref().unwrap_or(&p.shape)))
+            .sum()
+    }
+
+    /// Orders the buffers by the parameters registered before them (what the setup's
+    /// interleaving expects), keeping their order otherwise, and renumbers [`Source::Buffer`].
+    pub(crate) fn sort_buffers(&mut self) {
+        let mut order: Vec<usize> = (0..self.buffers.len()).collect();
+        order.sort_by_key(|&i| self.buffers[i].after_params);
+        let mut new_of = vec![0usize; order.len()];
+        for (new, &old) in order.iter().enumerate() {
+            new_of[old] = new;
+        }
+        let old = std::mem::take(&mut self.buffers);
+        let mut slots: Vec<Option<Buffer>> = old.into_iter().map(Some).collect();
+        self.buffers = order
+            .iter()
+            .map(|&i| slots[i].take().expect("once"))
+            .collect();
+        for v in &mut self.values {
+            if let Source::Buffer(i) = &mut v.source {
+                *i = new_of[*i];
+            }
+        }
+    }
+
+    /// Number of trainable parameter elements (`sum(p.numel() for p in model.parameters() if
+    /// p.requires_grad)`, PEFT's "trainable params").
     pub fn param_count(&self) -> u64 {
         self.params
             .iter()
@@ -480,6 +516,81 @@ impl GraphBuilder {
         id
     }
 
+    /// A builder that appends to `g` (for graph rewrites such as LoRA, [`crate::finetune`]): the
+    /// module stack is empty; set it with [`GraphBuilder::set_path`].
+    pub(crate) fn resume(g: Graph) -> GraphBuilder {
+        let mut b = GraphBuilder::new(&g.name, g.batch, g.seq);
+        b.module_ids = g
+            .modules
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.clone(), ModuleId(i as u32)))
+            .collect();
+        b.g = g;
+        b
+    }
+
+    /// Parameter `idx` becomes the packed storage of a quantized weight: `shape` of `dtype`,
+    /// frozen, its unquantized shape kept in [`Param::logical_shape`].
+    pub(crate) fn quantize_param(
+        &mut self,
+        idx: usize,
+        shape: &[u64],
+        dtype: DType,
+        logical: Vec<u64>,
+    ) {
+        let p = &mut self.g.params[idx];
+        p.shape = shape.to_vec();
+        p.trainable = false;
+        p.logical_shape = Some(logical);
+        let v = &mut self.g.values[p.value.0 as usize];
+        v.shape = shape.to_vec();
+        v.dtype = DTypeSpec::Fixed(dtype);
+        v.differentiable = false;
+    }
+
+    /// [`GraphBuilder::buffer`] that setup allocates after the first `after_params` parameters
+    /// (call [`Graph::sort_buffers`] when done).
+    pub(crate) fn buffer_after(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        dtype: DTypeSpec,
+        after_params: usize,
+    ) -> T {
+        let v = self.buffer(name, shape, dtype);
+        if let Some(b) = self.g.buffers.last_mut() {
+            b.after_params = after_params;
+        }
+        v
+    }
+
+    /// The graph built so far.
+    pub(crate) fn graph(&self) -> &Graph {
+        &self.g
+    }
+
+    /// The parameters registered so far.
+    pub(crate) fn params_mut(&mut self) -> &mut [Param] {
+        &mut self.g.params
+    }
+
+    /// Sets the current module path (`model.layers.0.self_attn.q_proj`) for the ops that follow.
+    pub(crate) fn set_path(&mut self, path: &str) {
+        self.stack = path
+            .split('.')
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect();
+    }
+
+    /// [`GraphBuilder::param_with`] of a given dtype class (PEFT's fp32 adapters on a bf16 model).
+    pub(crate) fn param_typed(&mut self, name: &str, shape: &[u64], dtype: DTypeSpec) -> T {
+        let v = self.param_with(name, shape, true);
+        self.g.values[v.0 as usize].dtype = dtype;
+        v
+    }
+
     /// A trainable parameter `name` of the current module, in the model dtype.
     pub fn param(&mut self, name: &str, shape: &[u64]) -> T {
         self.param_with(name, shape, true)
@@ -495,6 +606,7 @@ impl GraphBuilder {
             value: v,
             shape: shape.to_vec(),
             trainable,
+            logical_shape: None,
         });
         v
     }

@@ -35,6 +35,7 @@
 pub mod autocast;
 pub mod breakdown;
 pub mod dtype;
+pub mod finetune;
 pub mod graph;
 pub mod hf;
 pub mod imported;

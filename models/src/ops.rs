@@ -246,6 +246,17 @@ pub enum OpKind {
     /// the list, so their arguments are cast, and cached when they are parameters, before the
     /// ATen ops they decompose into): identity when autocast is off.
     AutocastLower,
+    /// bitsandbytes' quantized linear layer (`Linear4bit` → `MatMul4Bit`, `Linear8bitLt` →
+    /// `MatMul8bitLt`): inputs `[x, packed weight, bias?]`, output `[.., out_features]` in x's
+    /// dtype; see [`crate::finetune::quant`] and the lowering's rules.
+    QuantLinear {
+        /// The weight format.
+        quant: crate::finetune::Quant,
+        /// `in_features`.
+        in_features: u64,
+        /// `out_features`.
+        out_features: u64,
+    },
     // ---- no autograd ----
     /// A non-differentiable computation that makes its outputs from its inputs (mask building,
     /// position ids, label shifting) with the given short-lived temporaries, allocated and freed
@@ -324,6 +335,11 @@ impl OpKind {
             MseLoss => "aten.mse_loss",
             MaskedFill => "aten.masked_fill",
             Factory { name, .. } => name,
+            QuantLinear {
+                quant: crate::finetune::Quant::Int8,
+                ..
+            } => "bitsandbytes.matmul",
+            QuantLinear { .. } => "bitsandbytes.matmul_4bit",
         }
     }
 

@@ -120,6 +120,14 @@ pub enum OptimizerKind {
     /// that creates each parameter's `exp_avg`/`exp_avg_sq` when it first reaches it and makes one
     /// temporary per parameter, `denom = exp_avg_sq.sqrt().add_(eps)`.
     AdamWHf,
+    /// bitsandbytes `bnb.optim.AdamW8bit` (transformers' `optim="adamw_8bit"`): block-wise 8-bit
+    /// states, see [`crate::lower`]'s optimizer module (`bnb_step`).
+    AdamW8bit,
+    /// bitsandbytes `bnb.optim.PagedAdamW` (32-bit states; `optim="paged_adamw_32bit"`): the
+    /// states of parameters of 1e5 elements or more live in CUDA unified memory.
+    PagedAdamW,
+    /// bitsandbytes `bnb.optim.PagedAdamW8bit` (`optim="paged_adamw_8bit"`).
+    PagedAdamW8bit,
 }
 
 /// How the optimizer runs its math (`foreach`/`fused` arguments).
@@ -450,6 +458,13 @@ pub struct Recipe {
     /// builds a `DynamicCache` unless gradient checkpointing is on in training: see
     /// [`crate::zoo::use_cache`].
     pub use_cache: Option<bool>,
+    /// Module paths whose parameters are frozen (`requires_grad_(False)`), `--freeze`: see
+    /// [`crate::finetune::freeze`].
+    pub freeze: Vec<String>,
+    /// PEFT LoRA adapters (`--lora`): see [`crate::finetune::lora`].
+    pub lora: Option<crate::finetune::LoraConfig>,
+    /// bitsandbytes-quantized linear layers (`--quant`): see [`crate::finetune::quant`].
+    pub quant: Option<crate::finetune::Quant>,
 }
 
 impl Default for Recipe {
@@ -480,6 +495,9 @@ impl Default for Recipe {
             torch_version: TorchVersion::V2_15,
             transformers_version: TransformersVersion::V5_23,
             use_cache: None,
+            freeze: Vec::new(),
+            lora: None,
+            quant: None,
         }
     }
 }
@@ -551,12 +569,17 @@ impl Recipe {
         if self.optimizer_impl == OptimizerImpl::Fused
             && matches!(
                 self.optimizer,
-                OptimizerKind::Adafactor | OptimizerKind::AdafactorHf | OptimizerKind::AdamWHf
+                OptimizerKind::Adafactor
+                    | OptimizerKind::AdafactorHf
+                    | OptimizerKind::AdamWHf
+                    | OptimizerKind::AdamW8bit
+                    | OptimizerKind::PagedAdamW
+                    | OptimizerKind::PagedAdamW8bit
             )
         {
             return Err(RecipeError::Invalid {
                 field: "optimizer",
-                msg: "Adafactor and transformers' AdamW have no fused implementation (use foreach or for-loop)".into(),
+                msg: "Adafactor, transformers' AdamW and bitsandbytes' optimizers have no fused implementation (use foreach or for-loop; bitsandbytes runs its own kernel either way)".into(),
             });
         }
         if let Some(m) = self.clip_grad_norm {
@@ -626,11 +649,12 @@ macro_rules! named_enum {
 
 named_enum!(Precision, "precision", "fp32, bf16, amp-fp16, amp-bf16",
     ["fp32" => Precision::Fp32, "bf16" => Precision::Bf16, "amp-fp16" => Precision::AmpFp16, "amp-bf16" => Precision::AmpBf16]);
-named_enum!(OptimizerKind, "optimizer", "adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf, adamw-hf",
+named_enum!(OptimizerKind, "optimizer", "adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf, adamw-hf, adamw8bit, paged-adamw, paged-adamw8bit",
     ["adamw" => OptimizerKind::AdamW, "adam" => OptimizerKind::Adam, "sgd" => OptimizerKind::Sgd,
      "sgd-momentum" => OptimizerKind::SgdMomentum, "sgd-nesterov" => OptimizerKind::SgdNesterov,
      "adafactor" => OptimizerKind::Adafactor, "adafactor-hf" => OptimizerKind::AdafactorHf,
-     "adamw-hf" => OptimizerKind::AdamWHf]);
+     "adamw-hf" => OptimizerKind::AdamWHf, "adamw8bit" => OptimizerKind::AdamW8bit,
+     "paged-adamw" => OptimizerKind::PagedAdamW, "paged-adamw8bit" => OptimizerKind::PagedAdamW8bit]);
 named_enum!(OptimizerImpl, "optimizer implementation", "foreach, fused, for-loop",
     ["foreach" => OptimizerImpl::Foreach, "fused" => OptimizerImpl::Fused, "for-loop" => OptimizerImpl::ForLoop]);
 named_enum!(ZeroGrad, "zero_grad mode", "none, zero",
@@ -768,6 +792,9 @@ impl fmt::Display for OptimizerKind {
             OptimizerKind::Adafactor => "adafactor",
             OptimizerKind::AdafactorHf => "adafactor-hf",
             OptimizerKind::AdamWHf => "adamw-hf",
+            OptimizerKind::AdamW8bit => "adamw8bit",
+            OptimizerKind::PagedAdamW => "paged-adamw",
+            OptimizerKind::PagedAdamW8bit => "paged-adamw8bit",
         })
     }
 }
@@ -831,7 +858,7 @@ mod tests {
             Checkpointing::Every(2)
         );
         let e = "adamx".parse::<OptimizerKind>().unwrap_err();
-        assert_eq!(e.to_string(), "unknown optimizer \"adamx\": valid values are adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf, adamw-hf");
+        assert_eq!(e.to_string(), "unknown optimizer \"adamx\": valid values are adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf, adamw-hf, adamw8bit, paged-adamw, paged-adamw8bit");
         assert!("every:0".parse::<Checkpointing>().is_err());
         assert!("fp64"
             .parse::<Precision>()

@@ -48,7 +48,10 @@ impl<'g> Lowering<'g> {
             }
         }
         self.seq = 0;
-        self.leaf_grads.clear();
+        // `.grad` of leaves made by `enable_input_require_grads` dies with their AccumulateGrad.
+        for t in std::mem::take(&mut self.leaf_grads).into_iter().flatten() {
+            self.drop_rt(t);
+        }
         self.reentrant_inputs.clear();
         // Frames whose nodes never ran.
         for f in 0..self.frames.len() {
@@ -1072,6 +1075,14 @@ impl<'g> Lowering<'g> {
             }
             // Not differentiable: no node is ever made.
             Factory { .. } => {}
+            QuantLinear { .. } => {
+                let xl = need(0).then(|| meta(0).layout);
+                let (ga, gb) = self.quant_linear_bwd(&op, &g, xl, k > 2 && need(2), m);
+                out[0] = ga;
+                if k > 2 {
+                    out[2] = gb;
+                }
+            }
         }
         out
     }

@@ -129,6 +129,34 @@ impl<'g> Lowering<'g> {
         }
     }
 
+    /// `output.requires_grad_(True)` on value `v` when it does not require grad yet (a leaf then:
+    /// its `AccumulateGrad` node holds the tensor, and the tensor's `.grad`, until the graph
+    /// dies at the end of backward).
+    fn require_grad_leaf(&mut self, v: ValueId) {
+        if !self.grad_mode || self.recompute_saved.is_some() || self.in_reentrant_recompute {
+            return;
+        }
+        let Some(rt) = self.vals[v.0 as usize].clone() else {
+            return;
+        };
+        if rt.requires_grad() || !rt.dtype.is_float() {
+            return;
+        }
+        let sl = self.leaf_grads.len() as u32;
+        self.leaf_grads.push(None);
+        let leaf = self.new_node(NodeKind::Leaf(sl), u64::MAX, ModuleId(0));
+        self.nodes[leaf as usize].ins.push(Some(Meta {
+            layout: rt.layout.clone(),
+            dtype: rt.dtype,
+        }));
+        self.nodes[leaf as usize].next.push(None);
+        let held = self.dup(&rt);
+        self.nodes[leaf as usize].saved.push(held);
+        if let Some(x) = self.vals[v.0 as usize].as_mut() {
+            x.edge = Some(Edge { node: leaf, nr: 0 });
+        }
+    }
+
     pub(super) fn exec_graph_op(&mut self, i: usize) {
         let g = self.g;
         let op = &g.ops[i];
@@ -151,6 +179,9 @@ impl<'g> Lowering<'g> {
         // Outputs the graph does not name die with the op's returned tuple.
         for rt in it {
             self.drop_rt(rt);
+        }
+        if let Some(h) = self.input_grad_hook.filter(|h| op.outputs.contains(h)) {
+            self.require_grad_leaf(h);
         }
         // `--keep-outputs` (not in a checkpoint's recomputation): the training loop's names take
         // one more reference on what the model returns.
@@ -666,6 +697,7 @@ impl<'g> Lowering<'g> {
         let op_kind = NodeKind::Op(kind.clone());
         let shape0 = || outs.first().map(|o| o.0.clone()).unwrap_or_default();
         match kind {
+            QuantLinear { .. } => self.quant_linear_fwd(kind, x, shape0(), m),
             AutocastLower => Fwd::Alias(self.dup(&x[0])),
             // aten reshape (TensorShape.cpp): a view when computeStride allows, else
             // `_unsafe_view(clone(contiguous))`; views save nothing.

@@ -36,6 +36,7 @@
 mod bwd;
 mod fwd;
 mod optim;
+mod quant;
 
 use crate::dtype::DType;
 use crate::graph::{Graph, ModuleId, RegionKind, Source, ValueId};
@@ -270,6 +271,34 @@ pub(crate) struct Lowering<'g> {
     leaf_grads: Vec<Option<Rt>>,
     /// The region input values of each `CheckpointFunctionBackward` node, in `saved` order.
     reentrant_inputs: HashMap<u32, Vec<ValueId>>,
+    /// The input embedding's output that `enable_input_require_grads` marks as requiring grad
+    /// ([`input_grad_hook`]).
+    input_grad_hook: Option<ValueId>,
+    /// bitsandbytes' 8-bit quantization maps are on the device.
+    bnb_qmaps: bool,
+    /// Bytes of paged optimizer state (CUDA managed memory, outside the caching allocator).
+    paged_bytes: u64,
+}
+
+/// `PreTrainedModel.enable_input_require_grads`: a forward hook on `get_input_embeddings()` that
+/// calls `output.requires_grad_(True)`. transformers 5.23's `activation_checkpointing_enable`
+/// (`modeling_utils.py`) registers it for every model whose `main_input_name` is `input_ids`, so
+/// with gradient checkpointing a frozen embedding's output is a leaf that requires grad (its
+/// `AccumulateGrad` keeps it and its `.grad` until the graph dies) and the frozen layers after it
+/// keep their checkpoint inputs. Not in transformers 4.16. Returns the output of the embedding
+/// lookup of the `input_ids` input.
+fn input_grad_hook(g: &Graph, r: &Recipe) -> Option<ValueId> {
+    if r.checkpointing == Checkpointing::None
+        || r.inference
+        || r.transformers_version == crate::recipe::TransformersVersion::V4_16
+    {
+        return None;
+    }
+    let ids = g.inputs.iter().find(|i| i.name == "input_ids")?.value;
+    g.ops
+        .iter()
+        .find(|op| op.kind == OpKind::Embedding && op.inputs.contains(&ids))
+        .and_then(|op| op.outputs.first().copied())
 }
 
 /// Lowers a training step (or inference, per the recipe) of `graph` to an allocation trace.
@@ -423,6 +452,9 @@ impl<'g> Lowering<'g> {
             in_reentrant_recompute: false,
             leaf_grads: Vec::new(),
             reentrant_inputs: HashMap::new(),
+            input_grad_hook: input_grad_hook(g, r),
+            bnb_qmaps: false,
+            paged_bytes: 0,
         }
     }
 
@@ -711,11 +743,13 @@ impl<'g> Lowering<'g> {
                 next_buffer += 1;
             }
             let layout = Layout::contiguous(&p.shape);
-            let size = layout.numel() * self.param_dtype.size();
+            // The model dtype, or the parameter's own (PEFT's fp32 LoRA adapters).
+            let dtype = self.resolve(g.values[p.value.0 as usize].dtype);
+            let size = layout.numel() * dtype.size();
             let st = self.alloc_raw(size, Kind::Param, p.name.as_str().into());
             let mut rt = Rt {
                 layout,
-                dtype: self.param_dtype,
+                dtype,
                 st,
                 edge: None,
             };
@@ -915,6 +949,9 @@ impl<'g> Lowering<'g> {
         m.insert("clip_grad_norm".into(), self.r.clip_grad_norm.into());
         m.insert("grad_scaler".into(), self.r.uses_grad_scaler().into());
         m.insert("params".into(), self.g.param_count().into());
+        if self.paged_bytes > 0 {
+            m.insert("paged_optimizer_bytes".into(), self.paged_bytes.into());
+        }
         m.insert(
             "fidelity".into(),
             match self.r.fidelity {

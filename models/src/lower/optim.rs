@@ -325,6 +325,15 @@ impl<'g> Lowering<'g> {
             }
             (OptimizerKind::AdafactorHf, _) => self.adafactor_hf_step(&ps, first),
             (OptimizerKind::AdamWHf, _) => self.adamw_hf_step(&ps, first),
+            (OptimizerKind::AdamW8bit, _) if first => self.bnb_adam_init(&ps, 8, false),
+            (OptimizerKind::PagedAdamW, _) if first => self.bnb_adam_init(&ps, 32, true),
+            (OptimizerKind::PagedAdamW8bit, _) if first => self.bnb_adam_init(&ps, 8, true),
+            (
+                OptimizerKind::AdamW8bit
+                | OptimizerKind::PagedAdamW
+                | OptimizerKind::PagedAdamW8bit,
+                _,
+            ) => {}
             (OptimizerKind::Adafactor, _) => {
                 let multi: Vec<usize> = ps
                     .iter()
@@ -586,5 +595,54 @@ impl<'g> Lowering<'g> {
     /// Adam's `weight_decay` (PyTorch's default 0; AdamW's decay is decoupled and allocates nothing).
     fn adam_weight_decay(&self) -> f64 {
         0.0
+    }
+
+    /// The first step of bitsandbytes `Optimizer2State.step` (`optim/optimizer.py`), AdamW with
+    /// `optim_bits` 8 or 32: per parameter with a gradient, in order, `init_state`, then one fused
+    /// update kernel (no PyTorch temporaries, so later steps allocate nothing). `init_state`: parameters under `min_8bit_size`
+    /// (4096) elements, or 32-bit optimizers, get float32 `state1`/`state2`; otherwise uint8
+    /// `state1`/`state2` and float32 `absmax1`/`absmax2` of ceil(n / 256) blocks (block-wise
+    /// quantization, blocksize 256 in `optimizer_update_8bit_blockwise`), and the first such
+    /// parameter moves the two 256-entry quantization maps (`dynamic`, `udynamic`) to the device.
+    ///
+    /// Paged (`is_paged`): `get_state_buffer` takes `state1`/`state2` of parameters of 1e5
+    /// elements or more from `cudaMallocManaged` (`F.get_paged`), outside the caching allocator;
+    /// the absmax vectors and smaller buffers are ordinary tensors. vramsim's rule: managed pages
+    /// do not count against device memory: the driver migrates them to the GPU before each update
+    /// (`prefetch_tensor`) and evicts them when device memory is short (CUDA unified memory
+    /// oversubscription), so they never make the caching allocator run out; their bytes are
+    /// reported as the trace's `paged_optimizer_bytes`.
+    fn bnb_adam_init(&mut self, ps: &[usize], bits: u32, paged: bool) {
+        const MIN_8BIT_SIZE: u64 = 4096;
+        const BLOCK: u64 = 256;
+        const PAGED_MIN: u64 = 100_000;
+        for &p in ps {
+            let s = self.params[p].layout.shape.clone();
+            let n = self.params[p].layout.numel();
+            let eight = bits == 8 && n >= MIN_8BIT_SIZE;
+            let dtype = if eight { DType::U8 } else { DType::F32 };
+            if eight && !self.bnb_qmaps {
+                // name2qmap["dynamic"] / ["udynamic"].to(p.device): 256 float32 entries each.
+                for name in ["qmap1", "qmap2"] {
+                    let t = self.state_alloc(p, &[256], DType::F32, name);
+                    self.optim_state[p].push(t);
+                }
+                self.bnb_qmaps = true;
+            }
+            for name in ["state1", "state2"] {
+                if paged && n >= PAGED_MIN {
+                    self.paged_bytes += n * dtype.size();
+                } else {
+                    let t = self.state_alloc(p, &s, dtype, name);
+                    self.optim_state[p].push(t);
+                }
+            }
+            if eight {
+                for name in ["absmax1", "absmax2"] {
+                    let t = self.state_alloc(p, &[n.div_ceil(BLOCK)], DType::F32, name);
+                    self.optim_state[p].push(t);
+                }
+            }
+        }
     }
 }

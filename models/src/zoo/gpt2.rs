@@ -129,6 +129,8 @@ pub fn gpt2_with_head(
             i64t,
             vec![(vec![seq], DType::I64)],
         );
+        // `position_ids`, a local of GPT2Model.forward until it returns.
+        b.hold(pos);
         let pemb = b.embedding("wpe", pos, cfg.positions, h);
         b.hold(pemb);
         let x = b.add(emb, pemb);
@@ -144,6 +146,10 @@ pub fn gpt2_with_head(
         let mut cache = Vec::new();
         for l in 0..cfg.layers {
             x = b.region(RegionKind::Block, &format!("h.{l}"), |b| {
+                // GPT2Model.forward passes `position_ids=position_ids` to every block (5.23,
+                // unread there): a non-reentrant checkpoint keeps it, which matters once the
+                // frozen wpe no longer saves it.
+                b.region_arg(pos);
                 let residual = x;
                 let y = b.layer_norm("ln_1", x);
                 let (a, probs) = b.module("attn", |b| {

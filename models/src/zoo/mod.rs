@@ -140,6 +140,9 @@ pub enum ZooError {
     /// The forced SDPA backend cannot run the model's attention.
     #[error("{0}")]
     Attention(#[from] Unavailable),
+    /// A fine-tuning option (`--freeze`, `--lora`) does not fit the model.
+    #[error(transparent)]
+    Finetune(#[from] crate::finetune::FinetuneError),
 }
 
 /// The attention kernel a step runs.
@@ -448,7 +451,8 @@ impl Arch {
                     msg: "a captured module's head is the one captured".into(),
                 });
             }
-            return Ok(g.build_for(batch, recipe)?);
+            let g = g.build_for(batch, recipe)?;
+            return Ok(crate::finetune::apply(g, recipe)?);
         }
         let seq = recipe.seq;
         let head = self.head(recipe)?;
@@ -478,7 +482,7 @@ impl Arch {
         }
         let attn = attn_impl(self, recipe)?;
         let head = head.unwrap_or(Head::None);
-        Ok(match self {
+        let g = match self {
             Arch::Mlp => {
                 let mut dims = mlp::MLP_DIMS;
                 dims[dims.len() - 1] = classes;
@@ -530,7 +534,8 @@ impl Arch {
             }
             // Built above, before the zoo's checks of heads and attention.
             Arch::Imported(g) => g.build_for(batch, recipe)?,
-        })
+        };
+        Ok(crate::finetune::apply(g, recipe)?)
     }
 
     /// The HF family of a language model (`None` for the image models and the MLP).

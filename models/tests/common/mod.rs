@@ -154,8 +154,13 @@ pub fn check_captures(dir: &str, min_files: usize, recipe_of: fn(&serde_json::Va
             g.param_count(),
             fx["peak_requested_bytes"]
         );
-        if g.param_count() != fx["params"].as_u64().unwrap() {
-            failures.push(format!("{file}: params {}", g.param_count()));
+        if g.total_param_count() != fx["params"].as_u64().unwrap() {
+            failures.push(format!("{file}: params {}", g.total_param_count()));
+        }
+        if let Some(t) = fx["recipe"]["trainable_params"].as_u64() {
+            if g.param_count() != t {
+                failures.push(format!("{file}: trainable params {}", g.param_count()));
+            }
         }
         if peak != fx["peak_requested_bytes"].as_u64().unwrap() {
             failures.push(format!("{file}: peak {peak}"));

@@ -1,0 +1,71 @@
+//! Fine-tuning: frozen parameters ([`freeze`]) and PEFT's LoRA adapters ([`lora`]), applied to a
+//! built [`Graph`] as the recipe asks ([`apply`]).
+//!
+//! Both only change which parameters require grad and (LoRA) add ops and parameters; the
+//! lowering's autograd rules do the rest exactly as PyTorch does: a frozen parameter has no
+//! `AccumulateGrad`, no `.grad` and no optimizer state, an op records a node (and saves inputs)
+//! only if some input requires grad, and a generated node saves an input only where another
+//! input's gradient needs it (`derivatives.yaml`).
+
+pub mod freeze;
+pub mod lora;
+pub mod quant;
+
+use crate::graph::Graph;
+use crate::recipe::Recipe;
+
+pub use freeze::{freeze, module_listing};
+pub use lora::{apply_lora, linear_modules, LoraConfig, LoraTargets};
+pub use quant::{apply_quant, Quant};
+
+/// Why a fine-tuning option cannot apply to a model.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FinetuneError {
+    /// A `--freeze` pattern matches no parameter.
+    #[error("--freeze {pattern}: matches no parameter of {model}; its modules with parameters are: {}", modules.join(", "))]
+    FreezeNoMatch {
+        /// Model.
+        model: String,
+        /// The pattern.
+        pattern: String,
+        /// The model's modules with parameters (numbered components condensed to ranges).
+        modules: Vec<String>,
+    },
+    /// A `--lora` target matches no linear layer.
+    #[error("--lora targets={target}: matches no linear layer of {model}; its linear layers are: {}", linear.join(", "))]
+    LoraNoTarget {
+        /// Model.
+        model: String,
+        /// The target name.
+        target: String,
+        /// The model's linear layers (numbered components condensed to ranges).
+        linear: Vec<String>,
+    },
+    /// The model has no linear layer to adapt.
+    #[error("{model} has no linear layer (nn.Linear or Conv1D): {what} needs one")]
+    NoLinear {
+        /// Model.
+        model: String,
+        /// The option (`--lora`, `--quant nf4`).
+        what: String,
+    },
+    /// The adapters' ops do not fit the layer's shapes.
+    #[error(transparent)]
+    Graph(#[from] crate::graph::GraphError),
+}
+
+/// Applies the recipe's fine-tuning options to `g`: quantized linear layers (as
+/// `from_pretrained(quantization_config=...)` loads them), LoRA adapters (which freeze every base
+/// parameter, as `get_peft_model` does), then the `--freeze` patterns.
+pub fn apply(mut g: Graph, recipe: &Recipe) -> Result<Graph, FinetuneError> {
+    if let Some(q) = recipe.quant {
+        g = apply_quant(g, q)?;
+    }
+    if let Some(cfg) = &recipe.lora {
+        g = apply_lora(g, cfg)?;
+    }
+    if !recipe.freeze.is_empty() {
+        freeze(&mut g, &recipe.freeze)?;
+    }
+    Ok(g)
+}
