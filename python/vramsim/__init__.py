@@ -414,9 +414,13 @@ class Model:
     ``whatif`` and ``max_batch`` like a zoo model's name (the batch is a variable; every recipe option
     applies). ``document`` is the JSON graph (format ``vramsim-graph``, see ``models/README.md``)."""
 
-    def __init__(self, document: Dict[str, Any]):
+    def __init__(self, document: Dict[str, Any], recorded: Optional[List[Dict[str, Any]]] = None):
         #: The graph document.
         self.document = document
+        #: The calls vramsim has no rule for, lowered from what the capture recorded of them (their
+        #: outputs, the tensors autograd saved, gradients of the inputs' shapes): ``{"op", "module",
+        #: "count"}`` each, in program order. Empty when every call has a rule.
+        self.recorded = list(recorded or [])
 
     @property
     def name(self) -> str:
@@ -440,7 +444,14 @@ class Model:
 
     def __repr__(self) -> str:
         n = len(self.document.get("params", []))
-        return f"Model({self.name}: {len(self.ops)} calls, {n} parameters, example batch {self.document.get('batch')})"
+        rec = ""
+        if self.recorded:
+            names = ", ".join(f"{r['op']} × {r['count']}" for r in self.recorded)
+            rec = f"; from their recording (no rule): {names}"
+        return (
+            f"Model({self.name}: {len(self.ops)} calls, {n} parameters, example batch "
+            f"{self.document.get('batch')}{rec})"
+        )
 
 
 def from_module(
@@ -462,8 +473,11 @@ def from_module(
     ``nn.Sequential``/``nn.ModuleList``, such as ResNet blocks or transformer layers).
 
     The forward runs under a ``TorchFunctionMode``; each call (``F.linear``, ``F.conv2d``, ...) is mapped
-    by the Rust models crate onto its op library. Calls without a rule raise :class:`ConfigError` listing
-    them; wrong argument types raise :class:`ConfigError` naming the argument. Example::
+    by the Rust models crate onto its op library. A call without a rule falls back on what the capture
+    recorded of it (its outputs, views or new; the tensors autograd saved for it; a backward giving
+    gradients of its inputs' shapes): such calls are listed in ``Model.recorded``, in each prediction's
+    ``warnings`` and ``recorded_calls``. Wrong argument types raise :class:`ConfigError` naming the
+    argument. Example::
 
         with torch.device("meta"):
             net = torchvision.models.resnet18()
@@ -479,14 +493,16 @@ def from_module(
     except _graph_capture.FromModuleError as e:
         raise ConfigError(str(e)) from None
     m = Model(document)
-    # Parse it once now, so unsupported calls are reported here rather than at predict time.
+    # Parse it once now, so calls that cannot be lowered are reported here rather than at predict
+    # time, and the calls lowered from their recording are known.
     path = m.save()
     try:
-        _native.run("predict", ["--graph", path, "--batch", str(document["batch"])])
+        result, _ = _native.run("predict", ["--graph", path, "--batch", str(document["batch"])])
     except ConfigError as e:
         raise ConfigError(str(e).replace(path, f"from_module({m.name})")) from None
     finally:
         os.remove(path)
+    m.recorded = list(_json.loads(result).get("recorded_calls") or [])
     return m
 
 

@@ -52,15 +52,22 @@ class _Capture:
         self.ids: Dict[int, int] = {}  # id(tensor) -> value id
         self.keep: List[Any] = []  # keeps captured tensors alive, so id() is never reused
         self.values: List[Dict[str, Any]] = []
+        self.values_t: List[Any] = []  # the tensor of each value id
+        self.storage_vid: Dict[int, int] = {}
         self.ops: List[Dict[str, Any]] = []
         self.stack: List[str] = []
         self.names: Dict[int, str] = {id(m): n for n, m in model.named_modules()}
         self.model_dtype = None
+        # The tensor arguments of each module call in progress (innermost last).
+        self.module_args: List[List[Any]] = []
 
     def value(self, t: Any, kind: str, **extra: Any) -> int:
         vid = len(self.values)
         self.ids[id(t)] = vid
         self.keep.append(t)
+        self.values_t.append(t)
+        # The newest value on each storage (views share one).
+        self.storage_vid[t.untyped_storage()._cdata] = vid
         self.values.append(dict(kind=kind, shape=list(t.shape), dtype=self.dtype_of(t), **extra))
         return vid
 
@@ -87,10 +94,18 @@ class _Capture:
             return list(a)
         if isinstance(a, torch.dtype):
             # The model's own dtype is marked: a factory such as stochastic depth's
-            # `torch.empty(size, dtype=input.dtype)` follows the model's precision.
+            # `torch.empty(size, dtype=input.dtype)` follows the model's precision. When it is the
+            # dtype of the enclosing module's (first floating) input, that input is named too
+            # (`"like"`): under autocast the input may be 16-bit while the parameters are not, and
+            # `input.dtype` follows the input.
+            out: Dict[str, Any] = {"dtype": _dtype_name(a)}
             if a == self.model_dtype:
-                return {"dtype": _dtype_name(a), "model": True}
-            return {"dtype": _dtype_name(a)}
+                out["model"] = True
+            held = self.module_args[-1] if self.module_args else []
+            like = next((t for t in held if t.is_floating_point()), None)
+            if like is not None and like.dtype == a and id(like) in self.ids:
+                out["like"] = self.ids[id(like)]
+            return out
         if isinstance(a, torch.memory_format):
             return {"memory_format": str(a).replace("torch.", "")}
         if isinstance(a, torch.device):
@@ -98,6 +113,83 @@ class _Capture:
         if isinstance(a, slice):
             return {"slice": [self.encode(a.start), self.encode(a.stop), self.encode(a.step)]}
         return {"other": type(a).__name__}
+
+    def tensor_args(self, args: Any, kwargs: Dict[str, Any]) -> List[Any]:
+        """The call's tensor arguments that are captured values, in order, each once."""
+        torch = self.torch
+        found: List[Any] = []
+
+        def walk(a: Any) -> None:
+            if isinstance(a, torch.Tensor):
+                if id(a) in self.ids and not any(a is f for f in found):
+                    found.append(a)
+            elif isinstance(a, (list, tuple)):
+                for x in a:
+                    walk(x)
+            elif isinstance(a, dict):
+                for x in a.values():
+                    walk(x)
+
+        walk(list(args))
+        walk(kwargs)
+        return found
+
+    def recording(self, ins: List[Any], outs: List[Any], packed: List[Any]) -> Dict[str, Any]:
+        """What a call did, for ``from_module``'s fallback when vramsim has no rule for it:
+        ``inputs`` (value ids), each output a view of input ``j`` (it lives on that input's
+        storage) or a new tensor, the tensors autograd saved for it (one per storage: an input, an
+        output, or a new tensor of the storage's size), and whether autograd made a node."""
+        def key(t: Any) -> int:
+            return t.untyped_storage()._cdata
+
+        inputs = list(ins)
+        in_keys = [key(t) for t in inputs]
+
+        def dtype_rule(t: Any) -> Dict[str, Any]:
+            # Like an input of the same floating dtype (under autocast the dtype that input has
+            # then), else the dtype itself.
+            if t.is_floating_point():
+                for j, x in enumerate(inputs):
+                    if x.is_floating_point() and x.dtype == t.dtype:
+                        return {"like": j}
+            return {"dtype": self.dtype_of(t)}
+
+        out_specs = []
+        for o in outs:
+            k = key(o)
+            if k in in_keys:
+                out_specs.append({"view": in_keys.index(k)})
+            else:
+                out_specs.append(dtype_rule(o))
+        out_keys = [key(o) for o in outs]
+        saved = []
+        seen = set()
+        for t in packed:
+            if not isinstance(t, self.torch.Tensor):
+                continue
+            k = key(t)
+            if k in seen:
+                continue
+            seen.add(k)
+            self.keep.append(t)
+            if k in out_keys:
+                saved.append({"output": out_keys.index(k)})
+            elif k in in_keys:
+                saved.append({"input": in_keys.index(k)})
+            elif k in self.storage_vid:
+                # A captured value the call reached without taking it as an argument.
+                inputs.append(self.values_t[self.storage_vid[k]])
+                in_keys.append(k)
+                saved.append({"input": len(inputs) - 1})
+            else:
+                item = t.element_size()
+                saved.append({"shape": [t.untyped_storage().nbytes() // item], **dtype_rule(t)})
+        return {
+            "inputs": [self.ids[id(t)] for t in inputs],
+            "outputs": out_specs,
+            "saved": saved,
+            "grad": any(o.grad_fn is not None for o in outs),
+        }
 
     def outputs(self, out: Any) -> List[Any]:
         torch = self.torch
@@ -141,10 +233,19 @@ class _Capture:
         class Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                out = func(*args, **kwargs)
                 name = getattr(func, "__name__", str(func))
                 if name in _IGNORED:
-                    return out
+                    return func(*args, **kwargs)
+                # What autograd packs for the call's nodes (its saved tensors), for the recorded
+                # fallback of calls without a rule.
+                packed: List[Any] = []
+
+                def pack(t: Any) -> Any:
+                    packed.append(t)
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = func(*args, **kwargs)
                 outs = cap.outputs(out)
                 if not outs:
                     return out
@@ -154,6 +255,8 @@ class _Capture:
                     "args": cap.encode(list(args)),
                     "kwargs": {k: cap.encode(v) for k, v in kwargs.items()},
                 }
+                ins = cap.tensor_args(args, kwargs)
+                op["recorded"] = cap.recording(ins, outs, packed)
                 op["outputs"] = [cap.value(o, "op", op=len(cap.ops), index=i) for i, o in enumerate(outs)]
                 cap.ops.append(op)
                 return out
@@ -161,6 +264,7 @@ class _Capture:
         def pre(module, args):
             name = self.names.get(id(module), "")
             self.stack.append(name)
+            self.module_args.append([a for a in args if isinstance(a, torch.Tensor)])
             held = [self.ids[id(a)] for a in args if isinstance(a, torch.Tensor) and id(a) in self.ids]
             self.call_stack.append(len(self.calls))
             self.calls.append([len(self.ops), len(self.ops), held])
@@ -170,6 +274,8 @@ class _Capture:
 
         def post(module, _args, _out):
             self.stack.pop()
+            if self.module_args:
+                self.module_args.pop()
             if self.call_stack:
                 self.calls[self.call_stack.pop()][1] = len(self.ops)
 
@@ -215,7 +321,8 @@ class _Capture:
 def default_blocks(torch: Any, model: Any) -> List[str]:
     """The checkpointable blocks: children of an ``nn.Sequential``/``nn.ModuleList`` that are not leaves
     and repeat (two or more siblings of one class), such as torchvision's ResNet ``BasicBlock``s or a
-    transformer's layers (what ``--checkpoint full`` wraps, one ``torch.utils.checkpoint`` each)."""
+    transformer's layers (what ``--checkpoint full`` wraps, one ``torch.utils.checkpoint`` each), and
+    not inside another such block."""
     out = []
     for name, m in model.named_modules():
         if not isinstance(m, (torch.nn.Sequential, torch.nn.ModuleList)):
@@ -227,7 +334,9 @@ def default_blocks(torch: Any, model: Any) -> List[str]:
         for cname, c in children:
             if counts[type(c)] >= 2 and any(True for _ in c.children()):
                 out.append(f"{name}.{cname}" if name else cname)
-    return out
+    # A block inside another (RegNet's stages are Sequentials of blocks that hold Sequentials of
+    # repeated layers) is not one of its own: checkpointing regions do not nest. The outermost stay.
+    return [b for b in out if not any(b.startswith(o + ".") for o in out if o != b)]
 
 
 def _resize_batch(torch: Any, t: Any, batch: int) -> Any:

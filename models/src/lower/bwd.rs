@@ -6,8 +6,8 @@ use super::{Edge, Kind, Lowering, Meta, NodeKind, Rt};
 use crate::dtype::DType;
 use crate::graph::ModuleId;
 use crate::graph::ValueId;
-use crate::layout::{elementwise_layout, Layout};
-use crate::ops::{FusedSdpa, OpKind};
+use crate::layout::{elementwise_layout, numel, Layout};
+use crate::ops::{FusedSdpa, OpKind, RecordedOut};
 use crate::recipe::Fidelity;
 use std::collections::{BinaryHeap, HashMap};
 
@@ -666,9 +666,15 @@ impl<'g> Lowering<'g> {
             | HardtanhInplace
             | SiluInplace
             | Gelu { .. }
-            | Silu => {
+            | Silu
+            | Hardswish
+            | Hardsigmoid
+            | HardswishInplace
+            | HardsigmoidInplace => {
                 let name = match op {
                     Hardtanh | HardtanhInplace => "aten.hardtanh_backward",
+                    Hardswish | HardswishInplace => "aten.hardswish_backward",
+                    Hardsigmoid | HardsigmoidInplace => "aten.hardsigmoid_backward",
                     Tanh => "aten.tanh_backward",
                     Sigmoid => "aten.sigmoid_backward",
                     Relu | ReluInplace => "aten.threshold_backward",
@@ -1068,6 +1074,50 @@ impl<'g> Lowering<'g> {
                         m,
                         "aten.masked_fill",
                     ));
+                }
+            }
+            // MulBackward0 of dropout_'s `input.mul_(noise)`: `grad * noise`, the noise laid out
+            // as the input (`empty_like`).
+            DropoutInplace { .. } => {
+                let l = elementwise_layout(&g.layout.shape, &[&g.layout, &meta(0).layout]);
+                out[0] = Some(self.alloc(l, g.dtype, m, "aten.mul"));
+            }
+            // derivatives.yaml avg_pool2d: avg_pool2d_backward, a tensor of the input's shape.
+            AvgPool2d { .. } => {
+                let x = meta(0);
+                out[0] = Some(self.alloc(
+                    Layout::contiguous(&x.layout.shape),
+                    g.dtype,
+                    m,
+                    "aten.avg_pool2d_backward",
+                ));
+            }
+            // A recorded call: one new gradient per differentiable input, of its shape and dtype
+            // (the engine's `validate_outputs` gives each the input's dtype).
+            Recorded(rec) => {
+                // A view of input `j` of the same size (`squeeze`, `narrow`'s full range, ...):
+                // its backward is the gradient viewed back to the input's shape, as the
+                // derivatives.yaml formulas of views are (`grad.reshape(self.sizes())`).
+                if let Some(RecordedOut::View(j)) = rec.outs.first() {
+                    let x = ins.get(*j).cloned().flatten();
+                    if let (true, Some(x)) = (need(*j), x) {
+                        if numel(&x.layout.shape) == numel(&g.layout.shape) {
+                            out[*j] = Some(self.reshape_grad(&g, &x.layout.shape, m));
+                        }
+                    }
+                }
+                for (j, o) in out.iter_mut().enumerate() {
+                    if o.is_some() {
+                        continue;
+                    }
+                    if let (true, Some(x)) = (need(j), ins[j].clone()) {
+                        *o = Some(self.alloc(
+                            Layout::contiguous(&x.layout.shape),
+                            x.dtype,
+                            m,
+                            rec.name,
+                        ));
+                    }
                 }
             }
             // Not differentiable: no node is ever made.

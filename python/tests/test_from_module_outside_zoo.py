@@ -1,0 +1,139 @@
+"""``vramsim.from_module`` on torchvision classifiers the zoo does not have, against PyTorch itself: the
+same training step recorded by the package's recorder (``vramsim.record``: meta tensors, or fake CPU
+tensors under CUDA's autocast policy for amp-bf16; fused dropout where CUDA fuses it) and replayed.
+
+The recorder sees what a dispatch mode sees: no kernel-internal allocations, so the cuBLAS and cuBLASLt
+workspaces vramsim models on CUDA are switched off for the comparison (``cublas_workspace_config=":0:0"``,
+``cublaslt_workspace_size=0``; the default prediction is higher by those workspaces). Calls
+without a rule fall back on what the capture recorded of them (``Model.recorded``).
+
+Skipped, with the reason, where torch or torchvision is not installed.
+"""
+
+import pytest
+
+import vramsim
+
+torch = pytest.importorskip("torch", reason="from_module needs torch (pip install torch)")
+tv = pytest.importorskip("torchvision", reason="torchvision is not installed")
+nn = torch.nn
+F = nn.functional
+
+# The recorder does not see kernel workspaces (see the module's doc).
+NO_WORKSPACES = dict(cublas_workspace_config=":0:0", cublaslt_workspace_size=0)
+
+
+def _adamw(params):
+    # predict's default optimizer, with CUDA's foreach default.
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, foreach=True)
+
+
+def _recorded_peak(make, batch, precision):
+    """The step recorded by PyTorch and replayed: peak live requested bytes."""
+
+    def inputs_fn():
+        return (torch.randn(batch, 3, 224, 224), torch.randint(0, 1000, (batch,)))
+
+    def loss_fn(model, inp):
+        return F.cross_entropy(model(inp[0]), inp[1])
+
+    kw = dict(device="cpu", amp="bf16") if precision == "amp-bf16" else {}
+    rec = vramsim.record(make, inputs_fn, loss_fn, _adamw, **kw)
+    return rec.replay().peak_requested_bytes
+
+
+def _ours(name, batch, precision, **options):
+    with torch.device("meta"):
+        net = getattr(tv.models, name)()
+    m = vramsim.from_module(net, torch.empty(batch, 3, 224, 224, device="meta"))
+    assert m.recorded == [], m.recorded  # every call of these models has a rule
+    return vramsim.predict(model=m, batch=batch, precision=precision, **options)
+
+
+ACCEPTANCE = [
+    (name, precision)
+    for name in ("efficientnet_b0", "mobilenet_v3_large", "convnext_tiny")
+    for precision in ("fp32", "amp-bf16")
+]
+
+
+@pytest.mark.parametrize("name,precision", ACCEPTANCE, ids=[f"{n}-{p}" for n, p in ACCEPTANCE])
+def test_outside_the_zoo_matches_a_recording(name, precision):
+    batch = 8
+    theirs = _recorded_peak(getattr(tv.models, name), batch, precision)
+    ours = _ours(name, batch, precision, **NO_WORKSPACES).peak_requested_bytes
+    with_workspaces = _ours(name, batch, precision).peak_requested_bytes
+    err = (ours - theirs) / theirs * 100
+    print(f"{name} {precision} batch {batch}: recorded {theirs}, from_module {ours} ({err:+.4f}%), "
+          f"with CUDA's workspaces {with_workspaces}")
+    assert abs(err) <= 1.0
+    assert with_workspaces > ours
+
+
+@pytest.mark.parametrize("name", ["shufflenet_v2_x1_0", "squeezenet1_0", "densenet121", "mnasnet0_5"])
+def test_other_torchvision_classifiers_match_a_recording(name):
+    # channel_shuffle (view, transpose, contiguous) and chunk; max_pool2d(ceil_mode=True);
+    # avg_pool2d and the dense concatenations; MNASNet's plain inverted residuals.
+    batch = 4
+    theirs = _recorded_peak(getattr(tv.models, name), batch, "fp32")
+    ours = _ours(name, batch, "fp32", **NO_WORKSPACES).peak_requested_bytes
+    print(f"{name} fp32 batch {batch}: recorded {theirs}, from_module {ours}")
+    assert abs(ours - theirs) / theirs <= 0.01
+
+
+def test_regnet_blocks_do_not_nest():
+    # RegNet's stages are Sequentials of blocks holding Sequentials of repeated layers: only the
+    # outermost repeated children are checkpointing blocks (regions do not nest).
+    net = tv.models.regnet_y_400mf().to("meta")  # its constructor reads tensors: not under meta
+    m = vramsim.from_module(net, torch.empty(2, 3, 224, 224, device="meta"))
+    blocks = [b["module"] for b in m.document["blocks"]]
+    assert blocks == [f"trunk_output.block{i}" for i in range(1, 5)]
+    full = vramsim.predict(model=m, batch=8, checkpoint="full")
+    assert full.peak_requested_bytes < vramsim.predict(model=m, batch=8).peak_requested_bytes
+
+
+class _Odd(nn.Module):
+    """Calls the op library has no rule for: celu (a new output, saves its input), squeeze (a view)
+    and logsigmoid (saves its input and a buffer of its own, ``log_sigmoid_forward``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 256)
+        self.b = nn.Linear(256, 10)
+
+    def forward(self, x):
+        h = F.celu(self.a(x))
+        h = h.unsqueeze(1).squeeze(1)
+        return self.b(F.logsigmoid(h))
+
+
+def test_calls_without_a_rule_use_their_recording():
+    batch = 32
+    with torch.device("meta"):
+        net = _Odd()
+    m = vramsim.from_module(net, torch.empty(batch, 64, device="meta"))
+    assert [r["op"] for r in m.recorded] == ["celu", "squeeze", "log_sigmoid"]
+    assert "log_sigmoid" in repr(m)
+    p = vramsim.predict(model=m, batch=batch, **NO_WORKSPACES)
+    assert [r["op"] for r in p.recorded_calls] == ["celu", "squeeze", "log_sigmoid"]
+    assert any("recorded at capture" in w and "celu" in w for w in p.warnings)
+
+    def inputs_fn():
+        return (torch.randn(batch, 64), torch.randint(0, 10, (batch,)))
+
+    rec = vramsim.record(_Odd, inputs_fn, lambda model, inp: F.cross_entropy(model(inp[0]), inp[1]), _adamw)
+    theirs = rec.replay().peak_requested_bytes
+    print(f"_Odd batch {batch}: recorded {theirs}, from_module {p.peak_requested_bytes}")
+    assert abs(p.peak_requested_bytes - theirs) / theirs <= 0.01
+    # The batch stays a variable through the recording (the buffer's size is 256·batch floats).
+    assert vramsim.predict(model=m, batch=2 * batch).peak_requested_bytes > p.peak_requested_bytes
+
+
+def test_a_fallback_call_follows_the_precision():
+    # bf16 parameters: the recorded outputs and saved tensors follow their input's dtype.
+    with torch.device("meta"):
+        net = _Odd()
+    m = vramsim.from_module(net, torch.empty(8, 64, device="meta"))
+    fp32 = vramsim.predict(model=m, batch=64, **NO_WORKSPACES).peak_requested_bytes
+    bf16 = vramsim.predict(model=m, batch=64, precision="bf16", **NO_WORKSPACES).peak_requested_bytes
+    assert bf16 < fp32
