@@ -592,15 +592,18 @@ impl<'a> Builder<'a> {
             let spec = dtype_spec(decl["dtype"].as_str().unwrap_or("?"))?;
             let r = rec["outputs"].get(k).cloned().unwrap_or(J::Null);
             let out = match r.get("view") {
+                Some(v) if r["inplace"].as_bool() == Some(true) => {
+                    RecordedOut::InPlace(index(v, n_in, "input")?)
+                }
                 Some(v) => RecordedOut::View(index(v, n_in, "input")?),
                 None if r.is_object() => RecordedOut::New(dtype(&r)?),
                 None => RecordedOut::New(RecordedDType::Spec(spec)),
             };
             // The graph's dtype of the output: the input's for a view or a `like` output.
             let graph_dtype = match &out {
-                RecordedOut::View(j) | RecordedOut::New(RecordedDType::Like(j)) => {
-                    self.b.dtype(inputs[*j])
-                }
+                RecordedOut::View(j)
+                | RecordedOut::InPlace(j)
+                | RecordedOut::New(RecordedDType::Like(j)) => self.b.dtype(inputs[*j]),
                 RecordedOut::New(RecordedDType::Spec(d)) => *d,
             };
             out_specs.push(out);

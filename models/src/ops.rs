@@ -418,8 +418,12 @@ pub enum RecordedDType {
 /// An output of a recorded call.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RecordedOut {
-    /// A view of input `j` (the capture saw the output on that input's storage).
+    /// A view of input `j` (the capture saw the output on that input's storage): its backward
+    /// views the gradient back when the sizes agree.
     View(usize),
+    /// Input `j` itself, written in place (the call returned its argument): no allocation; its
+    /// backward allocates the input's gradient.
+    InPlace(usize),
     /// A new contiguous tensor.
     New(RecordedDType),
 }

@@ -108,7 +108,7 @@ class _Odd(nn.Module):
 
 
 def test_calls_without_a_rule_use_their_recording():
-    batch = 32
+    batch = 1024  # activations (1 MiB per [B, 256] tensor) outweigh the 19k parameters' optimizer step
     with torch.device("meta"):
         net = _Odd()
     m = vramsim.from_module(net, torch.empty(batch, 64, device="meta"))
@@ -127,6 +127,38 @@ def test_calls_without_a_rule_use_their_recording():
     assert abs(p.peak_requested_bytes - theirs) / theirs <= 0.01
     # The batch stays a variable through the recording (the buffer's size is 256·batch floats).
     assert vramsim.predict(model=m, batch=2 * batch).peak_requested_bytes > p.peak_requested_bytes
+
+
+class _InPlace(nn.Module):
+    """Calls without a rule that write in place (``clamp_``, which autograd makes save a clone of
+    its input; ``leaky_relu_``, saving its result), a view (``narrow``) and a copy (``flip``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 256)
+        self.b = nn.Linear(256, 10)
+
+    def forward(self, x):
+        h = F.elu(self.a(x)).clamp_(max=3.0)
+        h = torch.narrow(F.leaky_relu(h, inplace=True), 1, 0, 128)
+        return self.b(torch.cat([h, h.flip(1)], 1))
+
+
+def test_in_place_calls_without_a_rule_use_their_recording():
+    batch = 1024
+    with torch.device("meta"):
+        net = _InPlace()
+    m = vramsim.from_module(net, torch.empty(batch, 64, device="meta"))
+    assert [r["op"] for r in m.recorded] == ["elu", "clamp_", "leaky_relu", "narrow", "flip"]
+    ours = vramsim.predict(model=m, batch=batch, **NO_WORKSPACES).peak_requested_bytes
+
+    def inputs_fn():
+        return (torch.randn(batch, 64), torch.randint(0, 10, (batch,)))
+
+    rec = vramsim.record(_InPlace, inputs_fn, lambda model, inp: F.cross_entropy(model(inp[0]), inp[1]), _adamw)
+    theirs = rec.replay().peak_requested_bytes
+    print(f"_InPlace batch {batch}: recorded {theirs}, from_module {ours}")
+    assert abs(ours - theirs) / theirs <= 0.01
 
 
 def test_a_fallback_call_follows_the_precision():

@@ -137,7 +137,7 @@ class _Capture:
     def recording(self, ins: List[Any], outs: List[Any], packed: List[Any]) -> Dict[str, Any]:
         """What a call did, for ``from_module``'s fallback when vramsim has no rule for it:
         ``inputs`` (value ids), each output a view of input ``j`` (it lives on that input's
-        storage) or a new tensor, the tensors autograd saved for it (one per storage: an input, an
+        storage; ``inplace`` when it is the argument itself) or a new tensor, the tensors autograd saved for it (one per storage: an input, an
         output, or a new tensor of the storage's size), and whether autograd made a node."""
         def key(t: Any) -> int:
             return t.untyped_storage()._cdata
@@ -158,7 +158,9 @@ class _Capture:
         for o in outs:
             k = key(o)
             if k in in_keys:
-                out_specs.append({"view": in_keys.index(k)})
+                j = in_keys.index(k)
+                # The argument itself returned: an in-place op (`x.clamp_()`), not a view.
+                out_specs.append({"view": j, "inplace": True} if o is inputs[j] else {"view": j})
             else:
                 out_specs.append(dtype_rule(o))
         out_keys = [key(o) for o in outs]

@@ -1098,9 +1098,9 @@ impl<'g> Lowering<'g> {
                 let mut vs = Vec::new();
                 for (k, (shape, spec)) in outs.iter().enumerate() {
                     vs.push(match rec.outs.get(k) {
-                        Some(crate::ops::RecordedOut::View(j)) => {
-                            self.view(&x[*j], Layout::contiguous(shape))
-                        }
+                        Some(
+                            crate::ops::RecordedOut::View(j) | crate::ops::RecordedOut::InPlace(j),
+                        ) => self.view(&x[*j], Layout::contiguous(shape)),
                         Some(crate::ops::RecordedOut::New(d)) => {
                             let dt = dtype_of(self, d);
                             self.alloc(Layout::contiguous(shape), dt, m, name)
