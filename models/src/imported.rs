@@ -62,6 +62,9 @@ pub struct ImportedGraph {
     /// The batch the example inputs had.
     pub example_batch: u64,
     doc: J,
+    /// Calls whose rule refuses their arguments, lowered from their recording (found by building
+    /// the graph at the example batch): `name (why)`, module, count.
+    refused: Vec<(String, String, usize)>,
 }
 
 /// The call `F.multi_head_attention_forward` makes to `F.scaled_dot_product_attention` under
@@ -218,14 +221,28 @@ impl ImportedGraph {
         ] {
             field(&doc, key)?;
         }
-        let g = ImportedGraph {
+        let mut g = ImportedGraph {
             name,
             example_batch,
             doc,
+            refused: Vec::new(),
         };
         let missing = g.unsupported();
         if !missing.is_empty() {
             return Err(ImportError::Unsupported(missing));
+        }
+        // The calls whose arguments their rule does not model (known once built; a graph that
+        // does not build reports why when it is built).
+        if let Ok((_, refused)) = g.build_with(example_batch, &Recipe::new(example_batch, 0)) {
+            let mut counts: Vec<(String, String, usize)> = Vec::new();
+            for (op, module, why) in refused {
+                let key = format!("{op} ({why})");
+                match counts.iter_mut().find(|c| c.0 == key) {
+                    Some(c) => c.2 += 1,
+                    None => counts.push((key, module, 1)),
+                }
+            }
+            g.refused = counts;
         }
         Ok(g)
     }
@@ -255,8 +272,12 @@ impl ImportedGraph {
     /// The calls without a rule that are lowered from what the capture recorded of them
     /// ([`OpKind::Recorded`](crate::ops::OpKind::Recorded)): (name, first module path, count), in
     /// program order.
+    /// Calls whose rule refuses their arguments (`conv2d (padding given as a string is not
+    /// modelled)`) come after them.
     pub fn recorded(&self) -> Vec<(String, String, usize)> {
-        self.calls_without_rule(true)
+        let mut v = self.calls_without_rule(true);
+        v.extend(self.refused.iter().cloned());
+        v
     }
 
     fn calls_without_rule(&self, recorded: bool) -> Vec<(String, String, usize)> {
@@ -320,6 +341,16 @@ impl ImportedGraph {
     /// The model's graph at `batch`, each `F.multi_head_attention_forward` on the SDPA backend
     /// PyTorch picks for `recipe` (its precision, `--attention` and target), as the zoo's ViT does.
     pub fn build_for(&self, batch: u64, recipe: &Recipe) -> Result<Graph, ImportError> {
+        Ok(self.build_with(batch, recipe)?.0)
+    }
+
+    /// [`ImportedGraph::build_for`], with the calls whose rule refused their arguments (name,
+    /// module, why).
+    fn build_with(
+        &self,
+        batch: u64,
+        recipe: &Recipe,
+    ) -> Result<(Graph, Vec<(String, String, String)>), ImportError> {
         let mut b = Builder::new(self, batch);
         b.recipe = Some(recipe.clone());
         b.run()
@@ -334,6 +365,9 @@ struct Builder<'a> {
     recipe: Option<Recipe>,
     /// Values made by a factory (`torch.empty`) and written in place since: outside autograd.
     no_grad: std::collections::BTreeSet<T>,
+    /// Calls whose rule refused their arguments, lowered from their recording instead (name,
+    /// module, why).
+    refused: Vec<(String, String, String)>,
 }
 
 impl<'a> Builder<'a> {
@@ -364,6 +398,7 @@ impl<'a> Builder<'a> {
             vals: vec![None; n],
             recipe: None,
             no_grad: Default::default(),
+            refused: Vec::new(),
         }
     }
 
@@ -391,7 +426,7 @@ impl<'a> Builder<'a> {
         Ok((i, v))
     }
 
-    fn run(mut self) -> Result<Graph, ImportError> {
+    fn run(mut self) -> Result<(Graph, Vec<(String, String, String)>), ImportError> {
         let doc = &self.g.doc;
         let params = doc["params"].as_array().cloned().unwrap_or_default();
         let buffers = doc["buffers"].as_array().cloned().unwrap_or_default();
@@ -539,7 +574,8 @@ impl<'a> Builder<'a> {
         let l = self.get(loss)?;
         self.b.keep_output(l);
         self.b.set_output(l);
-        Ok(self.b.finish()?)
+        let refused = std::mem::take(&mut self.refused);
+        Ok((self.b.finish()?, refused))
     }
 
     fn get(&self, i: usize) -> Result<T, ImportError> {
@@ -628,7 +664,8 @@ impl<'a> Builder<'a> {
         Ok(self.b.recorded(r, &inputs, &shapes))
     }
 
-    fn op(&mut self, op: &J) -> Result<(), ImportError> {
+    /// The op library's rule for one call (or its recording when it has no rule).
+    fn rule(&mut self, op: &J) -> Result<Vec<T>, ImportError> {
         let name = op["op"].as_str().unwrap_or("?").to_string();
         let module = op["module"].as_str().unwrap_or("").to_string();
         let args = op["args"].as_array().cloned().unwrap_or_default();
@@ -1253,6 +1290,31 @@ impl<'a> Builder<'a> {
                     )]));
                 }
             },
+        };
+        Ok(out)
+    }
+
+    /// One call of the document: its rule, or — without a rule, or with arguments the rule does
+    /// not model — the capture's recording of it; then its outputs checked against the capture's
+    /// shapes.
+    fn op(&mut self, op: &J) -> Result<(), ImportError> {
+        let name = op["op"].as_str().unwrap_or("?").to_string();
+        let module = op["module"].as_str().unwrap_or("").to_string();
+        let outs: Vec<usize> = op["outputs"]
+            .as_array()
+            .map(|a| a.iter().filter_map(J::as_u64).map(|x| x as usize).collect())
+            .unwrap_or_default();
+        let bad = |msg: String| ImportError::Arguments {
+            op: name.clone(),
+            module: module.clone(),
+            msg,
+        };
+        let out = match (self.rule(op), op.get("recorded").filter(|r| r.is_object())) {
+            (Err(ImportError::Arguments { msg, .. }), Some(rec)) => {
+                self.refused.push((name.clone(), module.clone(), msg));
+                self.recorded_op(&name, rec, &outs, &bad)?
+            }
+            (r, _) => r?,
         };
         if out.len() != outs.len() {
             return Err(bad(format!(

@@ -169,3 +169,36 @@ def test_a_fallback_call_follows_the_precision():
     fp32 = vramsim.predict(model=m, batch=64, **NO_WORKSPACES).peak_requested_bytes
     bf16 = vramsim.predict(model=m, batch=64, precision="bf16", **NO_WORKSPACES).peak_requested_bytes
     assert bf16 < fp32
+
+
+class _Same(nn.Module):
+    """``Conv2d(padding="same")``: the conv2d rule does not model a string padding, so the call falls
+    back on its recording, and says why."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 16, 3, padding="same")
+        self.bn = nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.bn(self.c(x))).mean((2, 3)))
+
+
+def test_arguments_a_rule_refuses_fall_back_on_the_recording():
+    batch = 64
+    with torch.device("meta"):
+        net = _Same()
+    m = vramsim.from_module(net, torch.empty(batch, 3, 64, 64, device="meta"))
+    assert m.recorded == [
+        {"op": "conv2d (padding given as a string is not modelled)", "module": "c", "count": 1}
+    ]
+    ours = vramsim.predict(model=m, batch=batch, **NO_WORKSPACES).peak_requested_bytes
+
+    def inputs_fn():
+        return (torch.randn(batch, 3, 64, 64), torch.randint(0, 10, (batch,)))
+
+    rec = vramsim.record(_Same, inputs_fn, lambda model, inp: F.cross_entropy(model(inp[0]), inp[1]), _adamw)
+    theirs = rec.replay().peak_requested_bytes
+    print(f"_Same batch {batch}: recorded {theirs}, from_module {ours}")
+    assert abs(ours - theirs) / theirs <= 0.01

@@ -189,11 +189,18 @@ def _call(command: str, function: str, kwargs: Dict[str, Any]) -> Tuple[Any, str
         # A captured module goes to the library as --graph FILE (the document, written once).
         if kwargs.get("graph") is not None:
             raise ConfigError(f"{function}() got both model=Model and graph=; give one")
-        graph_file = kwargs.pop("model").save()
+        captured = kwargs.pop("model")
+        graph_file = captured.save()
         kwargs["graph"] = graph_file
     args, pngs = _arguments(command, function, kwargs)
     try:
-        document, text = _native.run(command, args)
+        try:
+            document, text = _native.run(command, args)
+        except ConfigError as e:
+            if graph_file is None:
+                raise
+            # The temporary file means nothing to the caller: name the argument instead.
+            raise ConfigError(str(e).replace(graph_file, f"model={captured.name!r}")) from None
         images = {}
         for flag, path in pngs.items():
             with open(path, "rb") as f:
@@ -415,6 +422,11 @@ class Model:
     applies). ``document`` is the JSON graph (format ``vramsim-graph``, see ``models/README.md``)."""
 
     def __init__(self, document: Dict[str, Any], recorded: Optional[List[Dict[str, Any]]] = None):
+        if not isinstance(document, dict):
+            raise ConfigError(
+                f"document: expected the graph document (a dict, format vramsim-graph), got "
+                f"{type(document).__name__}"
+            )
         #: The graph document.
         self.document = document
         #: The calls vramsim has no rule for, lowered from what the capture recorded of them (their
@@ -447,7 +459,7 @@ class Model:
         rec = ""
         if self.recorded:
             names = ", ".join(f"{r['op']} × {r['count']}" for r in self.recorded)
-            rec = f"; from their recording (no rule): {names}"
+            rec = f"; lowered from their recording (no rule for them): {names}"
         return (
             f"Model({self.name}: {len(self.ops)} calls, {n} parameters, example batch "
             f"{self.document.get('batch')}{rec})"
@@ -461,6 +473,7 @@ def from_module(
     targets: Any = None,
     name: Optional[str] = None,
     blocks: Any = None,
+    **unknown: Any,
 ) -> Model:
     """Captures your own ``nn.Module`` for lowering (not recording): every what-if applies to it.
 
@@ -486,6 +499,9 @@ def from_module(
     """
     from . import _graph_capture
 
+    if unknown:
+        valid = "model, example_inputs, loss_fn, targets, name, blocks"
+        raise ConfigError(f"from_module() got an unknown argument {next(iter(unknown))!r}; valid: {valid}")
     try:
         document = _graph_capture.capture(
             model, example_inputs, loss_fn=loss_fn, targets=targets, name=name, blocks=blocks
@@ -538,6 +554,8 @@ def replay(trace: Any = None, **kwargs: Any) -> ReplayReport:
     """``vramsim replay``: a trace (JSON or JSON Lines) or a PyTorch snapshot pickle, replayed."""
     if trace is not None:
         kwargs["trace"] = trace
+    if kwargs.get("trace") is not None and not isinstance(kwargs["trace"], (str, os.PathLike)):
+        raise ConfigError(f"trace: expected a path (str or os.PathLike), got {type(kwargs['trace']).__name__}")
     data, text, images = _call("replay", "replay", kwargs)
     return ReplayReport(data, text, images)
 
@@ -628,6 +646,12 @@ def record(
         raise ImportError(f"vramsim.record: the capture tool is missing: {e}") from e
     if vramsim_capture.torch is None:
         raise ImportError("vramsim.record needs torch: pip install torch")
+    for arg, value in (("model_fn", model_fn), ("inputs_fn", inputs_fn), ("loss_fn", loss_fn),
+                       ("optimizer_fn", optimizer_fn)):
+        if not callable(value):
+            raise ConfigError(f"{arg}: expected a callable, got {type(value).__name__}")
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ConfigError(f"iterations: expected a whole number from 1, got {iterations!r}")
     known = {"accum", "device", "mimic_cuda", "meta", "amp", "sdpa", "recompute_sdpa"}
     for key in kwargs:
         if key not in known:

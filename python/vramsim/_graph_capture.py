@@ -291,7 +291,15 @@ class _Capture:
         try:
             with Mode():
                 self.stack = [""]
-                output = self.model(*example_inputs)
+                try:
+                    output = self.model(*example_inputs)
+                except FromModuleError:
+                    raise
+                except Exception as e:  # the user's forward: say where it failed
+                    raise FromModuleError(
+                        f"example_inputs: model(*example_inputs) raised {type(e).__name__} on the meta "
+                        f"device: {e}"
+                    ) from e
                 self.stack = []
                 if not isinstance(output, torch.Tensor):
                     raise FromModuleError(
@@ -301,7 +309,14 @@ class _Capture:
                 doc["output"] = self.ids[id(output)]
                 doc["forward_ops"] = len(self.ops)
                 if loss_fn is not None:
-                    loss = loss_fn(output, *targets)
+                    try:
+                        loss = loss_fn(output, *targets)
+                    except FromModuleError:
+                        raise
+                    except Exception as e:
+                        raise FromModuleError(
+                            f"loss_fn: loss_fn(output, *targets) raised {type(e).__name__}: {e}"
+                        ) from e
                 elif targets:
                     loss = torch.nn.functional.cross_entropy(output, targets[0])
                 else:
@@ -390,11 +405,13 @@ def capture(
         raise FromModuleError("example_inputs: expected a tensor or a non-empty list/tuple of tensors")
     if loss_fn is not None and not callable(loss_fn):
         raise FromModuleError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
+    if name is not None and not isinstance(name, str):
+        raise FromModuleError(f"name: expected a string, got {type(name).__name__}")
     if targets is None:
         targets = []
     elif isinstance(targets, torch.Tensor):
         targets = [targets]
-    if not all(isinstance(y, torch.Tensor) for y in targets):
+    if not isinstance(targets, (list, tuple)) or not all(isinstance(y, torch.Tensor) for y in targets):
         raise FromModuleError("targets: expected a tensor or a list/tuple of tensors")
     for p in list(model.parameters()) + list(model.buffers()):
         if p.device.type != "meta":
@@ -419,7 +436,13 @@ def capture(
         if default_ce:
             # Classification-shaped output ([B, C] floats): F.cross_entropy against int64 labels.
             with torch.no_grad():
-                probe = model(*xs)
+                try:
+                    probe = model(*xs)
+                except Exception as e:  # the user's forward: say where it failed
+                    raise FromModuleError(
+                        f"example_inputs: model(*example_inputs) raised {type(e).__name__} on the meta "
+                        f"device: {e}"
+                    ) from e
             if isinstance(probe, torch.Tensor) and probe.dim() == 2 and probe.is_floating_point():
                 ys = [torch.empty([b], dtype=torch.int64, device="meta")]
         docs.append(_Capture(torch, model, list(blocks)).run(xs, ys, loss_fn))
