@@ -350,12 +350,15 @@ impl ImportedGraph {
         &self,
         batch: u64,
         recipe: &Recipe,
-    ) -> Result<(Graph, Vec<(String, String, String)>), ImportError> {
+    ) -> Result<(Graph, Vec<Refused>), ImportError> {
         let mut b = Builder::new(self, batch);
         b.recipe = Some(recipe.clone());
         b.run()
     }
 }
+
+/// A call whose rule refused its arguments: name, module, why.
+type Refused = (String, String, String);
 
 struct Builder<'a> {
     g: &'a ImportedGraph,
@@ -367,7 +370,7 @@ struct Builder<'a> {
     no_grad: std::collections::BTreeSet<T>,
     /// Calls whose rule refused their arguments, lowered from their recording instead (name,
     /// module, why).
-    refused: Vec<(String, String, String)>,
+    refused: Vec<Refused>,
 }
 
 impl<'a> Builder<'a> {
@@ -426,7 +429,7 @@ impl<'a> Builder<'a> {
         Ok((i, v))
     }
 
-    fn run(mut self) -> Result<(Graph, Vec<(String, String, String)>), ImportError> {
+    fn run(mut self) -> Result<(Graph, Vec<Refused>), ImportError> {
         let doc = &self.g.doc;
         let params = doc["params"].as_array().cloned().unwrap_or_default();
         let buffers = doc["buffers"].as_array().cloned().unwrap_or_default();
