@@ -916,9 +916,17 @@ impl<'a> Builder<'a> {
                         }
                         dim += 1;
                     } else {
-                        return Err(bad(format!(
-                            "index entry {it} is not modelled (ints and slices)"
-                        )));
+                        // Named by kind, not by value (the reason groups the calls it refuses).
+                        let kind = if it.get("t").is_some() {
+                            "a tensor index".to_string()
+                        } else if it.get("other").and_then(J::as_str) == Some("ellipsis") {
+                            "`...`".to_string()
+                        } else if it.is_null() {
+                            "`None`".to_string()
+                        } else {
+                            format!("index entry {it}")
+                        };
+                        return Err(bad(format!("{kind} is not modelled (ints and slices)")));
                     }
                 }
                 vec![x]
