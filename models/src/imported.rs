@@ -18,7 +18,10 @@
 
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, T};
-use crate::ops::{Recorded, RecordedDType, RecordedOut, RecordedSave};
+use crate::ops::{
+    Recorded, RecordedBackward, RecordedDType, RecordedGrad, RecordedOut, RecordedSave,
+    RecordedStep,
+};
 use crate::recipe::{Precision, Recipe};
 use crate::sdpa::{self, SdpaCall};
 use serde_json::Value as J;
@@ -658,11 +661,39 @@ impl<'a> Builder<'a> {
                 RecordedSave::New(self.shape(&sv["shape"])?, dtype(sv)?)
             });
         }
+        let backward = match rec.get("backward").filter(|b| b.is_object()) {
+            None => None,
+            Some(bw) => {
+                let mut steps = Vec::new();
+                let mut allocs = 0;
+                for st in bw["steps"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+                    if let Some(k) = st.get("free") {
+                        steps.push(RecordedStep::Free(index(k, allocs, "allocation")?));
+                    } else {
+                        let n = self.shape(&st["alloc"])?;
+                        steps.push(RecordedStep::Alloc(n.iter().product(), dtype(st)?));
+                        allocs += 1;
+                    }
+                }
+                let mut grads = Vec::new();
+                for g in bw["grads"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+                    grads.push(if let Some(k) = g.get("alloc") {
+                        Some(RecordedGrad::Alloc(index(k, allocs, "allocation")?))
+                    } else if g.get("grad_output").is_some() {
+                        Some(RecordedGrad::GradOutput)
+                    } else {
+                        None
+                    });
+                }
+                Some(RecordedBackward { steps, grads })
+            }
+        };
         let r = Recorded {
             name: crate::ops::intern(name),
             outs: out_specs,
             saves,
             grad: rec["grad"].as_bool().unwrap_or(true),
+            backward,
         };
         Ok(self.b.recorded(r, &inputs, &shapes))
     }
@@ -961,6 +992,7 @@ impl<'a> Builder<'a> {
                             outs: vec![RecordedOut::New(RecordedDType::Like(0))],
                             saves: vec![],
                             grad: false,
+                            backward: None,
                         };
                         self.b.recorded(rec, &[input], &[(shape, dt)])[0]
                     }

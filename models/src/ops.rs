@@ -451,6 +451,38 @@ pub struct Recorded {
     pub saves: Vec<RecordedSave>,
     /// Whether the capture saw an autograd node on its outputs (false: not differentiable).
     pub grad: bool,
+    /// Its backward as the capture ran it, when recorded (else one new gradient per
+    /// differentiable input, of the input's shape).
+    pub backward: Option<RecordedBackward>,
+}
+
+/// One step of a recorded backward.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RecordedStep {
+    /// A new storage of `numel` elements.
+    Alloc(u64, RecordedDType),
+    /// Allocation `k` (in the order of the `Alloc` steps) died.
+    Free(usize),
+}
+
+/// Where a recorded backward's gradient of one input comes from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RecordedGrad {
+    /// Allocation `k` of the steps.
+    Alloc(usize),
+    /// The incoming gradient itself (passed through).
+    GradOutput,
+}
+
+/// What the capture recorded of a call's backward (`torch.autograd.grad` of its output under a
+/// dispatch mode): the storages it allocated and freed, in order, and which became the inputs'
+/// gradients.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RecordedBackward {
+    /// Allocations and frees, in order.
+    pub steps: Vec<RecordedStep>,
+    /// Per input of the call: where its gradient comes from (`None`: none was recorded).
+    pub grads: Vec<Option<RecordedGrad>>,
 }
 
 /// A `'static` copy of a call's name (the trace tag of an [`OpKind::Recorded`] op), made once per

@@ -487,8 +487,8 @@ def from_module(
 
     The forward runs under a ``TorchFunctionMode``; each call (``F.linear``, ``F.conv2d``, ...) is mapped
     by the Rust models crate onto its op library. A call without a rule falls back on what the capture
-    recorded of it (its outputs, views or new; the tensors autograd saved for it; a backward giving
-    gradients of its inputs' shapes): such calls are listed in ``Model.recorded``, in each prediction's
+    recorded of it (its outputs, views or new; the tensors autograd saved for it; its backward's
+    allocations and frees): such calls are listed in ``Model.recorded``, in each prediction's
     ``warnings`` and ``recorded_calls``. Wrong argument types raise :class:`ConfigError` naming the
     argument. Example::
 
@@ -504,7 +504,8 @@ def from_module(
         raise ConfigError(f"from_module() got an unknown argument {next(iter(unknown))!r}; valid: {valid}")
     try:
         document = _graph_capture.capture(
-            model, example_inputs, loss_fn=loss_fn, targets=targets, name=name, blocks=blocks
+            model, example_inputs, loss_fn=loss_fn, targets=targets, name=name, blocks=blocks,
+            rules=_native.graph_rules(),
         )
     except _graph_capture.FromModuleError as e:
         raise ConfigError(str(e)) from None

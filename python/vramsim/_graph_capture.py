@@ -41,7 +41,7 @@ def _dtype_name(dtype: Any) -> str:
 class _Capture:
     """One capture of the forward and loss at one batch size."""
 
-    def __init__(self, torch: Any, model: Any, blocks: List[str]) -> None:
+    def __init__(self, torch: Any, model: Any, blocks: List[str], rules: Any = ()) -> None:
         self.blocks = set(blocks)
         self.block_calls: List[Dict[str, Any]] = []
         # Module calls: [first op, one past the last op, tensor arguments], by call.
@@ -58,6 +58,8 @@ class _Capture:
         self.stack: List[str] = []
         self.names: Dict[int, str] = {id(m): n for n, m in model.named_modules()}
         self.model_dtype = None
+        # The calls the op library has a rule for (the others' backward is recorded too).
+        self.rules = set(rules)
         # The tensor arguments of each module call in progress (innermost last).
         self.module_args: List[List[Any]] = []
 
@@ -134,7 +136,7 @@ class _Capture:
         walk(kwargs)
         return found
 
-    def recording(self, ins: List[Any], outs: List[Any], packed: List[Any]) -> Dict[str, Any]:
+    def recording(self, name: str, ins: List[Any], outs: List[Any], packed: List[Any]) -> Dict[str, Any]:
         """What a call did, for ``from_module``'s fallback when vramsim has no rule for it:
         ``inputs`` (value ids), each output a view of input ``j`` (it lives on that input's
         storage; ``inplace`` when it is the argument itself) or a new tensor, the tensors autograd saved for it (one per storage: an input, an
@@ -186,12 +188,83 @@ class _Capture:
             else:
                 item = t.element_size()
                 saved.append({"shape": [t.untyped_storage().nbytes() // item], **dtype_rule(t)})
-        return {
+        rec = {
             "inputs": [self.ids[id(t)] for t in inputs],
             "outputs": out_specs,
             "saved": saved,
             "grad": any(o.grad_fn is not None for o in outs),
         }
+        if name not in self.rules:
+            backward = self.backward(inputs, outs, dtype_rule)
+            if backward is not None:
+                rec["backward"] = backward
+        return rec
+
+    def backward(self, inputs: List[Any], outs: List[Any], dtype_rule: Any) -> Optional[Dict[str, Any]]:
+        """The call's backward, run once with ``torch.autograd.grad`` (the graph retained, nothing
+        accumulated into ``.grad``) under a dispatch mode that records every new storage: ``steps``,
+        in order, ``{"alloc": [numel], dtype}`` and ``{"free": k}`` (allocation ``k`` died), and
+        ``grads``, per input, the allocation that is its gradient (``{"alloc": k}``), the incoming
+        gradient itself (``{"grad_output": 0}``), or ``None``."""
+        torch = self.torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.weak import WeakIdKeyDictionary
+        import weakref
+
+        diff_outs = [o for o in outs if o.grad_fn is not None and o.is_floating_point()]
+        diff_ins = [j for j, x in enumerate(inputs) if x.requires_grad and x.is_floating_point()]
+        if len(diff_outs) != 1 or not diff_outs[0] is outs[0] or not diff_ins:
+            return None
+        grad_out = torch.empty_like(outs[0])
+        steps: List[Dict[str, Any]] = []
+        seen = WeakIdKeyDictionary()  # storage -> the weak reference whose callback records its free
+        alloc_keys: List[int] = []  # the storage key of each allocation, in order
+        done = [False]
+
+        def freed(k: int) -> None:
+            if not done[0]:
+                steps.append({"free": k})
+
+        class Backward(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                known = set()
+                for a in list(args) + list((kwargs or {}).values()):
+                    for t in a if isinstance(a, (list, tuple)) else [a]:
+                        if isinstance(t, torch.Tensor):
+                            known.add(t.untyped_storage()._cdata)
+                for t in out if isinstance(out, (list, tuple)) else [out]:
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    st = t.untyped_storage()
+                    if st._cdata in known or st in seen or st.nbytes() == 0:
+                        continue
+                    k = len(alloc_keys)
+                    alloc_keys.append(st._cdata)
+                    seen[st] = weakref.ref(st, lambda _r, k=k: freed(k))
+                    steps.append({"alloc": [st.nbytes() // t.element_size()], **dtype_rule(t)})
+                return out
+
+        try:
+            with Backward():
+                grads = torch.autograd.grad(
+                    [outs[0]], [inputs[j] for j in diff_ins], [grad_out], retain_graph=True, allow_unused=True
+                )
+        except Exception:  # a backward that cannot run on meta: the default gradients are used
+            return None
+        # A live storage's key is that of its latest allocation (keys of dead ones may be reused).
+        by_storage = {key: k for k, key in enumerate(alloc_keys)}
+        grad_of: List[Any] = [None] * len(inputs)
+        for j, g in zip(diff_ins, grads):
+            if g is None:
+                continue
+            k = g.untyped_storage()._cdata
+            if k == grad_out.untyped_storage()._cdata:
+                grad_of[j] = {"grad_output": 0}
+            elif k in by_storage:
+                grad_of[j] = {"alloc": by_storage[k]}
+        done[0] = True
+        return {"steps": steps, "grads": grad_of}
 
     def outputs(self, out: Any) -> List[Any]:
         torch = self.torch
@@ -258,7 +331,7 @@ class _Capture:
                     "kwargs": {k: cap.encode(v) for k, v in kwargs.items()},
                 }
                 ins = cap.tensor_args(args, kwargs)
-                op["recorded"] = cap.recording(ins, outs, packed)
+                op["recorded"] = cap.recording(name, ins, outs, packed)
                 op["outputs"] = [cap.value(o, "op", op=len(cap.ops), index=i) for i, o in enumerate(outs)]
                 cap.ops.append(op)
                 return out
@@ -389,8 +462,10 @@ def capture(
     targets: Any = None,
     name: Optional[str] = None,
     blocks: Any = None,
+    rules: Any = (),
 ) -> Dict[str, Any]:
-    """The JSON graph document of ``model`` (see :func:`vramsim.from_module`)."""
+    """The JSON graph document of ``model`` (see :func:`vramsim.from_module`); ``rules`` are the calls
+    the op library has a rule for (the backward of the others is recorded for their fallback)."""
     try:
         import torch
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -445,10 +520,22 @@ def capture(
                     ) from e
             if isinstance(probe, torch.Tensor) and probe.dim() == 2 and probe.is_floating_point():
                 ys = [torch.empty([b], dtype=torch.int64, device="meta")]
-        docs.append(_Capture(torch, model, list(blocks)).run(xs, ys, loss_fn))
+        docs.append(_Capture(torch, model, list(blocks), rules).run(xs, ys, loss_fn))
     a, b2 = docs
     if len(a["ops"]) != len(b2["ops"]) or [o["op"] for o in a["ops"]] != [o["op"] for o in b2["ops"]]:
         raise FromModuleError("the forward runs different calls at batch sizes B and B+1; vramsim needs one graph")
+    # A recorded backward whose steps differ between the two batches (a kernel that picks its path
+    # by size) cannot be written per batch: that call keeps the default gradients.
+    for oa, ob in zip(a["ops"], b2["ops"]):
+        ba = oa.get("recorded", {}).get("backward")
+        bb = ob.get("recorded", {}).get("backward")
+        if ba is None and bb is None:
+            continue
+        shape = lambda bw: None if bw is None else ([sorted(x) for x in bw["steps"]], bw["grads"])  # noqa: E731
+        same = ba is not None and bb is not None and shape(ba)[0] == shape(bb)[0] and ba["grads"] == bb["grads"]
+        if not same or [x.get("free") for x in ba["steps"]] != [x.get("free") for x in bb["steps"]]:
+            oa.get("recorded", {}).pop("backward", None)
+            ob.get("recorded", {}).pop("backward", None)
     merged = _symbolic(a, b2, batch, "graph")
     merged["format"] = FORMAT
     merged["version"] = VERSION

@@ -7,7 +7,7 @@ use crate::dtype::DType;
 use crate::graph::ModuleId;
 use crate::graph::ValueId;
 use crate::layout::{elementwise_layout, numel, Layout};
-use crate::ops::{FusedSdpa, OpKind, RecordedOut};
+use crate::ops::{FusedSdpa, OpKind, RecordedDType, RecordedGrad, RecordedOut, RecordedStep};
 use crate::recipe::Fidelity;
 use std::collections::{BinaryHeap, HashMap};
 
@@ -1094,6 +1094,54 @@ impl<'g> Lowering<'g> {
             }
             // A recorded call: one new gradient per differentiable input, of its shape and dtype
             // (the engine's `validate_outputs` gives each the input's dtype).
+            // A recorded backward: its allocations and frees in order; the gradients are the
+            // allocations (or the incoming gradient) the capture saw returned; the rest is freed.
+            Recorded(rec) if rec.backward.is_some() => {
+                let bw = rec.backward.as_ref().expect("checked");
+                let mut live: Vec<Option<Rt>> = Vec::new();
+                for st in &bw.steps {
+                    match st {
+                        RecordedStep::Alloc(n, d) => {
+                            let dt = match d {
+                                RecordedDType::Like(j) => {
+                                    ins.get(*j).cloned().flatten().map_or(g.dtype, |x| x.dtype)
+                                }
+                                RecordedDType::Spec(s) => self.resolve(*s),
+                            };
+                            live.push(Some(self.alloc(Layout::contiguous(&[*n]), dt, m, rec.name)));
+                        }
+                        RecordedStep::Free(k) => {
+                            if let Some(t) = live.get_mut(*k).and_then(Option::take) {
+                                self.drop_rt(t);
+                            }
+                        }
+                    }
+                }
+                for (j, o) in out.iter_mut().enumerate() {
+                    let Some(x) = ins.get(j).cloned().flatten().filter(|_| need(j)) else {
+                        continue;
+                    };
+                    let storage = match bw.grads.get(j).cloned().flatten() {
+                        Some(RecordedGrad::Alloc(k)) => live.get_mut(k).and_then(Option::take),
+                        Some(RecordedGrad::GradOutput) => Some(self.dup(&g)),
+                        None => None,
+                    };
+                    // The gradient as a tensor of the input's shape on the recorded storage.
+                    *o = Some(match storage {
+                        Some(t) => {
+                            let v = self.view(&t, Layout::contiguous(&x.layout.shape));
+                            self.drop_rt(t);
+                            v
+                        }
+                        None => {
+                            self.alloc(Layout::contiguous(&x.layout.shape), x.dtype, m, rec.name)
+                        }
+                    });
+                }
+                for t in live.into_iter().flatten() {
+                    self.drop_rt(t);
+                }
+            }
             Recorded(rec) => {
                 // A view of input `j` of the same size (`squeeze`, `narrow`'s full range, ...):
                 // its backward is the gradient viewed back to the input's shape, as the
