@@ -412,7 +412,7 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
             let recorded = g.recorded();
             if !recorded.is_empty() {
                 warnings.push(format!(
-                    "{}: calls without a rule use the behaviour recorded at capture (outputs, what autograd saved, their backward's allocations; temporaries inside their forward and autocast's casts of their arguments are not modelled): {}",
+                    "{}: calls without a rule use the behaviour recorded at capture (outputs, what autograd saved, their backward's allocations, autocast's policy of the ATen op of that name; temporaries inside their forward are not modelled): {}",
                     g.name,
                     vramsim_models::imported::list_calls(&recorded)
                 ));

@@ -16,6 +16,7 @@
 //! a document without that recording for such a call is an [`ImportError::Unsupported`] listing
 //! them.
 
+use crate::autocast::Policy;
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, T};
 use crate::ops::{
@@ -694,6 +695,12 @@ impl<'a> Builder<'a> {
             saves,
             grad: rec["grad"].as_bool().unwrap_or(true),
             backward,
+            autocast: match rec["autocast"].as_str() {
+                Some("lower") => Policy::Lower,
+                Some("fp32") => Policy::Fp32,
+                Some("promote") => Policy::Promote,
+                _ => Policy::None,
+            },
         };
         Ok(self.b.recorded(r, &inputs, &shapes))
     }
@@ -993,6 +1000,7 @@ impl<'a> Builder<'a> {
                             saves: vec![],
                             grad: false,
                             backward: None,
+                            autocast: Policy::None,
                         };
                         self.b.recorded(rec, &[input], &[(shape, dt)])[0]
                     }

@@ -454,6 +454,9 @@ pub struct Recorded {
     /// Its backward as the capture ran it, when recorded (else one new gradient per
     /// differentiable input, of the input's shape).
     pub backward: Option<RecordedBackward>,
+    /// What autocast does with its floating arguments (its `AutocastCUDA` kernel's policy, read
+    /// by the capture off the installed wheel; [`crate::autocast::Policy::None`] without one).
+    pub autocast: crate::autocast::Policy,
 }
 
 /// One step of a recorded backward.

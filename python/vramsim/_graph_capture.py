@@ -17,6 +17,7 @@ The JSON format (``"format": "vramsim-graph"``, version 1) is documented in ``mo
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional
 
 FORMAT = "vramsim-graph"
@@ -28,6 +29,37 @@ _IGNORED = {
     "is_floating_point", "data_ptr", "requires_grad_", "__setstate__", "stride", "ndimension",
     "is_contiguous", "__repr__", "tolist", "item", "__hash__", "storage_offset", "element_size",
 }
+
+
+@functools.lru_cache(maxsize=None)
+def autocast_policy(name: str) -> Optional[str]:
+    """What CUDA autocast does with the arguments of ``aten::name`` (``lower``, ``fp32``, ``promote``),
+    read off the installed wheel's ``AutocastCUDA`` kernel by the capture tool's ``cuda_autocast.probe``
+    logic; ``None`` for an op without such a kernel (or one that is not an ATen op of that name)."""
+    try:
+        from ._capture import cuda_autocast
+    except Exception:  # pragma: no cover - the package ships it; without torch nothing is captured
+        return None
+    if name not in _autocast_ops():
+        return None
+    try:
+        policy = cuda_autocast._classify(name).policy
+    except Exception:  # an op the probe cannot call: left uncast, as before
+        return None
+    return {
+        "lower_precision_fp": "lower",
+        "fp32": "fp32",
+        "fp32_set_opt_dtype": "fp32",
+        "fp32_append_dtype": "fp32",
+        "promote": "promote",
+    }.get(policy)
+
+
+@functools.lru_cache(maxsize=1)
+def _autocast_ops() -> frozenset:
+    from ._capture import cuda_autocast
+
+    return frozenset(cuda_autocast.autocast_ops("AutocastCUDA"))
 
 
 class FromModuleError(TypeError):
@@ -198,6 +230,11 @@ class _Capture:
             backward = self.backward(inputs, outs, dtype_rule)
             if backward is not None:
                 rec["backward"] = backward
+            # Under torch.autocast the call's floating arguments are cast first, as its
+            # AutocastCUDA kernel says (einsum: to the autocast dtype).
+            policy = autocast_policy(name)
+            if policy is not None:
+                rec["autocast"] = policy
         return rec
 
     def backward(self, inputs: List[Any], outs: List[Any], dtype_rule: Any) -> Optional[Dict[str, Any]]:
