@@ -250,7 +250,11 @@ class _Capture:
 
         diff_outs = [o for o in outs if o.grad_fn is not None and o.is_floating_point()]
         diff_ins = [j for j, x in enumerate(inputs) if x.requires_grad and x.is_floating_point()]
-        if len(diff_outs) != 1 or not diff_outs[0] is outs[0] or not diff_ins:
+        # One differentiable output, the first, and not written in place into an argument (its
+        # gradient with respect to that argument would be the output's own).
+        if len(diff_outs) != 1 or diff_outs[0] is not outs[0] or not diff_ins:
+            return None
+        if any(o is x for o in outs for x in inputs):
             return None
         grad_out = torch.empty_like(outs[0])
         steps: List[Dict[str, Any]] = []
