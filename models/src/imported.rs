@@ -916,10 +916,15 @@ impl<'a> Builder<'a> {
                 for it in &items {
                     let shape = self.b.shape(x);
                     let size = *shape.get(dim).ok_or_else(|| {
-                        bad(format!(
-                            "index {idx:?} has more entries than {shape:?} has dims",
-                            idx = items
-                        ))
+                        // Named by what is wrong, not by value (the reason groups the calls).
+                        bad(if items.iter().any(J::is_null) {
+                            "`None` is not modelled (ints and slices)".to_string()
+                        } else {
+                            format!(
+                                "an index of more entries than a {}-D tensor has dims",
+                                shape.len()
+                            )
+                        })
                     })? as i64;
                     if let Some(i) = int(it) {
                         let i = if i < 0 { i + size } else { i };

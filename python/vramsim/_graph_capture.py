@@ -577,6 +577,14 @@ def capture(
         if not same or [x.get("free") for x in ba["steps"]] != [x.get("free") for x in bb["steps"]]:
             oa.get("recorded", {}).pop("backward", None)
             ob.get("recorded", {}).pop("backward", None)
+    # A recording that differs between the two batches beyond sizes cannot be written per batch: it
+    # is dropped (a call with a rule does not need it; one without is then listed as unsupported).
+    for oa, ob in zip(a["ops"], b2["ops"]):
+        try:
+            _symbolic(oa.get("recorded"), ob.get("recorded"), batch, "recorded")
+        except FromModuleError:
+            oa.pop("recorded", None)
+            ob.pop("recorded", None)
     merged = _symbolic(a, b2, batch, "graph")
     merged["format"] = FORMAT
     merged["version"] = VERSION
