@@ -626,6 +626,7 @@ impl<'a> Builder<'a> {
             }
         };
         let mut out_specs = Vec::new();
+        let mut view_strides = Vec::new();
         let mut shapes = Vec::new();
         for (k, &o) in outs.iter().enumerate() {
             let decl = self.g.doc["values"]
@@ -634,6 +635,10 @@ impl<'a> Builder<'a> {
             let shape = self.shape(&decl["shape"])?;
             let spec = dtype_spec(decl["dtype"].as_str().unwrap_or("?"))?;
             let r = rec["outputs"].get(k).cloned().unwrap_or(J::Null);
+            view_strides.push(match r.get("strides") {
+                Some(st) => Some(self.shape(st)?),
+                None => None,
+            });
             let out = match r.get("view") {
                 Some(v) if r["inplace"].as_bool() == Some(true) => {
                     RecordedOut::InPlace(index(v, n_in, "input")?)
@@ -692,6 +697,7 @@ impl<'a> Builder<'a> {
         let r = Recorded {
             name: crate::ops::intern(name),
             outs: out_specs,
+            view_strides,
             saves,
             grad: rec["grad"].as_bool().unwrap_or(true),
             backward,
@@ -1002,6 +1008,7 @@ impl<'a> Builder<'a> {
                         let rec = Recorded {
                             name: "aten.empty",
                             outs: vec![RecordedOut::New(RecordedDType::Like(0))],
+                            view_strides: vec![],
                             saves: vec![],
                             grad: false,
                             backward: None,

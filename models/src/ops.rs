@@ -447,6 +447,8 @@ pub struct Recorded {
     pub name: &'static str,
     /// Its outputs.
     pub outs: Vec<RecordedOut>,
+    /// The strides (in elements) the capture saw on each output that is a view, where recorded.
+    pub view_strides: Vec<Option<Vec<u64>>>,
     /// What its autograd node saved (in packing order, one per storage).
     pub saves: Vec<RecordedSave>,
     /// Whether the capture saw an autograd node on its outputs (false: not differentiable).

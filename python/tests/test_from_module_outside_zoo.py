@@ -294,3 +294,32 @@ def test_a_small_hf_gpt2_through_the_fallback_matches_a_recording():
     theirs = rec.replay().peak_requested_bytes
     print(f"GPT-2 (2 layers) batch {batch} × {seq}: recorded {theirs}, from_module {ours}")
     assert abs(ours - theirs) / theirs <= 0.01
+
+
+def test_a_recorded_view_keeps_its_strides(tmp_path):
+    # `swapaxes` has no rule: its output is recorded as a view with PyTorch's strides ([256, 1, 16]
+    # for a [B, 16, 16] view of a contiguous [B, 256]), so the reshape after it copies (`aten.clone`,
+    # the tensor the second Linear saves), as in PyTorch, and the addmm output before it is freed.
+    class Swap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(64, 256)
+            self.b = nn.Linear(256, 10)
+
+        def forward(self, x):
+            return self.b(self.a(x).view(-1, 16, 16).swapaxes(1, 2).reshape(-1, 256))
+
+    with torch.device("meta"):
+        net = Swap()
+    m = vramsim.from_module(net, torch.empty(8, 64, device="meta"))
+    swap = next(op for op in m.document["ops"] if op["op"] == "swapaxes")
+    assert swap["recorded"]["outputs"] == [{"view": 0, "strides": [256, 1, 16]}]
+    trace = tmp_path / "swap.jsonl"
+    vramsim.predict(model=m, batch=1024, iterations=1, trace_out=str(trace))
+    import json
+
+    activations = [
+        (e["size"], e.get("tag")) for e in map(json.loads, trace.read_text().splitlines())
+        if e.get("op") == "alloc" and e.get("category") == "activation" and e["size"] == 1024 * 256 * 4
+    ]
+    assert activations == [(1024 * 256 * 4, "aten.clone")]

@@ -194,7 +194,11 @@ class _Capture:
             if k in in_keys:
                 j = in_keys.index(k)
                 # The argument itself returned: an in-place op (`x.clamp_()`), not a view.
-                out_specs.append({"view": j, "inplace": True} if o is inputs[j] else {"view": j})
+                # A view keeps the strides PyTorch gave it (a later reshape copies when they
+                # do not allow a view).
+                out_specs.append(
+                    {"view": j, "inplace": True} if o is inputs[j] else {"view": j, "strides": list(o.stride())}
+                )
             else:
                 out_specs.append(dtype_rule(o))
         out_keys = [key(o) for o in outs]

@@ -1098,9 +1098,22 @@ impl<'g> Lowering<'g> {
                 let mut vs = Vec::new();
                 for (k, (shape, spec)) in outs.iter().enumerate() {
                     vs.push(match rec.outs.get(k) {
-                        Some(
-                            crate::ops::RecordedOut::View(j) | crate::ops::RecordedOut::InPlace(j),
-                        ) => self.view(&x[*j], Layout::contiguous(shape)),
+                        // In place: the argument's own layout.
+                        Some(crate::ops::RecordedOut::InPlace(j)) => {
+                            self.view(&x[*j], x[*j].layout.clone())
+                        }
+                        // A view: the strides the capture saw (contiguous when not recorded), so
+                        // a later reshape copies where PyTorch's does.
+                        Some(crate::ops::RecordedOut::View(j)) => {
+                            let l = match rec.view_strides.get(k).cloned().flatten() {
+                                Some(strides) if strides.len() == shape.len() => Layout {
+                                    shape: shape.clone(),
+                                    strides,
+                                },
+                                _ => Layout::contiguous(shape),
+                            };
+                            self.view(&x[*j], l)
+                        }
                         Some(crate::ops::RecordedOut::New(d)) => {
                             let dt = dtype_of(self, d);
                             self.alloc(Layout::contiguous(shape), dt, m, name)
