@@ -470,6 +470,14 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
                 .with_context(|| format!("cannot read the graph {}", path.display()))?;
             let g = vramsim_models::imported::ImportedGraph::parse(&text)
                 .with_context(|| format!("cannot import the graph {}", path.display()))?;
+            let recorded = g.recorded();
+            if !recorded.is_empty() {
+                warnings.push(format!(
+                    "{}: calls without a rule use the behaviour recorded at capture (outputs, what autograd saved, their backward's allocations, autocast's policy of the ATen op of that name; temporaries inside their forward are not modelled): {}",
+                    g.name,
+                    vramsim_models::imported::list_calls(&recorded)
+                ));
+            }
             if args.checkpoint != Checkpointing::None && g.blocks().is_empty() {
                 warnings.push(format!(
                     "{}: a captured module has no checkpointable blocks marked, so --checkpoint {} checkpoints nothing",
@@ -1074,6 +1082,14 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
         "replay_ms": p.replay_ms,
     });
     j["warnings"] = json!(p.warnings);
+    if let Arch::Imported(g) = &p.arch {
+        // A captured module's calls lowered from their recording (from_module's fallback).
+        j["recorded_calls"] = json!(g
+            .recorded()
+            .iter()
+            .map(|(op, module, count)| json!({"op": op, "module": module, "count": count}))
+            .collect::<Vec<_>>());
+    }
     j
 }
 

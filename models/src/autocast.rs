@@ -48,6 +48,8 @@ pub fn policy(kind: &OpKind) -> Policy {
         | PowScalar(_)
         | Rsqrt => Policy::Fp32,
         Cat { .. } => Policy::Promote,
+        // A call lowered from its recording: the policy the capture read off its kernel.
+        Recorded(r) => r.autocast,
         _ => Policy::None,
     }
 }

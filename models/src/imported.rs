@@ -8,10 +8,21 @@
 //! rebuilds the graph at any batch: each call is mapped onto the op library's builder method of the
 //! same PyTorch function (which writes the ATen ops eager PyTorch runs, autocast's casts included),
 //! so every recipe (precision, checkpointing of nothing but the whole step, accumulation, optimizer)
-//! applies as to a zoo model. Calls without a rule are an [`ImportError::Unsupported`] listing them.
+//! applies as to a zoo model.
+//!
+//! Calls without a rule fall back on what the capture recorded of them (`"recorded"`: which
+//! outputs are views of an input, what autograd saved, per storage), lowered as an
+//! [`OpKind::Recorded`](crate::ops::OpKind::Recorded) op and listed by [`ImportedGraph::recorded`];
+//! a document without that recording for such a call is an [`ImportError::Unsupported`] listing
+//! them.
 
+use crate::autocast::Policy;
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, T};
+use crate::ops::{
+    Recorded, RecordedBackward, RecordedDType, RecordedGrad, RecordedOut, RecordedSave,
+    RecordedStep,
+};
 use crate::recipe::{Precision, Recipe};
 use crate::sdpa::{self, SdpaCall};
 use serde_json::Value as J;
@@ -28,8 +39,9 @@ pub enum ImportError {
     /// Not JSON, or not a `vramsim-graph` document of a known version.
     #[error("not a vramsim graph document: {0}")]
     Format(String),
-    /// Calls without a rule in the op library (name, module path, count).
-    #[error("calls without a rule in vramsim's op library (op @ module × count): {}", .0.iter().map(|(o, m, n)| format!("{o} @ {} × {n}", if m.is_empty() { "<top>" } else { m })).collect::<Vec<_>>().join(", "))]
+    /// Calls without a rule in the op library and without the capture's recording of them (name,
+    /// module path, count).
+    #[error("calls without a rule in vramsim's op library, and no recording of them to fall back on (op @ module × count): {}; capture the module again with this vramsim's from_module", list_calls(.0))]
     Unsupported(Vec<(String, String, usize)>),
     /// A call whose arguments the rule does not take (op, module, what).
     #[error("{module}: {op}: {msg}")]
@@ -54,6 +66,9 @@ pub struct ImportedGraph {
     /// The batch the example inputs had.
     pub example_batch: u64,
     doc: J,
+    /// Calls whose rule refuses their arguments, lowered from their recording (found by building
+    /// the graph at the example batch): `name (why)`, module, count.
+    refused: Vec<(String, String, usize)>,
 }
 
 /// The call `F.multi_head_attention_forward` makes to `F.scaled_dot_product_attention` under
@@ -79,6 +94,15 @@ fn mha_sdpa_call(recipe: &Recipe, [l, n, e]: [u64; 3], heads: u64, dropout: f64)
         enable_gqa: false,
         requires_grad: !recipe.inference,
     }
+}
+
+/// `op @ module × count, ...` (the top module written `<top>`).
+pub fn list_calls(calls: &[(String, String, usize)]) -> String {
+    calls
+        .iter()
+        .map(|(o, m, n)| format!("{o} @ {} × {n}", if m.is_empty() { "<top>" } else { m }))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn field<'a>(j: &'a J, key: &str) -> Result<&'a J, ImportError> {
@@ -168,6 +192,10 @@ pub const SUPPORTED: &[&str] = &[
     "cross_entropy",
     "nll_loss",
     "mse_loss",
+    "hardswish",
+    "hardsigmoid",
+    "avg_pool2d",
+    "chunk",
 ];
 
 impl ImportedGraph {
@@ -197,14 +225,28 @@ impl ImportedGraph {
         ] {
             field(&doc, key)?;
         }
-        let g = ImportedGraph {
+        let mut g = ImportedGraph {
             name,
             example_batch,
             doc,
+            refused: Vec::new(),
         };
         let missing = g.unsupported();
         if !missing.is_empty() {
             return Err(ImportError::Unsupported(missing));
+        }
+        // The calls whose arguments their rule does not model (known once built; a graph that
+        // does not build reports why when it is built).
+        if let Ok((_, refused)) = g.build_with(example_batch, &Recipe::new(example_batch, 0)) {
+            let mut counts: Vec<(String, String, usize)> = Vec::new();
+            for (op, module, why) in refused {
+                let key = format!("{op} ({why})");
+                match counts.iter_mut().find(|c| c.0 == key) {
+                    Some(c) => c.2 += 1,
+                    None => counts.push((key, module, 1)),
+                }
+            }
+            g.refused = counts;
         }
         Ok(g)
     }
@@ -225,12 +267,30 @@ impl ImportedGraph {
         self.doc["ops"].as_array().map(Vec::as_slice).unwrap_or(&[])
     }
 
-    /// The calls without a rule: (name, first module path, count), in program order.
+    /// The calls without a rule and without a recording to fall back on: (name, first module
+    /// path, count), in program order.
     pub fn unsupported(&self) -> Vec<(String, String, usize)> {
+        self.calls_without_rule(false)
+    }
+
+    /// The calls without a rule that are lowered from what the capture recorded of them
+    /// ([`OpKind::Recorded`](crate::ops::OpKind::Recorded)): (name, first module path, count), in
+    /// program order.
+    /// Calls whose rule refuses their arguments (`conv2d (padding given as a string is not
+    /// modelled)`) come after them.
+    pub fn recorded(&self) -> Vec<(String, String, usize)> {
+        let mut v = self.calls_without_rule(true);
+        v.extend(self.refused.iter().cloned());
+        v
+    }
+
+    fn calls_without_rule(&self, recorded: bool) -> Vec<(String, String, usize)> {
         let mut seen: BTreeMap<String, (usize, String, usize)> = BTreeMap::new();
         for (i, op) in self.ops().iter().enumerate() {
             let name = op["op"].as_str().unwrap_or("?");
-            if !SUPPORTED.contains(&name) {
+            if !SUPPORTED.contains(&name)
+                && op.get("recorded").is_some_and(J::is_object) == recorded
+            {
                 let e = seen.entry(name.to_string()).or_insert((
                     i,
                     op["module"].as_str().unwrap_or("").to_string(),
@@ -285,11 +345,24 @@ impl ImportedGraph {
     /// The model's graph at `batch`, each `F.multi_head_attention_forward` on the SDPA backend
     /// PyTorch picks for `recipe` (its precision, `--attention` and target), as the zoo's ViT does.
     pub fn build_for(&self, batch: u64, recipe: &Recipe) -> Result<Graph, ImportError> {
+        Ok(self.build_with(batch, recipe)?.0)
+    }
+
+    /// [`ImportedGraph::build_for`], with the calls whose rule refused their arguments (name,
+    /// module, why).
+    fn build_with(
+        &self,
+        batch: u64,
+        recipe: &Recipe,
+    ) -> Result<(Graph, Vec<Refused>), ImportError> {
         let mut b = Builder::new(self, batch);
         b.recipe = Some(recipe.clone());
         b.run()
     }
 }
+
+/// A call whose rule refused its arguments: name, module, why.
+type Refused = (String, String, String);
 
 struct Builder<'a> {
     g: &'a ImportedGraph,
@@ -299,16 +372,28 @@ struct Builder<'a> {
     recipe: Option<Recipe>,
     /// Values made by a factory (`torch.empty`) and written in place since: outside autograd.
     no_grad: std::collections::BTreeSet<T>,
+    /// Calls whose rule refused their arguments, lowered from their recording instead (name,
+    /// module, why).
+    refused: Vec<Refused>,
 }
 
 impl<'a> Builder<'a> {
     fn new(g: &'a ImportedGraph, batch: u64) -> Self {
         let n = g.doc["values"].as_array().map_or(0, Vec::len);
         let mut b = GraphBuilder::new(&g.name, batch, 0);
+        let recorded = g.recorded();
+        let fallback = if recorded.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; calls without a rule from their recording: {}",
+                list_calls(&recorded)
+            )
+        };
         b.meta(
             "reference",
             format!(
-                "vramsim.from_module capture of {} (example batch {}), lowered by the op library",
+                "vramsim.from_module capture of {} (example batch {}), lowered by the op library{fallback}",
                 g.name, g.example_batch
             )
             .into(),
@@ -320,6 +405,7 @@ impl<'a> Builder<'a> {
             vals: vec![None; n],
             recipe: None,
             no_grad: Default::default(),
+            refused: Vec::new(),
         }
     }
 
@@ -347,7 +433,7 @@ impl<'a> Builder<'a> {
         Ok((i, v))
     }
 
-    fn run(mut self) -> Result<Graph, ImportError> {
+    fn run(mut self) -> Result<(Graph, Vec<Refused>), ImportError> {
         let doc = &self.g.doc;
         let params = doc["params"].as_array().cloned().unwrap_or_default();
         let buffers = doc["buffers"].as_array().cloned().unwrap_or_default();
@@ -495,7 +581,8 @@ impl<'a> Builder<'a> {
         let l = self.get(loss)?;
         self.b.keep_output(l);
         self.b.set_output(l);
-        Ok(self.b.finish()?)
+        let refused = std::mem::take(&mut self.refused);
+        Ok((self.b.finish()?, refused))
     }
 
     fn get(&self, i: usize) -> Result<T, ImportError> {
@@ -506,7 +593,126 @@ impl<'a> Builder<'a> {
             .ok_or_else(|| ImportError::Format(format!("value {i} is used before it is made")))
     }
 
-    fn op(&mut self, op: &J) -> Result<(), ImportError> {
+    /// A call without a rule, lowered from its recording (`"recorded"`, written by the capture
+    /// for every call): its inputs (value ids), each output a view of an input or a new tensor,
+    /// what autograd saved, whether it made a node. See [`OpKind::Recorded`](crate::ops::OpKind).
+    fn recorded_op(
+        &mut self,
+        name: &str,
+        rec: &J,
+        outs: &[usize],
+        bad: &dyn Fn(String) -> ImportError,
+    ) -> Result<Vec<T>, ImportError> {
+        let index = |j: &J, n: usize, what: &str| -> Result<usize, ImportError> {
+            j.as_u64()
+                .map(|i| i as usize)
+                .filter(|&i| i < n)
+                .ok_or_else(|| bad(format!("recorded {what} {j} is out of range")))
+        };
+        let mut inputs = Vec::new();
+        for v in rec["inputs"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+            let i = v
+                .as_u64()
+                .ok_or_else(|| bad(format!("recorded input {v} is not a value id")))?;
+            inputs.push(self.get(i as usize)?);
+        }
+        let n_in = inputs.len();
+        let dtype = |j: &J| -> Result<RecordedDType, ImportError> {
+            match j.get("like") {
+                Some(l) => Ok(RecordedDType::Like(index(l, n_in, "input")?)),
+                None => Ok(RecordedDType::Spec(dtype_spec(
+                    j["dtype"].as_str().unwrap_or("?"),
+                )?)),
+            }
+        };
+        let mut out_specs = Vec::new();
+        let mut view_strides = Vec::new();
+        let mut shapes = Vec::new();
+        for (k, &o) in outs.iter().enumerate() {
+            let decl = self.g.doc["values"]
+                .get(o)
+                .ok_or_else(|| ImportError::Format(format!("value {o} is not declared")))?;
+            let shape = self.shape(&decl["shape"])?;
+            let spec = dtype_spec(decl["dtype"].as_str().unwrap_or("?"))?;
+            let r = rec["outputs"].get(k).cloned().unwrap_or(J::Null);
+            view_strides.push(match r.get("strides") {
+                Some(st) => Some(self.shape(st)?),
+                None => None,
+            });
+            let out = match r.get("view") {
+                Some(v) if r["inplace"].as_bool() == Some(true) => {
+                    RecordedOut::InPlace(index(v, n_in, "input")?)
+                }
+                Some(v) => RecordedOut::View(index(v, n_in, "input")?),
+                None if r.is_object() => RecordedOut::New(dtype(&r)?),
+                None => RecordedOut::New(RecordedDType::Spec(spec)),
+            };
+            // The graph's dtype of the output: the input's for a view or a `like` output.
+            let graph_dtype = match &out {
+                RecordedOut::View(j)
+                | RecordedOut::InPlace(j)
+                | RecordedOut::New(RecordedDType::Like(j)) => self.b.dtype(inputs[*j]),
+                RecordedOut::New(RecordedDType::Spec(d)) => *d,
+            };
+            out_specs.push(out);
+            shapes.push((shape, graph_dtype));
+        }
+        let mut saves = Vec::new();
+        for sv in rec["saved"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+            saves.push(if let Some(j) = sv.get("input") {
+                RecordedSave::In(index(j, n_in, "input")?)
+            } else if let Some(k) = sv.get("output") {
+                RecordedSave::Out(index(k, outs.len(), "output")?)
+            } else {
+                RecordedSave::New(self.shape(&sv["shape"])?, dtype(sv)?)
+            });
+        }
+        let backward = match rec.get("backward").filter(|b| b.is_object()) {
+            None => None,
+            Some(bw) => {
+                let mut steps = Vec::new();
+                let mut allocs = 0;
+                for st in bw["steps"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+                    if let Some(k) = st.get("free") {
+                        steps.push(RecordedStep::Free(index(k, allocs, "allocation")?));
+                    } else {
+                        let n = self.shape(&st["alloc"])?;
+                        steps.push(RecordedStep::Alloc(n.iter().product(), dtype(st)?));
+                        allocs += 1;
+                    }
+                }
+                let mut grads = Vec::new();
+                for g in bw["grads"].as_array().map(Vec::as_slice).unwrap_or(&[]) {
+                    grads.push(if let Some(k) = g.get("alloc") {
+                        Some(RecordedGrad::Alloc(index(k, allocs, "allocation")?))
+                    } else if g.get("grad_output").is_some() {
+                        Some(RecordedGrad::GradOutput)
+                    } else {
+                        None
+                    });
+                }
+                Some(RecordedBackward { steps, grads })
+            }
+        };
+        let r = Recorded {
+            name: crate::ops::intern(name),
+            outs: out_specs,
+            view_strides,
+            saves,
+            grad: rec["grad"].as_bool().unwrap_or(true),
+            backward,
+            autocast: match rec["autocast"].as_str() {
+                Some("lower") => Policy::Lower,
+                Some("fp32") => Policy::Fp32,
+                Some("promote") => Policy::Promote,
+                _ => Policy::None,
+            },
+        };
+        Ok(self.b.recorded(r, &inputs, &shapes))
+    }
+
+    /// The op library's rule for one call (or its recording when it has no rule).
+    fn rule(&mut self, op: &J) -> Result<Vec<T>, ImportError> {
         let name = op["op"].as_str().unwrap_or("?").to_string();
         let module = op["module"].as_str().unwrap_or("").to_string();
         let args = op["args"].as_array().cloned().unwrap_or_default();
@@ -716,10 +922,15 @@ impl<'a> Builder<'a> {
                 for it in &items {
                     let shape = self.b.shape(x);
                     let size = *shape.get(dim).ok_or_else(|| {
-                        bad(format!(
-                            "index {idx:?} has more entries than {shape:?} has dims",
-                            idx = items
-                        ))
+                        // Named by what is wrong, not by value (the reason groups the calls).
+                        bad(if items.iter().any(J::is_null) {
+                            "`None` is not modelled (ints and slices)".to_string()
+                        } else {
+                            format!(
+                                "an index of more entries than a {}-D tensor has dims",
+                                shape.len()
+                            )
+                        })
                     })? as i64;
                     if let Some(i) = int(it) {
                         let i = if i < 0 { i + size } else { i };
@@ -754,9 +965,17 @@ impl<'a> Builder<'a> {
                         }
                         dim += 1;
                     } else {
-                        return Err(bad(format!(
-                            "index entry {it} is not modelled (ints and slices)"
-                        )));
+                        // Named by kind, not by value (the reason groups the calls it refuses).
+                        let kind = if it.get("t").is_some() {
+                            "a tensor index".to_string()
+                        } else if it.get("other").and_then(J::as_str) == Some("ellipsis") {
+                            "`...`".to_string()
+                        } else if it.is_null() {
+                            "`None`".to_string()
+                        } else {
+                            format!("index entry {it}")
+                        };
+                        return Err(bad(format!("{kind} is not modelled (ints and slices)")));
                     }
                 }
                 vec![x]
@@ -776,7 +995,29 @@ impl<'a> Builder<'a> {
                     Some(d) if d["model"].as_bool() == Some(true) => DTypeSpec::Model,
                     Some(d) => dtype_spec(d["dtype"].as_str().unwrap_or("?"))?,
                 };
-                let t = self.b.factory("aten.empty", &[], &shape, dt, vec![]);
+                // `dtype=input.dtype` of the enclosing module's input (the capture names it,
+                // `"like"`): the dtype that input has when the step runs, 16-bit under autocast
+                // where the parameters stay float32.
+                let like = kwargs
+                    .get("dtype")
+                    .and_then(|d| d.get("like"))
+                    .and_then(J::as_u64);
+                let t = match like {
+                    Some(v) => {
+                        let input = self.get(v as usize)?;
+                        let rec = Recorded {
+                            name: "aten.empty",
+                            outs: vec![RecordedOut::New(RecordedDType::Like(0))],
+                            view_strides: vec![],
+                            saves: vec![],
+                            grad: false,
+                            backward: None,
+                            autocast: Policy::None,
+                        };
+                        self.b.recorded(rec, &[input], &[(shape, dt)])[0]
+                    }
+                    None => self.b.factory("aten.empty", &[], &shape, dt, vec![]),
+                };
                 self.no_grad.insert(t);
                 vec![t]
             }
@@ -834,15 +1075,54 @@ impl<'a> Builder<'a> {
                 let x = need(self, 0, "input")?;
                 let p = float_arg(1, "p", 0.5);
                 let training = bool_arg(2, "training", true);
-                if bool_arg(3, "inplace", false) {
-                    return Err(bad("dropout(inplace=True) is not modelled".into()));
-                }
                 // ATen `_dropout_impl`: `if (p == 0 || !train || input.numel() == 0) return input`.
+                // `inplace=True` runs `_VF.dropout_` (torch/nn/functional.py), which is never the
+                // fused kernel (see `OpKind::DropoutInplace`).
                 if p == 0.0 || !training {
                     vec![x]
+                } else if bool_arg(3, "inplace", false) {
+                    vec![self.b.dropout_(x, p)]
                 } else {
                     vec![self.b.dropout(x, p)]
                 }
+            }
+            // `nn.Hardswish` / `nn.Hardsigmoid` call `F.hardswish(input, inplace)` /
+            // `F.hardsigmoid(input, inplace)`, which run `hardswish_` / `hardsigmoid_` when
+            // `inplace` (torch/nn/functional.py).
+            "hardswish" | "hardsigmoid" => {
+                let x = need(self, 0, "input")?;
+                let inplace = bool_arg(1, "inplace", false);
+                vec![match (name.as_str(), inplace) {
+                    ("hardswish", false) => self.b.hardswish(x),
+                    ("hardswish", true) => self.b.hardswish_(x),
+                    (_, false) => self.b.hardsigmoid(x),
+                    (_, true) => self.b.hardsigmoid_(x),
+                }]
+            }
+            // `x.chunk(n, dim)` (ShuffleNetV2's `x.chunk(2, dim=1)`): ATen `chunk` splits into
+            // pieces of `ceil(size / n)` (the last one shorter), views (`split_with_sizes`).
+            "chunk" => {
+                let x = need(self, 0, "input")?;
+                let n = arg(1, "chunks")
+                    .and_then(|j| int(&j))
+                    .filter(|&c| c > 0)
+                    .ok_or_else(|| bad("chunks is not a positive int".into()))?
+                    as u64;
+                let dim = arg(2, "dim").and_then(|j| int(&j)).unwrap_or(0);
+                let s = self.b.shape(x);
+                let d = if dim < 0 { dim + s.len() as i64 } else { dim };
+                let size = *s
+                    .get(d.max(0) as usize)
+                    .filter(|_| d >= 0)
+                    .ok_or_else(|| bad(format!("dim {dim} of a {}-D tensor", s.len())))?;
+                let piece = size.div_ceil(n).max(1);
+                let mut sizes = Vec::new();
+                let mut left = size;
+                while left > 0 {
+                    sizes.push(piece.min(left));
+                    left -= piece.min(left);
+                }
+                self.b.split(x, &sizes, d as isize)
             }
             "embedding" => {
                 let ids = need(self, 0, "input")?;
@@ -987,14 +1267,25 @@ impl<'a> Builder<'a> {
                 };
                 let padding = pair(arg(3, "padding"), [0, 0])?;
                 if pair(arg(4, "dilation"), [1, 1])? != [1, 1]
-                    || bool_arg(5, "ceil_mode", false)
                     || bool_arg(6, "return_indices", false)
                 {
-                    return Err(bad(
-                        "dilation, ceil_mode or return_indices are not modelled".into(),
-                    ));
+                    return Err(bad("dilation or return_indices are not modelled".into()));
                 }
-                vec![self.b.max_pool2d(x, kernel, stride, padding)]
+                let ceil = bool_arg(5, "ceil_mode", false);
+                vec![self.b.max_pool2d_ceil(x, kernel, stride, padding, ceil)]
+            }
+            // `F.avg_pool2d(input, kernel_size, stride=None, padding=0, ceil_mode=False,
+            // count_include_pad=True, divisor_override=None)`: the last two change no memory.
+            "avg_pool2d" => {
+                let x = need(self, 0, "input")?;
+                let kernel = pair(arg(1, "kernel_size"), [1, 1])?;
+                let stride = match arg(2, "stride") {
+                    Some(j) if !j.as_array().is_some_and(Vec::is_empty) => pair(Some(j), kernel)?,
+                    _ => kernel,
+                };
+                let padding = pair(arg(3, "padding"), [0, 0])?;
+                let ceil = bool_arg(4, "ceil_mode", false);
+                vec![self.b.avg_pool2d(x, kernel, stride, padding, ceil)]
             }
             "adaptive_avg_pool2d" => {
                 let x = need(self, 0, "input")?;
@@ -1051,14 +1342,42 @@ impl<'a> Builder<'a> {
                     _ => self.b.mse_loss(x, y),
                 }]
             }
-            _ => {
-                let _ = x0()?;
-                return Err(ImportError::Unsupported(vec![(
-                    name.clone(),
-                    module.clone(),
-                    1,
-                )]));
+            _ => match op.get("recorded") {
+                Some(rec) if rec.is_object() => self.recorded_op(&name, rec, &outs, &bad)?,
+                _ => {
+                    let _ = x0()?;
+                    return Err(ImportError::Unsupported(vec![(
+                        name.clone(),
+                        module.clone(),
+                        1,
+                    )]));
+                }
+            },
+        };
+        Ok(out)
+    }
+
+    /// One call of the document: its rule, or — without a rule, or with arguments the rule does
+    /// not model — the capture's recording of it; then its outputs checked against the capture's
+    /// shapes.
+    fn op(&mut self, op: &J) -> Result<(), ImportError> {
+        let name = op["op"].as_str().unwrap_or("?").to_string();
+        let module = op["module"].as_str().unwrap_or("").to_string();
+        let outs: Vec<usize> = op["outputs"]
+            .as_array()
+            .map(|a| a.iter().filter_map(J::as_u64).map(|x| x as usize).collect())
+            .unwrap_or_default();
+        let bad = |msg: String| ImportError::Arguments {
+            op: name.clone(),
+            module: module.clone(),
+            msg,
+        };
+        let out = match (self.rule(op), op.get("recorded").filter(|r| r.is_object())) {
+            (Err(ImportError::Arguments { msg, .. }), Some(rec)) => {
+                self.refused.push((name.clone(), module.clone(), msg));
+                self.recorded_op(&name, rec, &outs, &bad)?
             }
+            (r, _) => r?,
         };
         if out.len() != outs.len() {
             return Err(bad(format!(

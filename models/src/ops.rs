@@ -242,6 +242,43 @@ pub enum OpKind {
     /// (`TensorAdvancedIndexing.cpp` `masked_fill`). derivatives.yaml saves the mask
     /// (`self: grad.masked_fill(mask, 0)`); the mask is not differentiable.
     MaskedFill,
+    /// `F.hardswish(x)` (`nn.Hardswish`, MobileNetV3): derivatives.yaml `hardswish: self:
+    /// hardswish_backward(grad, self)` saves its input.
+    Hardswish,
+    /// `F.hardsigmoid(x)` (`nn.Hardsigmoid`): derivatives.yaml `hardsigmoid_backward(grad, self)`
+    /// saves its input.
+    Hardsigmoid,
+    /// `F.hardswish(x, inplace=True)` (`hardswish_`): writes into its input; as for `silu_`, the
+    /// formula reads `self`, so autograd first saves `original_self = self.clone()`.
+    HardswishInplace,
+    /// `F.hardsigmoid(x, inplace=True)` (`hardsigmoid_`, torchvision's `SqueezeExcitation` in
+    /// MobileNetV3): likewise a clone of the input saved, no output allocated.
+    HardsigmoidInplace,
+    /// `F.dropout(x, p, training=True, inplace=True)` (`_VF.dropout_`, EfficientNet's classifier):
+    /// ATen's `dropout_` always takes `_dropout_impl<inplace=true>` (`aten/src/ATen/native/
+    /// Dropout.cpp`; the fused `native_dropout` is only for the out-of-place `dropout`, on CUDA as
+    /// elsewhere): `noise = at::empty_like(input)`, `noise.bernoulli_(1 - p)`, `noise.div_(1 - p)`,
+    /// `input.mul_(noise)`. The noise, in the input's dtype, is what `MulBackward0` saves (`other`);
+    /// nothing else is allocated.
+    DropoutInplace {
+        /// Drop probability.
+        p: f64,
+    },
+    /// `F.avg_pool2d(x, kernel, stride, padding)` (DenseNet's transitions): derivatives.yaml
+    /// `avg_pool2d: self: avg_pool2d_backward(grad, self, ...)` saves the input; the output is a
+    /// new contiguous tensor.
+    AvgPool2d {
+        /// Kernel size (H, W).
+        kernel: [u64; 2],
+        /// Stride (H, W).
+        stride: [u64; 2],
+    },
+    /// A call without a rule, lowered from what the capture recorded of it
+    /// (`vramsim.from_module`'s fallback, see [`crate::imported`]): each output a view of an input
+    /// or a new contiguous tensor, the tensors autograd packed for its node (inputs, outputs, or
+    /// new tensors the call made), and a backward that allocates one gradient per differentiable
+    /// input, of the input's shape. Temporaries inside the call are not recorded.
+    Recorded(Box<Recorded>),
     /// Autocast's `lower_precision_fp` cast of a composite's argument (`linear`, `matmul` are in
     /// the list, so their arguments are cast, and cached when they are parameters, before the
     /// ATen ops they decompose into): identity when autocast is off.
@@ -334,6 +371,13 @@ impl OpKind {
             Index => "aten.index",
             MseLoss => "aten.mse_loss",
             MaskedFill => "aten.masked_fill",
+            Hardswish => "aten.hardswish",
+            Hardsigmoid => "aten.hardsigmoid",
+            HardswishInplace => "aten.hardswish_",
+            HardsigmoidInplace => "aten.hardsigmoid_",
+            DropoutInplace { .. } => "aten.mul_",
+            AvgPool2d { .. } => "aten.avg_pool2d",
+            Recorded(r) => r.name,
             Factory { name, .. } => name,
             QuantLinear {
                 quant: crate::finetune::Quant::Int8,
@@ -369,9 +413,115 @@ impl OpKind {
             OpKind::ReluInplace
                 | OpKind::HardtanhInplace
                 | OpKind::SiluInplace
+                | OpKind::HardswishInplace
+                | OpKind::HardsigmoidInplace
+                | OpKind::DropoutInplace { .. }
                 | OpKind::AddInplace { .. }
         )
     }
+}
+
+/// Where a recorded call's output or new saved tensor takes its dtype from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RecordedDType {
+    /// The dtype input `j` has when the op runs (the capture saw them equal; under autocast the
+    /// input may be 16-bit, and so is the result).
+    Like(usize),
+    /// A dtype of its own (`model`: the parameters' dtype).
+    Spec(DTypeSpec),
+}
+
+/// An output of a recorded call.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RecordedOut {
+    /// A view of input `j` (the capture saw the output on that input's storage): its backward
+    /// views the gradient back when the sizes agree.
+    View(usize),
+    /// Input `j` itself, written in place (the call returned its argument): no allocation; its
+    /// backward allocates the input's gradient.
+    InPlace(usize),
+    /// A new contiguous tensor.
+    New(RecordedDType),
+}
+
+/// A tensor autograd saved for a recorded call's node.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RecordedSave {
+    /// Input `j` (or a view of its storage): kept alive, nothing allocated.
+    In(usize),
+    /// Output `k`.
+    Out(usize),
+    /// A tensor the call made and only autograd keeps: allocated (before the outputs), then held
+    /// by the node.
+    New(Vec<u64>, RecordedDType),
+}
+
+/// What the capture recorded of a call without a rule ([`OpKind::Recorded`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Recorded {
+    /// The call's name (the trace tag of what it allocates).
+    pub name: &'static str,
+    /// Its outputs.
+    pub outs: Vec<RecordedOut>,
+    /// The strides (in elements) the capture saw on each output that is a view, where recorded.
+    pub view_strides: Vec<Option<Vec<u64>>>,
+    /// What its autograd node saved (in packing order, one per storage).
+    pub saves: Vec<RecordedSave>,
+    /// Whether the capture saw an autograd node on its outputs (false: not differentiable).
+    pub grad: bool,
+    /// Its backward as the capture ran it, when recorded (else one new gradient per
+    /// differentiable input, of the input's shape).
+    pub backward: Option<RecordedBackward>,
+    /// What autocast does with its floating arguments (its `AutocastCUDA` kernel's policy, read
+    /// by the capture off the installed wheel; [`crate::autocast::Policy::None`] without one).
+    pub autocast: crate::autocast::Policy,
+}
+
+/// One step of a recorded backward.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RecordedStep {
+    /// A new storage of `numel` elements.
+    Alloc(u64, RecordedDType),
+    /// Allocation `k` (in the order of the `Alloc` steps) died.
+    Free(usize),
+}
+
+/// Where a recorded backward's gradient of one input comes from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RecordedGrad {
+    /// Allocation `k` of the steps.
+    Alloc(usize),
+    /// The incoming gradient itself (passed through).
+    GradOutput,
+}
+
+/// What the capture recorded of a call's backward (`torch.autograd.grad` of its output under a
+/// dispatch mode): the storages it allocated and freed, in order, and which became the inputs'
+/// gradients.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RecordedBackward {
+    /// Allocations and frees, in order.
+    pub steps: Vec<RecordedStep>,
+    /// Per input of the call: where its gradient comes from (`None`: none was recorded).
+    pub grads: Vec<Option<RecordedGrad>>,
+}
+
+/// A `'static` copy of a call's name (the trace tag of an [`OpKind::Recorded`] op), made once per
+/// distinct name for the life of the process.
+pub fn intern(name: &str) -> &'static str {
+    use std::collections::BTreeSet;
+    use std::sync::{Mutex, OnceLock};
+    static NAMES: OnceLock<Mutex<BTreeSet<&'static str>>> = OnceLock::new();
+    let mut names = NAMES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(&n) = names.get(name) {
+        return n;
+    }
+    let n: &'static str = Box::leak(name.to_string().into_boxed_str());
+    names.insert(n);
+    n
 }
 
 fn norm_dim(d: isize, n: usize) -> usize {
@@ -624,6 +774,31 @@ impl GraphBuilder {
     /// `F.silu(x)`.
     pub fn silu(&mut self, x: T) -> T {
         self.unary(OpKind::Silu, x)
+    }
+
+    /// `F.hardswish(x)`.
+    pub fn hardswish(&mut self, x: T) -> T {
+        self.unary(OpKind::Hardswish, x)
+    }
+    /// `F.hardsigmoid(x)`.
+    pub fn hardsigmoid(&mut self, x: T) -> T {
+        self.unary(OpKind::Hardsigmoid, x)
+    }
+    /// `F.hardswish(x, inplace=True)`: writes into `x`; use the returned handle afterwards.
+    pub fn hardswish_(&mut self, x: T) -> T {
+        self.unary(OpKind::HardswishInplace, x)
+    }
+    /// `F.hardsigmoid(x, inplace=True)`: writes into `x`; use the returned handle afterwards.
+    pub fn hardsigmoid_(&mut self, x: T) -> T {
+        self.unary(OpKind::HardsigmoidInplace, x)
+    }
+    /// `F.dropout(x, p, training=True, inplace=True)` for `0 < p < 1` (see
+    /// [`OpKind::DropoutInplace`]): writes into `x`; `p == 0` returns `x` itself.
+    pub fn dropout_(&mut self, x: T, p: f64) -> T {
+        if p <= 0.0 {
+            return x;
+        }
+        self.unary(OpKind::DropoutInplace { p }, x)
     }
 
     /// `x.relu_()` (`nn.ReLU(inplace=True)`): writes into `x`; use the returned handle afterwards
@@ -1176,21 +1351,20 @@ impl GraphBuilder {
     /// `F.max_pool2d(x, kernel, stride, padding)` in training (`max_pool2d_with_indices`, floor
     /// mode, dilation 1): the output (the int64 indices are output 1).
     pub fn max_pool2d(&mut self, x: T, kernel: [u64; 2], stride: [u64; 2], padding: [u64; 2]) -> T {
-        let s = self.shape(x);
-        let mut out = s.clone();
-        if s.len() != 4
-            || stride.contains(&0)
-            || (0..2).any(|d| s[2 + d] + 2 * padding[d] < kernel[d])
-        {
-            self.fail(
-                "max_pool2d",
-                format!("input {s:?} does not fit kernel {kernel:?}, stride {stride:?}, padding {padding:?}"),
-            );
-        } else {
-            for d in 0..2 {
-                out[2 + d] = (s[2 + d] + 2 * padding[d] - kernel[d]) / stride[d] + 1;
-            }
-        }
+        self.max_pool2d_ceil(x, kernel, stride, padding, false)
+    }
+
+    /// [`GraphBuilder::max_pool2d`] with `ceil_mode` (SqueezeNet's `MaxPool2d(3, 2,
+    /// ceil_mode=True)`): the output size of [`pool_out`].
+    pub fn max_pool2d_ceil(
+        &mut self,
+        x: T,
+        kernel: [u64; 2],
+        stride: [u64; 2],
+        padding: [u64; 2],
+        ceil_mode: bool,
+    ) -> T {
+        let out = self.pool_shape("max_pool2d", x, kernel, stride, padding, ceil_mode);
         let dt = self.dtype(x);
         self.op(
             OpKind::MaxPool2d {
@@ -1201,6 +1375,59 @@ impl GraphBuilder {
             &[x],
             &[(out.clone(), dt), (out, DTypeSpec::Fixed(DType::I64))],
         )[0]
+    }
+
+    /// `F.avg_pool2d(x, kernel, stride, padding, ceil_mode)` (see [`OpKind::AvgPool2d`]).
+    pub fn avg_pool2d(
+        &mut self,
+        x: T,
+        kernel: [u64; 2],
+        stride: [u64; 2],
+        padding: [u64; 2],
+        ceil_mode: bool,
+    ) -> T {
+        let out = self.pool_shape("avg_pool2d", x, kernel, stride, padding, ceil_mode);
+        let dt = self.dtype(x);
+        self.op1(OpKind::AvgPool2d { kernel, stride }, &[x], out, dt)
+    }
+
+    /// The output shape of a 2-D pooling of `x` (NCHW), each spatial size by [`pool_out`].
+    fn pool_shape(
+        &mut self,
+        op: &str,
+        x: T,
+        kernel: [u64; 2],
+        stride: [u64; 2],
+        padding: [u64; 2],
+        ceil_mode: bool,
+    ) -> Vec<u64> {
+        let s = self.shape(x);
+        let mut out = s.clone();
+        if s.len() != 4
+            || stride.contains(&0)
+            || (0..2).any(|d| s[2 + d] + 2 * padding[d] < kernel[d])
+        {
+            self.fail(
+                op,
+                format!("input {s:?} does not fit kernel {kernel:?}, stride {stride:?}, padding {padding:?}"),
+            );
+        } else {
+            for d in 0..2 {
+                out[2 + d] = pool_out(s[2 + d], kernel[d], stride[d], padding[d], ceil_mode);
+            }
+        }
+        out
+    }
+
+    /// A call without a rule, as the capture recorded it (see [`OpKind::Recorded`]): `outs` are
+    /// the outputs' shapes and graph dtypes.
+    pub fn recorded(
+        &mut self,
+        rec: Recorded,
+        inputs: &[T],
+        outs: &[(Vec<u64>, DTypeSpec)],
+    ) -> Vec<T> {
+        self.op(OpKind::Recorded(Box::new(rec)), inputs, outs)
     }
 
     /// `F.adaptive_avg_pool2d(x, out)`: `x.mean((-1, -2), keepdim=True)` for a 1×1 output (ATen's
@@ -1283,3 +1510,15 @@ impl GraphBuilder {
 }
 
 use crate::layout::broadcast;
+
+/// `pooling_output_shape` (`aten/src/ATen/native/Pool.h`) with dilation 1:
+/// `⌊(size + 2·pad − kernel + (ceil ? stride − 1 : 0)) / stride⌋ + 1`, less one when ceil mode
+/// would start the last window in the right padding (`(out − 1)·stride ≥ size + pad`).
+pub fn pool_out(size: u64, kernel: u64, stride: u64, pad: u64, ceil_mode: bool) -> u64 {
+    let span = size + 2 * pad - kernel + if ceil_mode { stride - 1 } else { 0 };
+    let mut out = span / stride + 1;
+    if ceil_mode && (out - 1) * stride >= size + pad {
+        out -= 1;
+    }
+    out
+}

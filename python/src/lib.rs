@@ -232,12 +232,20 @@ fn step_time_model() -> &'static str {
 }
 
 /// The native module.
+/// The calls `from_module`'s graphs have a rule for (`vramsim_models::imported::SUPPORTED`): the
+/// capture records the backward of the others, for their fallback.
+#[pyfunction]
+fn graph_rules() -> Vec<&'static str> {
+    vramsim_models::imported::SUPPORTED.to_vec()
+}
+
 #[pymodule]
 fn _vramsim(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(options, m)?)?;
     m.add_function(wrap_pyfunction!(run, m)?)?;
     m.add_function(wrap_pyfunction!(gpus, m)?)?;
     m.add_function(wrap_pyfunction!(step_time_model, m)?)?;
+    m.add_function(wrap_pyfunction!(graph_rules, m)?)?;
     m.add("VramsimError", m.py().get_type::<VramsimError>())?;
     m.add("ConfigError", m.py().get_type::<ConfigError>())?;
     m.add("TraceError", m.py().get_type::<TraceError>())?;

@@ -90,10 +90,16 @@ def test_wrong_types_name_the_argument():
 
 
 def test_calls_without_a_rule_are_listed():
+    # A call without a rule falls back on its recording (Model.recorded); a document without the
+    # recording (an older capture) is refused, listing the call.
     with torch.device("meta"):
-        net = nn.Sequential(nn.Linear(16, 16), nn.Hardswish(), nn.Linear(16, 4))
-    with pytest.raises(vramsim.ConfigError, match="hardswish"):
-        vramsim.from_module(net, _meta(2, 16))
+        net = nn.Sequential(nn.Linear(16, 16), nn.CELU(), nn.Linear(16, 4))
+    m = vramsim.from_module(net, _meta(2, 16))
+    assert m.recorded == [{"op": "celu", "module": "1", "count": 1}]
+    for op in m.document["ops"]:
+        op.pop("recorded", None)
+    with pytest.raises(vramsim.ConfigError, match="celu @ 1"):
+        vramsim.predict(model=m, batch=4)
 
 
 def test_checkpointing_wraps_the_repeated_blocks():

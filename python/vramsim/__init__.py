@@ -193,11 +193,18 @@ def _call(command: str, function: str, kwargs: Dict[str, Any]) -> Tuple[Any, str
         # A captured module goes to the library as --graph FILE (the document, written once).
         if kwargs.get("graph") is not None:
             raise ConfigError(f"{function}() got both model=Model and graph=; give one")
-        graph_file = kwargs.pop("model").save()
+        captured = kwargs.pop("model")
+        graph_file = captured.save()
         kwargs["graph"] = graph_file
     args, pngs = _arguments(command, function, kwargs)
     try:
-        document, text = _native.run(command, args)
+        try:
+            document, text = _native.run(command, args)
+        except ConfigError as e:
+            if graph_file is None:
+                raise
+            # The temporary file means nothing to the caller: name the argument instead.
+            raise ConfigError(str(e).replace(graph_file, f"model={captured.name!r}")) from None
         images = {}
         for flag, path in pngs.items():
             with open(path, "rb") as f:
@@ -449,9 +456,18 @@ class Model:
     ``whatif`` and ``max_batch`` like a zoo model's name (the batch is a variable; every recipe option
     applies). ``document`` is the JSON graph (format ``vramsim-graph``, see ``models/README.md``)."""
 
-    def __init__(self, document: Dict[str, Any]):
+    def __init__(self, document: Dict[str, Any], recorded: Optional[List[Dict[str, Any]]] = None):
+        if not isinstance(document, dict):
+            raise ConfigError(
+                f"document: expected the graph document (a dict, format vramsim-graph), got "
+                f"{type(document).__name__}"
+            )
         #: The graph document.
         self.document = document
+        #: The calls vramsim has no rule for, lowered from what the capture recorded of them (their
+        #: outputs, the tensors autograd saved, gradients of the inputs' shapes): ``{"op", "module",
+        #: "count"}`` each, in program order. Empty when every call has a rule.
+        self.recorded = list(recorded or [])
 
     @property
     def name(self) -> str:
@@ -475,7 +491,14 @@ class Model:
 
     def __repr__(self) -> str:
         n = len(self.document.get("params", []))
-        return f"Model({self.name}: {len(self.ops)} calls, {n} parameters, example batch {self.document.get('batch')})"
+        rec = ""
+        if self.recorded:
+            names = ", ".join(f"{r['op']} × {r['count']}" for r in self.recorded)
+            rec = f"; lowered from their recording (no rule for them): {names}"
+        return (
+            f"Model({self.name}: {len(self.ops)} calls, {n} parameters, example batch "
+            f"{self.document.get('batch')}{rec})"
+        )
 
 
 def from_module(
@@ -485,6 +508,7 @@ def from_module(
     targets: Any = None,
     name: Optional[str] = None,
     blocks: Any = None,
+    **unknown: Any,
 ) -> Model:
     """Captures your own ``nn.Module`` for lowering (not recording): every what-if applies to it.
 
@@ -497,8 +521,11 @@ def from_module(
     ``nn.Sequential``/``nn.ModuleList``, such as ResNet blocks or transformer layers).
 
     The forward runs under a ``TorchFunctionMode``; each call (``F.linear``, ``F.conv2d``, ...) is mapped
-    by the Rust models crate onto its op library. Calls without a rule raise :class:`ConfigError` listing
-    them; wrong argument types raise :class:`ConfigError` naming the argument. Example::
+    by the Rust models crate onto its op library. A call without a rule falls back on what the capture
+    recorded of it (its outputs, views or new; the tensors autograd saved for it; its backward's
+    allocations and frees): such calls are listed in ``Model.recorded``, in each prediction's
+    ``warnings`` and ``recorded_calls``. Wrong argument types raise :class:`ConfigError` naming the
+    argument. Example::
 
         with torch.device("meta"):
             net = torchvision.models.resnet18()
@@ -507,21 +534,27 @@ def from_module(
     """
     from . import _graph_capture
 
+    if unknown:
+        valid = "model, example_inputs, loss_fn, targets, name, blocks"
+        raise ConfigError(f"from_module() got an unknown argument {next(iter(unknown))!r}; valid: {valid}")
     try:
         document = _graph_capture.capture(
-            model, example_inputs, loss_fn=loss_fn, targets=targets, name=name, blocks=blocks
+            model, example_inputs, loss_fn=loss_fn, targets=targets, name=name, blocks=blocks,
+            rules=_native.graph_rules(),
         )
     except _graph_capture.FromModuleError as e:
         raise ConfigError(str(e)) from None
     m = Model(document)
-    # Parse it once now, so unsupported calls are reported here rather than at predict time.
+    # Parse it once now, so calls that cannot be lowered are reported here rather than at predict
+    # time, and the calls lowered from their recording are known.
     path = m.save()
     try:
-        _native.run("predict", ["--graph", path, "--batch", str(document["batch"])])
+        result, _ = _native.run("predict", ["--graph", path, "--batch", str(document["batch"])])
     except ConfigError as e:
         raise ConfigError(str(e).replace(path, f"from_module({m.name})")) from None
     finally:
         os.remove(path)
+    m.recorded = list(_json.loads(result).get("recorded_calls") or [])
     return m
 
 
@@ -557,6 +590,8 @@ def replay(trace: Any = None, **kwargs: Any) -> ReplayReport:
     """``vramsim replay``: a trace (JSON or JSON Lines) or a PyTorch snapshot pickle, replayed."""
     if trace is not None:
         kwargs["trace"] = trace
+    if kwargs.get("trace") is not None and not isinstance(kwargs["trace"], (str, os.PathLike)):
+        raise ConfigError(f"trace: expected a path (str or os.PathLike), got {type(kwargs['trace']).__name__}")
     data, text, images = _call("replay", "replay", kwargs)
     return ReplayReport(data, text, images)
 
@@ -680,6 +715,12 @@ def record(
         raise ImportError(f"vramsim.record: the capture tool is missing: {e}") from e
     if vramsim_capture.torch is None:
         raise ImportError("vramsim.record needs torch: pip install torch")
+    for arg, value in (("model_fn", model_fn), ("inputs_fn", inputs_fn), ("loss_fn", loss_fn),
+                       ("optimizer_fn", optimizer_fn)):
+        if not callable(value):
+            raise ConfigError(f"{arg}: expected a callable, got {type(value).__name__}")
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ConfigError(f"iterations: expected a whole number from 1, got {iterations!r}")
     known = {"accum", "device", "mimic_cuda", "meta", "amp", "sdpa", "recompute_sdpa"}
     for key in kwargs:
         if key not in known:

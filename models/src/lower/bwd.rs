@@ -6,8 +6,8 @@ use super::{Edge, Kind, Lowering, Meta, NodeKind, Rt};
 use crate::dtype::DType;
 use crate::graph::ModuleId;
 use crate::graph::ValueId;
-use crate::layout::{elementwise_layout, Layout};
-use crate::ops::{FusedSdpa, OpKind};
+use crate::layout::{elementwise_layout, numel, Layout};
+use crate::ops::{FusedSdpa, OpKind, RecordedDType, RecordedGrad, RecordedOut, RecordedStep};
 use crate::recipe::Fidelity;
 use std::collections::{BinaryHeap, HashMap};
 
@@ -669,9 +669,15 @@ impl<'g> Lowering<'g> {
             | HardtanhInplace
             | SiluInplace
             | Gelu { .. }
-            | Silu => {
+            | Silu
+            | Hardswish
+            | Hardsigmoid
+            | HardswishInplace
+            | HardsigmoidInplace => {
                 let name = match op {
                     Hardtanh | HardtanhInplace => "aten.hardtanh_backward",
+                    Hardswish | HardswishInplace => "aten.hardswish_backward",
+                    Hardsigmoid | HardsigmoidInplace => "aten.hardsigmoid_backward",
                     Tanh => "aten.tanh_backward",
                     Sigmoid => "aten.sigmoid_backward",
                     Relu | ReluInplace => "aten.threshold_backward",
@@ -1071,6 +1077,98 @@ impl<'g> Lowering<'g> {
                         m,
                         "aten.masked_fill",
                     ));
+                }
+            }
+            // MulBackward0 of dropout_'s `input.mul_(noise)`: `grad * noise`, the noise laid out
+            // as the input (`empty_like`).
+            DropoutInplace { .. } => {
+                let l = elementwise_layout(&g.layout.shape, &[&g.layout, &meta(0).layout]);
+                out[0] = Some(self.alloc(l, g.dtype, m, "aten.mul"));
+            }
+            // derivatives.yaml avg_pool2d: avg_pool2d_backward, a tensor of the input's shape.
+            AvgPool2d { .. } => {
+                let x = meta(0);
+                out[0] = Some(self.alloc(
+                    Layout::contiguous(&x.layout.shape),
+                    g.dtype,
+                    m,
+                    "aten.avg_pool2d_backward",
+                ));
+            }
+            // A recorded call: one new gradient per differentiable input, of its shape and dtype
+            // (the engine's `validate_outputs` gives each the input's dtype).
+            // A recorded backward: its allocations and frees in order; the gradients are the
+            // allocations (or the incoming gradient) the capture saw returned; the rest is freed.
+            Recorded(rec) if rec.backward.is_some() => {
+                let bw = rec.backward.as_ref().expect("checked");
+                let mut live: Vec<Option<Rt>> = Vec::new();
+                for st in &bw.steps {
+                    match st {
+                        RecordedStep::Alloc(n, d) => {
+                            let dt = match d {
+                                RecordedDType::Like(j) => {
+                                    ins.get(*j).cloned().flatten().map_or(g.dtype, |x| x.dtype)
+                                }
+                                RecordedDType::Spec(s) => self.resolve(*s),
+                            };
+                            live.push(Some(self.alloc(Layout::contiguous(&[*n]), dt, m, rec.name)));
+                        }
+                        RecordedStep::Free(k) => {
+                            if let Some(t) = live.get_mut(*k).and_then(Option::take) {
+                                self.drop_rt(t);
+                            }
+                        }
+                    }
+                }
+                for (j, o) in out.iter_mut().enumerate() {
+                    let Some(x) = ins.get(j).cloned().flatten().filter(|_| need(j)) else {
+                        continue;
+                    };
+                    let storage = match bw.grads.get(j).cloned().flatten() {
+                        Some(RecordedGrad::Alloc(k)) => live.get_mut(k).and_then(Option::take),
+                        Some(RecordedGrad::GradOutput) => Some(self.dup(&g)),
+                        None => None,
+                    };
+                    // The gradient as a tensor of the input's shape on the recorded storage.
+                    *o = Some(match storage {
+                        Some(t) => {
+                            let v = self.view(&t, Layout::contiguous(&x.layout.shape));
+                            self.drop_rt(t);
+                            v
+                        }
+                        None => {
+                            self.alloc(Layout::contiguous(&x.layout.shape), x.dtype, m, rec.name)
+                        }
+                    });
+                }
+                for t in live.into_iter().flatten() {
+                    self.drop_rt(t);
+                }
+            }
+            Recorded(rec) => {
+                // A view of input `j` of the same size (`squeeze`, `narrow`'s full range, ...):
+                // its backward is the gradient viewed back to the input's shape, as the
+                // derivatives.yaml formulas of views are (`grad.reshape(self.sizes())`).
+                if let Some(RecordedOut::View(j)) = rec.outs.first() {
+                    let x = ins.get(*j).cloned().flatten();
+                    if let (true, Some(x)) = (need(*j), x) {
+                        if numel(&x.layout.shape) == numel(&g.layout.shape) {
+                            out[*j] = Some(self.reshape_grad(&g, &x.layout.shape, m));
+                        }
+                    }
+                }
+                for (j, o) in out.iter_mut().enumerate() {
+                    if o.is_some() {
+                        continue;
+                    }
+                    if let (true, Some(x)) = (need(j), ins[j].clone()) {
+                        *o = Some(self.alloc(
+                            Layout::contiguous(&x.layout.shape),
+                            x.dtype,
+                            m,
+                            rec.name,
+                        ));
+                    }
                 }
             }
             // Not differentiable: no node is ever made.

@@ -332,7 +332,13 @@ impl<'g> Lowering<'g> {
                             && !(matches!(kind, OpKind::ToDtypeOf | OpKind::AsStridedInplace)
                                 && j == 1)
                     });
-                if needs_grad && !matches!(kind, OpKind::Factory { .. }) {
+                // A factory, or a recorded call the capture saw no node for, is not differentiable.
+                let differentiable = match kind {
+                    OpKind::Factory { .. } => false,
+                    OpKind::Recorded(r) => r.grad,
+                    _ => true,
+                };
+                if needs_grad && differentiable {
                     let dtype_only_arg1 =
                         matches!(kind, OpKind::ToDtypeOf | OpKind::AsStridedInplace);
                     self.record_node(nk, &casted, &mut outs, &saves, m, gop, dtype_only_arg1);
@@ -821,14 +827,18 @@ impl<'g> Lowering<'g> {
             | Relu
             | Hardtanh
             | Gelu { .. }
-            | Silu => {
+            | Silu
+            | Hardswish
+            | Hardsigmoid => {
                 let l = elementwise_layout(x[0].shape(), &[&x[0].layout]);
                 let o = self.alloc(l, x[0].dtype, m, name);
                 // derivatives.yaml: pow.Tensor_Scalar, gelu, silu save self; rsqrt, tanh, sigmoid,
-                // relu save result; hardtanh saves self (`hardtanh_backward(grad, self, min_val,
+                // relu save result; hardtanh, hardswish, hardsigmoid save self (`hardtanh_backward(grad, self, min_val,
                 // max_val)`); add/mul/div by a scalar and neg save nothing on the device.
                 let saves = match kind {
-                    PowScalar(_) | Gelu { .. } | Silu | Hardtanh => vec![Save::In(0)],
+                    PowScalar(_) | Gelu { .. } | Silu | Hardtanh | Hardswish | Hardsigmoid => {
+                        vec![Save::In(0)]
+                    }
                     Rsqrt | Tanh | Sigmoid | Relu => vec![Save::Out(0)],
                     _ => vec![],
                 };
@@ -1064,6 +1074,89 @@ impl<'g> Lowering<'g> {
                 let c = self.alloc(x[0].layout.empty_like(), x[0].dtype, m, "aten.clone");
                 let v = self.view(&x[0], x[0].layout.clone());
                 Fwd::New(vec![v], NodeKind::Op(Silu), vec![Save::Extra(c)])
+            }
+            // hardswish_ / hardsigmoid_ likewise: no entry of their own in derivatives.yaml, the
+            // formulas read `self`, so `original_self = self.clone()` is saved (on CPU,
+            // `F.hardsigmoid(h, inplace=True)` dispatches `aten.clone` then `aten.hardsigmoid_`).
+            HardswishInplace | HardsigmoidInplace => {
+                let c = self.alloc(x[0].layout.empty_like(), x[0].dtype, m, "aten.clone");
+                let v = self.view(&x[0], x[0].layout.clone());
+                let nk = if matches!(kind, HardswishInplace) {
+                    Hardswish
+                } else {
+                    Hardsigmoid
+                };
+                Fwd::New(vec![v], NodeKind::Op(nk), vec![Save::Extra(c)])
+            }
+            // Dropout.cpp `_dropout_impl<inplace=true>`: `noise = at::empty_like(input)` (the
+            // input's dtype and memory format), bernoulli_ and div_ into it, then
+            // `input.mul_(noise)`; MulBackward0 saves `other`, the noise (`self` only if the noise
+            // required grad). In eval mode `dropout_` returns its input.
+            DropoutInplace { .. } => {
+                if self.r.inference {
+                    return Fwd::Alias(self.dup(&x[0]));
+                }
+                let noise = self.alloc(x[0].layout.empty_like(), x[0].dtype, m, "aten.empty_like");
+                let v = self.view(&x[0], x[0].layout.clone());
+                Fwd::New(vec![v], op_kind, vec![Save::Extra(noise)])
+            }
+            // derivatives.yaml avg_pool2d: self saved; the output a new tensor.
+            AvgPool2d { .. } => {
+                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                Fwd::New(vec![o], op_kind, vec![Save::In(0)])
+            }
+            // What the capture recorded (`vramsim.from_module`'s fallback): the new tensors
+            // autograd saved (only when a node is made: under no_grad nothing is saved), then the
+            // outputs, views of an input or new contiguous tensors.
+            Recorded(rec) => {
+                let dtype_of = |s: &mut Self, d: &crate::ops::RecordedDType| match d {
+                    crate::ops::RecordedDType::Like(j) => x[*j].dtype,
+                    crate::ops::RecordedDType::Spec(spec) => s.resolve(*spec),
+                };
+                let node = rec.grad && self.grad_mode && x.iter().any(Rt::requires_grad);
+                let mut saves = Vec::new();
+                if node {
+                    for sv in &rec.saves {
+                        saves.push(match sv {
+                            crate::ops::RecordedSave::In(j) => Save::In(*j),
+                            crate::ops::RecordedSave::Out(k) => Save::Out(*k),
+                            crate::ops::RecordedSave::New(shape, d) => {
+                                let dt = dtype_of(self, d);
+                                Save::Extra(self.alloc(Layout::contiguous(shape), dt, m, name))
+                            }
+                        });
+                    }
+                }
+                let mut vs = Vec::new();
+                for (k, (shape, spec)) in outs.iter().enumerate() {
+                    vs.push(match rec.outs.get(k) {
+                        // In place: the argument's own layout.
+                        Some(crate::ops::RecordedOut::InPlace(j)) => {
+                            self.view(&x[*j], x[*j].layout.clone())
+                        }
+                        // A view: the strides the capture saw (contiguous when not recorded), so
+                        // a later reshape copies where PyTorch's does.
+                        Some(crate::ops::RecordedOut::View(j)) => {
+                            let l = match rec.view_strides.get(k).cloned().flatten() {
+                                Some(strides) if strides.len() == shape.len() => Layout {
+                                    shape: shape.clone(),
+                                    strides,
+                                },
+                                _ => Layout::contiguous(shape),
+                            };
+                            self.view(&x[*j], l)
+                        }
+                        Some(crate::ops::RecordedOut::New(d)) => {
+                            let dt = dtype_of(self, d);
+                            self.alloc(Layout::contiguous(shape), dt, m, name)
+                        }
+                        None => {
+                            let dt = self.resolve(*spec);
+                            self.alloc(Layout::contiguous(shape), dt, m, name)
+                        }
+                    });
+                }
+                Fwd::New(vs, op_kind, saves)
             }
             AddInplace { composite } => {
                 if *composite && self.r.fidelity == Fidelity::MetaCapture {
