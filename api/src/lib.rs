@@ -21,6 +21,7 @@ pub mod import;
 pub mod machine;
 pub mod maxbatch;
 pub mod predict;
+pub mod ranks;
 pub mod recommend;
 pub mod replay;
 pub mod steptime;

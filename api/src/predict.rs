@@ -20,6 +20,7 @@ use vramsim_models::{
 use vramsim_models::{
     CheckpointImpl, CublasWorkspaceMode, TorchVersion, TransformersVersion, Workspaces,
 };
+use vramsim_models::{Parallel, Shard};
 use vramsim_sim::device::{find_preset, ContextChoice, UnknownGpu, DEFAULT_GPU};
 use vramsim_sim::engine::{Flow, Replay, ReplayOptions};
 use vramsim_sim::format::format_size;
@@ -182,6 +183,18 @@ pub struct PredictArgs {
     /// training.
     #[arg(long, value_name = "BOOL", value_parser = boolean("use-cache"))]
     pub use_cache: Option<bool>,
+    /// Data-parallel ranks: the step is lowered and replayed per rank (ranks that play the same
+    /// role once). Needs --shard ddp, zero1 or zero2 above 1.
+    #[arg(long, default_value_t = 1, value_parser = count32("dp"), allow_negative_numbers = true)]
+    pub dp: u32,
+    /// How the data-parallel ranks share the model states: none (one GPU), ddp
+    /// (DistributedDataParallel: gradient buckets), zero1 / zero2 (DeepSpeed ZeRO stages 1 and 2,
+    /// bf16 with an fp32 master partition). ZeRO-3, FSDP2, TP, PP and offload are not modelled yet.
+    #[arg(long, default_value = "none", value_parser = named::<Shard>)]
+    pub shard: Shard,
+    /// The world size the job is launched with: an error unless it equals the layout's ranks (dp).
+    #[arg(long, value_name = "N", value_parser = count32("world-size"), allow_negative_numbers = true)]
+    pub world_size: Option<u32>,
 }
 
 /// A parser for `--image-size` (`H` or `HxW`).
@@ -489,6 +502,11 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
         torch_version: args.torch_version,
         transformers_version: args.transformers_version,
         use_cache: args.use_cache.or(config_use_cache),
+        parallel: Parallel {
+            dp: args.dp,
+            shard: args.shard,
+            world_size: args.world_size,
+        },
         ..Recipe::default()
     };
     recipe.validate()?;
@@ -772,6 +790,10 @@ pub fn to_table(report: &Report, p: &Prediction) -> String {
         p.replay_ms
     );
     out.push_str(&report.to_table());
+    if !p.recipe.parallel.is_single() {
+        let roles = crate::ranks::roles(&p.recipe.parallel, report);
+        out.push_str(&crate::ranks::to_table(&p.recipe.parallel, &roles));
+    }
     let b = &p.breakdown;
     out.push('\n');
     let at = if report.outcome.oom.is_some() {
@@ -959,6 +981,16 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
         "replay_ms": p.replay_ms,
     });
     j["warnings"] = json!(p.warnings);
+    let par = &p.recipe.parallel;
+    if !par.is_single() {
+        // The top-level peaks are the worst rank's (one role for data parallelism).
+        j["layout"] = json!({
+            "dp": par.dp,
+            "shard": par.shard.to_string(),
+            "world_size": par.world_size(),
+        });
+        j["ranks"] = crate::ranks::to_json(&crate::ranks::roles(par, report));
+    }
     j
 }
 

@@ -450,6 +450,8 @@ pub struct Recipe {
     /// builds a `DynamicCache` unless gradient checkpointing is on in training: see
     /// [`crate::zoo::use_cache`].
     pub use_cache: Option<bool>,
+    /// The parallel layout (`--dp`, `--shard`, `--world-size`); the default is one GPU.
+    pub parallel: crate::parallel::Parallel,
 }
 
 impl Default for Recipe {
@@ -480,6 +482,7 @@ impl Default for Recipe {
             torch_version: TorchVersion::V2_15,
             transformers_version: TransformersVersion::V5_23,
             use_cache: None,
+            parallel: crate::parallel::Parallel::default(),
         }
     }
 }
@@ -567,6 +570,7 @@ impl Recipe {
                 });
             }
         }
+        self.parallel.validate(self)?;
         Ok(())
     }
 

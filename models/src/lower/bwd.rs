@@ -1090,6 +1090,7 @@ impl<'g> Lowering<'g> {
         if self.param_grads[p].is_some() {
             // variable_grad += new_grad (grad mode off): in place.
             self.drop_rt(g);
+            self.par_grad_ready(p);
             return;
         }
         let param = self.params[p].layout.clone();
@@ -1118,5 +1119,7 @@ impl<'g> Lowering<'g> {
         let name = self.g.params[p].name.clone();
         self.retag(&grad, format!("grad:{name}"));
         self.param_grads[p] = Some(Rt { edge: None, ..grad });
+        // The data-parallel hooks registered on the AccumulateGrad node run after it.
+        self.par_grad_ready(p);
     }
 }

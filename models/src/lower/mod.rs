@@ -36,6 +36,7 @@
 mod bwd;
 mod fwd;
 mod optim;
+mod parallel;
 
 use crate::dtype::DType;
 use crate::graph::{Graph, ModuleId, RegionKind, Source, ValueId};
@@ -130,6 +131,8 @@ pub(crate) enum Kind {
     /// A cuBLAS / cuBLASLt / cuDNN workspace.
     Workspace,
     Other,
+    /// A buffer of a collective (DDP bucket, ZeRO IPG buffer).
+    Comm,
 }
 
 /// `Storage::ev` of a 0-byte storage, which has no event.
@@ -270,6 +273,8 @@ pub(crate) struct Lowering<'g> {
     leaf_grads: Vec<Option<Rt>>,
     /// The region input values of each `CheckpointFunctionBackward` node, in `saved` order.
     reentrant_inputs: HashMap<u32, Vec<ValueId>>,
+    /// The data-parallel mechanisms' state (`parallel.rs`).
+    par: parallel::ParState,
 }
 
 /// Lowers a training step (or inference, per the recipe) of `graph` to an allocation trace.
@@ -423,6 +428,7 @@ impl<'g> Lowering<'g> {
             in_reentrant_recompute: false,
             leaf_grads: Vec::new(),
             reentrant_inputs: HashMap::new(),
+            par: parallel::ParState::default(),
         }
     }
 
@@ -603,6 +609,15 @@ impl<'g> Lowering<'g> {
         }
     }
 
+    /// The trace id of `t`'s allocation (`None` for a 0-byte storage, which has no event).
+    pub(crate) fn alloc_id(&self, t: &Rt) -> Option<AllocId> {
+        let s = &self.storages[t.st as usize];
+        match self.events.get(s.ev as usize) {
+            Some(Event::Alloc { id, .. }) if s.ev != NO_EVENT => Some(id.clone()),
+            _ => None,
+        }
+    }
+
     /// References on `t`'s storage.
     pub(crate) fn refs(&self, t: &Rt) -> u32 {
         self.storages[t.st as usize].refs
@@ -671,6 +686,7 @@ impl<'g> Lowering<'g> {
                 self.micro = micro;
                 self.phase("forward");
                 let inputs = self.make_inputs();
+                self.par_pre_forward();
                 let loss = self.forward()?;
                 if self.r.inference {
                     self.drop_rt(loss);
@@ -679,7 +695,9 @@ impl<'g> Lowering<'g> {
                 }
                 let (loss, unscaled) = self.finish_loss(loss);
                 self.phase("backward");
+                self.par_pre_backward();
                 self.backward(&loss);
+                self.par_post_backward(micro + 1 == self.r.accum);
                 // `scaler.scale(loss).backward()`: the scaled temporary dies when the statement
                 // ends, then `del loss` frees the caller's unscaled loss (held through backward).
                 self.drop_rt(loss);
@@ -693,7 +711,11 @@ impl<'g> Lowering<'g> {
             }
             self.micro = 0;
             self.phase("optimizer");
-            self.optimizer_step();
+            if self.r.parallel.shard.is_zero() {
+                self.zero_step();
+            } else {
+                self.optimizer_step();
+            }
             self.phase("zero_grad");
             self.zero_grad();
         }
@@ -735,6 +757,7 @@ impl<'g> Lowering<'g> {
         for b in next_buffer..g.buffers.len() {
             self.setup_buffer(b);
         }
+        self.par_setup();
     }
 
     fn setup_buffer(&mut self, i: usize) {
@@ -868,6 +891,7 @@ impl<'g> Lowering<'g> {
                 Kind::OptimState => Category::OptimizerState,
                 Kind::Workspace => Category::Workspace,
                 Kind::Other => Category::Other,
+                Kind::Comm => Category::Communication,
             };
             let cat = if s.grad { Category::Gradient } else { cat };
             let tag = std::mem::take(&mut self.tags[i]);
