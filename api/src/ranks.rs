@@ -41,6 +41,8 @@ pub fn roles(parallel: &Parallel, report: &Report) -> Vec<RankRole> {
         Shard::Ddp => "data-parallel rank (DDP replica)",
         Shard::Zero1 => "data-parallel rank (ZeRO-1 partition)",
         Shard::Zero2 => "data-parallel rank (ZeRO-2 partition)",
+        // torch.chunk gives rank 0 the largest shards: its trace is the worst rank's.
+        Shard::Fsdp2 => "data-parallel rank (FSDP2 shard; rank 0, the largest shards)",
     };
     let by_category = Category::ALL
         .iter()

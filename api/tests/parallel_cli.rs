@@ -88,6 +88,12 @@ fn data_parallel_reports_one_role_for_all_ranks() {
         "zero2",
     ]));
     assert!(table.contains("ranks 0-3"), "{table}");
+    let doc = json(&[
+        "predict", "--model", "gpt2", "--batch", "2", "--seq", "128", "--dp", "8", "--shard",
+        "fsdp2",
+    ]);
+    assert_eq!(doc["layout"]["shard"], "fsdp2");
+    assert!(doc["ranks"][0]["role"].as_str().unwrap().contains("FSDP2"));
     // An OOM on every rank: PyTorch's message in the role.
     let doc = json(&[
         "predict",
@@ -119,7 +125,7 @@ fn bad_layouts_fail_with_the_reason() {
         all.extend_from_slice(extra);
         common::assert_fails(&all, fragments);
     };
-    fails(&["--dp", "4"], &["--shard ddp, zero1 or zero2"]);
+    fails(&["--dp", "4"], &["--shard ddp, zero1, zero2 or fsdp2"]);
     fails(
         &["--dp", "4", "--shard", "ddp", "--world-size", "8"],
         &["world-size", "8 does not match", "4 ranks"],

@@ -8,8 +8,10 @@
 //!   `static_graph=False`): the `Reducer`'s gradient buckets.
 //! * `zero1`, `zero2`: DeepSpeed ZeRO stages 1 and 2 (`deepspeed/runtime/zero/stage_1_and_2.py`)
 //!   with bf16 parameters and an fp32 master partition, at DeepSpeed's defaults.
+//! * `fsdp2`: `fully_shard` on every block and the root, default `reshard_after_forward`, no
+//!   `MixedPrecisionPolicy` (`lower/fsdp.rs`).
 //!
-//! Not modelled yet (refused rather than approximated): ZeRO-3, FSDP2 (`fully_shard`), tensor,
+//! Not modelled yet (refused rather than approximated): ZeRO-3, FSDP2's mixed precision, tensor,
 //! sequence, pipeline and context parallelism, CPU offload, NCCL's own device memory.
 
 use std::fmt;
@@ -29,6 +31,9 @@ pub enum Shard {
     Zero1,
     /// DeepSpeed ZeRO stage 2: gradients partitioned too.
     Zero2,
+    /// FSDP2 (`fully_shard` on every block and the root): parameters, gradients and optimizer
+    /// state sharded; parameters all-gathered per block.
+    Fsdp2,
 }
 
 impl fmt::Display for Shard {
@@ -38,6 +43,7 @@ impl fmt::Display for Shard {
             Shard::Ddp => "ddp",
             Shard::Zero1 => "zero1",
             Shard::Zero2 => "zero2",
+            Shard::Fsdp2 => "fsdp2",
         })
     }
 }
@@ -50,10 +56,11 @@ impl FromStr for Shard {
             "ddp" => Ok(Shard::Ddp),
             "zero1" => Ok(Shard::Zero1),
             "zero2" => Ok(Shard::Zero2),
+            "fsdp2" => Ok(Shard::Fsdp2),
             _ => Err(RecipeError::Unknown {
                 field: "shard",
                 value: s.to_string(),
-                valid: "none, ddp, zero1, zero2 (zero3 and fsdp2 are not modelled yet)",
+                valid: "none, ddp, zero1, zero2, fsdp2 (zero3 is not modelled yet)",
             }),
         }
     }
@@ -137,7 +144,7 @@ impl Parallel {
         }
         if self.shard == Shard::None && self.dp > 1 {
             return Err(bad(format!(
-                "--dp {} needs a data-parallel mode: --shard ddp, zero1 or zero2",
+                "--dp {} needs a data-parallel mode: --shard ddp, zero1, zero2 or fsdp2",
                 self.dp
             )));
         }

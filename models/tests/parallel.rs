@@ -158,3 +158,86 @@ fn zero_model_states_per_rank_match_the_paper() {
         }
     }
 }
+
+/// FSDP2 without a `MixedPrecisionPolicy`, fp32 AdamW: after the backward every rank holds its
+/// padded shards of the parameters (4 B each), of the gradients (the reduce-scatter outputs, 4 B)
+/// and of Adam's two moments (8 B): 16Ψ'/N, where each parameter is padded to ⌈dim0/N⌉ rows
+/// (`_fsdp_param.py`, `FSDPParam._init_sharded_param`); nothing unsharded and no collective
+/// buffer is left (the root reshards after its backward, the last reduce-scatter input dies with
+/// the backward's final callback).
+#[test]
+fn fsdp2_model_states_per_rank_are_the_padded_shards() {
+    for (name, n) in [
+        ("gpt2", 8u64),
+        ("llama2-7b", 64),
+        ("resnet18", 4),
+        ("bert-base", 16),
+    ] {
+        let seq = if name == "resnet18" { 0 } else { 128 };
+        let r = recipe(2, seq, n as u32, Shard::Fsdp2);
+        let g = zoo::build(name, &r).unwrap();
+        let shard_elems: u64 = g
+            .params
+            .iter()
+            .map(|p| match p.shape.split_first() {
+                Some((d0, rest)) => d0.div_ceil(n) * rest.iter().product::<u64>(),
+                None => 1,
+            })
+            .sum();
+        let t = lower(&g, &r).unwrap();
+        let live = live_at_phase(&t, "optimizer", 1);
+        let get = |c| live.get(&c).copied().unwrap_or(0);
+        assert_eq!(get(Category::Parameter), 4 * shard_elems, "{name} N={n}");
+        assert_eq!(get(Category::Gradient), 4 * shard_elems, "{name} N={n}");
+        assert_eq!(
+            get(Category::OptimizerState),
+            8 * shard_elems,
+            "{name} N={n}"
+        );
+        assert_eq!(get(Category::Communication), 0, "{name} N={n}");
+        // Without padding (every dim 0 divisible by N) this is the ZeRO paper's 16Ψ/N.
+        if g.params
+            .iter()
+            .all(|p| p.shape.first().is_none_or(|d| d % n == 0))
+        {
+            assert_eq!(
+                get(Category::Parameter) + get(Category::Gradient) + get(Category::OptimizerState),
+                16 * g.param_count() / n,
+                "{name} N={n}"
+            );
+        }
+    }
+}
+
+/// FSDP2's default `reshard_after_forward` (None: True for the blocks, False for the root): when
+/// the forward ends, the blocks hold only their shards, the root (embedding, final norm, head of a
+/// LLaMA) stays unsharded at its padded size, and the root's post-forward dropped the last parked
+/// all-gather output.
+#[test]
+fn fsdp2_keeps_only_the_root_unsharded_after_forward() {
+    let n = 8u64;
+    let r = recipe(1, 128, n as u32, Shard::Fsdp2);
+    let g = zoo::build("llama2-7b", &r).unwrap();
+    let padded = |shape: &[u64]| match shape.split_first() {
+        Some((d0, rest)) => d0.div_ceil(n) * rest.iter().product::<u64>(),
+        None => 1,
+    };
+    let shards: u64 = g.params.iter().map(|p| padded(&p.shape)).sum();
+    let root: u64 = g
+        .params
+        .iter()
+        .filter(|p| !p.name.contains(".layers."))
+        .map(|p| padded(&p.shape) * n)
+        .sum();
+    assert_eq!(root, 2 * 32000 * 4096 + 4096, "embed_tokens, lm_head, norm");
+    let t = lower(&g, &r).unwrap();
+    for it in 0..2 {
+        let live = live_at_phase(&t, "backward", it);
+        assert_eq!(
+            live.get(&Category::Parameter).copied().unwrap_or(0),
+            4 * (shards + root),
+            "iteration {it}"
+        );
+        assert_eq!(live.get(&Category::Communication).copied().unwrap_or(0), 0);
+    }
+}

@@ -99,6 +99,7 @@ impl<'g> Lowering<'g> {
         }
         while let Some((_, n)) = ready.pop() {
             let inputs = buffers.remove(&n).unwrap_or_default();
+            self.fsdp_backward_node(n);
             let outputs = self.evaluate(n, inputs);
             let next = self.nodes[n as usize].next.clone();
             for (i, out) in outputs.into_iter().enumerate() {

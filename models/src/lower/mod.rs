@@ -34,6 +34,7 @@
 //! Allocation sizes are exact: `numel × element size`, unrounded, as PyTorch asks the allocator.
 
 mod bwd;
+mod fsdp;
 mod fwd;
 mod optim;
 mod parallel;
@@ -275,6 +276,8 @@ pub(crate) struct Lowering<'g> {
     reentrant_inputs: HashMap<u32, Vec<ValueId>>,
     /// The data-parallel mechanisms' state (`parallel.rs`).
     par: parallel::ParState,
+    /// FSDP2's state (`fsdp.rs`).
+    fsdp: fsdp::FsdpState,
 }
 
 /// Lowers a training step (or inference, per the recipe) of `graph` to an allocation trace.
@@ -429,6 +432,7 @@ impl<'g> Lowering<'g> {
             leaf_grads: Vec::new(),
             reentrant_inputs: HashMap::new(),
             par: parallel::ParState::default(),
+            fsdp: fsdp::FsdpState::default(),
         }
     }
 
@@ -618,6 +622,17 @@ impl<'g> Lowering<'g> {
         }
     }
 
+    /// Puts `t`'s allocation on `stream` (a collective's side stream).
+    pub(crate) fn set_stream(&mut self, t: &Rt, stream: u64) {
+        let s = &self.storages[t.st as usize];
+        if s.ev == NO_EVENT {
+            return;
+        }
+        if let Some(Event::Alloc { stream: st, .. }) = self.events.get_mut(s.ev as usize) {
+            *st = stream;
+        }
+    }
+
     /// References on `t`'s storage.
     pub(crate) fn refs(&self, t: &Rt) -> u32 {
         self.storages[t.st as usize].refs
@@ -688,6 +703,7 @@ impl<'g> Lowering<'g> {
                 let inputs = self.make_inputs();
                 self.par_pre_forward();
                 let loss = self.forward()?;
+                self.fsdp_post_forward();
                 if self.r.inference {
                     self.drop_rt(loss);
                     self.drop_inputs(inputs);
@@ -697,6 +713,7 @@ impl<'g> Lowering<'g> {
                 self.phase("backward");
                 self.par_pre_backward();
                 self.backward(&loss);
+                self.fsdp_end_backward();
                 self.par_post_backward(micro + 1 == self.r.accum);
                 // `scaler.scale(loss).backward()`: the scaled temporary dies when the statement
                 // ends, then `del loss` frees the caller's unscaled loss (held through backward).
@@ -711,6 +728,7 @@ impl<'g> Lowering<'g> {
             }
             self.micro = 0;
             self.phase("optimizer");
+            self.fsdp_before_step();
             if self.r.parallel.shard.is_zero() {
                 self.zero_step();
             } else {
@@ -718,6 +736,7 @@ impl<'g> Lowering<'g> {
             }
             self.phase("zero_grad");
             self.zero_grad();
+            self.fsdp_after_step();
         }
         Ok(())
     }
@@ -733,7 +752,12 @@ impl<'g> Lowering<'g> {
                 next_buffer += 1;
             }
             let layout = Layout::contiguous(&p.shape);
-            let size = layout.numel() * self.param_dtype.size();
+            // FSDP2 materialises only the shards (`fsdp.rs`): the handle has no storage of its own.
+            let size = if self.fsdp_shards(i) {
+                0
+            } else {
+                layout.numel() * self.param_dtype.size()
+            };
             let st = self.alloc_raw(size, Kind::Param, p.name.as_str().into());
             let mut rt = Rt {
                 layout,
@@ -758,6 +782,7 @@ impl<'g> Lowering<'g> {
             self.setup_buffer(b);
         }
         self.par_setup();
+        self.fsdp_setup();
     }
 
     fn setup_buffer(&mut self, i: usize) {
