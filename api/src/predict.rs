@@ -20,7 +20,7 @@ use vramsim_models::{
 use vramsim_models::{
     CheckpointImpl, CublasWorkspaceMode, TorchVersion, TransformersVersion, Workspaces,
 };
-use vramsim_models::{Parallel, Shard};
+use vramsim_models::{DType, Parallel, Shard};
 use vramsim_sim::device::{find_preset, ContextChoice, UnknownGpu, DEFAULT_GPU};
 use vramsim_sim::engine::{Flow, Replay, ReplayOptions};
 use vramsim_sim::format::format_size;
@@ -196,6 +196,19 @@ pub struct PredictArgs {
     /// The world size the job is launched with: an error unless it equals the layout's ranks (dp).
     #[arg(long, value_name = "N", value_parser = count32("world-size"), allow_negative_numbers = true)]
     pub world_size: Option<u32>,
+    /// FSDP2's MixedPrecisionPolicy(param_dtype=...): bf16, fp16 or fp32, the dtype of the
+    /// all-gathered parameters and the compute (shards and optimizer keep the model's dtype).
+    #[arg(long, value_name = "DTYPE", value_parser = float_dtype("fsdp-param-dtype"))]
+    pub fsdp_param_dtype: Option<DType>,
+    /// FSDP2's MixedPrecisionPolicy(reduce_dtype=...): fp32, bf16 or fp16, the dtype of the
+    /// gradient reduce-scatter (default: the param dtype).
+    #[arg(long, value_name = "DTYPE", value_parser = float_dtype("fsdp-reduce-dtype"))]
+    pub fsdp_reduce_dtype: Option<DType>,
+}
+
+/// A parser for a `MixedPrecisionPolicy` dtype.
+fn float_dtype(what: &'static str) -> impl Fn(&str) -> Result<DType, String> + Clone {
+    move |s: &str| vramsim_models::parallel::parse_float_dtype(what, s).map_err(|e| e.to_string())
 }
 
 /// A parser for `--image-size` (`H` or `HxW`).
@@ -507,6 +520,8 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
             dp: args.dp,
             shard: args.shard,
             world_size: args.world_size,
+            fsdp_param_dtype: args.fsdp_param_dtype,
+            fsdp_reduce_dtype: args.fsdp_reduce_dtype,
         },
         ..Recipe::default()
     };
@@ -989,6 +1004,8 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
             "dp": par.dp,
             "shard": par.shard.to_string(),
             "world_size": par.world_size(),
+            "fsdp_param_dtype": par.fsdp_param_dtype.map(|d| d.name()),
+            "fsdp_reduce_dtype": par.fsdp_reduce_dtype.map(|d| d.name()),
         });
         j["ranks"] = crate::ranks::to_json(&crate::ranks::roles(par, report));
     }

@@ -150,6 +150,34 @@ fn bad_layouts_fail_with_the_reason() {
     );
     fails(&["--dp", "0", "--shard", "ddp"], &["dp must be"]);
     fails(
+        &["--dp", "2", "--shard", "ddp", "--fsdp-param-dtype", "bf16"],
+        &["MixedPrecisionPolicy", "--shard fsdp2"],
+    );
+    fails(
+        &[
+            "--dp",
+            "2",
+            "--shard",
+            "fsdp2",
+            "--fsdp-reduce-dtype",
+            "int8",
+        ],
+        &["valid values are fp32, bf16, fp16"],
+    );
+    fails(
+        &[
+            "--dp",
+            "2",
+            "--shard",
+            "fsdp2",
+            "--fsdp-param-dtype",
+            "bf16",
+            "--precision",
+            "amp-bf16",
+        ],
+        &["autocast"],
+    );
+    fails(
         &["--dp", "2", "--shard", "ddp", "--inference"],
         &["--inference"],
     );

@@ -8,15 +8,16 @@
 //!   `static_graph=False`): the `Reducer`'s gradient buckets.
 //! * `zero1`, `zero2`: DeepSpeed ZeRO stages 1 and 2 (`deepspeed/runtime/zero/stage_1_and_2.py`)
 //!   with bf16 parameters and an fp32 master partition, at DeepSpeed's defaults.
-//! * `fsdp2`: `fully_shard` on every block and the root, default `reshard_after_forward`, no
-//!   `MixedPrecisionPolicy` (`lower/fsdp.rs`).
+//! * `fsdp2`: `fully_shard` on every block and the root, default `reshard_after_forward`, with an
+//!   optional `MixedPrecisionPolicy(param_dtype, reduce_dtype)` (`lower/fsdp.rs`).
 //!
-//! Not modelled yet (refused rather than approximated): ZeRO-3, FSDP2's mixed precision, tensor,
+//! Not modelled yet (refused rather than approximated): ZeRO-3, tensor,
 //! sequence, pipeline and context parallelism, CPU offload, NCCL's own device memory.
 
 use std::fmt;
 use std::str::FromStr;
 
+use crate::dtype::DType;
 use crate::recipe::{OptimizerKind, Precision, Recipe, RecipeError, ZeroGrad};
 
 /// How the data-parallel ranks share the model states (`--shard`).
@@ -82,6 +83,26 @@ pub struct Parallel {
     pub shard: Shard,
     /// The world size the user launched (`--world-size`), checked against the layout's product.
     pub world_size: Option<u32>,
+    /// FSDP2's `MixedPrecisionPolicy.param_dtype` (`--fsdp-param-dtype`): the dtype of the
+    /// all-gathered (unsharded) parameters and of the compute; `None`: the model's.
+    pub fsdp_param_dtype: Option<DType>,
+    /// FSDP2's `MixedPrecisionPolicy.reduce_dtype` (`--fsdp-reduce-dtype`): the dtype of the
+    /// reduce-scatter; `None`: the param dtype.
+    pub fsdp_reduce_dtype: Option<DType>,
+}
+
+/// Reads a floating dtype of `MixedPrecisionPolicy` (`fp32`, `bf16`, `fp16`).
+pub fn parse_float_dtype(field: &'static str, s: &str) -> Result<DType, RecipeError> {
+    match s {
+        "fp32" | "float32" => Ok(DType::F32),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        "fp16" | "float16" => Ok(DType::F16),
+        _ => Err(RecipeError::Unknown {
+            field,
+            value: s.to_string(),
+            valid: "fp32, bf16, fp16",
+        }),
+    }
 }
 
 impl Default for Parallel {
@@ -91,6 +112,8 @@ impl Default for Parallel {
             dp: 1,
             shard: Shard::None,
             world_size: None,
+            fsdp_param_dtype: None,
+            fsdp_reduce_dtype: None,
         }
     }
 }
@@ -152,6 +175,19 @@ impl Parallel {
             return Err(bad(format!(
                 "--shard {} shards a training step; --inference has no gradients or optimizer",
                 self.shard
+            )));
+        }
+        let mixed = self.fsdp_param_dtype.is_some() || self.fsdp_reduce_dtype.is_some();
+        if mixed && self.shard != Shard::Fsdp2 {
+            return Err(bad(format!(
+                "--fsdp-param-dtype and --fsdp-reduce-dtype are FSDP2's MixedPrecisionPolicy: give --shard fsdp2, not {}",
+                self.shard
+            )));
+        }
+        if mixed && matches!(r.precision, Precision::AmpFp16 | Precision::AmpBf16) {
+            return Err(bad(format!(
+                "FSDP2's MixedPrecisionPolicy with autocast (--precision {}) is not modelled: give --precision fp32 (or bf16) and the policy's dtypes",
+                r.precision
             )));
         }
         if self.shard.is_zero() {

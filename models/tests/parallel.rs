@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 
-use vramsim_models::{lower, zoo, OptimizerKind, Parallel, Precision, Recipe, Shard};
+use vramsim_models::{lower, zoo, DType, OptimizerKind, Parallel, Precision, Recipe, Shard};
 use vramsim_traces::{Category, Event, Trace};
 
 /// Live bytes by category just before the `nth` (0-based) `phase` marker named `phase`.
@@ -50,7 +50,7 @@ fn recipe(batch: u64, seq: u64, dp: u32, shard: Shard) -> Recipe {
         parallel: Parallel {
             dp,
             shard,
-            world_size: None,
+            ..Parallel::default()
         },
         ..Recipe::new(batch, seq)
     }
@@ -240,4 +240,34 @@ fn fsdp2_keeps_only_the_root_unsharded_after_forward() {
         );
         assert_eq!(live.get(&Category::Communication).copied().unwrap_or(0), 0);
     }
+}
+
+/// torchtitan's FSDP2 policy, `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` on an fp32
+/// LLaMA: the shards, the sharded gradients (reduced in fp32, the model's dtype: no cast) and Adam's
+/// moments stay fp32 (4 + 4 + 8 bytes per padded shard element), while the unsharded root at the end
+/// of the forward is bf16 (2 bytes per padded element).
+#[test]
+fn fsdp2_mixed_precision_keeps_fp32_shards_and_bf16_unsharded_parameters() {
+    let n = 8u64;
+    let mut r = recipe(1, 128, n as u32, Shard::Fsdp2);
+    r.parallel.fsdp_param_dtype = Some(DType::BF16);
+    r.parallel.fsdp_reduce_dtype = Some(DType::F32);
+    let g = zoo::build("llama2-7b", &r).unwrap();
+    let padded = |shape: &[u64]| match shape.split_first() {
+        Some((d0, rest)) => d0.div_ceil(n) * rest.iter().product::<u64>(),
+        None => 1,
+    };
+    let shards: u64 = g.params.iter().map(|p| padded(&p.shape)).sum();
+    let root: u64 = 2 * 32000 * 4096 + 4096;
+    let t = lower(&g, &r).unwrap();
+    let live = live_at_phase(&t, "backward", 1);
+    assert_eq!(
+        live.get(&Category::Parameter).copied().unwrap_or(0),
+        4 * shards + 2 * root
+    );
+    let live = live_at_phase(&t, "optimizer", 1);
+    let get = |c| live.get(&c).copied().unwrap_or(0);
+    assert_eq!(get(Category::Parameter), 4 * shards);
+    assert_eq!(get(Category::Gradient), 4 * shards);
+    assert_eq!(get(Category::OptimizerState), 8 * shards);
 }

@@ -1,8 +1,9 @@
 //! FSDP2 (`torch.distributed.fsdp.fully_shard`) on one rank: `fully_shard` on every block (the
 //! graph's `Block` regions: transformer layers, ResNet stages' blocks) and on the root module, as
 //! torchtitan and the FSDP2 tutorial apply it, with the default `reshard_after_forward` (True for the
-//! blocks, False for the root) and no `MixedPrecisionPolicy` (parameters, all-gathers and
-//! reduce-scatters in the model's dtype). Sources: `torch/distributed/fsdp/_fully_shard/`
+//! blocks, False for the root) and the `MixedPrecisionPolicy` of the recipe (`param_dtype`: the
+//! unsharded parameters and the compute; `reduce_dtype`: the reduce-scatter; either `None` by
+//! default: the model's dtype). Sources: `torch/distributed/fsdp/_fully_shard/`
 //! (`_fsdp_param.py`, `_fsdp_param_group.py`, `_fsdp_collectives.py`, `_fsdp_state.py`), as
 //! summarised in `../shared/parallel_training.md` §7.
 //!
@@ -26,11 +27,21 @@
 //!   padded shards) allocated on the reduce-scatter stream is the sharded gradient (its parameters'
 //!   `.grad` are views of it) until `zero_grad`. With accumulation the new output is added into the
 //!   existing sharded gradient and dies. The last input dies at the end of the backward.
-//! * **Optimizer**: the torch optimizer steps the sharded parameters (state of the shards' sizes).
+//! * **Mixed precision** (`_fsdp_param.py` `init_dtype_attrs`: a `param_dtype` equal to the model's
+//!   and a `reduce_dtype` equal to the `param_dtype` are dropped): the copy-in first casts the
+//!   shards into one flat temporary of the param dtype (freed once copied into the all-gather
+//!   input); the reduce-scatter input and output are in the reduce dtype (the unsharded gradients,
+//!   in the param dtype, are upcast by `chunk_cat`), and an output whose dtype is not the model's is
+//!   cast into a new tensor on the reduce-scatter stream, which becomes the sharded gradient.
+//!   Module buffers are left in the model's dtype by FSDP2 but follow the compute dtype here.
+//! * **Optimizer**: the torch optimizer steps the sharded parameters (state of the shards' sizes
+//!   and the model's dtype).
 
 use super::{Kind, Lowering, Rt};
+use crate::dtype::DType;
 use crate::graph::{ModuleId, RegionKind};
 use crate::layout::Layout;
+use crate::recipe::Precision;
 
 /// The stream id of FSDP2's all-gather copy-in stream in the trace.
 const ALL_GATHER_STREAM: u64 = 2;
@@ -74,6 +85,22 @@ pub(crate) struct FsdpState {
 impl<'g> Lowering<'g> {
     fn fsdp_on(&self) -> bool {
         self.r.parallel.shard == crate::parallel::Shard::Fsdp2
+    }
+
+    /// The model's own dtype: the shards', the optimizer's and the sharded gradients'.
+    fn fsdp_orig_dtype(&self) -> DType {
+        match self.r.precision {
+            Precision::Bf16 => DType::BF16,
+            _ => DType::F32,
+        }
+    }
+
+    /// The reduce-scatter's dtype: `reduce_dtype`, else the param dtype.
+    fn fsdp_reduce_dtype(&self) -> DType {
+        self.r
+            .parallel
+            .fsdp_reduce_dtype
+            .unwrap_or(self.param_dtype)
     }
 
     /// `⌈dim0/N⌉` rows × the other dimensions: the padded shard of a parameter of `shape`.
@@ -143,7 +170,7 @@ impl<'g> Lowering<'g> {
         self.fsdp.unsharded_handles = vec![None; g.params.len()];
         for p in 0..g.params.len() {
             let shape = self.shard_shape(&self.params[p].layout.shape);
-            let dtype = self.params[p].dtype;
+            let dtype = self.fsdp_orig_dtype();
             self.kind_now = Kind::Param;
             let t = self.alloc(Layout::contiguous(&shape), dtype, ModuleId(0), "aten.empty");
             self.retag(&t, format!("{}:shard", g.params[p].name));
@@ -169,6 +196,19 @@ impl<'g> Lowering<'g> {
         let numel: u64 = params.iter().map(|&p| self.padded_numel(p)).sum();
         let dtype = self.params[params[0]].dtype;
         let prev = self.kind_now;
+        let n = u64::from(self.r.parallel.dp);
+        // The shards cast to the param dtype first (a temporary on the copy-in stream).
+        let cast = (dtype != self.fsdp_orig_dtype()).then(|| {
+            self.kind_now = Kind::Temporary;
+            let c = self.alloc(
+                Layout::contiguous(&[numel / n]),
+                dtype,
+                ModuleId(0),
+                "aten._to_copy",
+            );
+            self.set_stream(&c, ALL_GATHER_STREAM);
+            c
+        });
         self.kind_now = Kind::Comm;
         let t = self.alloc(
             Layout::contiguous(&[numel]),
@@ -179,6 +219,9 @@ impl<'g> Lowering<'g> {
         self.kind_now = prev;
         self.retag(&t, format!("fsdp_all_gather_output:group{gi}"));
         self.set_stream(&t, ALL_GATHER_STREAM);
+        if let Some(c) = cast {
+            self.drop_rt(c);
+        }
         self.fsdp.groups[gi].flat = Some(t);
     }
 
@@ -300,7 +343,7 @@ impl<'g> Lowering<'g> {
             return;
         }
         let numel: u64 = params.iter().map(|&p| self.padded_numel(p)).sum();
-        let dtype = self.params[params[0]].dtype;
+        let dtype = self.fsdp_reduce_dtype();
         let prev = self.kind_now;
         self.kind_now = Kind::Comm;
         let input = self.alloc(
@@ -317,20 +360,36 @@ impl<'g> Lowering<'g> {
         }
         self.kind_now = Kind::Temporary;
         let n = u64::from(self.r.parallel.dp);
-        let out = self.alloc(
+        let mut out = self.alloc(
             Layout::contiguous(&[numel / n]),
             dtype,
             ModuleId(0),
             "aten.empty",
         );
         self.set_stream(&out, REDUCE_SCATTER_STREAM);
+        let orig = self.fsdp_orig_dtype();
+        if dtype != orig {
+            // `foreach_reduce`: the output cast to the parameters' dtype (a new tensor).
+            let c = self.alloc(
+                Layout::contiguous(&[numel / n]),
+                orig,
+                ModuleId(0),
+                "aten._to_copy",
+            );
+            self.set_stream(&c, REDUCE_SCATTER_STREAM);
+            let bf = std::mem::replace(&mut out, c);
+            self.drop_rt(bf);
+        }
         self.mark_grad(&out);
         self.retag(&out, format!("fsdp_sharded_grads:group{gi}"));
         self.kind_now = prev;
         if params.iter().all(|&p| self.fsdp.sharded_grads[p].is_none()) {
             for &p in &params {
                 let shape = self.shard_shape(&self.params[p].layout.shape);
-                let v = self.view(&out, Layout::contiguous(&shape));
+                let v = Rt {
+                    dtype: orig,
+                    ..self.view(&out, Layout::contiguous(&shape))
+                };
                 self.fsdp.sharded_grads[p] = Some(v);
             }
         }

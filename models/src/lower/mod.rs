@@ -334,6 +334,12 @@ impl<'g> Lowering<'g> {
             Precision::Bf16 => DType::BF16,
             _ => DType::F32,
         };
+        // FSDP2's MixedPrecisionPolicy: the unsharded parameters, and so the compute, in its
+        // param_dtype (the shards keep the model's dtype: `fsdp.rs`).
+        let param_dtype = match (r.parallel.shard, r.parallel.fsdp_param_dtype) {
+            (crate::parallel::Shard::Fsdp2, Some(d)) => d,
+            _ => param_dtype,
+        };
         let autocast = match r.precision {
             Precision::AmpFp16 => Some(DType::F16),
             Precision::AmpBf16 => Some(DType::BF16),
