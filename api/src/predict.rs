@@ -204,6 +204,10 @@ pub struct PredictArgs {
     /// gradient reduce-scatter (default: the param dtype).
     #[arg(long, value_name = "DTYPE", value_parser = float_dtype("fsdp-reduce-dtype"))]
     pub fsdp_reduce_dtype: Option<DType>,
+    /// DistributedDataParallel(gradient_as_bucket_view=True): gradients become views of the
+    /// buckets instead of a second copy (with --shard ddp).
+    #[arg(long)]
+    pub ddp_bucket_view: bool,
 }
 
 /// A parser for a `MixedPrecisionPolicy` dtype.
@@ -522,6 +526,7 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
             world_size: args.world_size,
             fsdp_param_dtype: args.fsdp_param_dtype,
             fsdp_reduce_dtype: args.fsdp_reduce_dtype,
+            gradient_as_bucket_view: args.ddp_bucket_view,
         },
         ..Recipe::default()
     };
@@ -1006,6 +1011,7 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
             "world_size": par.world_size(),
             "fsdp_param_dtype": par.fsdp_param_dtype.map(|d| d.name()),
             "fsdp_reduce_dtype": par.fsdp_reduce_dtype.map(|d| d.name()),
+            "gradient_as_bucket_view": par.gradient_as_bucket_view,
         });
         j["ranks"] = crate::ranks::to_json(&crate::ranks::roles(par, report));
     }

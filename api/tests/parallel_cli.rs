@@ -150,6 +150,10 @@ fn bad_layouts_fail_with_the_reason() {
     );
     fails(&["--dp", "0", "--shard", "ddp"], &["dp must be"]);
     fails(
+        &["--dp", "2", "--shard", "fsdp2", "--ddp-bucket-view"],
+        &["gradient_as_bucket_view", "--shard ddp"],
+    );
+    fails(
         &["--dp", "2", "--shard", "ddp", "--fsdp-param-dtype", "bf16"],
         &["MixedPrecisionPolicy", "--shard fsdp2"],
     );

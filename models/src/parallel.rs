@@ -89,6 +89,9 @@ pub struct Parallel {
     /// FSDP2's `MixedPrecisionPolicy.reduce_dtype` (`--fsdp-reduce-dtype`): the dtype of the
     /// reduce-scatter; `None`: the param dtype.
     pub fsdp_reduce_dtype: Option<DType>,
+    /// DDP's `gradient_as_bucket_view=True` (`--ddp-bucket-view`): `.grad` becomes a view of its
+    /// bucket instead of a second copy.
+    pub gradient_as_bucket_view: bool,
 }
 
 /// Reads a floating dtype of `MixedPrecisionPolicy` (`fp32`, `bf16`, `fp16`).
@@ -114,6 +117,7 @@ impl Default for Parallel {
             world_size: None,
             fsdp_param_dtype: None,
             fsdp_reduce_dtype: None,
+            gradient_as_bucket_view: false,
         }
     }
 }
@@ -188,6 +192,12 @@ impl Parallel {
             return Err(bad(format!(
                 "FSDP2's MixedPrecisionPolicy with autocast (--precision {}) is not modelled: give --precision fp32 (or bf16) and the policy's dtypes",
                 r.precision
+            )));
+        }
+        if self.gradient_as_bucket_view && self.shard != Shard::Ddp {
+            return Err(bad(format!(
+                "--ddp-bucket-view is DistributedDataParallel's gradient_as_bucket_view: give --shard ddp, not {}",
+                self.shard
             )));
         }
         if self.shard.is_zero() {

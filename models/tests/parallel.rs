@@ -271,3 +271,19 @@ fn fsdp2_mixed_precision_keeps_fp32_shards_and_bf16_unsharded_parameters() {
     assert_eq!(get(Category::Gradient), 4 * shards);
     assert_eq!(get(Category::OptimizerState), 8 * shards);
 }
+
+/// DDP's `gradient_as_bucket_view=True`: after each backward the gradients are views of the
+/// buckets, so gradients and buckets together hold Ψ × 4 B once (the default holds them twice).
+#[test]
+fn ddp_bucket_view_keeps_one_copy_of_the_gradients() {
+    let mut r = recipe(2, 128, 4, Shard::Ddp);
+    r.parallel.gradient_as_bucket_view = true;
+    let g = zoo::build("gpt2", &r).unwrap();
+    let psi = g.param_count();
+    let t = lower(&g, &r).unwrap();
+    for it in 0..2 {
+        let live = live_at_phase(&t, "optimizer", it);
+        assert_eq!(live.get(&Category::Communication).copied(), Some(4 * psi));
+        assert_eq!(live.get(&Category::Gradient).copied().unwrap_or(0), 0);
+    }
+}

@@ -145,6 +145,36 @@ impl<'g> Lowering<'g> {
             });
         }
         self.par.next_bucket = 0;
+        // With gradient_as_bucket_view, `initialize_bucket_views` copies gradients that exist into
+        // the new views and re-points `.grad` (the old views, and with them the old buckets, die).
+        if self.r.parallel.gradient_as_bucket_view {
+            for p in 0..self.param_grads.len() {
+                if self.param_grads[p].is_some() {
+                    self.ddp_grad_to_view(p);
+                }
+            }
+        }
+    }
+
+    /// `gradient_as_bucket_view=True`: `.grad` of `p` re-pointed to its bucket view; the gradient
+    /// it held dies (`mark_variable_ready_dense`: `bucket_view.copy_(grad); grad = bucket_view`, when
+    /// the gradient is not already an alias of the view).
+    fn ddp_grad_to_view(&mut self, p: usize) {
+        let Some(b) = self.par.buckets.iter().position(|b| b.params.contains(&p)) else {
+            return;
+        };
+        let bucket = self.par.buckets[b].grads.clone();
+        let Some(old) = self.param_grads[p].take() else {
+            return;
+        };
+        if old.st == bucket.st {
+            self.param_grads[p] = Some(old);
+            return;
+        }
+        let layout = self.params[p].layout.clone();
+        let view = self.view(&bucket, layout);
+        self.param_grads[p] = Some(view);
+        self.drop_rt(old);
     }
 
     /// Before the model's forward: DDP's `_pre_forward` rebuilds the buckets once, after the first
@@ -181,6 +211,9 @@ impl<'g> Lowering<'g> {
             Shard::Ddp => {
                 if !self.par.rebuilt && !self.par.ready_order.contains(&p) {
                     self.par.ready_order.push(p);
+                }
+                if self.r.parallel.gradient_as_bucket_view {
+                    self.ddp_grad_to_view(p);
                 }
                 if let Some(b) = self.par.buckets.iter().position(|b| b.params.contains(&p)) {
                     self.par.buckets[b].pending -= 1;
