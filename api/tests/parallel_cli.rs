@@ -185,4 +185,18 @@ fn bad_layouts_fail_with_the_reason() {
         &["--dp", "2", "--shard", "ddp", "--inference"],
         &["--inference"],
     );
+    common::assert_fails(
+        &[
+            "recommend",
+            "--model",
+            "gpt2",
+            "--global-batch",
+            "8",
+            "--dp",
+            "4",
+            "--shard",
+            "ddp",
+        ],
+        &["parallel layouts", "not searched yet"],
+    );
 }
