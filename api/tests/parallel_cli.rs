@@ -200,3 +200,53 @@ fn bad_layouts_fail_with_the_reason() {
         &["parallel layouts", "not searched yet"],
     );
 }
+
+/// max-batch and whatif take the layout through predict's options: Llama-2-7B in fp32 with AdamW
+/// cannot fit one 80 GB GPU (16 B per parameter of model states alone), while FSDP2 over 8 ranks
+/// (2 + 14 B per parameter spread over 8 ranks, plus the unsharded blocks) leaves room for a batch;
+/// the effective batch counts every rank.
+#[test]
+fn max_batch_and_whatif_take_the_layout() {
+    let single = common::vramsim(&["max-batch", "--model", "llama2-7b", "--seq", "512"]);
+    assert_eq!(single.status.code(), Some(2));
+    assert!(common::stderr(&single).contains("even batch 1 does not fit"));
+    let doc = json(&[
+        "max-batch",
+        "--model",
+        "llama2-7b",
+        "--seq",
+        "512",
+        "--dp",
+        "8",
+        "--shard",
+        "fsdp2",
+        "--fsdp-param-dtype",
+        "bf16",
+        "--fsdp-reduce-dtype",
+        "fp32",
+    ]);
+    let b = doc["max_batch"].as_u64().unwrap();
+    assert!(b >= 1, "{doc}");
+    assert_eq!(doc["effective_batch"].as_u64(), Some(8 * b));
+    let rows = json(&[
+        "whatif",
+        "--model",
+        "gpt2",
+        "--batch",
+        "2",
+        "--seq",
+        "128",
+        "--precision",
+        "bf16",
+        "--dp",
+        "4",
+        "--vary",
+        "shard=ddp,zero1,zero2,fsdp2",
+    ]);
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    for r in rows {
+        assert_eq!(r["effective_batch"], 8, "{r}");
+        assert_eq!(r["ranks"][0]["ranks"], serde_json::json!([0, 1, 2, 3]));
+    }
+}
