@@ -22,6 +22,7 @@ pub mod machine;
 pub mod maxbatch;
 pub mod predict;
 pub mod presets;
+pub mod ranks;
 pub mod recommend;
 pub mod replay;
 pub mod steptime;

@@ -20,6 +20,7 @@ use vramsim_models::{
 use vramsim_models::{
     CheckpointImpl, CublasWorkspaceMode, TorchVersion, TransformersVersion, Workspaces,
 };
+use vramsim_models::{DType, Parallel, Shard};
 use vramsim_sim::device::{find_preset, ContextChoice, UnknownGpu, DEFAULT_GPU};
 use vramsim_sim::engine::{Flow, Replay, ReplayOptions};
 use vramsim_sim::format::format_size;
@@ -212,6 +213,31 @@ pub struct PredictArgs {
     /// `--vary lora.r=8,16,64` varies it.
     #[arg(long, value_name = "R", value_parser = lora_rank)]
     pub lora_r: Option<u64>,
+    /// Data-parallel ranks: the step is lowered and replayed per rank (ranks that play the same
+    /// role once). Needs --shard ddp, zero1, zero2 or fsdp2 above 1.
+    #[arg(long, default_value_t = 1, value_parser = count32("dp"), allow_negative_numbers = true)]
+    pub dp: u32,
+    /// How the data-parallel ranks share the model states: none (one GPU), ddp
+    /// (DistributedDataParallel: gradient buckets), zero1 / zero2 (DeepSpeed ZeRO stages 1 and 2,
+    /// bf16 with an fp32 master partition), fsdp2 (fully_shard on every block and the root).
+    /// ZeRO-3, TP, PP and offload are not modelled yet.
+    #[arg(long, default_value = "none", value_parser = named::<Shard>)]
+    pub shard: Shard,
+    /// The world size the job is launched with: an error unless it equals the layout's ranks (dp).
+    #[arg(long, value_name = "N", value_parser = count32("world-size"), allow_negative_numbers = true)]
+    pub world_size: Option<u32>,
+    /// FSDP2's MixedPrecisionPolicy(param_dtype=...): bf16, fp16 or fp32, the dtype of the
+    /// all-gathered parameters and the compute (shards and optimizer keep the model's dtype).
+    #[arg(long, value_name = "DTYPE", value_parser = float_dtype("fsdp-param-dtype"))]
+    pub fsdp_param_dtype: Option<DType>,
+    /// FSDP2's MixedPrecisionPolicy(reduce_dtype=...): fp32, bf16 or fp16, the dtype of the
+    /// gradient reduce-scatter (default: the param dtype).
+    #[arg(long, value_name = "DTYPE", value_parser = float_dtype("fsdp-reduce-dtype"))]
+    pub fsdp_reduce_dtype: Option<DType>,
+    /// DistributedDataParallel(gradient_as_bucket_view=True): gradients become views of the
+    /// buckets instead of a second copy (with --shard ddp).
+    #[arg(long)]
+    pub ddp_bucket_view: bool,
 }
 
 /// `--quant`'s value: a bitsandbytes format, or `none` (what no `--quant` gives; for `--vary
@@ -241,6 +267,11 @@ fn lora_rank(s: &str) -> Result<u64, String> {
 /// A parser for `--lora`.
 fn lora_spec(s: &str) -> Result<vramsim_models::finetune::LoraConfig, String> {
     s.parse()
+}
+
+/// A parser for a `MixedPrecisionPolicy` dtype.
+fn float_dtype(what: &'static str) -> impl Fn(&str) -> Result<DType, String> + Clone {
+    move |s: &str| vramsim_models::parallel::parse_float_dtype(what, s).map_err(|e| e.to_string())
 }
 
 /// A parser for `--image-size` (`H` or `HxW`).
@@ -561,6 +592,14 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
         freeze: args.freeze.clone(),
         lora: args.lora.clone(),
         quant: args.quant.and_then(|q| q.0),
+        parallel: Parallel {
+            dp: args.dp,
+            shard: args.shard,
+            world_size: args.world_size,
+            fsdp_param_dtype: args.fsdp_param_dtype,
+            fsdp_reduce_dtype: args.fsdp_reduce_dtype,
+            gradient_as_bucket_view: args.ddp_bucket_view,
+        },
         ..Recipe::default()
     };
     let mut recipe = recipe;
@@ -885,6 +924,10 @@ pub fn to_table(report: &Report, p: &Prediction) -> String {
         p.replay_ms
     );
     out.push_str(&report.to_table());
+    if !p.recipe.parallel.is_single() {
+        let roles = crate::ranks::roles(&p.recipe.parallel, report);
+        out.push_str(&crate::ranks::to_table(&p.recipe.parallel, &roles));
+    }
     let b = &p.breakdown;
     out.push('\n');
     let at = if report.outcome.oom.is_some() {
@@ -1089,6 +1132,19 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
             .iter()
             .map(|(op, module, count)| json!({"op": op, "module": module, "count": count}))
             .collect::<Vec<_>>());
+    }
+    let par = &p.recipe.parallel;
+    if !par.is_single() {
+        // The top-level peaks are the worst rank's (one role for data parallelism).
+        j["layout"] = json!({
+            "dp": par.dp,
+            "shard": par.shard.to_string(),
+            "world_size": par.world_size(),
+            "fsdp_param_dtype": par.fsdp_param_dtype.map(|d| d.name()),
+            "fsdp_reduce_dtype": par.fsdp_reduce_dtype.map(|d| d.name()),
+            "gradient_as_bucket_view": par.gradient_as_bucket_view,
+        });
+        j["ranks"] = crate::ranks::to_json(&crate::ranks::roles(par, report));
     }
     j
 }

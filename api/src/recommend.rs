@@ -158,6 +158,21 @@ pub fn recommend(args: &RecommendArgs) -> Result<Recommendation> {
     if fixed.has("inference") {
         bail!("recommend plans training steps; --inference has no global batch to reach");
     }
+    // The search is over one GPU's recipe: layouts (and a global batch over ranks) are not
+    // searched yet (issue 12's `recommend --gpus`).
+    let layout = value("dp").is_some_and(|d| d.trim() != "1")
+        || value("shard").is_some_and(|s| s.trim() != "none")
+        || [
+            "world-size",
+            "fsdp-param-dtype",
+            "fsdp-reduce-dtype",
+            "ddp-bucket-view",
+        ]
+        .iter()
+        .any(|k| fixed.has(k));
+    if layout {
+        bail!("recommend searches one GPU's recipe; parallel layouts (--dp, --shard, ...) are not searched yet: evaluate them with predict or whatif");
+    }
     let divisors: Vec<u64> = match (value("batch"), value("accum")) {
         (Some(_), Some(_)) => {
             bail!("give --batch or --accum, not both: the other is --global-batch divided by it")

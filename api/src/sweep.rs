@@ -300,9 +300,11 @@ impl Evaluated {
         self.report.fits()
     }
 
-    /// Samples per optimizer step: micro-batch × accumulation.
+    /// Samples per optimizer step: micro-batch × accumulation × data-parallel ranks (the step-time
+    /// model has no communication term yet).
     pub fn effective_batch(&self) -> u64 {
-        self.prediction.recipe.batch * u64::from(self.prediction.recipe.accum)
+        let r = &self.prediction.recipe;
+        r.batch * u64::from(r.accum) * u64::from(r.parallel.world_size())
     }
 
     /// Samples per second at the estimated step time.

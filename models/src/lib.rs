@@ -42,6 +42,7 @@ pub mod imported;
 pub mod layout;
 mod lower;
 pub mod ops;
+pub mod parallel;
 pub mod recipe;
 pub mod sdpa;
 pub mod zoo;
@@ -51,6 +52,7 @@ pub use dtype::DType;
 pub use graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, ValueId, T};
 pub use lower::{checkpointed_ranges, lower, LowerError};
 pub use ops::{FusedSdpa, OpKind};
+pub use parallel::{Parallel, Shard};
 pub use recipe::{parse_image_size, Head, Loss};
 pub use recipe::{
     Attention, Checkpointing, Fidelity, OptimizerImpl, OptimizerKind, Precision, Recipe,

@@ -465,6 +465,8 @@ pub struct Recipe {
     pub lora: Option<crate::finetune::LoraConfig>,
     /// bitsandbytes-quantized linear layers (`--quant`): see [`crate::finetune::quant`].
     pub quant: Option<crate::finetune::Quant>,
+    /// The parallel layout (`--dp`, `--shard`, `--world-size`); the default is one GPU.
+    pub parallel: crate::parallel::Parallel,
 }
 
 impl Default for Recipe {
@@ -498,6 +500,7 @@ impl Default for Recipe {
             freeze: Vec::new(),
             lora: None,
             quant: None,
+            parallel: crate::parallel::Parallel::default(),
         }
     }
 }
@@ -590,6 +593,7 @@ impl Recipe {
                 });
             }
         }
+        self.parallel.validate(self)?;
         Ok(())
     }
 

@@ -102,6 +102,7 @@ impl<'g> Lowering<'g> {
         }
         while let Some((_, n)) = ready.pop() {
             let inputs = buffers.remove(&n).unwrap_or_default();
+            self.fsdp_backward_node(n);
             let outputs = self.evaluate(n, inputs);
             let next = self.nodes[n as usize].next.clone();
             for (i, out) in outputs.into_iter().enumerate() {
@@ -1199,6 +1200,7 @@ impl<'g> Lowering<'g> {
         if self.param_grads[p].is_some() {
             // variable_grad += new_grad (grad mode off): in place.
             self.drop_rt(g);
+            self.par_grad_ready(p);
             return;
         }
         let param = self.params[p].layout.clone();
@@ -1227,5 +1229,7 @@ impl<'g> Lowering<'g> {
         let name = self.g.params[p].name.clone();
         self.retag(&grad, format!("grad:{name}"));
         self.param_grads[p] = Some(Rt { edge: None, ..grad });
+        // The data-parallel hooks registered on the AccumulateGrad node run after it.
+        self.par_grad_ready(p);
     }
 }

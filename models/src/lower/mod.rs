@@ -34,8 +34,10 @@
 //! Allocation sizes are exact: `numel × element size`, unrounded, as PyTorch asks the allocator.
 
 mod bwd;
+mod fsdp;
 mod fwd;
 mod optim;
+mod parallel;
 mod quant;
 
 use crate::dtype::DType;
@@ -131,6 +133,8 @@ pub(crate) enum Kind {
     /// A cuBLAS / cuBLASLt / cuDNN workspace.
     Workspace,
     Other,
+    /// A buffer of a collective (DDP bucket, ZeRO IPG buffer).
+    Comm,
 }
 
 /// `Storage::ev` of a 0-byte storage, which has no event.
@@ -278,6 +282,10 @@ pub(crate) struct Lowering<'g> {
     bnb_qmaps: bool,
     /// Bytes of paged optimizer state (CUDA managed memory, outside the caching allocator).
     paged_bytes: u64,
+    /// The data-parallel mechanisms' state (`parallel.rs`).
+    par: parallel::ParState,
+    /// FSDP2's state (`fsdp.rs`).
+    fsdp: fsdp::FsdpState,
 }
 
 /// `PreTrainedModel.enable_input_require_grads`: a forward hook on `get_input_embeddings()` that
@@ -354,6 +362,12 @@ impl<'g> Lowering<'g> {
         let param_dtype = match r.precision {
             Precision::Bf16 => DType::BF16,
             _ => DType::F32,
+        };
+        // FSDP2's MixedPrecisionPolicy: the unsharded parameters, and so the compute, in its
+        // param_dtype (the shards keep the model's dtype: `fsdp.rs`).
+        let param_dtype = match (r.parallel.shard, r.parallel.fsdp_param_dtype) {
+            (crate::parallel::Shard::Fsdp2, Some(d)) => d,
+            _ => param_dtype,
         };
         let autocast = match r.precision {
             Precision::AmpFp16 => Some(DType::F16),
@@ -455,6 +469,8 @@ impl<'g> Lowering<'g> {
             input_grad_hook: input_grad_hook(g, r),
             bnb_qmaps: false,
             paged_bytes: 0,
+            par: parallel::ParState::default(),
+            fsdp: fsdp::FsdpState::default(),
         }
     }
 
@@ -635,6 +651,26 @@ impl<'g> Lowering<'g> {
         }
     }
 
+    /// The trace id of `t`'s allocation (`None` for a 0-byte storage, which has no event).
+    pub(crate) fn alloc_id(&self, t: &Rt) -> Option<AllocId> {
+        let s = &self.storages[t.st as usize];
+        match self.events.get(s.ev as usize) {
+            Some(Event::Alloc { id, .. }) if s.ev != NO_EVENT => Some(id.clone()),
+            _ => None,
+        }
+    }
+
+    /// Puts `t`'s allocation on `stream` (a collective's side stream).
+    pub(crate) fn set_stream(&mut self, t: &Rt, stream: u64) {
+        let s = &self.storages[t.st as usize];
+        if s.ev == NO_EVENT {
+            return;
+        }
+        if let Some(Event::Alloc { stream: st, .. }) = self.events.get_mut(s.ev as usize) {
+            *st = stream;
+        }
+    }
+
     /// References on `t`'s storage.
     pub(crate) fn refs(&self, t: &Rt) -> u32 {
         self.storages[t.st as usize].refs
@@ -703,7 +739,9 @@ impl<'g> Lowering<'g> {
                 self.micro = micro;
                 self.phase("forward");
                 let inputs = self.make_inputs();
+                self.par_pre_forward();
                 let loss = self.forward()?;
+                self.fsdp_post_forward();
                 if self.r.inference {
                     self.drop_rt(loss);
                     self.drop_inputs(inputs);
@@ -711,7 +749,10 @@ impl<'g> Lowering<'g> {
                 }
                 let (loss, unscaled) = self.finish_loss(loss);
                 self.phase("backward");
+                self.par_pre_backward();
                 self.backward(&loss);
+                self.fsdp_end_backward();
+                self.par_post_backward(micro + 1 == self.r.accum);
                 // `scaler.scale(loss).backward()`: the scaled temporary dies when the statement
                 // ends, then `del loss` frees the caller's unscaled loss (held through backward).
                 self.drop_rt(loss);
@@ -725,9 +766,15 @@ impl<'g> Lowering<'g> {
             }
             self.micro = 0;
             self.phase("optimizer");
-            self.optimizer_step();
+            self.fsdp_before_step();
+            if self.r.parallel.shard.is_zero() {
+                self.zero_step();
+            } else {
+                self.optimizer_step();
+            }
             self.phase("zero_grad");
             self.zero_grad();
+            self.fsdp_after_step();
         }
         Ok(())
     }
@@ -745,7 +792,12 @@ impl<'g> Lowering<'g> {
             let layout = Layout::contiguous(&p.shape);
             // The model dtype, or the parameter's own (PEFT's fp32 LoRA adapters).
             let dtype = self.resolve(g.values[p.value.0 as usize].dtype);
-            let size = layout.numel() * dtype.size();
+            // FSDP2 materialises only the shards (`fsdp.rs`): the handle has no storage of its own.
+            let size = if self.fsdp_shards(i) {
+                0
+            } else {
+                layout.numel() * dtype.size()
+            };
             let st = self.alloc_raw(size, Kind::Param, p.name.as_str().into());
             let mut rt = Rt {
                 layout,
@@ -769,6 +821,8 @@ impl<'g> Lowering<'g> {
         for b in next_buffer..g.buffers.len() {
             self.setup_buffer(b);
         }
+        self.par_setup();
+        self.fsdp_setup();
     }
 
     fn setup_buffer(&mut self, i: usize) {
@@ -902,6 +956,7 @@ impl<'g> Lowering<'g> {
                 Kind::OptimState => Category::OptimizerState,
                 Kind::Workspace => Category::Workspace,
                 Kind::Other => Category::Other,
+                Kind::Comm => Category::Communication,
             };
             let cat = if s.grad { Category::Gradient } else { cat };
             let tag = std::mem::take(&mut self.tags[i]);

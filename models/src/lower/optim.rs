@@ -593,7 +593,7 @@ impl<'g> Lowering<'g> {
     }
 
     /// Adam's `weight_decay` (PyTorch's default 0; AdamW's decay is decoupled and allocates nothing).
-    fn adam_weight_decay(&self) -> f64 {
+    pub(super) fn adam_weight_decay(&self) -> f64 {
         0.0
     }
 

@@ -1,0 +1,132 @@
+//! The per-rank view of a parallel layout (`--dp`, `--shard`): which ranks play which role, and
+//! each role's peaks, breakdown by category and verdict. Ranks that play the same role have the
+//! same trace, so each role is replayed once; the layout fits only if every role fits.
+//!
+//! Data parallelism alone has one role: every data-parallel rank holds the same shapes (DDP:
+//! everything; ZeRO-1/2: equal padded partitions), so rank 0's replay stands for all of them.
+
+use std::fmt::Write as _;
+
+use serde_json::{json, Value};
+use vramsim_models::{Parallel, Shard};
+use vramsim_sim::format::format_size;
+use vramsim_sim::report::Report;
+use vramsim_traces::Category;
+
+/// One role of a layout: the ranks that play it and what its replay measured.
+pub struct RankRole {
+    /// What the role is (`data-parallel rank`).
+    pub role: String,
+    /// The global ranks playing it.
+    pub ranks: Vec<u32>,
+    /// Peak allocated bytes.
+    pub peak_allocated: u64,
+    /// Peak reserved bytes.
+    pub peak_reserved: u64,
+    /// Peak device memory used (reserved + CUDA context + what else the machine says is used).
+    pub peak_device_used: u64,
+    /// Allocated bytes by category at the peak allocated.
+    pub by_category: Vec<(Category, u64)>,
+    /// Whether the role's step fits.
+    pub fits: bool,
+    /// PyTorch's out-of-memory message when it does not.
+    pub oom_message: Option<String>,
+}
+
+/// The roles of `parallel`, each with the replay `report` of its trace (one role for data
+/// parallelism).
+pub fn roles(parallel: &Parallel, report: &Report) -> Vec<RankRole> {
+    let role = match parallel.shard {
+        Shard::None => "single GPU",
+        Shard::Ddp => "data-parallel rank (DDP replica)",
+        Shard::Zero1 => "data-parallel rank (ZeRO-1 partition)",
+        Shard::Zero2 => "data-parallel rank (ZeRO-2 partition)",
+        // torch.chunk gives rank 0 the largest shards: its trace is the worst rank's.
+        Shard::Fsdp2 => "data-parallel rank (FSDP2 shard; rank 0, the largest shards)",
+    };
+    let by_category = Category::ALL
+        .iter()
+        .copied()
+        .zip(report.outcome.categories_at_peak)
+        .filter(|(_, b)| *b > 0)
+        .collect();
+    vec![RankRole {
+        role: role.to_string(),
+        ranks: (0..parallel.world_size()).collect(),
+        peak_allocated: report.peak_allocated(),
+        peak_reserved: report.peak_reserved(),
+        peak_device_used: report.outcome.peak_device_used,
+        by_category,
+        fits: report.fits(),
+        oom_message: report.outcome.oom.as_ref().map(|o| o.message.clone()),
+    }]
+}
+
+/// `0-7`, or `0, 2, 5` for ranks that are not a run.
+fn rank_list(ranks: &[u32]) -> String {
+    match (ranks.first(), ranks.last()) {
+        (Some(a), Some(b)) if ranks.len() > 2 && (b - a) as usize + 1 == ranks.len() => {
+            format!("{a}-{b}")
+        }
+        _ => ranks
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
+    }
+}
+
+/// The `ranks` array of `predict --json`.
+pub fn to_json(roles: &[RankRole]) -> Value {
+    Value::Array(
+        roles
+            .iter()
+            .map(|r| {
+                json!({
+                    "role": r.role,
+                    "ranks": r.ranks,
+                    "peak_allocated_bytes": r.peak_allocated,
+                    "peak_reserved_bytes": r.peak_reserved,
+                    "peak_device_used_bytes": r.peak_device_used,
+                    "by_category": Value::Object(r.by_category.iter().map(|(c, b)| (c.name().to_string(), json!(b))).collect()),
+                    "fits": r.fits,
+                    "oom_message": r.oom_message,
+                })
+            })
+            .collect(),
+    )
+}
+
+/// The layout's lines of `predict`'s table: one per role.
+pub fn to_table(parallel: &Parallel, roles: &[RankRole]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "layout     dp {} × --shard {} = {} ranks; {} distinct role{} replayed; fits only if every rank fits",
+        parallel.dp,
+        parallel.shard,
+        parallel.world_size(),
+        roles.len(),
+        if roles.len() == 1 { "" } else { "s" }
+    );
+    for r in roles {
+        let cats = r
+            .by_category
+            .iter()
+            .map(|(c, b)| format!("{} {}", c.name(), format_size(*b)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let _ = writeln!(
+            out,
+            "ranks {:<5}{}: peak allocated {}, reserved {}, device used {}, {}; at peak allocated: {}",
+            rank_list(&r.ranks),
+            r.role,
+            format_size(r.peak_allocated),
+            format_size(r.peak_reserved),
+            format_size(r.peak_device_used),
+            if r.fits { "fits" } else { "out of memory" },
+            cats
+        );
+    }
+    out
+}

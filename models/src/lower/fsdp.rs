@@ -1,0 +1,451 @@
+//! FSDP2 (`torch.distributed.fsdp.fully_shard`) on one rank: `fully_shard` on every block (the
+//! graph's `Block` regions: transformer layers, ResNet stages' blocks) and on the root module, as
+//! torchtitan and the FSDP2 tutorial apply it, with the default `reshard_after_forward` (True for the
+//! blocks, False for the root) and the `MixedPrecisionPolicy` of the recipe (`param_dtype`: the
+//! unsharded parameters and the compute; `reduce_dtype`: the reduce-scatter; either `None` by
+//! default: the model's dtype). Sources: `torch/distributed/fsdp/_fully_shard/`
+//! (`_fsdp_param.py`, `_fsdp_param_group.py`, `_fsdp_collectives.py`, `_fsdp_state.py`), as
+//! summarised in `../shared/parallel_training.md` §7.
+//!
+//! * **Sharded parameters** (`FSDPParam._init_sharded_param`): each parameter is chunked on dim 0,
+//!   every shard padded to ⌈dim0/N⌉ rows and kept as its own 1-D tensor. The model is taken to be
+//!   built on the meta device and materialised sharded (`to_empty` after `fully_shard`, torchtitan's
+//!   flow), so full parameters are never allocated. Rank 0 holds the largest chunk (`torch.chunk`),
+//!   so its trace is the worst data-parallel rank's.
+//! * **Unshard** of a group: the flat all-gather output (Σ padded unsharded numel, on the
+//!   all-gather copy-in stream), then the copy-out on the current stream: each parameter's
+//!   unsharded storage re-allocated (`resize_` to its padded numel) and filled. In forward the flat
+//!   output is parked (`all_gather_state`) and freed at the next group's copy-out, the root's
+//!   post-forward dropping the last; in backward it is freed right after its own copy-out.
+//! * **Reshard** (`resize_(0)` of the unsharded storages): after a block's forward (not the root's),
+//!   and after each group's backward.
+//! * **Backward prefetch**: a group's pre-backward unshards it, then issues the all-gather of the
+//!   group that ran before it in forward; its copy-out waits for that group's own pre-backward.
+//! * **Reduce-scatter** in a group's post-backward: the previous group's reduce-scatter input is
+//!   dropped, the group resharded, the input allocated on the current stream (Σ padded unsharded
+//!   numel) and filled by `chunk_cat` from the unsharded gradients, which then die; the output (the
+//!   padded shards) allocated on the reduce-scatter stream is the sharded gradient (its parameters'
+//!   `.grad` are views of it) until `zero_grad`. With accumulation the new output is added into the
+//!   existing sharded gradient and dies. The last input dies at the end of the backward.
+//! * **Mixed precision** (`_fsdp_param.py` `init_dtype_attrs`: a `param_dtype` equal to the model's
+//!   and a `reduce_dtype` equal to the `param_dtype` are dropped): the copy-in first casts the
+//!   shards into one flat temporary of the param dtype (freed once copied into the all-gather
+//!   input); the reduce-scatter input and output are in the reduce dtype (the unsharded gradients,
+//!   in the param dtype, are upcast by `chunk_cat`), and an output whose dtype is not the model's is
+//!   cast into a new tensor on the reduce-scatter stream, which becomes the sharded gradient.
+//!   Module buffers are left in the model's dtype by FSDP2 but follow the compute dtype here.
+//! * **Optimizer**: the torch optimizer steps the sharded parameters (state of the shards' sizes
+//!   and the model's dtype).
+
+use super::{Kind, Lowering, Rt};
+use crate::dtype::DType;
+use crate::graph::{ModuleId, RegionKind};
+use crate::layout::Layout;
+use crate::recipe::Precision;
+
+/// The stream id of FSDP2's all-gather copy-in stream in the trace.
+const ALL_GATHER_STREAM: u64 = 2;
+/// The stream id of FSDP2's reduce-scatter stream in the trace.
+const REDUCE_SCATTER_STREAM: u64 = 3;
+
+/// One `fully_shard` group.
+#[derive(Default)]
+struct Group {
+    params: Vec<usize>,
+    /// The flat all-gather output while it lives.
+    flat: Option<Rt>,
+    /// The unsharded parameter storages while unsharded.
+    unsharded: Vec<u32>,
+}
+
+/// FSDP2 state of the lowering.
+#[derive(Default)]
+pub(crate) struct FsdpState {
+    /// Groups: the blocks in forward order, then the root (last).
+    groups: Vec<Group>,
+    /// Op index → block group.
+    op_group: Vec<Option<usize>>,
+    /// Module id → block group (by module path).
+    module_group: Vec<Option<usize>>,
+    /// Sharded parameter of each graph parameter.
+    shards: Vec<Option<Rt>>,
+    /// Sharded gradients (views of a reduce-scatter output), until the optimizer takes them.
+    sharded_grads: Vec<Option<Rt>>,
+    /// The unsharded parameter handles the forward uses (storage without events), while the
+    /// optimizer runs on the shards.
+    unsharded_handles: Vec<Option<Rt>>,
+    /// The block whose forward or backward is running.
+    current: Option<usize>,
+    /// The flat output parked by the last forward copy-out.
+    parked: Option<Rt>,
+    /// The previous reduce-scatter input.
+    rs_input: Option<Rt>,
+}
+
+impl<'g> Lowering<'g> {
+    fn fsdp_on(&self) -> bool {
+        self.r.parallel.shard == crate::parallel::Shard::Fsdp2
+    }
+
+    /// The model's own dtype: the shards', the optimizer's and the sharded gradients'.
+    fn fsdp_orig_dtype(&self) -> DType {
+        match self.r.precision {
+            Precision::Bf16 => DType::BF16,
+            _ => DType::F32,
+        }
+    }
+
+    /// The reduce-scatter's dtype: `reduce_dtype`, else the param dtype.
+    fn fsdp_reduce_dtype(&self) -> DType {
+        self.r
+            .parallel
+            .fsdp_reduce_dtype
+            .unwrap_or(self.param_dtype)
+    }
+
+    /// `⌈dim0/N⌉` rows × the other dimensions: the padded shard of a parameter of `shape`.
+    fn shard_shape(&self, shape: &[u64]) -> Vec<u64> {
+        let n = u64::from(self.r.parallel.dp);
+        match shape.split_first() {
+            Some((d0, rest)) => {
+                let mut s = vec![d0.div_ceil(n)];
+                s.extend_from_slice(rest);
+                s
+            }
+            None => vec![1],
+        }
+    }
+
+    /// Whether FSDP2 shards graph parameter `p` (then `setup` allocates nothing for it).
+    pub(super) fn fsdp_shards(&self, _p: usize) -> bool {
+        self.fsdp_on()
+    }
+
+    /// `fully_shard(block)` for every block, then `fully_shard(model)`: the groups, and each
+    /// parameter's padded shard.
+    pub(super) fn fsdp_setup(&mut self) {
+        if !self.fsdp_on() {
+            return;
+        }
+        let g = self.g;
+        let blocks: Vec<_> = g
+            .regions
+            .iter()
+            .filter(|r| r.kind == RegionKind::Block)
+            .collect();
+        let mut op_group = vec![None; g.ops.len()];
+        let mut module_group = vec![None; g.modules.len()];
+        for (b, r) in blocks.iter().enumerate() {
+            for slot in &mut op_group[r.start..r.end] {
+                *slot = Some(b);
+            }
+            let path = &g.modules[r.module.0 as usize];
+            for (m, p) in g.modules.iter().enumerate() {
+                if p == path || p.starts_with(&format!("{path}.")) {
+                    module_group[m] = Some(b);
+                }
+            }
+        }
+        // A parameter belongs to the one block all its uses are in, else to the root.
+        let root = blocks.len();
+        let mut groups: Vec<Group> = (0..=root).map(|_| Group::default()).collect();
+        for (p, param) in g.params.iter().enumerate() {
+            let mut owner: Option<Option<usize>> = None;
+            for (i, op) in g.ops.iter().enumerate() {
+                if op.inputs.contains(&param.value) {
+                    owner = match owner {
+                        None => Some(op_group[i]),
+                        Some(o) if o == op_group[i] => Some(o),
+                        Some(_) => Some(None),
+                    };
+                }
+            }
+            groups[owner.flatten().unwrap_or(root)].params.push(p);
+        }
+        self.fsdp.groups = groups;
+        self.fsdp.op_group = op_group;
+        self.fsdp.module_group = module_group;
+        self.fsdp.shards = vec![None; g.params.len()];
+        self.fsdp.sharded_grads = vec![None; g.params.len()];
+        self.fsdp.unsharded_handles = vec![None; g.params.len()];
+        for p in 0..g.params.len() {
+            let shape = self.shard_shape(&self.params[p].layout.shape);
+            let dtype = self.fsdp_orig_dtype();
+            self.kind_now = Kind::Param;
+            let t = self.alloc(Layout::contiguous(&shape), dtype, ModuleId(0), "aten.empty");
+            self.retag(&t, format!("{}:shard", g.params[p].name));
+            self.kind_now = Kind::Other;
+            self.fsdp.shards[p] = Some(t);
+        }
+    }
+
+    fn padded_numel(&self, p: usize) -> u64 {
+        let n = u64::from(self.r.parallel.dp);
+        let s = self.shard_shape(&self.params[p].layout.shape);
+        s.iter().product::<u64>() * n
+    }
+
+    /// The all-gather of group `gi` (the flat output on the copy-in stream), unless unsharded or
+    /// already gathered.
+    fn fsdp_all_gather(&mut self, gi: usize) {
+        let grp = &self.fsdp.groups[gi];
+        if grp.flat.is_some() || !grp.unsharded.is_empty() || grp.params.is_empty() {
+            return;
+        }
+        let params = grp.params.clone();
+        let numel: u64 = params.iter().map(|&p| self.padded_numel(p)).sum();
+        let dtype = self.params[params[0]].dtype;
+        let prev = self.kind_now;
+        let n = u64::from(self.r.parallel.dp);
+        // The shards cast to the param dtype first (a temporary on the copy-in stream).
+        let cast = (dtype != self.fsdp_orig_dtype()).then(|| {
+            self.kind_now = Kind::Temporary;
+            let c = self.alloc(
+                Layout::contiguous(&[numel / n]),
+                dtype,
+                ModuleId(0),
+                "aten._to_copy",
+            );
+            self.set_stream(&c, ALL_GATHER_STREAM);
+            c
+        });
+        self.kind_now = Kind::Comm;
+        let t = self.alloc(
+            Layout::contiguous(&[numel]),
+            dtype,
+            ModuleId(0),
+            "aten.empty",
+        );
+        self.kind_now = prev;
+        self.retag(&t, format!("fsdp_all_gather_output:group{gi}"));
+        self.set_stream(&t, ALL_GATHER_STREAM);
+        if let Some(c) = cast {
+            self.drop_rt(c);
+        }
+        self.fsdp.groups[gi].flat = Some(t);
+    }
+
+    /// The copy-out of group `gi`: each parameter's unsharded storage, then the flat output freed
+    /// (backward) or parked until the next copy-out (forward), which frees the parked one.
+    fn fsdp_copy_out(&mut self, gi: usize, forward: bool) {
+        self.fsdp_all_gather(gi);
+        let Some(flat) = self.fsdp.groups[gi].flat.take() else {
+            return;
+        };
+        let params = self.fsdp.groups[gi].params.clone();
+        for p in params {
+            let bytes = self.padded_numel(p) * self.params[p].dtype.size();
+            let name = self.g.params[p].name.clone();
+            let st = self.alloc_raw(bytes, Kind::Param, format!("{name}:unsharded").into());
+            self.fsdp.groups[gi].unsharded.push(st);
+        }
+        if let Some(old) = self.fsdp.parked.take() {
+            self.drop_rt(old);
+        }
+        if forward {
+            self.fsdp.parked = Some(flat);
+        } else {
+            self.drop_rt(flat);
+        }
+    }
+
+    /// `resize_(0)` of group `gi`'s unsharded storages.
+    fn fsdp_reshard(&mut self, gi: usize) {
+        for st in std::mem::take(&mut self.fsdp.groups[gi].unsharded) {
+            self.release(st);
+        }
+    }
+
+    /// Before forward op `i`: leaving a block reshards it; entering one unshards it; the root is
+    /// unsharded at the start of the forward.
+    pub(super) fn fsdp_forward_op(&mut self, i: usize) {
+        if !self.fsdp_on() {
+            return;
+        }
+        let root = self.fsdp.groups.len() - 1;
+        if i == 0 {
+            self.fsdp_copy_out(root, true);
+        }
+        let g = self.fsdp.op_group[i];
+        if g != self.fsdp.current {
+            if let Some(c) = self.fsdp.current {
+                self.fsdp_reshard(c);
+            }
+            if let Some(b) = g {
+                self.fsdp_copy_out(b, true);
+            }
+            self.fsdp.current = g;
+        }
+    }
+
+    /// The end of the forward: the last block resharded, the root's post-forward drops the
+    /// parked all-gather output; the root stays unsharded.
+    pub(super) fn fsdp_post_forward(&mut self) {
+        if !self.fsdp_on() {
+            return;
+        }
+        if let Some(c) = self.fsdp.current.take() {
+            self.fsdp_reshard(c);
+        }
+        if let Some(old) = self.fsdp.parked.take() {
+            self.drop_rt(old);
+        }
+    }
+
+    /// Before backward node `n` runs: entering a block's backward runs the previous block's
+    /// post-backward and this block's pre-backward (unshard, then prefetch the block before it);
+    /// leaving the blocks for root nodes runs the last block's post-backward.
+    pub(super) fn fsdp_backward_node(&mut self, n: u32) {
+        if !self.fsdp_on() {
+            return;
+        }
+        let node = &self.nodes[n as usize];
+        if matches!(
+            node.kind,
+            super::NodeKind::Accumulate(_) | super::NodeKind::Leaf(_)
+        ) {
+            return;
+        }
+        let g = self
+            .fsdp
+            .module_group
+            .get(node.module.0 as usize)
+            .copied()
+            .flatten();
+        if g == self.fsdp.current {
+            return;
+        }
+        if let Some(c) = self.fsdp.current {
+            self.fsdp_post_backward_group(c);
+        }
+        if let Some(b) = g {
+            self.fsdp_copy_out(b, false);
+            if b > 0 {
+                self.fsdp_all_gather(b - 1);
+            }
+        }
+        self.fsdp.current = g;
+    }
+
+    /// A group's post-backward: reshard, then reduce-scatter its gradients.
+    fn fsdp_post_backward_group(&mut self, gi: usize) {
+        if let Some(t) = self.fsdp.rs_input.take() {
+            self.drop_rt(t);
+        }
+        self.fsdp_reshard(gi);
+        let params: Vec<usize> = self.fsdp.groups[gi]
+            .params
+            .iter()
+            .copied()
+            .filter(|&p| self.param_grads[p].is_some())
+            .collect();
+        if params.is_empty() {
+            return;
+        }
+        let numel: u64 = params.iter().map(|&p| self.padded_numel(p)).sum();
+        let dtype = self.fsdp_reduce_dtype();
+        let prev = self.kind_now;
+        self.kind_now = Kind::Comm;
+        let input = self.alloc(
+            Layout::contiguous(&[numel]),
+            dtype,
+            ModuleId(0),
+            "aten.empty",
+        );
+        self.retag(&input, format!("fsdp_reduce_scatter_input:group{gi}"));
+        for &p in &params {
+            if let Some(g) = self.param_grads[p].take() {
+                self.drop_rt(g);
+            }
+        }
+        self.kind_now = Kind::Temporary;
+        let n = u64::from(self.r.parallel.dp);
+        let mut out = self.alloc(
+            Layout::contiguous(&[numel / n]),
+            dtype,
+            ModuleId(0),
+            "aten.empty",
+        );
+        self.set_stream(&out, REDUCE_SCATTER_STREAM);
+        let orig = self.fsdp_orig_dtype();
+        if dtype != orig {
+            // `foreach_reduce`: the output cast to the parameters' dtype (a new tensor).
+            let c = self.alloc(
+                Layout::contiguous(&[numel / n]),
+                orig,
+                ModuleId(0),
+                "aten._to_copy",
+            );
+            self.set_stream(&c, REDUCE_SCATTER_STREAM);
+            let bf = std::mem::replace(&mut out, c);
+            self.drop_rt(bf);
+        }
+        self.mark_grad(&out);
+        self.retag(&out, format!("fsdp_sharded_grads:group{gi}"));
+        self.kind_now = prev;
+        if params.iter().all(|&p| self.fsdp.sharded_grads[p].is_none()) {
+            for &p in &params {
+                let shape = self.shard_shape(&self.params[p].layout.shape);
+                let v = Rt {
+                    dtype: orig,
+                    ..self.view(&out, Layout::contiguous(&shape))
+                };
+                self.fsdp.sharded_grads[p] = Some(v);
+            }
+        }
+        // The views hold the output; accumulation adds it into the existing ones and drops it.
+        self.drop_rt(out);
+        self.fsdp.rs_input = Some(input);
+    }
+
+    /// The end of the backward: the last block's and the root's post-backward, then the last
+    /// reduce-scatter input dies (the end-of-backward callback).
+    pub(super) fn fsdp_end_backward(&mut self) {
+        if !self.fsdp_on() {
+            return;
+        }
+        if let Some(c) = self.fsdp.current.take() {
+            self.fsdp_post_backward_group(c);
+        }
+        let root = self.fsdp.groups.len() - 1;
+        self.fsdp_post_backward_group(root);
+        if let Some(t) = self.fsdp.rs_input.take() {
+            self.drop_rt(t);
+        }
+    }
+
+    /// Before the optimizer: the parameters are the shards and their gradients the sharded ones.
+    pub(super) fn fsdp_before_step(&mut self) {
+        if !self.fsdp_on() {
+            return;
+        }
+        for p in 0..self.params.len() {
+            if let Some(s) = self.fsdp.shards[p].clone() {
+                let shard = Rt {
+                    edge: None,
+                    ..self.dup(&s)
+                };
+                let unsharded = std::mem::replace(&mut self.params[p], shard);
+                self.fsdp.unsharded_handles[p] = Some(unsharded);
+            }
+            self.param_grads[p] = self.fsdp.sharded_grads[p].take();
+        }
+    }
+
+    /// After `zero_grad`: the forward's parameters are the unsharded handles again.
+    pub(super) fn fsdp_after_step(&mut self) {
+        if !self.fsdp_on() {
+            return;
+        }
+        for p in 0..self.params.len() {
+            if let Some(u) = self.fsdp.unsharded_handles[p].take() {
+                let shard = std::mem::replace(&mut self.params[p], u);
+                self.drop_rt(shard);
+            }
+            // `zero_grad(set_to_none=False)` keeps the sharded gradients.
+            if let Some(g) = self.param_grads[p].take() {
+                self.fsdp.sharded_grads[p] = Some(g);
+            }
+        }
+    }
+}

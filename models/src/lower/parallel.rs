@@ -1,0 +1,554 @@
+//! The data-parallel mechanisms of one rank's step (`Recipe::parallel`): what
+//! `DistributedDataParallel`'s `Reducer` and DeepSpeed's ZeRO-1/2 optimizer allocate, and when.
+//! Every data-parallel rank plays the same role (same shapes, equal padded partitions), so the
+//! lowering writes rank 0's trace.
+//!
+//! Collectives: PyTorch 2.15's `ProcessGroupNCCL` runs `async_op=True` collectives on its side
+//! stream and keeps their tensors alive by stashing references until `wait()` (PRs #148590,
+//! #150398); PyTorch ≤ 2.7 (here `--torch-version 1.10`) instead called `recordStream(nccl_stream)`
+//! on them, which the trace writes as a `record_stream` event on [`NCCL_STREAM`].
+
+use super::{Kind, Lowering, Rt};
+use crate::dtype::DType;
+use crate::graph::ModuleId;
+use crate::layout::Layout;
+use crate::parallel::{
+    bucket_assignment, Shard, DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES,
+    DS_REDUCE_BUCKET_ELEMENTS,
+};
+use crate::recipe::{OptimizerImpl, OptimizerKind, TorchVersion};
+use vramsim_traces::Event;
+
+/// The stream id the trace gives the process group's NCCL stream.
+pub(crate) const NCCL_STREAM: u64 = 1;
+
+/// One DDP bucket: its parameters, its flat `gradients` tensor, gradients still pending.
+struct Bucket {
+    params: Vec<usize>,
+    grads: Rt,
+    pending: usize,
+}
+
+/// Parallel state of the lowering.
+#[derive(Default)]
+pub(crate) struct ParState {
+    /// DDP: the Reducer's buckets, in reduction order.
+    buckets: Vec<Bucket>,
+    /// DDP: the next bucket to all-reduce (`next_bucket_`).
+    next_bucket: usize,
+    /// DDP: parameters in the order their gradients became ready in the first backward
+    /// (`rebuilt_params_`).
+    ready_order: Vec<usize>,
+    /// DDP: the buckets were rebuilt (`has_rebuilt_bucket_`).
+    rebuilt: bool,
+    /// ZeRO: `bit16_groups_flat`, the flat padded bf16 parameters.
+    flat: Option<Rt>,
+    /// ZeRO: elements of one partition (`partition_size`).
+    partition: u64,
+    /// ZeRO: `single_partition_of_fp32_groups`.
+    master: Option<Rt>,
+    /// ZeRO: the optimizer state of the partition.
+    state: Vec<Rt>,
+    /// ZeRO: the IPG buffer of the running backward and its used elements.
+    ipg: Option<Rt>,
+    ipg_used: u64,
+    /// ZeRO: `grads_in_partition`.
+    grads_partition: Option<Rt>,
+}
+
+impl<'g> Lowering<'g> {
+    fn shard(&self) -> Shard {
+        self.r.parallel.shard
+    }
+
+    /// Trainable parameters that take part in the step, in registration order.
+    fn trainable(&self) -> Vec<usize> {
+        (0..self.params.len())
+            .filter(|&p| self.g.params[p].trainable)
+            .collect()
+    }
+
+    fn comm_alloc(&mut self, elems: u64, dtype: DType, tag: String) -> Rt {
+        let prev = self.kind_now;
+        self.kind_now = Kind::Comm;
+        let t = self.alloc(
+            Layout::contiguous(&[elems]),
+            dtype,
+            ModuleId(0),
+            "aten.empty",
+        );
+        self.kind_now = prev;
+        self.retag(&t, tag);
+        t
+    }
+
+    /// `tensor.record_stream(nccl_stream)` in the record-stream era of `ProcessGroupNCCL`.
+    fn collective_uses(&mut self, t: &Rt) {
+        if self.r.torch_version != TorchVersion::V1_10 {
+            return;
+        }
+        if let Some(id) = self.alloc_id(t) {
+            self.events.push(Event::RecordStream {
+                id,
+                stream: NCCL_STREAM,
+            });
+        }
+    }
+
+    /// After `model.to(device)`: DDP's constructor builds the Reducer's buckets; DeepSpeed's ZeRO
+    /// optimizer flattens the parameters and makes the fp32 master partition and the optimizer state.
+    pub(super) fn par_setup(&mut self) {
+        match self.shard() {
+            Shard::None | Shard::Fsdp2 => {}
+            Shard::Ddp => {
+                // `_ddp_init_helper`: without find_unused_parameters (and without static_graph)
+                // the limits are `[sys.maxsize]`, one bucket per dtype; the Reducer gets the
+                // buckets reversed ("approximate the order in which their gradients are produced").
+                let ps = self.trainable();
+                let buckets = self.assign(&ps, &[u64::MAX], true);
+                self.make_buckets(buckets.into_iter().rev().collect());
+            }
+            Shard::Zero1 | Shard::Zero2 => self.zero_setup(),
+        }
+    }
+
+    /// `compute_bucket_assignment_by_size` over `ps` (parameter indices), as parameter lists.
+    fn assign(&self, ps: &[usize], limits: &[u64], sort: bool) -> Vec<Vec<usize>> {
+        let sizes: Vec<(u64, u8)> = ps
+            .iter()
+            .map(|&p| {
+                let t = &self.params[p];
+                (t.layout.numel() * t.dtype.size(), t.dtype.size() as u8)
+            })
+            .collect();
+        bucket_assignment(&sizes, limits, sort)
+            .into_iter()
+            .map(|b| b.into_iter().map(|i| ps[i]).collect())
+            .collect()
+    }
+
+    /// `Reducer::initialize_buckets`: `buckets_.clear()` first (the old gradients tensors die:
+    /// nothing else holds them without `gradient_as_bucket_view`), then per bucket one flat
+    /// `at::empty({Σ numel})` in the parameters' dtype.
+    fn make_buckets(&mut self, assignment: Vec<Vec<usize>>) {
+        for b in std::mem::take(&mut self.par.buckets) {
+            self.drop_rt(b.grads);
+        }
+        for (i, params) in assignment.into_iter().enumerate() {
+            let numel: u64 = params.iter().map(|&p| self.params[p].layout.numel()).sum();
+            let dtype = self.params[params[0]].dtype;
+            let grads = self.comm_alloc(numel, dtype, format!("ddp_bucket{i}"));
+            self.par.buckets.push(Bucket {
+                pending: params.len(),
+                params,
+                grads,
+            });
+        }
+        self.par.next_bucket = 0;
+        // With gradient_as_bucket_view, `initialize_bucket_views` copies gradients that exist into
+        // the new views and re-points `.grad` (the old views, and with them the old buckets, die).
+        if self.r.parallel.gradient_as_bucket_view {
+            for p in 0..self.param_grads.len() {
+                if self.param_grads[p].is_some() {
+                    self.ddp_grad_to_view(p);
+                }
+            }
+        }
+    }
+
+    /// `gradient_as_bucket_view=True`: `.grad` of `p` re-pointed to its bucket view; the gradient
+    /// it held dies (`mark_variable_ready_dense`: `bucket_view.copy_(grad); grad = bucket_view`, when
+    /// the gradient is not already an alias of the view).
+    fn ddp_grad_to_view(&mut self, p: usize) {
+        let Some(b) = self.par.buckets.iter().position(|b| b.params.contains(&p)) else {
+            return;
+        };
+        let bucket = self.par.buckets[b].grads.clone();
+        let Some(old) = self.param_grads[p].take() else {
+            return;
+        };
+        if old.st == bucket.st {
+            self.param_grads[p] = Some(old);
+            return;
+        }
+        let layout = self.params[p].layout.clone();
+        let view = self.view(&bucket, layout);
+        self.param_grads[p] = Some(view);
+        self.drop_rt(old);
+    }
+
+    /// Before the model's forward: DDP's `_pre_forward` rebuilds the buckets once, after the first
+    /// backward (`_rebuild_buckets` → `Reducer::rebuild_buckets`), over the parameters in
+    /// gradient-ready order with limits `[1 MiB, bucket_cap]`, keeping that order.
+    pub(super) fn par_pre_forward(&mut self) {
+        if self.shard() != Shard::Ddp || self.par.rebuilt || self.par.ready_order.is_empty() {
+            return;
+        }
+        self.par.rebuilt = true;
+        let mut order = std::mem::take(&mut self.par.ready_order);
+        // Parameters whose gradient never came (none with find_unused_parameters=False in a model
+        // that uses all of them; DDP would raise otherwise) keep registration order at the end.
+        for p in self.trainable() {
+            if !order.contains(&p) {
+                order.push(p);
+            }
+        }
+        let buckets = self.assign(
+            &order,
+            &[DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES],
+            false,
+        );
+        self.make_buckets(buckets);
+    }
+
+    /// After `AccumulateGrad` stored parameter `p`'s gradient: DDP's autograd hook
+    /// (`mark_variable_ready_dense` copies it into its bucket view, no allocation; a bucket whose
+    /// gradients are all ready is all-reduced in place, in index order); ZeRO-2's hook copies it into
+    /// the IPG bucket (`reduce_independent_p_g_buckets_and_remove_grads`).
+    pub(super) fn par_grad_ready(&mut self, p: usize) {
+        match self.shard() {
+            Shard::None | Shard::Zero1 | Shard::Fsdp2 => {}
+            Shard::Ddp => {
+                if !self.par.rebuilt && !self.par.ready_order.contains(&p) {
+                    self.par.ready_order.push(p);
+                }
+                if self.r.parallel.gradient_as_bucket_view {
+                    self.ddp_grad_to_view(p);
+                }
+                if let Some(b) = self.par.buckets.iter().position(|b| b.params.contains(&p)) {
+                    self.par.buckets[b].pending -= 1;
+                }
+                while self.par.next_bucket < self.par.buckets.len()
+                    && self.par.buckets[self.par.next_bucket].pending == 0
+                {
+                    let grads = self.par.buckets[self.par.next_bucket].grads.clone();
+                    self.collective_uses(&grads);
+                    self.par.next_bucket += 1;
+                }
+            }
+            Shard::Zero2 => self.zero_ipg_add(p),
+        }
+    }
+
+    /// Before `loss.backward()`: DeepSpeed's `DeepSpeedZeroOptimizer.backward` makes the IPG buffer
+    /// (`contiguous_gradients`, the default, on stages 1 and 2) before running autograd.
+    pub(super) fn par_pre_backward(&mut self) {
+        if self.shard().is_zero() {
+            self.zero_ipg();
+        }
+    }
+
+    /// The end of a backward: DDP's `finalize_backward` waits for the buckets and copies them back
+    /// into `.grad` (in place) and re-arms the buckets; ZeRO reduces what is left (stage 1: every
+    /// gradient, at the accumulation boundary) and releases its IPG buffer.
+    pub(super) fn par_post_backward(&mut self, boundary: bool) {
+        match self.shard() {
+            Shard::None | Shard::Fsdp2 => {}
+            Shard::Ddp => {
+                for b in &mut self.par.buckets {
+                    b.pending = b.params.len();
+                }
+                self.par.next_bucket = 0;
+            }
+            Shard::Zero1 => {
+                if boundary {
+                    // `reduce_gradients` without overlap_comm: every gradient through the IPG path.
+                    self.phase("reduce_gradients");
+                    for p in self.trainable() {
+                        self.zero_ipg_add(p);
+                    }
+                    self.zero_ipg_reduce();
+                }
+                self.zero_release_ipg();
+            }
+            Shard::Zero2 => {
+                self.zero_ipg_reduce();
+                self.zero_release_ipg();
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------ DeepSpeed ZeRO-1/2
+
+    /// `DeepSpeedZeroOptimizer.__init__` (`stage_1_and_2.py`), one parameter group:
+    ///
+    /// * `flatten_dense_tensors_aligned`: the bf16 parameters copied into one flat tensor padded to a
+    ///   multiple of `2 × dp` elements, then `_update_model_bit16_weights` re-points each parameter
+    ///   into it (its own storage dies): the parameters live twice for a moment;
+    /// * `single_partition_of_fp32_groups`: `partition.clone().float()` (a bf16 clone of the own
+    ///   partition, then its fp32 copy; the clone dies);
+    /// * `initialize_optimizer_states`: a zero fp32 gradient of the partition, one `optimizer.step()`
+    ///   that creates the state, then the gradient is dropped.
+    fn zero_setup(&mut self) {
+        let n = u64::from(self.r.parallel.dp);
+        let ps = self.trainable();
+        let total: u64 = ps.iter().map(|&p| self.params[p].layout.numel()).sum();
+        let align = 2 * n;
+        let padded = total.div_ceil(align) * align;
+        self.par.partition = padded / n;
+        let dtype = self.param_dtype;
+        let prev = self.kind_now;
+        self.kind_now = Kind::Param;
+        let flat = self.alloc(
+            Layout::contiguous(&[padded]),
+            dtype,
+            ModuleId(0),
+            "aten.cat",
+        );
+        self.kind_now = prev;
+        self.retag(&flat, "bit16_groups_flat".into());
+        for &p in &ps {
+            let old = self.params[p].clone();
+            let new = Rt {
+                edge: old.edge,
+                ..self.view(&flat, old.layout.clone())
+            };
+            let v = self.g.params[p].value.0 as usize;
+            self.vals[v] = Some(new.clone());
+            self.params[p] = new;
+            self.drop_rt(old);
+        }
+        self.par.flat = Some(flat);
+        let part = self.par.partition;
+        self.kind_now = Kind::Temporary;
+        let clone = self.alloc(
+            Layout::contiguous(&[part]),
+            dtype,
+            ModuleId(0),
+            "aten.clone",
+        );
+        self.kind_now = Kind::OptimState;
+        let master = self.alloc(
+            Layout::contiguous(&[part]),
+            DType::F32,
+            ModuleId(0),
+            "aten._to_copy",
+        );
+        self.mark_state(&master);
+        self.retag(&master, "single_partition_of_fp32_groups".into());
+        self.drop_rt(clone);
+        self.par.master = Some(master);
+        self.kind_now = Kind::Temporary;
+        let grad = self.alloc(
+            Layout::contiguous(&[part]),
+            DType::F32,
+            ModuleId(0),
+            "aten.zeros",
+        );
+        self.zero_optimizer_step();
+        self.drop_rt(grad);
+        self.kind_now = prev;
+    }
+
+    /// `self.optimizer.step()` of the wrapped torch optimizer on the one fp32 partition tensor:
+    /// the state at its first step (`exp_avg`, `exp_avg_sq`; a momentum buffer) and the
+    /// implementation's temporaries (foreach `_foreach_sqrt`, for-loop `sqrt` and `div`), as
+    /// `optim.rs` does for a parameter of that size.
+    fn zero_optimizer_step(&mut self) {
+        let part = self.par.partition;
+        let s = [part];
+        let first = self.par.state.is_empty();
+        match self.r.optimizer {
+            OptimizerKind::Adam | OptimizerKind::AdamW => {
+                if first {
+                    self.kind_now = Kind::OptimState;
+                    if self.r.optimizer_impl == OptimizerImpl::Fused {
+                        let st = self.alloc(
+                            Layout::contiguous(&[]),
+                            DType::F32,
+                            ModuleId(0),
+                            "aten.zeros",
+                        );
+                        self.mark_state(&st);
+                        self.par.state.push(st);
+                    }
+                    for name in ["exp_avg", "exp_avg_sq"] {
+                        let t = self.alloc(
+                            Layout::contiguous(&s),
+                            DType::F32,
+                            ModuleId(0),
+                            "aten.zeros_like",
+                        );
+                        self.mark_state(&t);
+                        self.retag(&t, format!("{name}:fp32_partition"));
+                        self.par.state.push(t);
+                    }
+                    self.kind_now = Kind::Temporary;
+                }
+                let wd = self.r.optimizer == OptimizerKind::Adam && self.adam_weight_decay() != 0.0;
+                match self.r.optimizer_impl {
+                    OptimizerImpl::Fused => {}
+                    OptimizerImpl::Foreach => {
+                        if wd {
+                            let t = self.alloc(
+                                Layout::contiguous(&s),
+                                DType::F32,
+                                ModuleId(0),
+                                "aten._foreach_add",
+                            );
+                            self.drop_rt(t);
+                        }
+                        let t = self.alloc(
+                            Layout::contiguous(&s),
+                            DType::F32,
+                            ModuleId(0),
+                            "aten._foreach_sqrt",
+                        );
+                        self.drop_rt(t);
+                    }
+                    OptimizerImpl::ForLoop => {
+                        let g2 = wd.then(|| {
+                            self.alloc(Layout::contiguous(&s), DType::F32, ModuleId(0), "aten.add")
+                        });
+                        let sq = self.alloc(
+                            Layout::contiguous(&s),
+                            DType::F32,
+                            ModuleId(0),
+                            "aten.sqrt",
+                        );
+                        let dv =
+                            self.alloc(Layout::contiguous(&s), DType::F32, ModuleId(0), "aten.div");
+                        self.drop_rt(sq);
+                        self.drop_rt(dv);
+                        if let Some(g2) = g2 {
+                            self.drop_rt(g2);
+                        }
+                    }
+                }
+            }
+            OptimizerKind::SgdMomentum | OptimizerKind::SgdNesterov => {
+                if first {
+                    self.kind_now = Kind::OptimState;
+                    let t = self.alloc(
+                        Layout::contiguous(&s),
+                        DType::F32,
+                        ModuleId(0),
+                        "aten.clone",
+                    );
+                    self.mark_state(&t);
+                    self.retag(&t, "momentum_buffer:fp32_partition".into());
+                    self.par.state.push(t);
+                    self.kind_now = Kind::Temporary;
+                }
+                if self.r.optimizer == OptimizerKind::SgdNesterov
+                    && self.r.optimizer_impl != OptimizerImpl::Fused
+                {
+                    let t = self.alloc(Layout::contiguous(&s), DType::F32, ModuleId(0), "aten.add");
+                    self.drop_rt(t);
+                }
+            }
+            // `Parallel::validate` refuses the others with ZeRO.
+            _ => {}
+        }
+    }
+
+    /// The IPG buffer of a backward (`DeepSpeedZeroOptimizer.backward` with `contiguous_gradients`:
+    /// `torch.empty(reduce_bucket_size)` in the parameters' dtype, one without `overlap_comm`).
+    fn zero_ipg(&mut self) -> Rt {
+        if self.par.ipg.is_none() {
+            let t = self.comm_alloc(
+                DS_REDUCE_BUCKET_ELEMENTS,
+                self.param_dtype,
+                "ipg_buffer".into(),
+            );
+            self.par.ipg = Some(t);
+            self.par.ipg_used = 0;
+        }
+        self.par.ipg.clone().expect("made above")
+    }
+
+    /// `reduce_independent_p_g_buckets_and_remove_grads`: when the gradient does not fit in the
+    /// bucket, the bucket is reduced first; the gradient is copied into the bucket and `.grad`
+    /// re-pointed there, so its own storage dies.
+    fn zero_ipg_add(&mut self, p: usize) {
+        let Some(g) = self.param_grads[p].take() else {
+            return;
+        };
+        let numel = g.layout.numel();
+        if numel > DS_REDUCE_BUCKET_ELEMENTS {
+            // An extra-large parameter bypasses the bucket (`extra_large_param_to_reduce`).
+            self.zero_reduce_owned(numel);
+            self.drop_rt(g);
+            return;
+        }
+        self.zero_ipg();
+        if self.par.ipg_used + numel > DS_REDUCE_BUCKET_ELEMENTS {
+            self.zero_ipg_reduce();
+        }
+        self.par.ipg_used += numel;
+        self.drop_rt(g);
+    }
+
+    /// `reduce_ipg_grads` with `contiguous_gradients` and `reduce_scatter` (defaults): the bucket
+    /// is reduced in place (`average_tensor`), and the rank's own part copied into
+    /// `grads_in_partition` (`copy_grads_in_partition`, allocated at its first use: one flat buffer of
+    /// the partition in the parameters' dtype).
+    fn zero_ipg_reduce(&mut self) {
+        if self.par.ipg_used == 0 {
+            return;
+        }
+        if let Some(ipg) = self.par.ipg.clone() {
+            self.collective_uses(&ipg);
+        }
+        let used = self.par.ipg_used;
+        self.zero_reduce_owned(used);
+        self.par.ipg_used = 0;
+    }
+
+    fn zero_reduce_owned(&mut self, _elements: u64) {
+        if self.par.grads_partition.is_none() {
+            let part = self.par.partition;
+            let prev = self.kind_now;
+            self.kind_now = Kind::Temporary;
+            let t = self.alloc(
+                Layout::contiguous(&[part]),
+                self.param_dtype,
+                ModuleId(0),
+                "aten.empty",
+            );
+            self.kind_now = prev;
+            self.mark_grad(&t);
+            self.retag(&t, "grads_in_partition".into());
+            self.par.grads_partition = Some(t);
+        }
+    }
+
+    /// `_release_ipg_buffers`: `self.ipg_buffer = None` at the end of the backward.
+    fn zero_release_ipg(&mut self) {
+        if let Some(t) = self.par.ipg.take() {
+            self.drop_rt(t);
+        }
+        self.par.ipg_used = 0;
+    }
+
+    /// `DeepSpeedZeroOptimizer.step` (bf16, no offload): the partition's gradient flattened
+    /// (`flatten_dense_tensors_aligned` of the averaged gradients: a new bf16 tensor of the
+    /// partition), converted `.to(fp32)` and set as the master's `.grad` (the bf16 copy and
+    /// `grads_in_partition` go), the wrapped optimizer's step, the fp32 gradient dropped, the master
+    /// copied into the bf16 partition and all-gathered in place into `bit16_groups_flat`.
+    pub(super) fn zero_step(&mut self) {
+        self.kind_now = Kind::Temporary;
+        let part = self.par.partition;
+        let flat = self.alloc(
+            Layout::contiguous(&[part]),
+            self.param_dtype,
+            ModuleId(0),
+            "aten.cat",
+        );
+        let fp32 = self.alloc(
+            Layout::contiguous(&[part]),
+            DType::F32,
+            ModuleId(0),
+            "aten._to_copy",
+        );
+        self.drop_rt(flat);
+        if let Some(g) = self.par.grads_partition.take() {
+            self.drop_rt(g);
+        }
+        self.zero_optimizer_step();
+        self.drop_rt(fp32);
+        if let Some(f) = self.par.flat.clone() {
+            self.collective_uses(&f);
+        }
+    }
+}

@@ -1,0 +1,329 @@
+//! Data-parallel layouts of a training step (`--dp`, `--shard`, `--world-size`): which framework
+//! mechanism shards what, and the checks a layout must pass before it is lowered per rank.
+//!
+//! What is modelled (the lowering's `lower/parallel.rs` does it, rule by rule):
+//!
+//! * `ddp`: `torch.nn.parallel.DistributedDataParallel` with its defaults (`bucket_cap_mb=25`, the
+//!   1 MiB first bucket, `gradient_as_bucket_view=False`, `find_unused_parameters=False`,
+//!   `static_graph=False`): the `Reducer`'s gradient buckets.
+//! * `zero1`, `zero2`: DeepSpeed ZeRO stages 1 and 2 (`deepspeed/runtime/zero/stage_1_and_2.py`)
+//!   with bf16 parameters and an fp32 master partition, at DeepSpeed's defaults.
+//! * `fsdp2`: `fully_shard` on every block and the root, default `reshard_after_forward`, with an
+//!   optional `MixedPrecisionPolicy(param_dtype, reduce_dtype)` (`lower/fsdp.rs`).
+//!
+//! Not modelled yet (refused rather than approximated): ZeRO-3, tensor,
+//! sequence, pipeline and context parallelism, CPU offload, NCCL's own device memory.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::dtype::DType;
+use crate::recipe::{OptimizerKind, Precision, Recipe, RecipeError, ZeroGrad};
+
+/// How the data-parallel ranks share the model states (`--shard`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Shard {
+    /// One GPU, no data parallelism (the single-GPU step).
+    #[default]
+    None,
+    /// `DistributedDataParallel`: every rank holds everything, plus the gradient buckets.
+    Ddp,
+    /// DeepSpeed ZeRO stage 1: fp32 master weights and optimizer state partitioned.
+    Zero1,
+    /// DeepSpeed ZeRO stage 2: gradients partitioned too.
+    Zero2,
+    /// FSDP2 (`fully_shard` on every block and the root): parameters, gradients and optimizer
+    /// state sharded; parameters all-gathered per block.
+    Fsdp2,
+}
+
+impl fmt::Display for Shard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Shard::None => "none",
+            Shard::Ddp => "ddp",
+            Shard::Zero1 => "zero1",
+            Shard::Zero2 => "zero2",
+            Shard::Fsdp2 => "fsdp2",
+        })
+    }
+}
+
+impl FromStr for Shard {
+    type Err = RecipeError;
+    fn from_str(s: &str) -> Result<Self, RecipeError> {
+        match s {
+            "none" => Ok(Shard::None),
+            "ddp" => Ok(Shard::Ddp),
+            "zero1" => Ok(Shard::Zero1),
+            "zero2" => Ok(Shard::Zero2),
+            "fsdp2" => Ok(Shard::Fsdp2),
+            _ => Err(RecipeError::Unknown {
+                field: "shard",
+                value: s.to_string(),
+                valid: "none, ddp, zero1, zero2, fsdp2 (zero3 is not modelled yet)",
+            }),
+        }
+    }
+}
+
+impl Shard {
+    /// Whether this is a DeepSpeed ZeRO stage.
+    pub fn is_zero(self) -> bool {
+        matches!(self, Shard::Zero1 | Shard::Zero2)
+    }
+}
+
+/// The parallel layout of a step: data-parallel degree and sharding mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Parallel {
+    /// Data-parallel ranks (`--dp`).
+    pub dp: u32,
+    /// The sharding mode (`--shard`).
+    pub shard: Shard,
+    /// The world size the user launched (`--world-size`), checked against the layout's product.
+    pub world_size: Option<u32>,
+    /// FSDP2's `MixedPrecisionPolicy.param_dtype` (`--fsdp-param-dtype`): the dtype of the
+    /// all-gathered (unsharded) parameters and of the compute; `None`: the model's.
+    pub fsdp_param_dtype: Option<DType>,
+    /// FSDP2's `MixedPrecisionPolicy.reduce_dtype` (`--fsdp-reduce-dtype`): the dtype of the
+    /// reduce-scatter; `None`: the param dtype.
+    pub fsdp_reduce_dtype: Option<DType>,
+    /// DDP's `gradient_as_bucket_view=True` (`--ddp-bucket-view`): `.grad` becomes a view of its
+    /// bucket instead of a second copy.
+    pub gradient_as_bucket_view: bool,
+}
+
+/// Reads a floating dtype of `MixedPrecisionPolicy` (`fp32`, `bf16`, `fp16`).
+pub fn parse_float_dtype(field: &'static str, s: &str) -> Result<DType, RecipeError> {
+    match s {
+        "fp32" | "float32" => Ok(DType::F32),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        "fp16" | "float16" => Ok(DType::F16),
+        _ => Err(RecipeError::Unknown {
+            field,
+            value: s.to_string(),
+            valid: "fp32, bf16, fp16",
+        }),
+    }
+}
+
+impl Default for Parallel {
+    /// One GPU: `--dp 1 --shard none`.
+    fn default() -> Self {
+        Parallel {
+            dp: 1,
+            shard: Shard::None,
+            world_size: None,
+            fsdp_param_dtype: None,
+            fsdp_reduce_dtype: None,
+            gradient_as_bucket_view: false,
+        }
+    }
+}
+
+/// `dist._DEFAULT_FIRST_BUCKET_BYTES` (`torch/csrc/distributed/c10d/reducer.hpp`
+/// `kDefaultFirstBucketBytes`): 1 MiB.
+pub const DDP_FIRST_BUCKET_BYTES: u64 = 1024 * 1024;
+
+/// `DistributedDataParallel(bucket_cap_mb=None)` → 25 MiB (`torch/nn/parallel/distributed.py`
+/// `__init__`: `bucket_cap_mb = 25` when None; `self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)`).
+pub const DDP_BUCKET_CAP_BYTES: u64 = 25 * 1024 * 1024;
+
+/// DeepSpeed's `reduce_bucket_size` default, in elements (`deepspeed/runtime/zero/config.py`:
+/// `reduce_bucket_size: int = Field(pp_int(5e8), ge=0)`).
+pub const DS_REDUCE_BUCKET_ELEMENTS: u64 = 500_000_000;
+
+impl Parallel {
+    /// The number of ranks the layout needs (data-parallel degree; no other dimension yet).
+    pub fn world_size(&self) -> u32 {
+        self.dp
+    }
+
+    /// Whether this is the single-GPU step (no parallel mechanism at all).
+    pub fn is_single(&self) -> bool {
+        self.shard == Shard::None && self.dp == 1
+    }
+
+    /// Checks the layout against the rest of the recipe; the message says why and what is valid.
+    pub fn validate(&self, r: &Recipe) -> Result<(), RecipeError> {
+        let bad = |msg: String| RecipeError::Invalid {
+            field: "shard",
+            msg,
+        };
+        if self.dp == 0 {
+            return Err(RecipeError::Invalid {
+                field: "dp",
+                msg: "must be 1 or more".into(),
+            });
+        }
+        if let Some(w) = self.world_size {
+            if w != self.world_size() {
+                return Err(RecipeError::Invalid {
+                    field: "world-size",
+                    msg: format!(
+                        "{w} does not match the layout: dp {} = {} ranks",
+                        self.dp,
+                        self.world_size()
+                    ),
+                });
+            }
+        }
+        if self.shard == Shard::None && self.dp > 1 {
+            return Err(bad(format!(
+                "--dp {} needs a data-parallel mode: --shard ddp, zero1, zero2 or fsdp2",
+                self.dp
+            )));
+        }
+        if self.shard != Shard::None && r.inference {
+            return Err(bad(format!(
+                "--shard {} shards a training step; --inference has no gradients or optimizer",
+                self.shard
+            )));
+        }
+        let mixed = self.fsdp_param_dtype.is_some() || self.fsdp_reduce_dtype.is_some();
+        if mixed && self.shard != Shard::Fsdp2 {
+            return Err(bad(format!(
+                "--fsdp-param-dtype and --fsdp-reduce-dtype are FSDP2's MixedPrecisionPolicy: give --shard fsdp2, not {}",
+                self.shard
+            )));
+        }
+        if mixed && matches!(r.precision, Precision::AmpFp16 | Precision::AmpBf16) {
+            return Err(bad(format!(
+                "FSDP2's MixedPrecisionPolicy with autocast (--precision {}) is not modelled: give --precision fp32 (or bf16) and the policy's dtypes",
+                r.precision
+            )));
+        }
+        // Frozen parameters change what each mechanism holds (DDP buckets only parameters that
+        // require grad, `reducer.cpp`; ZeRO and FSDP2 shard trainable and frozen ones apart), and
+        // the layouts above are lowered for a model whose every parameter trains.
+        if !self.is_single() && (!r.freeze.is_empty() || r.lora.is_some() || r.quant.is_some()) {
+            return Err(bad(format!(
+                "--shard {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet: predict the fine-tuning step on one GPU (--shard none)",
+                self.shard
+            )));
+        }
+        if self.gradient_as_bucket_view && self.shard != Shard::Ddp {
+            return Err(bad(format!(
+                "--ddp-bucket-view is DistributedDataParallel's gradient_as_bucket_view: give --shard ddp, not {}",
+                self.shard
+            )));
+        }
+        if self.shard.is_zero() {
+            // ZeRO partitions optimizer state (and the fp32 master weights of mixed precision).
+            let stateful = match r.optimizer {
+                OptimizerKind::Sgd => {
+                    return Err(bad(format!(
+                        "--shard {} partitions optimizer state, and sgd (no momentum) keeps none: use --shard ddp, or an optimizer with state (adamw, adam, sgd-momentum, sgd-nesterov)",
+                        self.shard
+                    )))
+                }
+                OptimizerKind::Adam
+                | OptimizerKind::AdamW
+                | OptimizerKind::SgdMomentum
+                | OptimizerKind::SgdNesterov => true,
+                _ => false,
+            };
+            if !stateful {
+                return Err(bad(format!(
+                    "--shard {} is modelled with adamw, adam, sgd-momentum and sgd-nesterov, not {}",
+                    self.shard, r.optimizer
+                )));
+            }
+            if r.precision != Precision::Bf16 {
+                return Err(bad(format!(
+                    "--shard {} is modelled as DeepSpeed's bf16 mode (bf16 parameters, fp32 master partition): give --precision bf16, not {}",
+                    self.shard, r.precision
+                )));
+            }
+            if r.clip_grad_norm.is_some() || r.uses_grad_scaler() || r.zero_grad == ZeroGrad::Zero {
+                return Err(bad(format!(
+                    "--shard {}: DeepSpeed clips, scales and zeroes gradients itself; --clip-grad-norm, --grad-scaler and --zero-grad zero are not modelled with it",
+                    self.shard
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `compute_bucket_assignment_by_size` (`torch/csrc/distributed/c10d/reducer.cpp`): tensors, in
+/// the order given, join the open bucket of their dtype key; a bucket closes once its size reaches
+/// its limit (overshooting by at most one tensor), and each dtype walks `limits`, repeating the last.
+/// Open buckets are closed at the end. When `sort_by_first_index` (the constructor's call, no
+/// `tensor_indices`), buckets are sorted by the smallest tensor index they hold; the rebuild passes
+/// the tensors in gradient-ready order and keeps that order.
+///
+/// `tensors`: (bytes, dtype key) per tensor. Returns the tensor indices of each bucket.
+pub fn bucket_assignment(
+    tensors: &[(u64, u8)],
+    limits: &[u64],
+    sort_by_first_index: bool,
+) -> Vec<Vec<usize>> {
+    // One open bucket per dtype key: (indices, bytes, position in `limits`).
+    let mut open: Vec<(u8, Vec<usize>, u64, usize)> = Vec::new();
+    let mut result: Vec<Vec<usize>> = Vec::new();
+    for (i, &(bytes, key)) in tensors.iter().enumerate() {
+        let slot = match open.iter().position(|o| o.0 == key) {
+            Some(s) => s,
+            None => {
+                open.push((key, Vec::new(), 0, 0));
+                open.len() - 1
+            }
+        };
+        let o = &mut open[slot];
+        o.1.push(i);
+        o.2 += bytes;
+        let limit = limits[o.3.min(limits.len() - 1)];
+        if o.2 >= limit {
+            result.push(std::mem::take(&mut o.1));
+            o.2 = 0;
+            if o.3 + 1 < limits.len() {
+                o.3 += 1;
+            }
+        }
+    }
+    for o in open {
+        if !o.1.is_empty() {
+            result.push(o.1);
+        }
+    }
+    if sort_by_first_index {
+        result.sort_by_key(|b| b.iter().copied().min().unwrap_or(usize::MAX));
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `ComputeBucketAssignmentTest` of `test/distributed/test_c10d_common.py`.
+    #[test]
+    fn bucket_assignment_as_pytorch_tests_it() {
+        // test_single_limit_single_dtype: float32 tensors of 100, 200, 100, 50 elements, limit 400 B.
+        let t = [(400, 0), (800, 0), (400, 0), (200, 0)];
+        assert_eq!(
+            bucket_assignment(&t, &[400], true),
+            vec![vec![0], vec![1], vec![2], vec![3]]
+        );
+        // test_single_limit_multi_dtype: float 50 / double 25 elements alternating, limit 400 B.
+        let t = [(200, 0), (200, 1), (200, 0), (200, 1), (200, 0), (200, 1)];
+        assert_eq!(
+            bucket_assignment(&t, &[400], true),
+            vec![vec![0, 2], vec![1, 3], vec![4], vec![5]]
+        );
+        // test_multi_limit_single_dtype: 4 float tensors of 10 elements, limits [40, 80] B.
+        let t = [(40, 0), (40, 0), (40, 0), (40, 0)];
+        assert_eq!(
+            bucket_assignment(&t, &[40, 80], true),
+            vec![vec![0], vec![1, 2], vec![3]]
+        );
+        // test_multi_limit_multi_dtype: float 50 / double 25 elements alternating, limits [200, 400].
+        let t = [(200, 0), (200, 1), (200, 0), (200, 1), (200, 0), (200, 1)];
+        assert_eq!(
+            bucket_assignment(&t, &[200, 400], true),
+            vec![vec![0], vec![1], vec![2, 4], vec![3, 5]]
+        );
+    }
+}
