@@ -17,6 +17,9 @@ use crate::sdpa::{self, SdpaCall};
 use serde_json::Value as J;
 use std::collections::BTreeMap;
 
+#[path = "imported_text.rs"]
+mod text;
+
 /// The `format` field of a graph document.
 pub const FORMAT: &str = "vramsim-graph";
 /// The version of the graph format read here.
@@ -230,7 +233,15 @@ impl ImportedGraph {
         let mut seen: BTreeMap<String, (usize, String, usize)> = BTreeMap::new();
         for (i, op) in self.ops().iter().enumerate() {
             let name = op["op"].as_str().unwrap_or("?");
-            if !SUPPORTED.contains(&name) {
+            let outs: Vec<usize> = op["outputs"]
+                .as_array()
+                .map(|a| a.iter().filter_map(J::as_u64).map(|x| x as usize).collect())
+                .unwrap_or_default();
+            let args = op["args"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+            if !SUPPORTED.contains(&name)
+                && !text::SUPPORTED.contains(&name)
+                && !text::integer_call(args, &outs, &self.doc["values"])
+            {
                 let e = seen.entry(name.to_string()).or_insert((
                     i,
                     op["module"].as_str().unwrap_or("").to_string(),
@@ -247,9 +258,24 @@ impl ImportedGraph {
         v.into_iter().map(|(_, n, m, c)| (n, m, c)).collect()
     }
 
-    /// The SDPA call of the graph's first `F.multi_head_attention_forward` under `recipe` (at
+    /// Whether the graph calls `F.scaled_dot_product_attention` itself (transformers'
+    /// `sdpa_attention_forward`), rather than through `F.multi_head_attention_forward`.
+    pub fn calls_sdpa(&self) -> bool {
+        self.ops()
+            .iter()
+            .any(|o| o["op"] == "scaled_dot_product_attention")
+    }
+
+    /// The SDPA call of the graph's first `F.scaled_dot_product_attention` (else `F.multi_head_attention_forward`) under `recipe` (at
     /// `recipe.batch`), `None` without one: what the attention kernel is chosen from.
     pub fn sdpa_call(&self, recipe: &Recipe) -> Option<SdpaCall> {
+        if let Some(op) = self
+            .ops()
+            .iter()
+            .find(|o| o["op"] == "scaled_dot_product_attention")
+        {
+            return text::sdpa_call(op, &self.doc["values"], recipe);
+        }
         let op = self
             .ops()
             .iter()
@@ -436,6 +462,25 @@ impl<'a> Builder<'a> {
                     .collect()
             })
             .unwrap_or_default();
+        // Values a Python local holds while a call runs (`held`: `[[call, [ids]]]`).
+        let held_by_locals: BTreeMap<usize, Vec<usize>> = doc["held"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|e| {
+                        let k = e.get(0)?.as_u64()? as usize;
+                        let ids = e.get(1)?.as_array()?;
+                        Some((
+                            k,
+                            ids.iter()
+                                .filter_map(J::as_u64)
+                                .map(|v| v as usize)
+                                .collect(),
+                        ))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         let mut open: Option<(usize, String)> = None;
         for (k, op) in ops.iter().enumerate() {
             if let Some((_, _, path, args)) = blocks.iter().find(|b| b.0 == k) {
@@ -478,6 +523,10 @@ impl<'a> Builder<'a> {
                     let v = self.get(a)?;
                     self.b.hold_until_last_op(v);
                 }
+            }
+            for &a in held_by_locals.get(&k).into_iter().flatten() {
+                let v = self.get(a)?;
+                self.b.hold_until_last_op(v);
             }
             if open.as_ref().is_some_and(|(end, _)| *end == k + 1) {
                 self.b.end_region();
@@ -579,6 +628,14 @@ impl<'a> Builder<'a> {
         };
         let x0 = || tensor(self, arg(0, "input"));
         let out: Vec<T> = match name.as_str() {
+            // transformers' calls (`imported_text.rs`).
+            _ if self.claims_text(&name, &args, &outs) => self.text_op(&text::Call {
+                name: &name,
+                module: &module,
+                args: &args,
+                kwargs: &kwargs,
+                outs: &outs,
+            })?,
             "linear" => {
                 let x = need(self, 0, "input")?;
                 let w = need(self, 1, "weight")?;

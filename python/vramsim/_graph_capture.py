@@ -56,6 +56,10 @@ class _Capture:
         self.stack: List[str] = []
         self.names: Dict[int, str] = {id(m): n for n, m in model.named_modules()}
         self.model_dtype = None
+        self.last_live: Dict[int, int] = {}
+        # Non-tensor keyword arguments (`use_cache=False`), passed as they are.
+        self.constants: Dict[str, Any] = {}
+        self.frame: Any = None
 
     def value(self, t: Any, kind: str, **extra: Any) -> int:
         vid = len(self.values)
@@ -107,8 +111,13 @@ class _Capture:
             return [o for o in out if isinstance(o, torch.Tensor)]
         return []
 
-    def run(self, example_inputs: List[Any], targets: List[Any], loss_fn: Any) -> Dict[str, Any]:
+    def run(
+        self, example_inputs: List[Any], targets: List[Any], loss_fn: Any, keywords: Optional[List[str]] = None
+    ) -> Dict[str, Any]:
         torch = self.torch
+        import sys
+
+        self.frame = sys._getframe()
         from torch.overrides import TorchFunctionMode
 
         params = list(self.model.named_parameters())
@@ -132,7 +141,8 @@ class _Capture:
                 full = f"{mname}.{bname}" if mname else bname
                 doc["buffers"].append(self.value(buf, "buffer", name=full, after_params=seen_params))
         for i, x in enumerate(example_inputs):
-            doc["inputs"].append(self.value(x, "input", name=f"input{i}"))
+            iname = keywords[i] if keywords is not None else f"input{i}"
+            doc["inputs"].append(self.value(x, "input", name=iname))
         for i, y in enumerate(targets):
             doc["inputs"].append(self.value(y, "input", name=f"target{i}"))
 
@@ -141,13 +151,19 @@ class _Capture:
         class Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                out = func(*args, **kwargs)
                 name = getattr(func, "__name__", str(func))
+                if name in ("__bool__", "item") and args and cap.is_meta_truth(args[0]):
+                    return cap.truth(args[0], name)
+                if name not in _IGNORED:
+                    cap.note_live()
+                out = func(*args, **kwargs)
                 if name in _IGNORED:
                     return out
                 outs = cap.outputs(out)
                 if not outs:
                     return out
+                if name == "__getitem__" and len(args) == 2:
+                    args = (args[0], _expand_ellipsis(args[0], args[1]))
                 op = {
                     "op": name,
                     "module": cap.stack[-1] if cap.stack else "",
@@ -183,24 +199,40 @@ class _Capture:
         try:
             with Mode():
                 self.stack = [""]
-                output = self.model(*example_inputs)
+                if keywords is not None:
+                    output = self.model(**dict(zip(keywords, example_inputs)), **self.constants)
+                else:
+                    output = self.model(*example_inputs)
                 self.stack = []
-                if not isinstance(output, torch.Tensor):
+                output, hf_loss = _model_output(torch, output, loss_fn, targets)
+                if hf_loss is not None:
+                    # The model computed its loss (transformers with `labels`): the forward is
+                    # the whole step's graph; the loop reads `outputs.loss` and holds nothing else.
+                    doc["output"] = doc["loss"] = self.ids[id(hf_loss)]
+                    doc["forward_ops"] = len(self.ops)
+                    output = None
+                elif not isinstance(output, torch.Tensor):
                     raise FromModuleError(
-                        f"model(*example_inputs) returned {type(output).__name__}; from_module needs a tensor "
-                        "(wrap the model to return one)"
+                        f"model(*example_inputs) returned {type(output).__name__}; from_module needs a tensor, "
+                        "or a transformers ModelOutput with `logits` (or `loss`, given `labels`)"
                     )
-                doc["output"] = self.ids[id(output)]
-                doc["forward_ops"] = len(self.ops)
-                if loss_fn is not None:
+                else:
+                    doc["output"] = self.ids[id(output)]
+                    doc["forward_ops"] = len(self.ops)
+                if output is None:
+                    pass
+                elif loss_fn is not None:
                     loss = loss_fn(output, *targets)
                 elif targets:
                     loss = torch.nn.functional.cross_entropy(output, targets[0])
                 else:
                     loss = output.float().mean()
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                if output is None:
+                    pass
+                elif not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise FromModuleError("loss_fn: must return a scalar tensor")
-                doc["loss"] = self.ids[id(loss)]
+                else:
+                    doc["loss"] = self.ids[id(loss)]
         finally:
             h1.remove()
             h2.remove()
@@ -209,7 +241,113 @@ class _Capture:
         doc["calls"] = [c for c in self.calls if c[2] and c[1] > c[0]]
         doc["values"] = self.values
         doc["ops"] = self.ops
+        doc["held"] = self.held_by_locals()
         return doc
+
+    # ------------------------------------------------------------------ data-dependent branches
+    # transformers tests its inputs' values on the way: `padding_mask.all()` (an all-ones
+    # attention_mask is dropped for SDPA, `_ignore_causal_mask_sdpa`), `(packed_sequence_mask[:, -1]
+    # == 0).all()` (consecutive position ids: not packed, `find_packed_sequence_indices`). A meta
+    # tensor has no values: the capture answers for the batch the zoo models — no padding, no packed
+    # sequences —, i.e. `all()` is True and `any()` is False; any other truth test is refused.
+
+    def made_by(self, t: Any) -> Optional[str]:
+        vid = self.ids.get(id(t))
+        if vid is None or "op" not in self.values[vid]:
+            return None
+        return self.ops[self.values[vid]["op"]]["op"]
+
+    def is_meta_truth(self, t: Any) -> bool:
+        return isinstance(t, self.torch.Tensor) and t.device.type == "meta" and t.numel() == 1
+
+    def truth(self, t: Any, name: str) -> Any:
+        made_by = self.made_by(t)
+        if made_by == "__eq__":
+            # transformers' `fast_all(mask)`: `mask.sum() == mask.numel()`, an all().
+            op = self.ops[self.values[self.ids[id(t)]]["op"]]
+            lhs = op["args"][0] if op["args"] else None
+            src = lhs.get("t") if isinstance(lhs, dict) else None
+            if src is not None and "op" in self.values[src] and self.ops[self.values[src]["op"]]["op"] == "sum":
+                made_by = "all"
+        if made_by not in ("all", "any"):
+            raise FromModuleError(
+                f"the forward branches on a tensor's value ({made_by or 'a tensor'} then {name}), which "
+                "the meta device does not have; only all()/any() of masks are answered (no padding)"
+            )
+        answer = made_by == "all"
+        return answer if name == "__bool__" else int(answer)
+
+    # ------------------------------------------------------------------ Python locals
+    # A tensor lives while Python references it, not only until its last use: `residual =
+    # hidden_states`, `inputs_embeds` in `GPT2Model.forward`, a `DynamicCache`'s k/v. Before each
+    # call, the frames of the model's code (from the caller up to `run`) are scanned for captured
+    # tensors in their locals (one level into tuples, lists, dicts — ModelOutputs — and
+    # transformers' cache objects); each value is held until the last call it was seen live at.
+
+    def note_live(self) -> None:
+        import sys
+
+        k = len(self.ops)
+        f = sys._getframe(2)
+        while f is not None and f is not self.frame:
+            for v in list(f.f_locals.values()):
+                self._mark(v, k, 0)
+            f = f.f_back
+
+    def _mark(self, v: Any, k: int, depth: int) -> None:
+        torch = self.torch
+        if isinstance(v, torch.Tensor):
+            vid = self.ids.get(id(v))
+            if vid is not None and self.values[vid]["kind"] == "op":
+                self.last_live[vid] = k
+            return
+        if depth >= 4 or isinstance(v, (str, bytes, int, float, torch.nn.Module)):
+            return
+        if isinstance(v, (list, tuple)) and len(v) <= 4096:
+            for x in v:
+                self._mark(x, k, depth + 1)
+        elif isinstance(v, dict) and len(v) <= 4096:
+            for x in list(v.values()):
+                self._mark(x, k, depth + 1)
+        elif type(v).__module__.startswith("transformers.cache_utils"):
+            for x in list(vars(v).values()):
+                self._mark(x, k, depth + 1)
+
+    def held_by_locals(self) -> List[List[Any]]:
+        """``[[call index, [value ids]]]``: values a Python local holds while that call runs, each at
+        the last such call."""
+        by_op: Dict[int, List[int]] = {}
+        for vid, k in sorted(self.last_live.items()):
+            by_op.setdefault(k, []).append(vid)
+        return [[k, by_op[k]] for k in sorted(by_op)]
+
+
+def _expand_ellipsis(x: Any, index: Any) -> Any:
+    """``x[..., 1:]`` as ``x[:, 1:]`` for a 2-D ``x``: the ellipsis written as the full slices it
+    stands for (``Ellipsis`` has no encoding of its own)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if sum(1 for i in items if i is Ellipsis) != 1:
+        return index
+    at = items.index(Ellipsis)
+    used = sum(1 for i in items if i is not None and i is not Ellipsis)
+    fill = [slice(None)] * max(x.dim() - used, 0)
+    return tuple(items[:at] + fill + items[at + 1 :])
+
+
+def _model_output(torch: Any, output: Any, loss_fn: Any, targets: List[Any]) -> Any:
+    """``(output tensor, model-computed loss)`` of what the forward returned. A transformers
+    ``ModelOutput`` (a dict subclass) that holds a ``loss`` — the model was given ``labels``, as
+    HF's Trainer and the zoo's ``--loss hf`` train (``ForCausalLMLoss``, ``ForMaskedLMLoss``) — gives
+    that loss, unless ``loss_fn``/``targets`` ask for another; otherwise its ``logits`` are the output."""
+    if isinstance(output, torch.Tensor) or not isinstance(output, dict):
+        return output, None
+    loss = output.get("loss")
+    if isinstance(loss, torch.Tensor) and loss_fn is None and not targets:
+        return None, loss
+    logits = output.get("logits")
+    if isinstance(logits, torch.Tensor):
+        return logits, None
+    return output, None
 
 
 def default_blocks(torch: Any, model: Any) -> List[str]:
@@ -273,6 +411,15 @@ def capture(
         raise FromModuleError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = [example_inputs]
+    # Keyword inputs (`model(**batch)`, as transformers models are called): names in order.
+    keywords: Optional[List[str]] = None
+    constants: Dict[str, Any] = {}
+    if isinstance(example_inputs, dict):
+        if not all(isinstance(k, str) for k in example_inputs):
+            raise FromModuleError("example_inputs: a dict's keys must be the forward's argument names")
+        constants = {k: v for k, v in example_inputs.items() if not isinstance(v, torch.Tensor)}
+        keywords = [k for k in example_inputs if k not in constants]
+        example_inputs = [example_inputs[k] for k in keywords]
     if not isinstance(example_inputs, (list, tuple)) or not example_inputs or not all(
         isinstance(x, torch.Tensor) for x in example_inputs
     ):
@@ -301,23 +448,59 @@ def capture(
         raise FromModuleError("blocks: expected a list of submodule names (model.named_modules())")
     default_ce = loss_fn is None and not targets
     model.train()
-    docs = []
-    for b in (batch, batch + 1):
-        xs = [_resize_batch(torch, x, b) for x in example_inputs]
-        ys = [_resize_batch(torch, y, b) for y in targets]
-        if default_ce:
-            # Classification-shaped output ([B, C] floats): F.cross_entropy against int64 labels.
-            with torch.no_grad():
-                probe = model(*xs)
-            if isinstance(probe, torch.Tensor) and probe.dim() == 2 and probe.is_floating_point():
-                ys = [torch.empty([b], dtype=torch.int64, device="meta")]
-        docs.append(_Capture(torch, model, list(blocks)).run(xs, ys, loss_fn))
-    a, b2 = docs
-    if len(a["ops"]) != len(b2["ops"]) or [o["op"] for o in a["ops"]] != [o["op"] for o in b2["ops"]]:
-        raise FromModuleError("the forward runs different calls at batch sizes B and B+1; vramsim needs one graph")
-    merged = _symbolic(a, b2, batch, "graph")
+    restore = _capture_dtype(torch, model)
+    try:
+        docs = _capture_at(
+            torch, model, example_inputs, targets, loss_fn, (keywords, constants), blocks, batch, default_ce
+        )
+    finally:
+        if restore is not None:
+            model.to(restore)
+    merged = _merge(docs, batch)
     merged["format"] = FORMAT
     merged["version"] = VERSION
     merged["name"] = name or type(model).__name__
     merged["batch"] = batch
     return merged
+
+
+def _capture_dtype(torch: Any, model: Any) -> Any:
+    """A transformers model in float32 is captured in float64 (on the meta device: nothing is
+    allocated), so its explicit float32 casts — ``hidden_states.to(torch.float32)`` in RMSNorm,
+    ``logits.float()``, the rotary frequencies — stay float32 in the graph while the model's own
+    dtype is ``model`` (``.to(input_dtype)``) and follows ``--precision``. Returns the dtype to
+    restore."""
+    if not type(model).__module__.startswith("transformers."):
+        return None
+    params = list(model.parameters())
+    if not params or params[0].dtype != torch.float32:
+        return None
+    model.to(torch.float64)
+    return torch.float32
+
+
+def _capture_at(torch, model, example_inputs, targets, loss_fn, named, blocks, batch, default_ce):
+    """The documents at ``batch`` and ``batch + 1``; ``named``: keyword names of the inputs (``None``
+    for positional ones) and the non-tensor keyword arguments."""
+    keywords, constants = named
+    docs = []
+    for b in (batch, batch + 1):
+        xs = [_resize_batch(torch, x, b) for x in example_inputs]
+        ys = [_resize_batch(torch, y, b) for y in targets]
+        if default_ce and keywords is None:
+            # Classification-shaped output ([B, C] floats): F.cross_entropy against int64 labels.
+            with torch.no_grad():
+                probe = model(*xs)
+            if isinstance(probe, torch.Tensor) and probe.dim() == 2 and probe.is_floating_point():
+                ys = [torch.empty([b], dtype=torch.int64, device="meta")]
+        cap = _Capture(torch, model, list(blocks))
+        cap.constants = constants
+        docs.append(cap.run(xs, ys, loss_fn, keywords))
+    return docs
+
+
+def _merge(docs: List[Dict[str, Any]], batch: int) -> Dict[str, Any]:
+    a, b2 = docs
+    if len(a["ops"]) != len(b2["ops"]) or [o["op"] for o in a["ops"]] != [o["op"] for o in b2["ops"]]:
+        raise FromModuleError("the forward runs different calls at batch sizes B and B+1; vramsim needs one graph")
+    return _symbolic(a, b2, batch, "graph")

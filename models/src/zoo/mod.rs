@@ -369,7 +369,10 @@ impl Arch {
             }));
         }
         let choice = sdpa::choose(recipe.attention, &call, recipe.target)?;
+        let captured_sdpa = matches!(self, Arch::Imported(g) if g.calls_sdpa());
         let why = match (vit, recipe.attention) {
+            (true, Attention::Eager) if captured_sdpa => "the captured module calls F.scaled_dot_product_attention (its attn_implementation decides, not --attention eager); ",
+            (true, _) if captured_sdpa => "the captured module calls F.scaled_dot_product_attention; ",
             (true, Attention::Eager) => "torchvision nn.MultiheadAttention has no eager path (need_weights=False calls SDPA in training); ",
             (true, _) => "torchvision nn.MultiheadAttention calls SDPA in training; ",
             (false, Attention::Auto) if nano => "nanoGPT flash = hasattr(F, 'scaled_dot_product_attention') (PyTorch ≥ 2.0); ",
