@@ -445,6 +445,8 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
     let seq = match (arch.max_positions(), args.seq) {
         (Some(_), Some(s)) => s,
         (Some(max), None) => DEFAULT_SEQ.min(max),
+        // A captured module whose sequence length is a variable: the example's by default.
+        (None, given) if arch.dynamic_seq().is_some() => given.or(arch.dynamic_seq()).unwrap_or(0),
         (None, given) => {
             if given.is_some() {
                 warnings.push(format!(

@@ -23,7 +23,7 @@ mod text;
 /// The `format` field of a graph document.
 pub const FORMAT: &str = "vramsim-graph";
 /// The version of the graph format read here.
-pub const VERSION: u64 = 1;
+pub const VERSION: u64 = 2;
 
 /// Why a graph document cannot be imported or built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -56,6 +56,9 @@ pub struct ImportedGraph {
     pub name: String,
     /// The batch the example inputs had.
     pub example_batch: u64,
+    /// The sequence length the example inputs had, where it is a variable (version 2, captured
+    /// with `dynamic_dims`); `None` when only the batch varies.
+    pub example_seq: Option<u64>,
     doc: J,
 }
 
@@ -89,14 +92,30 @@ fn field<'a>(j: &'a J, key: &str) -> Result<&'a J, ImportError> {
         .ok_or_else(|| ImportError::Format(format!("missing field {key:?}")))
 }
 
-/// An integer of the document at `batch` (`{"b": k, "c": c}` is `k * batch + c`).
-fn int_at(j: &J, batch: u64) -> Option<i64> {
+/// An integer of the document at `(batch, seq)`: a number, or an integer polynomial in the batch
+/// and the sequence length, `{"c": c, "b": .., "s": .., "bs": .., "s2": .., "bs2": ..}` meaning
+/// `c + b·batch + s·seq + bs·batch·seq + s2·seq² + bs2·batch·seq²` (absent terms are 0; version 1
+/// writes only `b` and `c`).
+fn int_at(j: &J, (batch, seq): (u64, u64)) -> Option<i64> {
     if let Some(i) = j.as_i64() {
         return Some(i);
     }
-    let k = j.get("b")?.as_i64()?;
-    let c = j.get("c")?.as_i64()?;
-    k.checked_mul(i64::try_from(batch).ok()?)?.checked_add(c)
+    let o = j.as_object()?;
+    let (b, s) = (i64::try_from(batch).ok()?, i64::try_from(seq).ok()?);
+    let mut total = o.get("c")?.as_i64()?;
+    for (key, coef) in o {
+        let x = match key.as_str() {
+            "c" => continue,
+            "b" => b,
+            "s" => s,
+            "bs" => b.checked_mul(s)?,
+            "s2" => s.checked_mul(s)?,
+            "bs2" => b.checked_mul(s)?.checked_mul(s)?,
+            _ => return None,
+        };
+        total = total.checked_add(coef.as_i64()?.checked_mul(x)?)?;
+    }
+    Some(total)
 }
 
 fn dtype_spec(name: &str) -> Result<DTypeSpec, ImportError> {
@@ -183,11 +202,20 @@ impl ImportedGraph {
             )));
         }
         let version = doc.get("version").and_then(J::as_u64);
-        if version != Some(VERSION) {
+        if !matches!(version, Some(v) if (1..=VERSION).contains(&v)) {
             return Err(ImportError::Format(format!(
-                "version {version:?} (this vramsim reads version {VERSION})"
+                "version {version:?} (this vramsim reads versions 1 to {VERSION})"
             )));
         }
+        // Version 2: the sequence length is a variable too, `seq` its example value.
+        let example_seq = match doc.get("seq") {
+            None | Some(J::Null) => None,
+            Some(s) => Some(
+                s.as_u64()
+                    .filter(|&s| s > 0)
+                    .ok_or_else(|| ImportError::Format("seq is not a count".into()))?,
+            ),
+        };
         let name = field(&doc, "name")?
             .as_str()
             .unwrap_or("module")
@@ -203,6 +231,7 @@ impl ImportedGraph {
         let g = ImportedGraph {
             name,
             example_batch,
+            example_seq,
             doc,
         };
         let missing = g.unsupported();
@@ -274,7 +303,7 @@ impl ImportedGraph {
             .iter()
             .find(|o| o["op"] == "scaled_dot_product_attention")
         {
-            return text::sdpa_call(op, &self.doc["values"], recipe);
+            return text::sdpa_call(op, &self.doc["values"], recipe, self.vars(recipe));
         }
         let op = self
             .ops()
@@ -284,11 +313,11 @@ impl ImportedGraph {
         let shape: Vec<u64> = self.doc["values"].get(q)?["shape"]
             .as_array()?
             .iter()
-            .map(|d| int_at(d, recipe.batch).map(|x| x.max(0) as u64))
+            .map(|d| int_at(d, self.vars(recipe)).map(|x| x.max(0) as u64))
             .collect::<Option<_>>()?;
         let heads = op["args"]
             .get(4)
-            .and_then(|h| int_at(h, recipe.batch))?
+            .and_then(|h| int_at(h, self.vars(recipe)))?
             .max(1) as u64;
         let training = op["kwargs"]["training"].as_bool().unwrap_or(true);
         let dropout = if training {
@@ -305,21 +334,36 @@ impl ImportedGraph {
     /// The model's graph at `batch` (dim 0 of every input), its attention kernels chosen for the
     /// default recipe ([`Recipe::new`]: fp32, `--attention auto`, sm 9.0).
     pub fn build(&self, batch: u64) -> Result<Graph, ImportError> {
+        if let Some(seq) = self.example_seq {
+            return self.build_for(batch, &Recipe::new(batch, seq));
+        }
         self.build_for(batch, &Recipe::new(batch, 0))
     }
 
     /// The model's graph at `batch`, each `F.multi_head_attention_forward` on the SDPA backend
     /// PyTorch picks for `recipe` (its precision, `--attention` and target), as the zoo's ViT does.
     pub fn build_for(&self, batch: u64, recipe: &Recipe) -> Result<Graph, ImportError> {
-        let mut b = Builder::new(self, batch);
+        let mut b = Builder::new(self, batch, self.vars(recipe).1);
         b.recipe = Some(recipe.clone());
         b.run()
+    }
+
+    /// `(batch, seq)` under `recipe`: the recipe's sequence length where the capture made it a
+    /// variable (`dynamic_dims`) and the recipe gives one, else the example's.
+    pub fn vars(&self, recipe: &Recipe) -> (u64, u64) {
+        let seq = match self.example_seq {
+            Some(_) if recipe.seq > 0 => recipe.seq,
+            s => s.unwrap_or(0),
+        };
+        (recipe.batch, seq)
     }
 }
 
 struct Builder<'a> {
     g: &'a ImportedGraph,
     batch: u64,
+    /// The sequence length (0 where the graph has no sequence variable).
+    seq: u64,
     b: GraphBuilder,
     vals: Vec<Option<T>>,
     recipe: Option<Recipe>,
@@ -328,9 +372,9 @@ struct Builder<'a> {
 }
 
 impl<'a> Builder<'a> {
-    fn new(g: &'a ImportedGraph, batch: u64) -> Self {
+    fn new(g: &'a ImportedGraph, batch: u64, seq: u64) -> Self {
         let n = g.doc["values"].as_array().map_or(0, Vec::len);
-        let mut b = GraphBuilder::new(&g.name, batch, 0);
+        let mut b = GraphBuilder::new(&g.name, batch, seq);
         b.meta(
             "reference",
             format!(
@@ -342,6 +386,7 @@ impl<'a> Builder<'a> {
         Builder {
             g,
             batch,
+            seq,
             b,
             vals: vec![None; n],
             recipe: None,
@@ -354,7 +399,7 @@ impl<'a> Builder<'a> {
             .ok_or_else(|| ImportError::Format("a shape is not a list".into()))?
             .iter()
             .map(|d| {
-                int_at(d, self.batch)
+                int_at(d, (self.batch, self.seq))
                     .filter(|&x| x >= 0)
                     .map(|x| x as u64)
                     .ok_or_else(|| ImportError::Format(format!("bad dimension {d}")))
@@ -576,8 +621,8 @@ impl<'a> Builder<'a> {
                 .or_else(|| kwargs.get(key).cloned())
                 .filter(|v| !v.is_null())
         };
-        let batch = self.batch;
-        let int = |j: &J| int_at(j, batch);
+        let at = (self.batch, self.seq);
+        let int = |j: &J| int_at(j, at);
         let ints = |j: &J| -> Option<Vec<i64>> {
             match j.as_array() {
                 Some(a) => a.iter().map(int).collect(),

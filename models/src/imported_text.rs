@@ -91,7 +91,7 @@ fn tensor_id(j: Option<&J>) -> Option<usize> {
 /// at `recipe.batch`, the recipe's compute dtype (autocast casts q/k/v to it; a 16-bit model's
 /// are 16-bit), `dropout_p` in training only, `is_causal`, `attn_mask`, `enable_gqa` as passed
 /// (transformers' `sdpa_attention_forward`).
-pub(super) fn sdpa_call(op: &J, values: &J, recipe: &Recipe) -> Option<SdpaCall> {
+pub(super) fn sdpa_call(op: &J, values: &J, recipe: &Recipe, at: (u64, u64)) -> Option<SdpaCall> {
     let args = op["args"].as_array()?;
     let kwargs = op["kwargs"].as_object()?;
     let get = |i: usize, key: &str| {
@@ -104,7 +104,7 @@ pub(super) fn sdpa_call(op: &J, values: &J, recipe: &Recipe) -> Option<SdpaCall>
         values.get(id)?["shape"]
             .as_array()?
             .iter()
-            .map(|d| int_at(d, recipe.batch).map(|x| x.max(0) as u64))
+            .map(|d| int_at(d, at).map(|x| x.max(0) as u64))
             .collect()
     };
     let (q, k, v) = (shape(0, "query")?, shape(1, "key")?, shape(2, "value")?);
@@ -262,7 +262,7 @@ impl Builder<'_> {
                 let x = self.input_t(c, 0, "self")?;
                 let dim = c
                     .arg(2, "dim")
-                    .and_then(|j| int_at(j, self.batch))
+                    .and_then(|j| int_at(j, (self.batch, self.seq)))
                     .unwrap_or(0);
                 let n = self.b.shape(x).len() as i64;
                 let d = if dim < 0 { dim + n } else { dim } as usize;
@@ -350,10 +350,8 @@ impl Builder<'_> {
                         .collect(),
                     ),
                     &self.g.doc["values"],
-                    &Recipe {
-                        batch: self.batch,
-                        ..r.clone()
-                    },
+                    &r,
+                    (self.batch, self.seq),
                 )
                 .ok_or_else(|| c.bad("q, k, v are not [B, H, L, D]".into()))?;
                 let backend = sdpa::choose(r.attention, &call, r.target)
@@ -382,7 +380,7 @@ impl Builder<'_> {
                 } else {
                     let dim = c
                         .arg(1, "dim")
-                        .and_then(|j| int_at(j, self.batch))
+                        .and_then(|j| int_at(j, (self.batch, self.seq)))
                         .unwrap_or(0);
                     vec![self.b.cat(&xs, dim as isize)]
                 }

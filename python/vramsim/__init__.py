@@ -450,6 +450,7 @@ def from_module(
     targets: Any = None,
     name: Optional[str] = None,
     blocks: Any = None,
+    dynamic_dims: Any = None,
 ) -> Model:
     """Captures your own ``nn.Module`` for lowering (not recording): every what-if applies to it.
 
@@ -460,6 +461,12 @@ def from_module(
     ``[B, C]`` floats (a classifier, as torchvision's reference training), else ``output.float().mean()``.
     ``blocks`` names the submodules ``checkpoint=`` wraps (default: the repeated non-leaf children of an
     ``nn.Sequential``/``nn.ModuleList``, such as ResNet blocks or transformer layers).
+
+    transformers models: pass the inputs as a dict (``model(**inputs)``); with ``labels`` the step's loss
+    is the one the model computes (``outputs.loss``), else ``outputs.logits`` is the output. Non-tensor
+    entries (``use_cache=False``) are passed as they are. ``dynamic_dims`` makes the sequence length a
+    variable: ``{"input_ids": {1: "seq"}, "labels": {1: "seq"}}`` (an input by keyword, or by position in
+    inputs then targets); ``predict(model=m, seq=...)`` then sets it (default: the example's).
 
     The forward runs under a ``TorchFunctionMode``; each call (``F.linear``, ``F.conv2d``, ...) is mapped
     by the Rust models crate onto its op library. Calls without a rule raise :class:`ConfigError` listing
@@ -474,7 +481,13 @@ def from_module(
 
     try:
         document = _graph_capture.capture(
-            model, example_inputs, loss_fn=loss_fn, targets=targets, name=name, blocks=blocks
+            model,
+            example_inputs,
+            loss_fn=loss_fn,
+            targets=targets,
+            name=name,
+            blocks=blocks,
+            dynamic_dims=dynamic_dims,
         )
     except _graph_capture.FromModuleError as e:
         raise ConfigError(str(e)) from None

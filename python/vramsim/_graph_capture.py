@@ -368,9 +368,11 @@ def default_blocks(torch: Any, model: Any) -> List[str]:
     return out
 
 
-def _resize_batch(torch: Any, t: Any, batch: int) -> Any:
+def _resize(torch: Any, t: Any, batch: int, seq: Optional[int], dims: List[int]) -> Any:
     shape = list(t.shape)
     shape[0] = batch
+    for d in dims:
+        shape[d] = seq
     return torch.empty(shape, dtype=t.dtype, device="meta")
 
 
@@ -401,6 +403,7 @@ def capture(
     targets: Any = None,
     name: Optional[str] = None,
     blocks: Any = None,
+    dynamic_dims: Any = None,
 ) -> Dict[str, Any]:
     """The JSON graph document of ``model`` (see :func:`vramsim.from_module`)."""
     try:
@@ -447,21 +450,121 @@ def capture(
     if isinstance(blocks, str) or not all(isinstance(b, str) and b in known for b in blocks):
         raise FromModuleError("blocks: expected a list of submodule names (model.named_modules())")
     default_ce = loss_fn is None and not targets
+    seq_dims, seq = _seq_dims(dynamic_dims, keywords, list(example_inputs) + list(targets))
+    if seq_dims:
+        # Every integer is fitted as c + b·B + s·S + bs·B·S + s2·S² + bs2·B·S² (a view's B·S, the
+        # attention scores' S²): two batches × three lengths, checked at a seventh point.
+        points = [(b, t) for t in (seq, seq + 1, seq + 2) for b in (batch, batch + 1)]
+        points.append((batch + 2, seq + 3))
+    else:
+        points = [(batch, None), (batch + 1, None)]
     model.train()
     restore = _capture_dtype(torch, model)
     try:
         docs = _capture_at(
-            torch, model, example_inputs, targets, loss_fn, (keywords, constants), blocks, batch, default_ce
+            torch, model, example_inputs, targets, loss_fn, (keywords, constants, seq_dims), blocks, points, default_ce
         )
     finally:
         if restore is not None:
             model.to(restore)
-    merged = _merge(docs, batch)
+    if seq_dims:
+        _same_calls(docs, "at batch sizes B, B+1 and sequence lengths S, S+1, S+2")
+        merged = _fit(docs, batch, seq, "graph")
+        merged["version"] = 2
+        merged["seq"] = seq
+    else:
+        merged = _merge(docs, batch)
+        merged["version"] = VERSION
     merged["format"] = FORMAT
-    merged["version"] = VERSION
     merged["name"] = name or type(model).__name__
     merged["batch"] = batch
     return merged
+
+
+def _seq_dims(dynamic_dims: Any, keywords: Optional[List[str]], tensors: List[Any]) -> Any:
+    """``([(tensor index, dim)], example seq)`` from ``dynamic_dims`` (``{input: {dim: "seq"}}``,
+    an input named by its keyword or by its position in inputs then targets)."""
+    if dynamic_dims is None:
+        return [], None
+    if not isinstance(dynamic_dims, dict) or not dynamic_dims:
+        raise FromModuleError('dynamic_dims: expected {input: {dim: "seq"}}, e.g. {"input_ids": {1: "seq"}}')
+    out = []
+    for key, dims in dynamic_dims.items():
+        if isinstance(key, str) and keywords is not None and key in keywords:
+            i = keywords.index(key)
+        elif isinstance(key, int) and not isinstance(key, bool) and 0 <= key < len(tensors):
+            i = key
+        else:
+            valid = keywords if keywords is not None else list(range(len(tensors)))
+            raise FromModuleError(f"dynamic_dims: {key!r} is not an input (valid: {valid})")
+        if not isinstance(dims, dict) or not dims:
+            raise FromModuleError(f'dynamic_dims[{key!r}]: expected {{dim: "seq"}}')
+        for d, var in dims.items():
+            if var != "seq":
+                raise FromModuleError(f'dynamic_dims[{key!r}]: {var!r} is not a variable (valid: "seq"; dim 0 is the batch)')
+            if not isinstance(d, int) or isinstance(d, bool) or not 1 <= d < tensors[i].dim():
+                raise FromModuleError(f"dynamic_dims[{key!r}]: dim {d!r} is not a dim 1..{tensors[i].dim() - 1} of the input")
+            out.append((i, d))
+    sizes = {int(tensors[i].shape[d]) for i, d in out}
+    if len(sizes) != 1:
+        raise FromModuleError(f"dynamic_dims: the seq dims have different sizes {sorted(sizes)}")
+    return out, sizes.pop()
+
+
+def _same_calls(docs: List[Dict[str, Any]], where: str) -> None:
+    names = [o["op"] for o in docs[0]["ops"]]
+    for d in docs[1:]:
+        if [o["op"] for o in d["ops"]] != names:
+            raise FromModuleError(f"the forward runs different calls {where}; vramsim needs one graph")
+
+
+_TERMS = ("c", "b", "s", "bs", "s2", "bs2")
+
+
+def _poly(vals: List[int], batch: int, seq: int) -> Any:
+    """The integer polynomial in (b, s) through ``vals`` at the capture points, ``None`` where there is
+    none (with integer coefficients, confirmed at the seventh point)."""
+    alphas = []
+    for j in (0, 1):  # b = batch + j: a quadratic in s through s = seq, seq + 1, seq + 2
+        f0, f1, f2 = vals[j], vals[2 + j], vals[4 + j]
+        d2 = f2 - 2 * f1 + f0
+        if d2 % 2:
+            return None
+        a2 = d2 // 2
+        a1 = (f1 - f0) - a2 * (2 * seq + 1)
+        alphas.append((f0 - a1 * seq - a2 * seq * seq, a1, a2))
+    terms = {}
+    for i, (lo, hi) in enumerate((("c", "b"), ("s", "bs"), ("s2", "bs2"))):
+        q = alphas[1][i] - alphas[0][i]
+        terms[lo], terms[hi] = alphas[0][i] - q * batch, q
+    b, s = batch + 2, seq + 3
+    if sum(terms[k] * x for k, x in zip(_TERMS, (1, b, s, b * s, s * s, b * s * s))) != vals[6]:
+        return None
+    if all(terms[k] == 0 for k in _TERMS[1:]):
+        return terms["c"]
+    return {k: terms[k] for k in _TERMS if k == "c" or terms[k]}
+
+
+def _fit(xs: List[Any], batch: int, seq: int, path: str) -> Any:
+    """Merge the captures at the seven points: integers that differ become polynomials in batch and
+    seq; anything else must agree."""
+    a = xs[0]
+    if any(isinstance(x, bool) for x in xs) or not all(isinstance(x, int) for x in xs):
+        if isinstance(a, list) and all(isinstance(x, list) and len(x) == len(a) for x in xs):
+            return [_fit([x[i] for x in xs], batch, seq, f"{path}[{i}]") for i in range(len(a))]
+        if isinstance(a, dict) and all(isinstance(x, dict) and x.keys() == a.keys() for x in xs):
+            return {k: _fit([x[k] for x in xs], batch, seq, f"{path}.{k}") for k in a}
+        if all(x == a for x in xs):
+            return a
+        raise FromModuleError(f"the forward depends on the batch or seq beyond shapes ({path}: {a!r} vs {xs[1]!r})")
+    if all(x == a for x in xs):
+        return a
+    p = _poly(xs, batch, seq)
+    if p is None:
+        raise FromModuleError(
+            f"{path}: {xs} is not an integer polynomial in batch and seq (degree 1 in batch, 2 in seq)"
+        )
+    return p
 
 
 def _capture_dtype(torch: Any, model: Any) -> Any:
@@ -479,14 +582,15 @@ def _capture_dtype(torch: Any, model: Any) -> Any:
     return torch.float32
 
 
-def _capture_at(torch, model, example_inputs, targets, loss_fn, named, blocks, batch, default_ce):
-    """The documents at ``batch`` and ``batch + 1``; ``named``: keyword names of the inputs (``None``
-    for positional ones) and the non-tensor keyword arguments."""
-    keywords, constants = named
+def _capture_at(torch, model, example_inputs, targets, loss_fn, named, blocks, points, default_ce):
+    """The documents at each ``(batch, seq)`` of ``points``; ``named``: keyword names of the inputs
+    (``None`` for positional ones), the non-tensor keyword arguments and the seq dims."""
+    keywords, constants, seq_dims = named
+    n = len(example_inputs)
     docs = []
-    for b in (batch, batch + 1):
-        xs = [_resize_batch(torch, x, b) for x in example_inputs]
-        ys = [_resize_batch(torch, y, b) for y in targets]
+    for b, s in points:
+        xs = [_resize(torch, x, b, s, [d for i, d in seq_dims if i == k]) for k, x in enumerate(example_inputs)]
+        ys = [_resize(torch, y, b, s, [d for i, d in seq_dims if i == n + k]) for k, y in enumerate(targets)]
         if default_ce and keywords is None:
             # Classification-shaped output ([B, C] floats): F.cross_entropy against int64 labels.
             with torch.no_grad():
@@ -500,6 +604,7 @@ def _capture_at(torch, model, example_inputs, targets, loss_fn, named, blocks, b
 
 
 def _merge(docs: List[Dict[str, Any]], batch: int) -> Dict[str, Any]:
+    """Merge the captures at ``batch`` and ``batch + 1``."""
     a, b2 = docs
     if len(a["ops"]) != len(b2["ops"]) or [o["op"] for o in a["ops"]] != [o["op"] for o in b2["ops"]]:
         raise FromModuleError("the forward runs different calls at batch sizes B and B+1; vramsim needs one graph")

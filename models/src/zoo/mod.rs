@@ -263,6 +263,15 @@ impl Arch {
         }
     }
 
+    /// The example sequence length of a captured module whose sequence length is a variable
+    /// (`from_module(..., dynamic_dims=...)`): the default of `--seq` for it. `None` otherwise.
+    pub fn dynamic_seq(&self) -> Option<u64> {
+        match self {
+            Arch::Imported(g) => g.example_seq,
+            _ => None,
+        }
+    }
+
     /// The `F.scaled_dot_product_attention` call the model's attention makes under `recipe`
     /// (`None` for models without attention): dtype after autocast, heads, lengths, head
     /// sizes, and HF's `sdpa_attention_forward` arguments — no mask (HF drops an all-ones mask,
