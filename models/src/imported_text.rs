@@ -30,6 +30,9 @@ pub const SUPPORTED: &[&str] = &[
     "rsqrt",
     "neg",
     "__neg__",
+    "log",
+    "zeros",
+    "where",
 ];
 
 const INTEGER_DTYPES: &[&str] = &["int64", "int32", "int16", "int8", "uint8", "bool"];
@@ -180,6 +183,48 @@ impl Builder<'_> {
         Ok((shape, dtype_spec(decl["dtype"].as_str().unwrap_or("?"))?))
     }
 
+    /// Whether a trainable parameter reaches value `id` through the captured calls (autograd
+    /// would record it): integer and boolean values never do.
+    fn reaches_param(&self, id: usize) -> bool {
+        let values = &self.g.doc["values"];
+        let ops = self.g.doc["ops"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        let mut stack = vec![id];
+        let mut seen = std::collections::BTreeSet::new();
+        while let Some(v) = stack.pop() {
+            if !seen.insert(v) || integer_value(values, v) {
+                continue;
+            }
+            let decl = &values[v];
+            match decl["kind"].as_str() {
+                Some("param") if decl["trainable"].as_bool().unwrap_or(true) => return true,
+                Some("op") => {
+                    let Some(op) = decl["op"].as_u64().and_then(|k| ops.get(k as usize)) else {
+                        continue;
+                    };
+                    let mut args: Vec<&J> = op["args"].as_array().into_iter().flatten().collect();
+                    args.extend(
+                        op["kwargs"]
+                            .as_object()
+                            .into_iter()
+                            .flat_map(|m| m.values()),
+                    );
+                    while let Some(j) = args.pop() {
+                        if let Some(t) = tensor_id(Some(j)) {
+                            stack.push(t);
+                        } else if let Some(a) = j.as_array() {
+                            args.extend(a);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        false
+    }
+
     fn first_param(&self) -> Option<T> {
         let id = self.g.doc["params"].get(0)?.as_u64()? as usize;
         self.vals.get(id).copied().flatten()
@@ -274,18 +319,54 @@ impl Builder<'_> {
             }
             // LLaMA's rotary embedding under `@torch.no_grad()`: `emb.cos()`, `emb.sin()` of the
             // float32 frequencies, outside autograd.
-            "cos" | "sin" => {
-                // A factory: no backward. transformers computes them from the `inv_freq` buffer
-                // and integer positions only (`LlamaRotaryEmbedding.forward`), no parameter.
-                let x = self.input_t(c, 0, "input")?;
+            // T5's relative position buckets: `log` of float32 distances made from integer positions.
+            "cos" | "sin" | "log" => {
+                // Factories: no backward. transformers computes them from buffers and integer
+                // positions only (`LlamaRotaryEmbedding.forward`, `T5Attention._relative_position_bucket`),
+                // never from a parameter: refused where one reaches them.
+                let id = tensor_id(c.arg(0, "input"))
+                    .ok_or_else(|| c.bad("input is not a tensor".into()))?;
+                if self.reaches_param(id) {
+                    return Err(c.bad(format!(
+                        "{} of a tensor that needs grad is not modelled",
+                        c.name
+                    )));
+                }
+                let x = self.get(id)?;
                 let s = self.b.shape(x);
                 let d = self.b.dtype(x);
-                let tag = if c.name == "cos" {
-                    "aten.cos"
-                } else {
-                    "aten.sin"
+                let tag = match c.name {
+                    "cos" => "aten.cos",
+                    "sin" => "aten.sin",
+                    _ => "aten.log",
                 };
                 vec![self.b.factory(tag, &[x], &s, d, vec![])]
+            }
+            // `torch.zeros(...)` (T5's position bias of a layer without relative attention bias, the
+            // scalar of its causal mask) and `torch.where(mask, zeros, min)` (T5's additive causal
+            // mask): outside autograd, in the shape and dtype PyTorch gave.
+            "zeros" | "where" => {
+                let mut inputs = Vec::new();
+                for (i, key) in [(0, "condition"), (1, "input"), (2, "other")] {
+                    if c.name == "zeros" {
+                        break;
+                    }
+                    if let Some(id) = tensor_id(c.arg(i, key)) {
+                        if self.reaches_param(id) {
+                            return Err(
+                                c.bad("where on a tensor that needs grad is not modelled".into())
+                            );
+                        }
+                        inputs.push(self.get(id)?);
+                    }
+                }
+                let (shape, dt) = self.declared(c, 0)?;
+                let tag = if c.name == "zeros" {
+                    "aten.zeros"
+                } else {
+                    "aten.where"
+                };
+                vec![self.b.factory(tag, &inputs, &shape, dt, vec![])]
             }
             "rsqrt" => {
                 let x = self.input_t(c, 0, "input")?;
@@ -388,6 +469,14 @@ impl Builder<'_> {
             // Integer/boolean arithmetic (mask construction, position ids, the packed-sequence
             // check): each output is allocated in the shape and dtype PyTorch gave, nothing is
             // saved for backward (no floating tensor is involved).
+            // In place on an integer tensor (`shifted.masked_fill_(shifted == -100, pad)` in T5's
+            // `_shift_right`): the kernel writes existing storage, nothing is allocated.
+            n if n.ends_with('_')
+                && !n.ends_with("__")
+                && integer_call(c.args, c.outs, &self.g.doc["values"]) =>
+            {
+                vec![self.input_t(c, 0, "self")?]
+            }
             _ if integer_call(c.args, c.outs, &self.g.doc["values"]) => {
                 let mut inputs = Vec::new();
                 let mut stack: Vec<&J> = c.args.iter().chain(c.kwargs.values()).collect();

@@ -1,0 +1,118 @@
+"""Transformers models outside the zoo, both ways: captured by ``vramsim.from_module`` (a graph the models
+crate lowers) and recorded by the capture tool (``traces/python/vramsim_capture.py``, CUDA-flavoured:
+fused dropout, CUDA's autocast policy on fake CPU tensors for AMP), as fixtures checked by
+``models/tests/imported_text_captures.rs`` (the lowering within 1% of the recording).
+
+* ``t5-small``: ``T5ForConditionalGeneration`` with t5-small's shapes (``T5Config`` defaults: d_model 512,
+  d_ff 2048, 8 heads, 6 + 6 layers, 32 relative-position buckets, ReLU FFN, dropout 0.1, tied
+  ``shared``/``lm_head``), ``attn_implementation="eager"`` (``T5Attention``'s matmuls with the
+  relative position bias; transformers' SDPA path passes that bias as an ``attn_mask``, which
+  vramsim's SDPA rules do not model yet), ``input_ids`` [B, S] and ``labels`` [B, T] (the loss the
+  model computes: ``_shift_right`` of the labels into ``decoder_input_ids``, ``CrossEntropyLoss``).
+  No ``attention_mask``: the recorder cannot answer transformers' ``mask.all()`` on meta tensors.
+
+Writes ``models/tests/imported/NAME.json`` (the graph, batch as a variable) and
+``models/tests/captures/fromtext/NAME__RECIPE.json`` (the recording's summary). Run from the repository
+root (torch, transformers; no GPU, no network)::
+
+    python models/tools/make_fromtext_captures.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "traces", "python"))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+import vramsim_capture as vc  # noqa: E402
+
+GRAPHS = os.path.join(ROOT, "models", "tests", "imported")
+OUT_DIR = os.path.join(ROOT, "models", "tests", "captures", "fromtext")
+
+# (name, batch, encoder length, decoder length, dtype)
+CASES = [
+    ("t5-small", 4, 128, 64, "fp32"),
+    ("t5-small", 4, 128, 64, "amp-bf16"),
+]
+
+
+def t5_config():
+    import transformers
+
+    c = transformers.T5Config(decoder_start_token_id=0, pad_token_id=0)
+    c._attn_implementation = "eager"
+    return c
+
+
+def _graph_capture():
+    import importlib.util
+
+    # The capture module alone: the package's Rust extension is not needed to write the graph.
+    spec = importlib.util.spec_from_file_location(
+        "_graph_capture", os.path.join(ROOT, "python", "vramsim", "_graph_capture.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> int:
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    gc = _graph_capture()
+    os.makedirs(OUT_DIR, exist_ok=True)
+    written = set()
+    for name, b, s, t, dtype in CASES:
+        def model_fn():
+            return transformers.T5ForConditionalGeneration(t5_config())
+
+        if name not in written:
+            with torch.device("meta"):
+                model = model_fn()
+            ids = torch.empty(2, s, dtype=torch.int64, device="meta")
+            labels = torch.empty(2, t, dtype=torch.int64, device="meta")
+            doc = gc.capture(model, {"input_ids": ids, "labels": labels}, name=name)
+            with open(os.path.join(GRAPHS, name + ".json"), "w") as f:
+                json.dump(doc, f)
+            written.add(name)
+
+        def inputs_fn():
+            return {"input_ids": torch.empty(b, s, dtype=torch.int64), "labels": torch.empty(b, t, dtype=torch.int64)}
+
+        def loss_fn(m, x):
+            return m(**x).loss
+
+        def opt_fn(params):
+            return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+        amp = dtype[4:] if dtype.startswith("amp-") else None
+        cap = vc.capture(model_fn, inputs_fn, loss_fn, opt_fn, iterations=2,
+                         device="cpu" if amp else "meta", amp=amp)
+        summary = cap.summary()
+        fx = {
+            "model": name,
+            "graph": f"imported/{name}.json",
+            "versions": {k: cap.meta.get(k) for k in ("torch", "transformers", "python")},
+            "recipe": {"batch": b, "seq": s, "decoder_seq": t, "dtype": dtype, "optimizer": "adamw",
+                       "iterations": 2, "attn_implementation": "eager"},
+            "params": cap.meta["params"],
+            "peak_requested_bytes": summary["peak_requested_bytes"],
+            "peak_phase": summary["peak_phase"],
+            "peak_by_phase_segment": [[seg["phase"], seg["peak"]] for seg in summary["peak_by_phase_segment"]],
+        }
+        path = os.path.join(OUT_DIR, f"{name}__b{b}s{s}t{t}__{dtype}-adamw.json")
+        with open(path, "w") as f:
+            json.dump(fx, f, indent=1)
+            f.write("\n")
+        print(f"{path}: peak {fx['peak_requested_bytes']} ({fx['peak_phase']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
