@@ -65,8 +65,9 @@ pub struct PredictArgs {
     /// Micro-batch size (sequences, or images).
     #[arg(long, value_name = "B", value_parser = count("batch"), allow_negative_numbers = true)]
     pub batch: u64,
-    /// Tokens per sequence for language models (default: 1024, or the model's positions if fewer);
-    /// image models take --image-size images and ignore it.
+    /// Tokens per sequence for language models (default: 1024, or the model's positions if fewer;
+    /// a --graph captured with a sequence variable: its example length); image models take
+    /// --image-size images and ignore it.
     #[arg(long, value_name = "S", value_parser = count("seq"), allow_negative_numbers = true)]
     pub seq: Option<u64>,
     /// fp32, bf16 (model.to(bfloat16)), amp-fp16 (autocast + GradScaler), amp-bf16 (autocast).
