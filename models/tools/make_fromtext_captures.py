@@ -37,6 +37,7 @@ OUT_DIR = os.path.join(ROOT, "models", "tests", "captures", "fromtext")
 CASES = [
     ("t5-small", 4, 128, 64, "fp32"),
     ("t5-small", 4, 128, 64, "amp-bf16"),
+    ("t5-small", 4, 128, 64, "bf16"),
 ]
 
 
@@ -69,12 +70,14 @@ def main() -> int:
     os.makedirs(OUT_DIR, exist_ok=True)
     written = set()
     for name, b, s, t, dtype in CASES:
-        def model_fn():
-            return transformers.T5ForConditionalGeneration(t5_config())
+        def model_fn(dtype=dtype):
+            m = transformers.T5ForConditionalGeneration(t5_config())
+            # `--precision bf16`: model.to(bfloat16) (T5LayerNorm then casts back to the weight's dtype).
+            return m.to(torch.bfloat16) if dtype == "bf16" else m
 
         if name not in written:
             with torch.device("meta"):
-                model = model_fn()
+                model = transformers.T5ForConditionalGeneration(t5_config())
             ids = torch.empty(2, s, dtype=torch.int64, device="meta")
             labels = torch.empty(2, t, dtype=torch.int64, device="meta")
             doc = gc.capture(model, {"input_ids": ids, "labels": labels}, name=name)

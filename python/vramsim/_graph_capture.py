@@ -568,17 +568,18 @@ def _fit(xs: List[Any], batch: int, seq: int, path: str) -> Any:
 
 
 def _capture_dtype(torch: Any, model: Any) -> Any:
-    """A transformers model in float32 is captured in float64 (on the meta device: nothing is
+    """A transformers model in float32 is captured in bfloat16 (on the meta device: nothing is
     allocated), so its explicit float32 casts — ``hidden_states.to(torch.float32)`` in RMSNorm,
     ``logits.float()``, the rotary frequencies — stay float32 in the graph while the model's own
-    dtype is ``model`` (``.to(input_dtype)``) and follows ``--precision``. Returns the dtype to
-    restore."""
+    dtype is ``model`` (``.to(input_dtype)``) and follows ``--precision``; code that branches on a
+    16-bit weight (T5's ``T5LayerNorm``: ``if self.weight.dtype in [float16, bfloat16]``) records the
+    cast back to the model's dtype, which is the tensor itself at fp32. Returns the dtype to restore."""
     if not type(model).__module__.startswith("transformers."):
         return None
     params = list(model.parameters())
     if not params or params[0].dtype != torch.float32:
         return None
-    model.to(torch.float64)
+    model.to(torch.bfloat16)
     return torch.float32
 
 
