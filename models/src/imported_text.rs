@@ -33,6 +33,12 @@ pub const SUPPORTED: &[&str] = &[
     "log",
     "zeros",
     "where",
+    "topk",
+    "sum",
+    "div_",
+    "chunk",
+    "_grouped_mm",
+    "grouped_mm",
 ];
 
 const INTEGER_DTYPES: &[&str] = &["int64", "int32", "int16", "int8", "uint8", "bool"];
@@ -146,6 +152,10 @@ impl Builder<'_> {
     /// Whether [`Builder::text_op`] maps this call: its own calls, and `cat` with a legacy empty
     /// `[0]` tensor among its inputs (a `DynamicLayer`'s first update).
     pub(super) fn claims_text(&self, name: &str, args: &[J], outs: &[usize]) -> bool {
+        if name == "div_" {
+            // By a tensor (the router's normalisation); by a scalar it is the vision rule's.
+            return tensor_id(args.get(1)).is_some();
+        }
         if SUPPORTED.contains(&name) {
             return true;
         }
@@ -153,11 +163,14 @@ impl Builder<'_> {
             return true;
         }
         if name == "__getitem__" {
-            // `position_ids[:, None, :]` (LLaMA's rotary embedding): an index with `None`.
-            return args
-                .get(1)
+            // `position_ids[:, None, :]` (LLaMA's rotary embedding): an index with `None`;
+            // `hidden_states[perm // k]` (MoE dispatch): one index tensor.
+            let index = args.get(1);
+            return index
                 .and_then(J::as_array)
-                .is_some_and(|a| a.iter().any(J::is_null));
+                .is_some_and(|a| a.iter().any(J::is_null))
+                || tensor_id(index).is_some()
+                || integer_call(args, outs, &self.g.doc["values"]);
         }
         name == "cat"
             && args
@@ -376,6 +389,18 @@ impl Builder<'_> {
                 let x = self.input_t(c, 0, "input")?;
                 vec![self.b.neg(x)]
             }
+            // Indexing of integer/boolean tensors (eager attention's padding mask
+            // `padding_mask[batch_idx, kv_idx]`): an integer call.
+            "__getitem__" if integer_call(c.args, c.outs, &self.g.doc["values"]) => {
+                self.integer_outputs(c)?
+            }
+            // `x[idx]` with an int64 index tensor: `aten.index`, a new tensor (transformers'
+            // `grouped_mm_experts_forward`: `hidden_states[perm // num_top_k]`, `weighted_out[inv_perm]`).
+            "__getitem__" if tensor_id(c.args.get(1)).is_some() => {
+                let x = self.input_t(c, 0, "self")?;
+                let idx = self.input_t(c, 1, "index")?;
+                vec![self.b.index1(x, idx)]
+            }
             // `x[:, None, :]`: `None` inserts a dim (a view), full slices keep one.
             "__getitem__" => {
                 let mut x = self.input_t(c, 0, "self")?;
@@ -398,6 +423,82 @@ impl Builder<'_> {
                     }
                 }
                 vec![x]
+            }
+            // MixtralTopKRouter: `torch.topk(router_probs, k, dim=-1)`.
+            "topk" => {
+                let x = self.input_t(c, 0, "input")?;
+                let k = c
+                    .arg(1, "k")
+                    .and_then(|j| int_at(j, (self.batch, self.seq)))
+                    .filter(|&k| k > 0)
+                    .ok_or_else(|| c.bad("k is not a positive int".into()))?;
+                let dim = c
+                    .arg(2, "dim")
+                    .and_then(|j| int_at(j, (self.batch, self.seq)))
+                    .unwrap_or(-1);
+                if c.arg(3, "largest").and_then(J::as_bool) == Some(false) {
+                    return Err(c.bad("largest=False is not modelled".into()));
+                }
+                let (v, i) = self.b.topk(x, k as u64, dim as isize);
+                vec![v, i]
+            }
+            // `x.sum(dim, keepdim)` of a floating tensor (the router's normalisation, the experts'
+            // per-token reduction); integer sums are integer calls.
+            "sum" => {
+                let x = self.input_t(c, 0, "input")?;
+                let keep = c.arg(2, "keepdim").and_then(J::as_bool).unwrap_or(false);
+                if c.arg(3, "dtype").is_some() {
+                    return Err(c.bad("sum(dtype=...) is not modelled".into()));
+                }
+                let n = self.b.shape(x).len() as isize;
+                let dims: Vec<isize> = match c.arg(1, "dim") {
+                    None => (0..n).collect(),
+                    Some(j) => match j.as_array() {
+                        Some(a) => a
+                            .iter()
+                            .map(|d| int_at(d, (self.batch, self.seq)).map(|d| d as isize))
+                            .collect::<Option<_>>()
+                            .ok_or_else(|| c.bad(format!("dim {j}")))?,
+                        None => vec![int_at(j, (self.batch, self.seq))
+                            .ok_or_else(|| c.bad(format!("dim {j}")))?
+                            as isize],
+                    },
+                };
+                vec![self.b.sum_dims(x, &dims, keep)]
+            }
+            // `routing_weights /= routing_weights.sum(dim=-1, keepdim=True)`: in place, autograd
+            // saves `other` and a clone of the original `self` (derivatives.yaml div.Tensor uses
+            // `self`): the bytes of the out-of-place `div` (a new result, the old `self` saved).
+            "div_" => {
+                let a = self.input_t(c, 0, "self")?;
+                let o = self.input_t(c, 1, "other")?;
+                vec![self.b.div(a, o)]
+            }
+            // `gate_up.chunk(2, dim=-1)`: views, as `split`.
+            "chunk" => {
+                let x = self.input_t(c, 0, "input")?;
+                let dim = c
+                    .arg(2, "dim")
+                    .and_then(|j| int_at(j, (self.batch, self.seq)))
+                    .unwrap_or(0);
+                let n = self.b.shape(x).len() as i64;
+                let d = if dim < 0 { dim + n } else { dim } as usize;
+                let mut sizes = Vec::new();
+                for i in 0..c.outs.len() {
+                    sizes.push(self.declared(c, i)?.0.get(d).copied().unwrap_or(0));
+                }
+                self.b.split(x, &sizes, d as isize)
+            }
+            // transformers' `_grouped_mm` (`grouped_mm_experts_forward`): the experts' GEMMs,
+            // whose allocations do not depend on how many tokens each expert gets.
+            "_grouped_mm" | "grouped_mm" => {
+                let a = self.input_t(c, 0, "mat_a")?;
+                let b = self.input_t(c, 1, "mat_b")?;
+                let offs = self.input_t(c, 2, "offs")?;
+                if c.arg(3, "bias").is_some() || c.arg(4, "out_dtype").is_some() {
+                    return Err(c.bad("bias and out_dtype are not modelled".into()));
+                }
+                vec![self.b.grouped_mm(a, b, offs)]
             }
             "pow" | "__pow__" => {
                 let x = self.input_t(c, 0, "input")?;
@@ -477,26 +578,7 @@ impl Builder<'_> {
             {
                 vec![self.input_t(c, 0, "self")?]
             }
-            _ if integer_call(c.args, c.outs, &self.g.doc["values"]) => {
-                let mut inputs = Vec::new();
-                let mut stack: Vec<&J> = c.args.iter().chain(c.kwargs.values()).collect();
-                while let Some(j) = stack.pop() {
-                    if let Some(id) = tensor_id(Some(j)) {
-                        inputs.push(self.get(id)?);
-                    } else if let Some(a) = j.as_array() {
-                        stack.extend(a);
-                    }
-                }
-                let mut out = Vec::new();
-                for i in 0..c.outs.len() {
-                    let (shape, dt) = self.declared(c, i)?;
-                    out.push(
-                        self.b
-                            .factory("aten.integer_op", &inputs, &shape, dt, vec![]),
-                    );
-                }
-                out
-            }
+            _ if integer_call(c.args, c.outs, &self.g.doc["values"]) => self.integer_outputs(c)?,
             other => {
                 return Err(ImportError::Unsupported(vec![(
                     other.to_string(),
@@ -505,5 +587,29 @@ impl Builder<'_> {
                 )]))
             }
         })
+    }
+
+    /// An integer call's outputs (mask and position arithmetic): each allocated in the shape and
+    /// dtype PyTorch gave, reading the call's tensors; nothing is saved for backward (no floating
+    /// tensor is involved).
+    fn integer_outputs(&mut self, c: &Call) -> Result<Vec<T>, ImportError> {
+        let mut inputs = Vec::new();
+        let mut stack: Vec<&J> = c.args.iter().chain(c.kwargs.values()).collect();
+        while let Some(j) = stack.pop() {
+            if let Some(id) = tensor_id(Some(j)) {
+                inputs.push(self.get(id)?);
+            } else if let Some(a) = j.as_array() {
+                stack.extend(a);
+            }
+        }
+        let mut out = Vec::new();
+        for i in 0..c.outs.len() {
+            let (shape, dt) = self.declared(c, i)?;
+            out.push(
+                self.b
+                    .factory("aten.integer_op", &inputs, &shape, dt, vec![]),
+            );
+        }
+        Ok(out)
     }
 }

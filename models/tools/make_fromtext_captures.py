@@ -33,11 +33,14 @@ import vramsim_capture as vc  # noqa: E402
 GRAPHS = os.path.join(ROOT, "models", "tests", "imported")
 OUT_DIR = os.path.join(ROOT, "models", "tests", "captures", "fromtext")
 
-# (name, batch, encoder length, decoder length, dtype)
+# (name, batch, (encoder) length, decoder length (T5), dtype)
 CASES = [
     ("t5-small", 4, 128, 64, "fp32"),
     ("t5-small", 4, 128, 64, "amp-bf16"),
     ("t5-small", 4, 128, 64, "bf16"),
+    ("mixtral-tiny", 4, 128, None, "fp32"),
+    ("mixtral-tiny", 4, 128, None, "bf16"),
+    ("mixtral-tiny", 4, 128, None, "amp-bf16"),
 ]
 
 
@@ -47,6 +50,38 @@ def t5_config():
     c = transformers.T5Config(decoder_start_token_id=0, pad_token_id=0)
     c._attn_implementation = "eager"
     return c
+
+
+def mixtral_config():
+    import transformers
+
+    c = transformers.MixtralConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=1024,
+    )
+    c._attn_implementation = "eager"
+    return c
+
+
+def build(name):
+    import transformers
+
+    if name == "t5-small":
+        return transformers.T5ForConditionalGeneration(t5_config())
+    return transformers.MixtralForCausalLM(mixtral_config())
+
+
+def inputs(name, b, s, t, device=None):
+    import torch
+
+    ids = torch.empty(b, s, dtype=torch.int64, device=device)
+    if name == "t5-small":
+        return {"input_ids": ids, "labels": torch.empty(b, t, dtype=torch.int64, device=device)}
+    # The all-ones attention_mask a tokenizer gives (the recorder cannot run transformers'
+    # packed-sequence check without one: it reads position ids with `.all()`).
+    return {"input_ids": ids, "attention_mask": torch.empty(b, s, dtype=torch.int64, device=device),
+            "labels": torch.empty(b, s, dtype=torch.int64, device=device)}
 
 
 def _graph_capture():
@@ -70,23 +105,21 @@ def main() -> int:
     os.makedirs(OUT_DIR, exist_ok=True)
     written = set()
     for name, b, s, t, dtype in CASES:
-        def model_fn(dtype=dtype):
-            m = transformers.T5ForConditionalGeneration(t5_config())
+        def model_fn(dtype=dtype, name=name):
+            m = build(name)
             # `--precision bf16`: model.to(bfloat16) (T5LayerNorm then casts back to the weight's dtype).
             return m.to(torch.bfloat16) if dtype == "bf16" else m
 
         if name not in written:
             with torch.device("meta"):
-                model = transformers.T5ForConditionalGeneration(t5_config())
-            ids = torch.empty(2, s, dtype=torch.int64, device="meta")
-            labels = torch.empty(2, t, dtype=torch.int64, device="meta")
-            doc = gc.capture(model, {"input_ids": ids, "labels": labels}, name=name)
+                model = build(name)
+            doc = gc.capture(model, inputs(name, 2, s, t, "meta"), name=name)
             with open(os.path.join(GRAPHS, name + ".json"), "w") as f:
                 json.dump(doc, f)
             written.add(name)
 
-        def inputs_fn():
-            return {"input_ids": torch.empty(b, s, dtype=torch.int64), "labels": torch.empty(b, t, dtype=torch.int64)}
+        def inputs_fn(name=name, b=b, s=s, t=t):
+            return inputs(name, b, s, t)
 
         def loss_fn(m, x):
             return m(**x).loss
@@ -109,7 +142,8 @@ def main() -> int:
             "peak_phase": summary["peak_phase"],
             "peak_by_phase_segment": [[seg["phase"], seg["peak"]] for seg in summary["peak_by_phase_segment"]],
         }
-        path = os.path.join(OUT_DIR, f"{name}__b{b}s{s}t{t}__{dtype}-adamw.json")
+        shape = f"b{b}s{s}" + (f"t{t}" if t else "")
+        path = os.path.join(OUT_DIR, f"{name}__{shape}__{dtype}-adamw.json")
         with open(path, "w") as f:
             json.dump(fx, f, indent=1)
             f.write("\n")
