@@ -43,6 +43,14 @@ pub const SUPPORTED: &[&str] = &[
 
 const INTEGER_DTYPES: &[&str] = &["int64", "int32", "int16", "int8", "uint8", "bool"];
 
+/// Whether an index holds a tensor (advanced indexing, a new tensor; slices and ints are views).
+fn has_tensor(j: Option<&J>) -> bool {
+    match j {
+        Some(J::Array(a)) => a.iter().any(|x| has_tensor(Some(x))),
+        other => tensor_id(other).is_some(),
+    }
+}
+
 fn integer_value(values: &J, id: usize) -> bool {
     INTEGER_DTYPES.contains(&values[id]["dtype"].as_str().unwrap_or("model"))
 }
@@ -170,7 +178,7 @@ impl Builder<'_> {
                 .and_then(J::as_array)
                 .is_some_and(|a| a.iter().any(J::is_null))
                 || tensor_id(index).is_some()
-                || integer_call(args, outs, &self.g.doc["values"]);
+                || (has_tensor(index) && integer_call(args, outs, &self.g.doc["values"]));
         }
         name == "cat"
             && args
@@ -391,7 +399,10 @@ impl Builder<'_> {
             }
             // Indexing of integer/boolean tensors (eager attention's padding mask
             // `padding_mask[batch_idx, kv_idx]`): an integer call.
-            "__getitem__" if integer_call(c.args, c.outs, &self.g.doc["values"]) => {
+            "__getitem__"
+                if has_tensor(c.args.get(1))
+                    && integer_call(c.args, c.outs, &self.g.doc["values"]) =>
+            {
                 self.integer_outputs(c)?
             }
             // `x[idx]` with an int64 index tensor: `aten.index`, a new tensor (transformers'
