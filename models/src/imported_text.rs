@@ -9,6 +9,7 @@
 use super::{dtype_spec, int_at, Builder, ImportError};
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, T};
+use crate::ops::OpKind;
 use crate::recipe::{Precision, Recipe};
 use crate::sdpa::{self, SdpaCall};
 use serde_json::{Map, Value as J};
@@ -559,24 +560,33 @@ impl Builder<'_> {
             // `kv_cache_update`).
             "cat" => {
                 let list = c.args[0].as_array().cloned().unwrap_or_default();
-                let mut xs = Vec::new();
+                let (mut xs, mut all) = (Vec::new(), Vec::new());
                 for j in &list {
+                    let id =
+                        tensor_id(Some(j)).ok_or_else(|| c.bad("cat of a non-tensor".into()))?;
+                    let t = self.get(id)?;
+                    all.push(t);
                     if !self.is_empty_1d(j) {
-                        let id = tensor_id(Some(j))
-                            .ok_or_else(|| c.bad("cat of a non-tensor".into()))?;
-                        xs.push(self.get(id)?);
+                        xs.push(t);
                     }
                 }
-                if xs.is_empty() {
+                let Some(&first) = xs.first() else {
                     let (shape, dt) = self.declared(c, 0)?;
-                    vec![self.b.factory("aten.cat", &[], &shape, dt, vec![])]
-                } else {
-                    let dim = c
-                        .arg(1, "dim")
-                        .and_then(|j| int_at(j, (self.batch, self.seq)))
-                        .unwrap_or(0);
-                    vec![self.b.cat(&xs, dim as isize)]
-                }
+                    return Ok(vec![self.b.factory("aten.cat", &[], &shape, dt, vec![])]);
+                };
+                let n = self.b.shape(first).len() as i64;
+                let dim = c
+                    .arg(1, "dim")
+                    .and_then(|j| int_at(j, (self.batch, self.seq)))
+                    .unwrap_or(0);
+                let dim = if dim < 0 { dim + n } else { dim } as usize;
+                let mut shape = self.b.shape(first);
+                shape[dim] = xs.iter().map(|&x| self.b.shape(x)[dim]).sum();
+                // The result's dtype promotes over every input, the skipped ones too: a
+                // `DynamicLayer` makes `values` empty in `key_states`' dtype, so under autocast
+                // (float32 keys after RoPE, bfloat16 values) the value cache is a float32 copy.
+                let d = self.b.result_dtype(&all);
+                vec![self.b.op1(OpKind::Cat { dim }, &all, shape, d)]
             }
             // Integer/boolean arithmetic (mask construction, position ids, the packed-sequence
             // check): each output is allocated in the shape and dtype PyTorch gave, nothing is

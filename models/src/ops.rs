@@ -260,7 +260,7 @@ pub enum OpKind {
         dim: usize,
     },
     /// `torch._grouped_mm(a, b, offs)` (`F.grouped_mm`: transformers' MoE experts): `a` `[M, K]`
-    /// rows grouped by `offs`, `b` `[E, K, N]` → `[M, N]`; saves both (derivatives.yaml
+    /// rows grouped by `offs`, `b` `[E, K, N]` → `[M, N]`; saves both and `offs` (derivatives.yaml
     /// `_grouped_mm_mat1_backward`/`_mat2_backward`: `b`'s gradient `[E, K, N]` in `b`'s layout first,
     /// then `a`'s `[M, K]`). The allocations do not depend on `offs` (the routing).
     GroupedMm,
