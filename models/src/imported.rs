@@ -269,6 +269,7 @@ impl ImportedGraph {
             let args = op["args"].as_array().map(Vec::as_slice).unwrap_or(&[]);
             if !SUPPORTED.contains(&name)
                 && !text::SUPPORTED.contains(&name)
+                && !text::COMPARISONS.contains(&name)
                 && !text::integer_call(args, &outs, &self.doc["values"])
             {
                 let e = seen.entry(name.to_string()).or_insert((
@@ -587,6 +588,13 @@ impl<'a> Builder<'a> {
             self.b.pop_module("");
         }
         let l = self.get(loss)?;
+        // What the model returned besides its own loss (`kept`): the loop's name holds it with
+        // `--keep-outputs` (`outputs = model(**batch)`, `logits, loss = model(X, Y)`).
+        for v in doc["kept"].as_array().into_iter().flatten() {
+            let (i, _) = self.value_decl(v)?;
+            let t = self.get(i)?;
+            self.b.keep_output(t);
+        }
         self.b.keep_output(l);
         self.b.set_output(l);
         Ok(self.b.finish()?)

@@ -40,6 +40,12 @@ pub const SUPPORTED: &[&str] = &[
     "chunk",
     "_grouped_mm",
     "grouped_mm",
+    "masked_fill",
+];
+
+/// Comparisons: boolean results, outside autograd.
+pub(super) const COMPARISONS: &[&str] = &[
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "eq", "ne", "lt", "le", "gt", "ge",
 ];
 
 const INTEGER_DTYPES: &[&str] = &["int64", "int32", "int16", "int8", "uint8", "bool"];
@@ -165,7 +171,7 @@ impl Builder<'_> {
             // By a tensor (the router's normalisation); by a scalar it is the vision rule's.
             return tensor_id(args.get(1)).is_some();
         }
-        if SUPPORTED.contains(&name) {
+        if SUPPORTED.contains(&name) || COMPARISONS.contains(&name) {
             return true;
         }
         if !super::SUPPORTED.contains(&name) && integer_call(args, outs, &self.g.doc["values"]) {
@@ -242,6 +248,20 @@ impl Builder<'_> {
                     }
                 }
                 _ => {}
+            }
+        }
+        false
+    }
+
+    fn any_input_reaches_param(&self, c: &Call) -> bool {
+        let mut stack: Vec<&J> = c.args.iter().chain(c.kwargs.values()).collect();
+        while let Some(j) = stack.pop() {
+            if let Some(id) = tensor_id(Some(j)) {
+                if self.reaches_param(id) {
+                    return true;
+                }
+            } else if let Some(a) = j.as_array() {
+                stack.extend(a);
             }
         }
         false
@@ -511,6 +531,28 @@ impl Builder<'_> {
                     return Err(c.bad("bias and out_dtype are not modelled".into()));
                 }
                 vec![self.b.grouped_mm(a, b, offs)]
+            }
+            // nanoGPT's manual attention: `att.masked_fill(mask, float("-inf"))` (a copy; saves the
+            // mask).
+            "masked_fill" => {
+                let x = self.input_t(c, 0, "input")?;
+                let mask = self.input_t(c, 1, "mask")?;
+                if tensor_id(c.arg(2, "value")).is_some() {
+                    return Err(c.bad("a tensor fill value is not modelled".into()));
+                }
+                vec![self.b.masked_fill(x, mask)]
+            }
+            // A comparison whose inputs no parameter reaches (`self.bias[:, :, :T, :T] == 0` on
+            // nanoGPT's float32 mask buffer): a boolean tensor outside autograd.
+            n if c
+                .outs
+                .iter()
+                .all(|&o| integer_value(&self.g.doc["values"], o))
+                && !c.outs.is_empty()
+                && COMPARISONS.contains(&n)
+                && !self.any_input_reaches_param(c) =>
+            {
+                self.integer_outputs(c)?
             }
             "pow" | "__pow__" => {
                 let x = self.input_t(c, 0, "input")?;

@@ -195,3 +195,33 @@ def test_t5_and_mixtral_captures_are_the_committed_graphs():
         assert m.document == committed, name
         # And it predicts on CUDA fidelity too (the recipe's SDPA kernel is not involved: eager).
         assert vramsim.predict(model=m, batch=4).peak_requested_bytes > 0
+
+
+def test_nanogpt_from_module_matches_the_zoo():
+    # karpathy/nanoGPT's GPT as models/tools/make_nanogpt_captures.py restates it (12 layers, bias,
+    # the manual attention path: the zoo's `--attention eager`), `logits, loss = model(X, Y)`:
+    # the loss the model computes; with keep_outputs the loop holds both, as train.py does.
+    import importlib.util
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    sys.path.insert(0, os.path.join(root, "traces", "python"))
+    spec = importlib.util.spec_from_file_location(
+        "make_nanogpt_captures", os.path.join(root, "models", "tools", "make_nanogpt_captures.py")
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with torch.device("meta"):
+        gpt = tool.modules()(12, 12, 768, True)
+    x = _ids(2, 64)
+    m = vramsim.from_module(gpt, [x, _ids(2, 64)], dynamic_dims={0: {1: "seq"}, 1: {1: "seq"}})
+    for options in (
+        dict(batch=4, seq=64),
+        dict(batch=8, seq=256, optimizer="sgd"),
+        dict(batch=4, seq=128, keep_outputs=True),
+        dict(batch=6, seq=200, precision="amp-bf16"),
+        dict(batch=6, seq=200, precision="bf16", keep_outputs=True),
+    ):
+        ours = vramsim.predict(model=m, **options).peak_requested_bytes
+        theirs = vramsim.predict(model="nanogpt", attention="eager", **options).peak_requested_bytes
+        assert ours == theirs, options

@@ -83,6 +83,9 @@ class _Capture:
                     "the result of a captured call (a plain tensor attribute? register it as a buffer)"
                 )
             return {"t": vid}
+        if isinstance(a, float) and (a != a or a in (float("inf"), float("-inf"))):
+            # JSON has no inf/nan (`masked_fill(mask, float("-inf"))`): written as a string.
+            return {"float": repr(a)}
         if isinstance(a, bool) or a is None or isinstance(a, (int, float, str)):
             return a
         if isinstance(a, (list, tuple)):
@@ -204,12 +207,18 @@ class _Capture:
                 else:
                     output = self.model(*example_inputs)
                 self.stack = []
+                returned = output
                 output, hf_loss = _model_output(torch, output, loss_fn, targets)
                 if hf_loss is not None:
-                    # The model computed its loss (transformers with `labels`): the forward is
-                    # the whole step's graph; the loop reads `outputs.loss` and holds nothing else.
+                    # The model computed its loss (transformers with `labels`, nanoGPT with
+                    # targets): the forward is the whole step's graph; the loop reads the loss.
+                    # With `keep_outputs` the loop also holds what the model returned
+                    # (`outputs = model(**batch)`, `logits, loss = model(X, Y)`): `kept`.
                     doc["output"] = doc["loss"] = self.ids[id(hf_loss)]
                     doc["forward_ops"] = len(self.ops)
+                    kept: Dict[int, None] = {}
+                    self._returned(returned, kept, 0)
+                    doc["kept"] = [v for v in kept if v != doc["loss"]]
                     output = None
                 elif not isinstance(output, torch.Tensor):
                     raise FromModuleError(
@@ -313,6 +322,23 @@ class _Capture:
             for x in list(vars(v).values()):
                 self._mark(x, k, depth + 1)
 
+    def _returned(self, v: Any, out: Dict[int, None], depth: int) -> None:
+        """The captured tensors in what the forward returned (in order, once each)."""
+        torch = self.torch
+        if isinstance(v, torch.Tensor):
+            vid = self.ids.get(id(v))
+            if vid is not None and self.values[vid]["kind"] == "op":
+                out[vid] = None
+        elif depth < 4 and isinstance(v, (list, tuple)):
+            for x in v:
+                self._returned(x, out, depth + 1)
+        elif depth < 4 and isinstance(v, dict):
+            for x in list(v.values()):
+                self._returned(x, out, depth + 1)
+        elif depth < 4 and type(v).__module__.startswith("transformers.cache_utils"):
+            for x in list(vars(v).values()):
+                self._returned(x, out, depth + 1)
+
     def held_by_locals(self) -> List[List[Any]]:
         """``[[call index, [value ids]]]``: values a Python local holds while that call runs, each at
         the last such call."""
@@ -339,6 +365,12 @@ def _model_output(torch: Any, output: Any, loss_fn: Any, targets: List[Any]) -> 
     ``ModelOutput`` (a dict subclass) that holds a ``loss`` — the model was given ``labels``, as
     HF's Trainer and the zoo's ``--loss hf`` train (``ForCausalLMLoss``, ``ForMaskedLMLoss``) — gives
     that loss, unless ``loss_fn``/``targets`` ask for another; otherwise its ``logits`` are the output."""
+    if isinstance(output, (tuple, list)) and output and loss_fn is None and not targets:
+        # `logits, loss = model(X, Y)` (nanoGPT's GPT.forward): a scalar last element is the loss
+        # the model computed.
+        last = output[-1]
+        if isinstance(last, torch.Tensor) and last.dim() == 0 and last.is_floating_point():
+            return None, last
     if isinstance(output, torch.Tensor) or not isinstance(output, dict):
         return output, None
     loss = output.get("loss")
