@@ -253,6 +253,15 @@ impl Builder<'_> {
         false
     }
 
+    /// The tensor whose dtype a factory's output takes at run time (`dtype_like`, recorded by the
+    /// capture for transformers' `DynamicLayer.lazy_initialization`).
+    fn dtype_like(&self, id: usize) -> Option<T> {
+        let values = &self.g.doc["values"];
+        let op = values[id]["op"].as_u64()? as usize;
+        let like = tensor_id(self.g.doc["ops"][op]["kwargs"].get("dtype_like"))?;
+        self.get(like).ok()
+    }
+
     fn any_input_reaches_param(&self, c: &Call) -> bool {
         let mut stack: Vec<&J> = c.args.iter().chain(c.kwargs.values()).collect();
         while let Some(j) = stack.pop() {
@@ -606,11 +615,15 @@ impl Builder<'_> {
                 for j in &list {
                     let id =
                         tensor_id(Some(j)).ok_or_else(|| c.bad("cat of a non-tensor".into()))?;
-                    let t = self.get(id)?;
-                    all.push(t);
+                    let mut t = self.get(id)?;
                     if !self.is_empty_1d(j) {
                         xs.push(t);
+                    } else if let Some(like) = self.dtype_like(id) {
+                        // `torch.tensor([], dtype=key_states.dtype)`: the keys' dtype at run time
+                        // (a 0-byte `to`, outside autograd).
+                        t = self.b.to_dtype_of(t, like);
                     }
+                    all.push(t);
                 }
                 let Some(&first) = xs.first() else {
                     let (shape, dt) = self.declared(c, 0)?;

@@ -173,6 +173,8 @@ class _Capture:
                     "args": cap.encode(list(args)),
                     "kwargs": {k: cap.encode(v) for k, v in kwargs.items()},
                 }
+                if name == "tensor":
+                    cap.note_dtype_like(op)
                 op["outputs"] = [cap.value(o, "op", op=len(cap.ops), index=i) for i, o in enumerate(outs)]
                 cap.ops.append(op)
                 return out
@@ -321,6 +323,19 @@ class _Capture:
         elif type(v).__module__.startswith("transformers.cache_utils"):
             for x in list(vars(v).values()):
                 self._mark(x, k, depth + 1)
+
+    def note_dtype_like(self, op: Dict[str, Any]) -> None:
+        """transformers' ``DynamicLayer.lazy_initialization(key_states, value_states)`` (cache_utils.py)
+        makes ``keys`` and ``values`` as ``torch.tensor([], dtype=key_states.dtype)``: the dtype is the
+        keys' (float32 after RoPE under autocast, bfloat16 for GPT-2), not the model's, whatever the
+        capture's dtype says. Recorded as ``dtype_like``."""
+        import sys
+
+        f = sys._getframe(2)
+        if f.f_code.co_name == "lazy_initialization" and "key_states" in f.f_locals:
+            key = f.f_locals["key_states"]
+            if isinstance(key, self.torch.Tensor) and id(key) in self.ids:
+                op["kwargs"]["dtype_like"] = {"t": self.ids[id(key)]}
 
     def _returned(self, v: Any, out: Dict[int, None], depth: int) -> None:
         """The captured tensors in what the forward returned (in order, once each)."""
