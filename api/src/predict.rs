@@ -66,8 +66,9 @@ pub struct PredictArgs {
     /// Micro-batch size (sequences, or images).
     #[arg(long, value_name = "B", value_parser = count("batch"), allow_negative_numbers = true)]
     pub batch: u64,
-    /// Tokens per sequence for language models (default: 1024, or the model's positions if fewer);
-    /// image models take --image-size images and ignore it.
+    /// Tokens per sequence for language models (default: 1024, or the model's positions if fewer;
+    /// a --graph captured with a sequence variable: its example length); image models take
+    /// --image-size images and ignore it.
     #[arg(long, value_name = "S", value_parser = count("seq"), allow_negative_numbers = true)]
     pub seq: Option<u64>,
     /// fp32, bf16 (model.to(bfloat16)), amp-fp16 (autocast + GradScaler), amp-bf16 (autocast).
@@ -545,6 +546,8 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
     let seq = match (arch.max_positions(), args.seq) {
         (Some(_), Some(s)) => s,
         (Some(max), None) => DEFAULT_SEQ.min(max),
+        // A captured module whose sequence length is a variable: the example's by default.
+        (None, given) if arch.dynamic_seq().is_some() => given.or(arch.dynamic_seq()).unwrap_or(0),
         (None, given) => {
             if given.is_some() {
                 warnings.push(format!(

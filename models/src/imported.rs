@@ -28,10 +28,13 @@ use crate::sdpa::{self, SdpaCall};
 use serde_json::Value as J;
 use std::collections::BTreeMap;
 
+#[path = "imported_text.rs"]
+mod text;
+
 /// The `format` field of a graph document.
 pub const FORMAT: &str = "vramsim-graph";
 /// The version of the graph format read here.
-pub const VERSION: u64 = 1;
+pub const VERSION: u64 = 2;
 
 /// Why a graph document cannot be imported or built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -65,6 +68,9 @@ pub struct ImportedGraph {
     pub name: String,
     /// The batch the example inputs had.
     pub example_batch: u64,
+    /// The sequence length the example inputs had, where it is a variable (version 2, captured
+    /// with `dynamic_dims`); `None` when only the batch varies.
+    pub example_seq: Option<u64>,
     doc: J,
     /// Calls whose rule refuses their arguments, lowered from their recording (found by building
     /// the graph at the example batch): `name (why)`, module, count.
@@ -110,14 +116,30 @@ fn field<'a>(j: &'a J, key: &str) -> Result<&'a J, ImportError> {
         .ok_or_else(|| ImportError::Format(format!("missing field {key:?}")))
 }
 
-/// An integer of the document at `batch` (`{"b": k, "c": c}` is `k * batch + c`).
-fn int_at(j: &J, batch: u64) -> Option<i64> {
+/// An integer of the document at `(batch, seq)`: a number, or an integer polynomial in the batch
+/// and the sequence length, `{"c": c, "b": .., "s": .., "bs": .., "s2": .., "bs2": ..}` meaning
+/// `c + b·batch + s·seq + bs·batch·seq + s2·seq² + bs2·batch·seq²` (absent terms are 0; version 1
+/// writes only `b` and `c`).
+fn int_at(j: &J, (batch, seq): (u64, u64)) -> Option<i64> {
     if let Some(i) = j.as_i64() {
         return Some(i);
     }
-    let k = j.get("b")?.as_i64()?;
-    let c = j.get("c")?.as_i64()?;
-    k.checked_mul(i64::try_from(batch).ok()?)?.checked_add(c)
+    let o = j.as_object()?;
+    let (b, s) = (i64::try_from(batch).ok()?, i64::try_from(seq).ok()?);
+    let mut total = o.get("c")?.as_i64()?;
+    for (key, coef) in o {
+        let x = match key.as_str() {
+            "c" => continue,
+            "b" => b,
+            "s" => s,
+            "bs" => b.checked_mul(s)?,
+            "s2" => s.checked_mul(s)?,
+            "bs2" => b.checked_mul(s)?.checked_mul(s)?,
+            _ => return None,
+        };
+        total = total.checked_add(coef.as_i64()?.checked_mul(x)?)?;
+    }
+    Some(total)
 }
 
 fn dtype_spec(name: &str) -> Result<DTypeSpec, ImportError> {
@@ -133,6 +155,15 @@ fn dtype_spec(name: &str) -> Result<DTypeSpec, ImportError> {
         "uint8" => DTypeSpec::Fixed(DType::U8),
         other => return Err(ImportError::Format(format!("unknown dtype {other:?}"))),
     })
+}
+
+/// Every call name the importer has a rule for: [`SUPPORTED`], transformers' calls and the
+/// comparisons (what the capture need not record a fallback for).
+pub fn rules() -> Vec<&'static str> {
+    let mut v = SUPPORTED.to_vec();
+    v.extend_from_slice(text::SUPPORTED);
+    v.extend_from_slice(text::COMPARISONS);
+    v
 }
 
 /// The calls the importer maps onto the op library (the `op` names of the document).
@@ -208,11 +239,20 @@ impl ImportedGraph {
             )));
         }
         let version = doc.get("version").and_then(J::as_u64);
-        if version != Some(VERSION) {
+        if !matches!(version, Some(v) if (1..=VERSION).contains(&v)) {
             return Err(ImportError::Format(format!(
-                "version {version:?} (this vramsim reads version {VERSION})"
+                "version {version:?} (this vramsim reads versions 1 to {VERSION})"
             )));
         }
+        // Version 2: the sequence length is a variable too, `seq` its example value.
+        let example_seq = match doc.get("seq") {
+            None | Some(J::Null) => None,
+            Some(s) => Some(
+                s.as_u64()
+                    .filter(|&s| s > 0)
+                    .ok_or_else(|| ImportError::Format("seq is not a count".into()))?,
+            ),
+        };
         let name = field(&doc, "name")?
             .as_str()
             .unwrap_or("module")
@@ -228,6 +268,7 @@ impl ImportedGraph {
         let mut g = ImportedGraph {
             name,
             example_batch,
+            example_seq,
             doc,
             refused: Vec::new(),
         };
@@ -288,7 +329,15 @@ impl ImportedGraph {
         let mut seen: BTreeMap<String, (usize, String, usize)> = BTreeMap::new();
         for (i, op) in self.ops().iter().enumerate() {
             let name = op["op"].as_str().unwrap_or("?");
+            let outs: Vec<usize> = op["outputs"]
+                .as_array()
+                .map(|a| a.iter().filter_map(J::as_u64).map(|x| x as usize).collect())
+                .unwrap_or_default();
+            let args = op["args"].as_array().map(Vec::as_slice).unwrap_or(&[]);
             if !SUPPORTED.contains(&name)
+                && !text::SUPPORTED.contains(&name)
+                && !text::COMPARISONS.contains(&name)
+                && !text::integer_call(args, &outs, &self.doc["values"])
                 && op.get("recorded").is_some_and(J::is_object) == recorded
             {
                 let e = seen.entry(name.to_string()).or_insert((
@@ -307,9 +356,24 @@ impl ImportedGraph {
         v.into_iter().map(|(_, n, m, c)| (n, m, c)).collect()
     }
 
-    /// The SDPA call of the graph's first `F.multi_head_attention_forward` under `recipe` (at
+    /// Whether the graph calls `F.scaled_dot_product_attention` itself (transformers'
+    /// `sdpa_attention_forward`), rather than through `F.multi_head_attention_forward`.
+    pub fn calls_sdpa(&self) -> bool {
+        self.ops()
+            .iter()
+            .any(|o| o["op"] == "scaled_dot_product_attention")
+    }
+
+    /// The SDPA call of the graph's first `F.scaled_dot_product_attention` (else `F.multi_head_attention_forward`) under `recipe` (at
     /// `recipe.batch`), `None` without one: what the attention kernel is chosen from.
     pub fn sdpa_call(&self, recipe: &Recipe) -> Option<SdpaCall> {
+        if let Some(op) = self
+            .ops()
+            .iter()
+            .find(|o| o["op"] == "scaled_dot_product_attention")
+        {
+            return text::sdpa_call(op, &self.doc["values"], recipe, self.vars(recipe));
+        }
         let op = self
             .ops()
             .iter()
@@ -318,11 +382,11 @@ impl ImportedGraph {
         let shape: Vec<u64> = self.doc["values"].get(q)?["shape"]
             .as_array()?
             .iter()
-            .map(|d| int_at(d, recipe.batch).map(|x| x.max(0) as u64))
+            .map(|d| int_at(d, self.vars(recipe)).map(|x| x.max(0) as u64))
             .collect::<Option<_>>()?;
         let heads = op["args"]
             .get(4)
-            .and_then(|h| int_at(h, recipe.batch))?
+            .and_then(|h| int_at(h, self.vars(recipe)))?
             .max(1) as u64;
         let training = op["kwargs"]["training"].as_bool().unwrap_or(true);
         let dropout = if training {
@@ -339,6 +403,9 @@ impl ImportedGraph {
     /// The model's graph at `batch` (dim 0 of every input), its attention kernels chosen for the
     /// default recipe ([`Recipe::new`]: fp32, `--attention auto`, sm 9.0).
     pub fn build(&self, batch: u64) -> Result<Graph, ImportError> {
+        if let Some(seq) = self.example_seq {
+            return self.build_for(batch, &Recipe::new(batch, seq));
+        }
         self.build_for(batch, &Recipe::new(batch, 0))
     }
 
@@ -355,9 +422,19 @@ impl ImportedGraph {
         batch: u64,
         recipe: &Recipe,
     ) -> Result<(Graph, Vec<Refused>), ImportError> {
-        let mut b = Builder::new(self, batch);
+        let mut b = Builder::new(self, batch, self.vars(recipe).1);
         b.recipe = Some(recipe.clone());
         b.run()
+    }
+
+    /// `(batch, seq)` under `recipe`: the recipe's sequence length where the capture made it a
+    /// variable (`dynamic_dims`) and the recipe gives one, else the example's.
+    pub fn vars(&self, recipe: &Recipe) -> (u64, u64) {
+        let seq = match self.example_seq {
+            Some(_) if recipe.seq > 0 => recipe.seq,
+            s => s.unwrap_or(0),
+        };
+        (recipe.batch, seq)
     }
 }
 
@@ -367,6 +444,8 @@ type Refused = (String, String, String);
 struct Builder<'a> {
     g: &'a ImportedGraph,
     batch: u64,
+    /// The sequence length (0 where the graph has no sequence variable).
+    seq: u64,
     b: GraphBuilder,
     vals: Vec<Option<T>>,
     recipe: Option<Recipe>,
@@ -378,9 +457,9 @@ struct Builder<'a> {
 }
 
 impl<'a> Builder<'a> {
-    fn new(g: &'a ImportedGraph, batch: u64) -> Self {
+    fn new(g: &'a ImportedGraph, batch: u64, seq: u64) -> Self {
         let n = g.doc["values"].as_array().map_or(0, Vec::len);
-        let mut b = GraphBuilder::new(&g.name, batch, 0);
+        let mut b = GraphBuilder::new(&g.name, batch, seq);
         let recorded = g.recorded();
         let fallback = if recorded.is_empty() {
             String::new()
@@ -401,6 +480,7 @@ impl<'a> Builder<'a> {
         Builder {
             g,
             batch,
+            seq,
             b,
             vals: vec![None; n],
             recipe: None,
@@ -414,7 +494,7 @@ impl<'a> Builder<'a> {
             .ok_or_else(|| ImportError::Format("a shape is not a list".into()))?
             .iter()
             .map(|d| {
-                int_at(d, self.batch)
+                int_at(d, (self.batch, self.seq))
                     .filter(|&x| x >= 0)
                     .map(|x| x as u64)
                     .ok_or_else(|| ImportError::Format(format!("bad dimension {d}")))
@@ -522,6 +602,25 @@ impl<'a> Builder<'a> {
                     .collect()
             })
             .unwrap_or_default();
+        // Values a Python local holds while a call runs (`held`: `[[call, [ids]]]`).
+        let held_by_locals: BTreeMap<usize, Vec<usize>> = doc["held"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|e| {
+                        let k = e.get(0)?.as_u64()? as usize;
+                        let ids = e.get(1)?.as_array()?;
+                        Some((
+                            k,
+                            ids.iter()
+                                .filter_map(J::as_u64)
+                                .map(|v| v as usize)
+                                .collect(),
+                        ))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         let mut open: Option<(usize, String)> = None;
         for (k, op) in ops.iter().enumerate() {
             if let Some((_, _, path, args)) = blocks.iter().find(|b| b.0 == k) {
@@ -565,6 +664,10 @@ impl<'a> Builder<'a> {
                     self.b.hold_until_last_op(v);
                 }
             }
+            for &a in held_by_locals.get(&k).into_iter().flatten() {
+                let v = self.get(a)?;
+                self.b.hold_until_last_op(v);
+            }
             if open.as_ref().is_some_and(|(end, _)| *end == k + 1) {
                 self.b.end_region();
                 open = None;
@@ -579,6 +682,13 @@ impl<'a> Builder<'a> {
             self.b.pop_module("");
         }
         let l = self.get(loss)?;
+        // What the model returned besides its own loss (`kept`): the loop's name holds it with
+        // `--keep-outputs` (`outputs = model(**batch)`, `logits, loss = model(X, Y)`).
+        for v in doc["kept"].as_array().into_iter().flatten() {
+            let (i, _) = self.value_decl(v)?;
+            let t = self.get(i)?;
+            self.b.keep_output(t);
+        }
         self.b.keep_output(l);
         self.b.set_output(l);
         let refused = std::mem::take(&mut self.refused);
@@ -733,8 +843,8 @@ impl<'a> Builder<'a> {
                 .or_else(|| kwargs.get(key).cloned())
                 .filter(|v| !v.is_null())
         };
-        let batch = self.batch;
-        let int = |j: &J| int_at(j, batch);
+        let at = (self.batch, self.seq);
+        let int = |j: &J| int_at(j, at);
         let ints = |j: &J| -> Option<Vec<i64>> {
             match j.as_array() {
                 Some(a) => a.iter().map(int).collect(),
@@ -785,6 +895,14 @@ impl<'a> Builder<'a> {
         };
         let x0 = || tensor(self, arg(0, "input"));
         let out: Vec<T> = match name.as_str() {
+            // transformers' calls (`imported_text.rs`).
+            _ if self.claims_text(&name, &args, &outs) => self.text_op(&text::Call {
+                name: &name,
+                module: &module,
+                args: &args,
+                kwargs: &kwargs,
+                outs: &outs,
+            })?,
             "linear" => {
                 let x = need(self, 0, "input")?;
                 let w = need(self, 1, "weight")?;

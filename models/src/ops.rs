@@ -279,6 +279,28 @@ pub enum OpKind {
     /// new tensors the call made), and a backward that allocates one gradient per differentiable
     /// input, of the input's shape. Temporaries inside the call are not recorded.
     Recorded(Box<Recorded>),
+    /// `x.sum(dim, keepdim)` over the listed dims (`aten.sum.dim_IntList`): a new tensor; saves
+    /// nothing (derivatives.yaml `sum_backward(grad, self.sym_sizes(), dim, keepdim)` is
+    /// `grad.expand(sizes)`, a view that the next backward formula reading it materialises: allocated
+    /// here, as `mean`'s backward allocates its quotient).
+    SumDim {
+        /// Dimensions reduced (normalised).
+        dims: Vec<usize>,
+        /// Whether they are kept as size 1.
+        keepdim: bool,
+    },
+    /// `torch.topk(x, k, dim)` (`aten.topk`): values (x's dtype) and int64 indices; saves the
+    /// indices (derivatives.yaml `value_selecting_reduction_backward_symint`: `zeros(sizes).scatter_(dim,
+    /// indices, grad)`, one allocation of the input's size).
+    TopK {
+        /// Dimension.
+        dim: usize,
+    },
+    /// `torch._grouped_mm(a, b, offs)` (`F.grouped_mm`: transformers' MoE experts): `a` `[M, K]`
+    /// rows grouped by `offs`, `b` `[E, K, N]` → `[M, N]`; saves both and `offs` (derivatives.yaml
+    /// `_grouped_mm_mat1_backward`/`_mat2_backward`: `b`'s gradient `[E, K, N]` in `b`'s layout first,
+    /// then `a`'s `[M, K]`). The allocations do not depend on `offs` (the routing).
+    GroupedMm,
     /// Autocast's `lower_precision_fp` cast of a composite's argument (`linear`, `matmul` are in
     /// the list, so their arguments are cast, and cached when they are parameters, before the
     /// ATen ops they decompose into): identity when autocast is off.
@@ -378,6 +400,9 @@ impl OpKind {
             DropoutInplace { .. } => "aten.mul_",
             AvgPool2d { .. } => "aten.avg_pool2d",
             Recorded(r) => r.name,
+            SumDim { .. } => "aten.sum",
+            TopK { .. } => "aten.topk",
+            GroupedMm => "aten._grouped_mm",
             Factory { name, .. } => name,
             QuantLinear {
                 quant: crate::finetune::Quant::Int8,
@@ -855,6 +880,71 @@ impl GraphBuilder {
         }
         let d = self.dtype(x);
         self.op1(OpKind::MeanDim { dim, keepdim }, &[x], s, d)
+    }
+
+    /// `x.sum(dims, keepdim)`.
+    pub fn sum_dims(&mut self, x: T, dims: &[isize], keepdim: bool) -> T {
+        let s = self.shape(x);
+        let mut dims: Vec<usize> = dims.iter().map(|&d| norm_dim(d, s.len())).collect();
+        dims.sort_unstable();
+        dims.dedup();
+        let out: Vec<u64> = s
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &d)| match (dims.contains(&i), keepdim) {
+                (false, _) => Some(d),
+                (true, true) => Some(1),
+                (true, false) => None,
+            })
+            .collect();
+        let d = self.dtype(x);
+        self.op1(OpKind::SumDim { dims, keepdim }, &[x], out, d)
+    }
+
+    /// `torch.topk(x, k, dim)`: `(values, indices)`.
+    pub fn topk(&mut self, x: T, k: u64, dim: isize) -> (T, T) {
+        let mut s = self.shape(x);
+        let dim = norm_dim(dim, s.len());
+        if s.get(dim).is_none_or(|&n| k > n) {
+            self.fail("topk", format!("k {k} is larger than dim {dim} of {s:?}"));
+        } else {
+            s[dim] = k;
+        }
+        let d = self.dtype(x);
+        let o = self.op(
+            OpKind::TopK { dim },
+            &[x],
+            &[
+                (s.clone(), d),
+                (s, DTypeSpec::Fixed(crate::dtype::DType::I64)),
+            ],
+        );
+        (o[0], o[1])
+    }
+
+    /// `torch._grouped_mm(a, b, offs)`: `a` `[M, K]`, `b` `[E, K, N]` → `[M, N]` in `a`'s dtype
+    /// (`offs`, an int32 `[E]`, is read only).
+    pub fn grouped_mm(&mut self, a: T, b: T, offs: T) -> T {
+        let (sa, sb) = (self.shape(a), self.shape(b));
+        if sa.len() != 2 || sb.len() != 3 || sa[1] != sb[1] {
+            self.fail(
+                "grouped_mm",
+                format!("{sa:?} by {sb:?}: expected [M, K] by [E, K, N]"),
+            );
+        }
+        let out = vec![sa[0], *sb.last().unwrap_or(&0)];
+        let d = self.dtype(a);
+        self.op1(OpKind::GroupedMm, &[a, b, offs], out, d)
+    }
+
+    /// `x[idx]` with one int64 index tensor over the first dimension (`aten.index`): `[idx.shape,
+    /// x.shape[1..]]`, a new tensor.
+    pub fn index1(&mut self, x: T, idx: T) -> T {
+        let s = self.shape(x);
+        let mut out = self.shape(idx);
+        out.extend(s.iter().skip(1));
+        let d = self.dtype(x);
+        self.op1(OpKind::Index, &[x, idx], out, d)
     }
 
     // ---------------------------------------------------------------- matrix products

@@ -236,7 +236,7 @@ fn step_time_model() -> &'static str {
 /// capture records the backward of the others, for their fallback.
 #[pyfunction]
 fn graph_rules() -> Vec<&'static str> {
-    vramsim_models::imported::SUPPORTED.to_vec()
+    vramsim_models::imported::rules()
 }
 
 #[pymodule]

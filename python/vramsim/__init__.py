@@ -508,6 +508,7 @@ def from_module(
     targets: Any = None,
     name: Optional[str] = None,
     blocks: Any = None,
+    dynamic_dims: Any = None,
     **unknown: Any,
 ) -> Model:
     """Captures your own ``nn.Module`` for lowering (not recording): every what-if applies to it.
@@ -519,6 +520,12 @@ def from_module(
     ``[B, C]`` floats (a classifier, as torchvision's reference training), else ``output.float().mean()``.
     ``blocks`` names the submodules ``checkpoint=`` wraps (default: the repeated non-leaf children of an
     ``nn.Sequential``/``nn.ModuleList``, such as ResNet blocks or transformer layers).
+
+    transformers models: pass the inputs as a dict (``model(**inputs)``); with ``labels`` the step's loss
+    is the one the model computes (``outputs.loss``), else ``outputs.logits`` is the output. Non-tensor
+    entries (``use_cache=False``) are passed as they are. ``dynamic_dims`` makes the sequence length a
+    variable: ``{"input_ids": {1: "seq"}, "labels": {1: "seq"}}`` (an input by keyword, or by position in
+    inputs then targets); ``predict(model=m, seq=...)`` then sets it (default: the example's).
 
     The forward runs under a ``TorchFunctionMode``; each call (``F.linear``, ``F.conv2d``, ...) is mapped
     by the Rust models crate onto its op library. A call without a rule falls back on what the capture
@@ -535,11 +542,17 @@ def from_module(
     from . import _graph_capture
 
     if unknown:
-        valid = "model, example_inputs, loss_fn, targets, name, blocks"
+        valid = "model, example_inputs, loss_fn, targets, name, blocks, dynamic_dims"
         raise ConfigError(f"from_module() got an unknown argument {next(iter(unknown))!r}; valid: {valid}")
     try:
         document = _graph_capture.capture(
-            model, example_inputs, loss_fn=loss_fn, targets=targets, name=name, blocks=blocks,
+            model,
+            example_inputs,
+            loss_fn=loss_fn,
+            targets=targets,
+            name=name,
+            blocks=blocks,
+            dynamic_dims=dynamic_dims,
             rules=_native.graph_rules(),
         )
     except _graph_capture.FromModuleError as e:

@@ -40,12 +40,13 @@ def autocast_policy(name: str) -> Optional[str]:
         from ._capture import cuda_autocast
     except Exception:  # pragma: no cover - the package ships it; without torch nothing is captured
         return None
-    if name not in _autocast_ops():
+    # `probe()` reads every op once per process (cached) and is first run before the recorder's
+    # emulation registers its CPU kernels (`installed()` calls it first), so the reading does not
+    # depend on which recordings ran before; an op the probe cannot call is "unknown": left uncast.
+    found = cuda_autocast.probe().get(name)
+    if found is None:
         return None
-    try:
-        policy = cuda_autocast._classify(name).policy
-    except Exception:  # an op the probe cannot call: left uncast, as before
-        return None
+    policy = found.policy
     return {
         "lower_precision_fp": "lower",
         "fp32": "fp32",
@@ -53,13 +54,6 @@ def autocast_policy(name: str) -> Optional[str]:
         "fp32_append_dtype": "fp32",
         "promote": "promote",
     }.get(policy)
-
-
-@functools.lru_cache(maxsize=1)
-def _autocast_ops() -> frozenset:
-    from ._capture import cuda_autocast
-
-    return frozenset(cuda_autocast.autocast_ops("AutocastCUDA"))
 
 
 class FromModuleError(TypeError):
@@ -94,6 +88,10 @@ class _Capture:
         self.rules = set(rules)
         # The tensor arguments of each module call in progress (innermost last).
         self.module_args: List[List[Any]] = []
+        self.last_live: Dict[int, int] = {}
+        # Non-tensor keyword arguments (`use_cache=False`), passed as they are.
+        self.constants: Dict[str, Any] = {}
+        self.frame: Any = None
 
     def value(self, t: Any, kind: str, **extra: Any) -> int:
         vid = len(self.values)
@@ -120,6 +118,9 @@ class _Capture:
                     "the result of a captured call (a plain tensor attribute? register it as a buffer)"
                 )
             return {"t": vid}
+        if isinstance(a, float) and (a != a or a in (float("inf"), float("-inf"))):
+            # JSON has no inf/nan (`masked_fill(mask, float("-inf"))`): written as a string.
+            return {"float": repr(a)}
         if isinstance(a, bool) or a is None or isinstance(a, (int, float, str)):
             return a
         if isinstance(a, (list, tuple)):
@@ -319,8 +320,13 @@ class _Capture:
             return [o for o in out if isinstance(o, torch.Tensor)]
         return []
 
-    def run(self, example_inputs: List[Any], targets: List[Any], loss_fn: Any) -> Dict[str, Any]:
+    def run(
+        self, example_inputs: List[Any], targets: List[Any], loss_fn: Any, keywords: Optional[List[str]] = None
+    ) -> Dict[str, Any]:
         torch = self.torch
+        import sys
+
+        self.frame = sys._getframe()
         from torch.overrides import TorchFunctionMode
 
         params = list(self.model.named_parameters())
@@ -344,7 +350,8 @@ class _Capture:
                 full = f"{mname}.{bname}" if mname else bname
                 doc["buffers"].append(self.value(buf, "buffer", name=full, after_params=seen_params))
         for i, x in enumerate(example_inputs):
-            doc["inputs"].append(self.value(x, "input", name=f"input{i}"))
+            iname = keywords[i] if keywords is not None else f"input{i}"
+            doc["inputs"].append(self.value(x, "input", name=iname))
         for i, y in enumerate(targets):
             doc["inputs"].append(self.value(y, "input", name=f"target{i}"))
 
@@ -354,8 +361,11 @@ class _Capture:
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 name = getattr(func, "__name__", str(func))
+                if name in ("__bool__", "item") and args and cap.is_meta_truth(args[0]):
+                    return cap.truth(args[0], name)
                 if name in _IGNORED:
                     return func(*args, **kwargs)
+                cap.note_live()
                 # What autograd packs for the call's nodes (its saved tensors), for the recorded
                 # fallback of calls without a rule.
                 packed: List[Any] = []
@@ -369,6 +379,8 @@ class _Capture:
                 outs = cap.outputs(out)
                 if not outs:
                     return out
+                if name == "__getitem__" and len(args) == 2:
+                    args = (args[0], _expand_ellipsis(args[0], args[1]))
                 op = {
                     "op": name,
                     "module": cap.stack[-1] if cap.stack else "",
@@ -377,6 +389,8 @@ class _Capture:
                 }
                 ins = cap.tensor_args(args, kwargs)
                 op["recorded"] = cap.recording(name, ins, outs, packed)
+                if name == "tensor":
+                    cap.note_dtype_like(op)
                 op["outputs"] = [cap.value(o, "op", op=len(cap.ops), index=i) for i, o in enumerate(outs)]
                 cap.ops.append(op)
                 return out
@@ -410,7 +424,10 @@ class _Capture:
             with Mode():
                 self.stack = [""]
                 try:
-                    output = self.model(*example_inputs)
+                    if keywords is not None:
+                        output = self.model(**dict(zip(keywords, example_inputs)), **self.constants)
+                    else:
+                        output = self.model(*example_inputs)
                 except FromModuleError:
                     raise
                 except Exception as e:  # the user's forward: say where it failed
@@ -419,14 +436,30 @@ class _Capture:
                         f"device: {e}"
                     ) from e
                 self.stack = []
-                if not isinstance(output, torch.Tensor):
+                returned = output
+                output, hf_loss = _model_output(torch, output, loss_fn, targets)
+                if hf_loss is not None:
+                    # The model computed its loss (transformers with `labels`, nanoGPT with
+                    # targets): the forward is the whole step's graph; the loop reads the loss.
+                    # With `keep_outputs` the loop also holds what the model returned
+                    # (`outputs = model(**batch)`, `logits, loss = model(X, Y)`): `kept`.
+                    doc["output"] = doc["loss"] = self.ids[id(hf_loss)]
+                    doc["forward_ops"] = len(self.ops)
+                    kept: Dict[int, None] = {}
+                    self._returned(returned, kept, 0)
+                    doc["kept"] = [v for v in kept if v != doc["loss"]]
+                    output = None
+                elif not isinstance(output, torch.Tensor):
                     raise FromModuleError(
-                        f"model(*example_inputs) returned {type(output).__name__}; from_module needs a tensor "
-                        "(wrap the model to return one)"
+                        f"model(*example_inputs) returned {type(output).__name__}; from_module needs a tensor, "
+                        "or a transformers ModelOutput with `logits` (or `loss`, given `labels`)"
                     )
-                doc["output"] = self.ids[id(output)]
-                doc["forward_ops"] = len(self.ops)
-                if loss_fn is not None:
+                else:
+                    doc["output"] = self.ids[id(output)]
+                    doc["forward_ops"] = len(self.ops)
+                if output is None:
+                    pass
+                elif loss_fn is not None:
                     try:
                         loss = loss_fn(output, *targets)
                     except FromModuleError:
@@ -439,9 +472,12 @@ class _Capture:
                     loss = torch.nn.functional.cross_entropy(output, targets[0])
                 else:
                     loss = output.float().mean()
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                if output is None:
+                    pass
+                elif not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise FromModuleError("loss_fn: must return a scalar tensor")
-                doc["loss"] = self.ids[id(loss)]
+                else:
+                    doc["loss"] = self.ids[id(loss)]
         finally:
             h1.remove()
             h2.remove()
@@ -450,7 +486,149 @@ class _Capture:
         doc["calls"] = [c for c in self.calls if c[2] and c[1] > c[0]]
         doc["values"] = self.values
         doc["ops"] = self.ops
+        doc["held"] = self.held_by_locals()
         return doc
+
+    # ------------------------------------------------------------------ data-dependent branches
+    # transformers tests its inputs' values on the way: `padding_mask.all()` (an all-ones
+    # attention_mask is dropped for SDPA, `_ignore_causal_mask_sdpa`), `(packed_sequence_mask[:, -1]
+    # == 0).all()` (consecutive position ids: not packed, `find_packed_sequence_indices`). A meta
+    # tensor has no values: the capture answers for the batch the zoo models — no padding, no packed
+    # sequences —, i.e. `all()` is True and `any()` is False; any other truth test is refused.
+
+    def made_by(self, t: Any) -> Optional[str]:
+        vid = self.ids.get(id(t))
+        if vid is None or "op" not in self.values[vid]:
+            return None
+        return self.ops[self.values[vid]["op"]]["op"]
+
+    def is_meta_truth(self, t: Any) -> bool:
+        return isinstance(t, self.torch.Tensor) and t.device.type == "meta" and t.numel() == 1
+
+    def truth(self, t: Any, name: str) -> Any:
+        made_by = self.made_by(t)
+        if made_by == "__eq__":
+            # transformers' `fast_all(mask)`: `mask.sum() == mask.numel()`, an all().
+            op = self.ops[self.values[self.ids[id(t)]]["op"]]
+            lhs = op["args"][0] if op["args"] else None
+            src = lhs.get("t") if isinstance(lhs, dict) else None
+            if src is not None and "op" in self.values[src] and self.ops[self.values[src]["op"]]["op"] == "sum":
+                made_by = "all"
+        if made_by not in ("all", "any"):
+            raise FromModuleError(
+                f"the forward branches on a tensor's value ({made_by or 'a tensor'} then {name}), which "
+                "the meta device does not have; only all()/any() of masks are answered (no padding)"
+            )
+        answer = made_by == "all"
+        return answer if name == "__bool__" else int(answer)
+
+    # ------------------------------------------------------------------ Python locals
+    # A tensor lives while Python references it, not only until its last use: `residual =
+    # hidden_states`, `inputs_embeds` in `GPT2Model.forward`, a `DynamicCache`'s k/v. Before each
+    # call, the frames of the model's code (from the caller up to `run`) are scanned for captured
+    # tensors in their locals (one level into tuples, lists, dicts — ModelOutputs — and
+    # transformers' cache objects); each value is held until the last call it was seen live at.
+
+    def note_live(self) -> None:
+        import sys
+
+        k = len(self.ops)
+        f = sys._getframe(2)
+        while f is not None and f is not self.frame:
+            for v in list(f.f_locals.values()):
+                self._mark(v, k, 0)
+            f = f.f_back
+
+    def _mark(self, v: Any, k: int, depth: int) -> None:
+        torch = self.torch
+        if isinstance(v, torch.Tensor):
+            vid = self.ids.get(id(v))
+            if vid is not None and self.values[vid]["kind"] == "op":
+                self.last_live[vid] = k
+            return
+        if depth >= 4 or isinstance(v, (str, bytes, int, float, torch.nn.Module)):
+            return
+        if isinstance(v, (list, tuple)) and len(v) <= 4096:
+            for x in v:
+                self._mark(x, k, depth + 1)
+        elif isinstance(v, dict) and len(v) <= 4096:
+            for x in list(v.values()):
+                self._mark(x, k, depth + 1)
+        elif type(v).__module__.startswith("transformers.cache_utils"):
+            for x in list(vars(v).values()):
+                self._mark(x, k, depth + 1)
+
+    def note_dtype_like(self, op: Dict[str, Any]) -> None:
+        """transformers' ``DynamicLayer.lazy_initialization(key_states, value_states)`` (cache_utils.py)
+        makes ``keys`` and ``values`` as ``torch.tensor([], dtype=key_states.dtype)``: the dtype is the
+        keys' (float32 after RoPE under autocast, bfloat16 for GPT-2), not the model's, whatever the
+        capture's dtype says. Recorded as ``dtype_like``."""
+        import sys
+
+        f = sys._getframe(2)
+        if f.f_code.co_name == "lazy_initialization" and "key_states" in f.f_locals:
+            key = f.f_locals["key_states"]
+            if isinstance(key, self.torch.Tensor) and id(key) in self.ids:
+                op["kwargs"]["dtype_like"] = {"t": self.ids[id(key)]}
+
+    def _returned(self, v: Any, out: Dict[int, None], depth: int) -> None:
+        """The captured tensors in what the forward returned (in order, once each)."""
+        torch = self.torch
+        if isinstance(v, torch.Tensor):
+            vid = self.ids.get(id(v))
+            if vid is not None and self.values[vid]["kind"] == "op":
+                out[vid] = None
+        elif depth < 4 and isinstance(v, (list, tuple)):
+            for x in v:
+                self._returned(x, out, depth + 1)
+        elif depth < 4 and isinstance(v, dict):
+            for x in list(v.values()):
+                self._returned(x, out, depth + 1)
+        elif depth < 4 and type(v).__module__.startswith("transformers.cache_utils"):
+            for x in list(vars(v).values()):
+                self._returned(x, out, depth + 1)
+
+    def held_by_locals(self) -> List[List[Any]]:
+        """``[[call index, [value ids]]]``: values a Python local holds while that call runs, each at
+        the last such call."""
+        by_op: Dict[int, List[int]] = {}
+        for vid, k in sorted(self.last_live.items()):
+            by_op.setdefault(k, []).append(vid)
+        return [[k, by_op[k]] for k in sorted(by_op)]
+
+
+def _expand_ellipsis(x: Any, index: Any) -> Any:
+    """``x[..., 1:]`` as ``x[:, 1:]`` for a 2-D ``x``: the ellipsis written as the full slices it
+    stands for (``Ellipsis`` has no encoding of its own)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if sum(1 for i in items if i is Ellipsis) != 1:
+        return index
+    at = items.index(Ellipsis)
+    used = sum(1 for i in items if i is not None and i is not Ellipsis)
+    fill = [slice(None)] * max(x.dim() - used, 0)
+    return tuple(items[:at] + fill + items[at + 1 :])
+
+
+def _model_output(torch: Any, output: Any, loss_fn: Any, targets: List[Any]) -> Any:
+    """``(output tensor, model-computed loss)`` of what the forward returned. A transformers
+    ``ModelOutput`` (a dict subclass) that holds a ``loss`` — the model was given ``labels``, as
+    HF's Trainer and the zoo's ``--loss hf`` train (``ForCausalLMLoss``, ``ForMaskedLMLoss``) — gives
+    that loss, unless ``loss_fn``/``targets`` ask for another; otherwise its ``logits`` are the output."""
+    if isinstance(output, (tuple, list)) and output and loss_fn is None and not targets:
+        # `logits, loss = model(X, Y)` (nanoGPT's GPT.forward): a scalar last element is the loss
+        # the model computed.
+        last = output[-1]
+        if isinstance(last, torch.Tensor) and last.dim() == 0 and last.is_floating_point():
+            return None, last
+    if isinstance(output, torch.Tensor) or not isinstance(output, dict):
+        return output, None
+    loss = output.get("loss")
+    if isinstance(loss, torch.Tensor) and loss_fn is None and not targets:
+        return None, loss
+    logits = output.get("logits")
+    if isinstance(logits, torch.Tensor):
+        return logits, None
+    return output, None
 
 
 def default_blocks(torch: Any, model: Any) -> List[str]:
@@ -474,9 +652,11 @@ def default_blocks(torch: Any, model: Any) -> List[str]:
     return [b for b in out if not any(b.startswith(o + ".") for o in out if o != b)]
 
 
-def _resize_batch(torch: Any, t: Any, batch: int) -> Any:
+def _resize(torch: Any, t: Any, batch: int, seq: Optional[int], dims: List[int]) -> Any:
     shape = list(t.shape)
     shape[0] = batch
+    for d in dims:
+        shape[d] = seq
     return torch.empty(shape, dtype=t.dtype, device="meta")
 
 
@@ -508,6 +688,7 @@ def capture(
     name: Optional[str] = None,
     blocks: Any = None,
     rules: Any = (),
+    dynamic_dims: Any = None,
 ) -> Dict[str, Any]:
     """The JSON graph document of ``model`` (see :func:`vramsim.from_module`); ``rules`` are the calls
     the op library has a rule for (the backward of the others is recorded for their fallback)."""
@@ -519,6 +700,15 @@ def capture(
         raise FromModuleError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = [example_inputs]
+    # Keyword inputs (`model(**batch)`, as transformers models are called): names in order.
+    keywords: Optional[List[str]] = None
+    constants: Dict[str, Any] = {}
+    if isinstance(example_inputs, dict):
+        if not all(isinstance(k, str) for k in example_inputs):
+            raise FromModuleError("example_inputs: a dict's keys must be the forward's argument names")
+        constants = {k: v for k, v in example_inputs.items() if not isinstance(v, torch.Tensor)}
+        keywords = [k for k in example_inputs if k not in constants]
+        example_inputs = [example_inputs[k] for k in keywords]
     if not isinstance(example_inputs, (list, tuple)) or not example_inputs or not all(
         isinstance(x, torch.Tensor) for x in example_inputs
     ):
@@ -548,12 +738,150 @@ def capture(
     if isinstance(blocks, str) or not all(isinstance(b, str) and b in known for b in blocks):
         raise FromModuleError("blocks: expected a list of submodule names (model.named_modules())")
     default_ce = loss_fn is None and not targets
+    seq_dims, seq = _seq_dims(dynamic_dims, keywords, list(example_inputs) + list(targets))
+    if seq_dims:
+        # Every integer is fitted as c + b·B + s·S + bs·B·S + s2·S² + bs2·B·S² (a view's B·S, the
+        # attention scores' S²): two batches × three lengths, checked at a seventh point.
+        points = [(b, t) for t in (seq, seq + 1, seq + 2) for b in (batch, batch + 1)]
+        points.append((batch + 2, seq + 3))
+    else:
+        points = [(batch, None), (batch + 1, None)]
     model.train()
+    restore = _capture_dtype(torch, model)
+    try:
+        docs = _capture_at(
+            torch, model, example_inputs, targets, loss_fn, (keywords, constants, seq_dims), blocks, points, default_ce, rules
+        )
+    finally:
+        if restore is not None:
+            model.to(restore)
+    if seq_dims:
+        _same_calls(docs, "at batch sizes B, B+1 and sequence lengths S, S+1, S+2")
+        _prune_recordings(docs, lambda xs: _fit(xs, batch, seq, "recorded"))
+        merged = _fit(docs, batch, seq, "graph")
+        merged["version"] = 2
+        merged["seq"] = seq
+    else:
+        merged = _merge(docs, batch)
+        merged["version"] = VERSION
+    merged["format"] = FORMAT
+    merged["name"] = name or type(model).__name__
+    merged["batch"] = batch
+    return merged
+
+
+def _seq_dims(dynamic_dims: Any, keywords: Optional[List[str]], tensors: List[Any]) -> Any:
+    """``([(tensor index, dim)], example seq)`` from ``dynamic_dims`` (``{input: {dim: "seq"}}``,
+    an input named by its keyword or by its position in inputs then targets)."""
+    if dynamic_dims is None:
+        return [], None
+    if not isinstance(dynamic_dims, dict) or not dynamic_dims:
+        raise FromModuleError('dynamic_dims: expected {input: {dim: "seq"}}, e.g. {"input_ids": {1: "seq"}}')
+    out = []
+    for key, dims in dynamic_dims.items():
+        if isinstance(key, str) and keywords is not None and key in keywords:
+            i = keywords.index(key)
+        elif isinstance(key, int) and not isinstance(key, bool) and 0 <= key < len(tensors):
+            i = key
+        else:
+            valid = keywords if keywords is not None else list(range(len(tensors)))
+            raise FromModuleError(f"dynamic_dims: {key!r} is not an input (valid: {valid})")
+        if not isinstance(dims, dict) or not dims:
+            raise FromModuleError(f'dynamic_dims[{key!r}]: expected {{dim: "seq"}}')
+        for d, var in dims.items():
+            if var != "seq":
+                raise FromModuleError(f'dynamic_dims[{key!r}]: {var!r} is not a variable (valid: "seq"; dim 0 is the batch)')
+            if not isinstance(d, int) or isinstance(d, bool) or not 1 <= d < tensors[i].dim():
+                raise FromModuleError(f"dynamic_dims[{key!r}]: dim {d!r} is not a dim 1..{tensors[i].dim() - 1} of the input")
+            out.append((i, d))
+    sizes = {int(tensors[i].shape[d]) for i, d in out}
+    if len(sizes) != 1:
+        raise FromModuleError(f"dynamic_dims: the seq dims have different sizes {sorted(sizes)}")
+    return out, sizes.pop()
+
+
+def _same_calls(docs: List[Dict[str, Any]], where: str) -> None:
+    names = [o["op"] for o in docs[0]["ops"]]
+    for d in docs[1:]:
+        if [o["op"] for o in d["ops"]] != names:
+            raise FromModuleError(f"the forward runs different calls {where}; vramsim needs one graph")
+
+
+_TERMS = ("c", "b", "s", "bs", "s2", "bs2")
+
+
+def _poly(vals: List[int], batch: int, seq: int) -> Any:
+    """The integer polynomial in (b, s) through ``vals`` at the capture points, ``None`` where there is
+    none (with integer coefficients, confirmed at the seventh point)."""
+    alphas = []
+    for j in (0, 1):  # b = batch + j: a quadratic in s through s = seq, seq + 1, seq + 2
+        f0, f1, f2 = vals[j], vals[2 + j], vals[4 + j]
+        d2 = f2 - 2 * f1 + f0
+        if d2 % 2:
+            return None
+        a2 = d2 // 2
+        a1 = (f1 - f0) - a2 * (2 * seq + 1)
+        alphas.append((f0 - a1 * seq - a2 * seq * seq, a1, a2))
+    terms = {}
+    for i, (lo, hi) in enumerate((("c", "b"), ("s", "bs"), ("s2", "bs2"))):
+        q = alphas[1][i] - alphas[0][i]
+        terms[lo], terms[hi] = alphas[0][i] - q * batch, q
+    b, s = batch + 2, seq + 3
+    if sum(terms[k] * x for k, x in zip(_TERMS, (1, b, s, b * s, s * s, b * s * s))) != vals[6]:
+        return None
+    if all(terms[k] == 0 for k in _TERMS[1:]):
+        return terms["c"]
+    return {k: terms[k] for k in _TERMS if k == "c" or terms[k]}
+
+
+def _fit(xs: List[Any], batch: int, seq: int, path: str) -> Any:
+    """Merge the captures at the seven points: integers that differ become polynomials in batch and
+    seq; anything else must agree."""
+    a = xs[0]
+    if any(isinstance(x, bool) for x in xs) or not all(isinstance(x, int) for x in xs):
+        if isinstance(a, list) and all(isinstance(x, list) and len(x) == len(a) for x in xs):
+            return [_fit([x[i] for x in xs], batch, seq, f"{path}[{i}]") for i in range(len(a))]
+        if isinstance(a, dict) and all(isinstance(x, dict) and x.keys() == a.keys() for x in xs):
+            return {k: _fit([x[k] for x in xs], batch, seq, f"{path}.{k}") for k in a}
+        if all(x == a for x in xs):
+            return a
+        raise FromModuleError(f"the forward depends on the batch or seq beyond shapes ({path}: {a!r} vs {xs[1]!r})")
+    if all(x == a for x in xs):
+        return a
+    p = _poly(xs, batch, seq)
+    if p is None:
+        raise FromModuleError(
+            f"{path}: {xs} is not an integer polynomial in batch and seq (degree 1 in batch, 2 in seq)"
+        )
+    return p
+
+
+def _capture_dtype(torch: Any, model: Any) -> Any:
+    """A transformers model in float32 is captured in bfloat16 (on the meta device: nothing is
+    allocated), so its explicit float32 casts — ``hidden_states.to(torch.float32)`` in RMSNorm,
+    ``logits.float()``, the rotary frequencies — stay float32 in the graph while the model's own
+    dtype is ``model`` (``.to(input_dtype)``) and follows ``--precision``; code that branches on a
+    16-bit weight (T5's ``T5LayerNorm``: ``if self.weight.dtype in [float16, bfloat16]``) records the
+    cast back to the model's dtype, which is the tensor itself at fp32. Returns the dtype to restore."""
+    if not type(model).__module__.startswith("transformers."):
+        return None
+    params = list(model.parameters())
+    if not params or params[0].dtype != torch.float32:
+        return None
+    model.to(torch.bfloat16)
+    return torch.float32
+
+
+def _capture_at(torch, model, example_inputs, targets, loss_fn, named, blocks, points, default_ce, rules):
+    """The documents at each ``(batch, seq)`` of ``points``; ``named``: keyword names of the inputs
+    (``None`` for positional ones), the non-tensor keyword arguments and the seq dims."""
+    keywords, constants, seq_dims = named
+    n = len(example_inputs)
     docs = []
-    for b in (batch, batch + 1):
-        xs = [_resize_batch(torch, x, b) for x in example_inputs]
-        ys = [_resize_batch(torch, y, b) for y in targets]
-        if default_ce:
+    for b, s in points:
+        xs = [_resize(torch, x, b, s, [d for i, d in seq_dims if i == k]) for k, x in enumerate(example_inputs)]
+        ys = [_resize(torch, y, b, s, [d for i, d in seq_dims if i == n + k]) for k, y in enumerate(targets)]
+        if default_ce and keywords is None:
             # Classification-shaped output ([B, C] floats): F.cross_entropy against int64 labels.
             with torch.no_grad():
                 try:
@@ -565,33 +893,47 @@ def capture(
                     ) from e
             if isinstance(probe, torch.Tensor) and probe.dim() == 2 and probe.is_floating_point():
                 ys = [torch.empty([b], dtype=torch.int64, device="meta")]
-        docs.append(_Capture(torch, model, list(blocks), rules).run(xs, ys, loss_fn))
+        cap = _Capture(torch, model, list(blocks), rules)
+        cap.constants = constants
+        docs.append(cap.run(xs, ys, loss_fn, keywords))
+    return docs
+
+
+def _prune_recordings(docs: List[Dict[str, Any]], merge: Any) -> None:
+    """Drop the fallback recordings that cannot be written as functions of the variables: a recorded
+    backward whose steps differ between the captures (a kernel that picks its path by size) keeps the
+    default gradients; a recording that differs beyond sizes is dropped (a call with a rule does not
+    need it; one without is then listed as unsupported). ``merge`` merges one value across the docs."""
+    for ops in zip(*(d["ops"] for d in docs)):
+        bws = [o.get("recorded", {}).get("backward") for o in ops]
+        if all(bw is None for bw in bws):
+            continue
+        first = bws[0]
+
+        def same(bw: Any) -> bool:
+            return (
+                first is not None
+                and bw is not None
+                and [sorted(x) for x in bw["steps"]] == [sorted(x) for x in first["steps"]]
+                and bw["grads"] == first["grads"]
+                and [x.get("free") for x in bw["steps"]] == [x.get("free") for x in first["steps"]]
+            )
+
+        if not all(same(bw) for bw in bws):
+            for o in ops:
+                o.get("recorded", {}).pop("backward", None)
+    for ops in zip(*(d["ops"] for d in docs)):
+        try:
+            merge([o.get("recorded") for o in ops])
+        except FromModuleError:
+            for o in ops:
+                o.pop("recorded", None)
+
+
+def _merge(docs: List[Dict[str, Any]], batch: int) -> Dict[str, Any]:
+    """Merge the captures at ``batch`` and ``batch + 1``."""
     a, b2 = docs
     if len(a["ops"]) != len(b2["ops"]) or [o["op"] for o in a["ops"]] != [o["op"] for o in b2["ops"]]:
         raise FromModuleError("the forward runs different calls at batch sizes B and B+1; vramsim needs one graph")
-    # A recorded backward whose steps differ between the two batches (a kernel that picks its path
-    # by size) cannot be written per batch: that call keeps the default gradients.
-    for oa, ob in zip(a["ops"], b2["ops"]):
-        ba = oa.get("recorded", {}).get("backward")
-        bb = ob.get("recorded", {}).get("backward")
-        if ba is None and bb is None:
-            continue
-        shape = lambda bw: None if bw is None else ([sorted(x) for x in bw["steps"]], bw["grads"])  # noqa: E731
-        same = ba is not None and bb is not None and shape(ba)[0] == shape(bb)[0] and ba["grads"] == bb["grads"]
-        if not same or [x.get("free") for x in ba["steps"]] != [x.get("free") for x in bb["steps"]]:
-            oa.get("recorded", {}).pop("backward", None)
-            ob.get("recorded", {}).pop("backward", None)
-    # A recording that differs between the two batches beyond sizes cannot be written per batch: it
-    # is dropped (a call with a rule does not need it; one without is then listed as unsupported).
-    for oa, ob in zip(a["ops"], b2["ops"]):
-        try:
-            _symbolic(oa.get("recorded"), ob.get("recorded"), batch, "recorded")
-        except FromModuleError:
-            oa.pop("recorded", None)
-            ob.pop("recorded", None)
-    merged = _symbolic(a, b2, batch, "graph")
-    merged["format"] = FORMAT
-    merged["version"] = VERSION
-    merged["name"] = name or type(model).__name__
-    merged["batch"] = batch
-    return merged
+    _prune_recordings(docs, lambda xs: _symbolic(xs[0], xs[1], batch, "recorded"))
+    return _symbolic(a, b2, batch, "graph")

@@ -688,6 +688,55 @@ impl<'g> Lowering<'g> {
                 let l = elementwise_layout(&g.layout.shape, &[&g.layout, &meta(0).layout]);
                 out[0] = Some(self.alloc(l, g.dtype, m, name));
             }
+            // sum_backward: grad.expand(sizes), a view materialised by the formula reading it
+            // (a `view`/`reshape` of the expanded gradient copies): allocated here.
+            SumDim { .. } => {
+                let x = meta(0);
+                out[0] = Some(self.alloc(
+                    Layout::contiguous(&x.layout.shape),
+                    g.dtype,
+                    m,
+                    "aten.sum_backward",
+                ));
+            }
+            // value_selecting_reduction_backward: `zeros(sizes, grad.options()).scatter_(dim,
+            // indices, grad)`.
+            TopK { .. } => {
+                let x = meta(0);
+                out[0] = Some(self.alloc(
+                    Layout::contiguous(&x.layout.shape),
+                    g.dtype,
+                    m,
+                    "aten.zeros",
+                ));
+            }
+            // _grouped_mm_mat2_backward (`_grouped_mm(self.transpose(-2, -1), grad, offs)`,
+            // transposed back to mat2's layout) first, then _grouped_mm_mat1_backward
+            // (`_grouped_mm(grad, mat2.transpose(-2, -1), offs)`).
+            GroupedMm => {
+                if need(1) {
+                    let b = meta(1);
+                    let l = &b.layout;
+                    let n = l.dim();
+                    let layout = if n == 3 && l.strides[n - 2] == 1 {
+                        let mut t = l.shape.clone();
+                        t.swap(n - 2, n - 1);
+                        Layout::contiguous(&t).transpose(n - 2, n - 1)
+                    } else {
+                        Layout::contiguous(&l.shape)
+                    };
+                    out[1] = Some(self.alloc(layout, g.dtype, m, "aten._grouped_mm"));
+                }
+                if need(0) {
+                    let a = meta(0);
+                    out[0] = Some(self.alloc(
+                        Layout::contiguous(&a.layout.shape),
+                        g.dtype,
+                        m,
+                        "aten._grouped_mm",
+                    ));
+                }
+            }
             MeanDim { .. } => {
                 // mean_backward: grad.expand(sizes) / n
                 let x = meta(0);

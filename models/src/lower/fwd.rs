@@ -1261,7 +1261,31 @@ impl<'g> Lowering<'g> {
             // the indices (and self's sizes).
             Index => {
                 let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
-                Fwd::New(vec![o], op_kind, vec![Save::In(1), Save::In(2)])
+                let saves = (1..x.len()).map(Save::In).collect();
+                Fwd::New(vec![o], op_kind, saves)
+            }
+            // derivatives.yaml sum.dim_IntList: only sizes are saved.
+            SumDim { .. } => {
+                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                Fwd::New(vec![o], op_kind, vec![])
+            }
+            // aten.topk: values and int64 indices (TensorCompare/Sorting: `values`, `indices` out
+            // tensors); derivatives.yaml topk saves the indices.
+            TopK { .. } => {
+                let l = Layout::contiguous(&shape0());
+                let v = self.alloc(l.clone(), x[0].dtype, m, name);
+                let i = self.alloc(l, DType::I64, m, name);
+                Fwd::New(vec![v, i], op_kind, vec![Save::Out(1)])
+            }
+            // aten._grouped_mm: a new `[M, N]` tensor; derivatives.yaml saves self, mat2 and offs
+            // (`_grouped_mm_mat1_backward(grad, mat2, ..., offs, 1)`, `_mat2_backward(grad, self, ..., offs, 1)`).
+            GroupedMm => {
+                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                Fwd::New(
+                    vec![o],
+                    op_kind,
+                    vec![Save::In(0), Save::In(1), Save::In(2)],
+                )
             }
             // mse_loss (aten/src/ATen/native/Loss.cpp, structured): the meta function's
             // `build_borrowing_binary_op` gives the scalar result the promoted dtype; then the

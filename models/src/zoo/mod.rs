@@ -266,6 +266,15 @@ impl Arch {
         }
     }
 
+    /// The example sequence length of a captured module whose sequence length is a variable
+    /// (`from_module(..., dynamic_dims=...)`): the default of `--seq` for it. `None` otherwise.
+    pub fn dynamic_seq(&self) -> Option<u64> {
+        match self {
+            Arch::Imported(g) => g.example_seq,
+            _ => None,
+        }
+    }
+
     /// The `F.scaled_dot_product_attention` call the model's attention makes under `recipe`
     /// (`None` for models without attention): dtype after autocast, heads, lengths, head
     /// sizes, and HF's `sdpa_attention_forward` arguments — no mask (HF drops an all-ones mask,
@@ -372,7 +381,10 @@ impl Arch {
             }));
         }
         let choice = sdpa::choose(recipe.attention, &call, recipe.target)?;
+        let captured_sdpa = matches!(self, Arch::Imported(g) if g.calls_sdpa());
         let why = match (vit, recipe.attention) {
+            (true, Attention::Eager) if captured_sdpa => "the captured module calls F.scaled_dot_product_attention (its attn_implementation decides, not --attention eager); ",
+            (true, _) if captured_sdpa => "the captured module calls F.scaled_dot_product_attention; ",
             (true, Attention::Eager) => "torchvision nn.MultiheadAttention has no eager path (need_weights=False calls SDPA in training); ",
             (true, _) => "torchvision nn.MultiheadAttention calls SDPA in training; ",
             (false, Attention::Auto) if nano => "nanoGPT flash = hasattr(F, 'scaled_dot_product_attention') (PyTorch ≥ 2.0); ",

@@ -149,9 +149,18 @@ impl GraphBuilder {
     /// empty `torch.tensor([])` of `lazy_initialization`, so the cache holds a new copy of `k`
     /// and of `v`, and attention receives those copies. The caller's `k`, `v` stay alive until
     /// both copies exist (the tuple assignment rebinds them after `update` returns).
+    /// `lazy_initialization` makes both empties in `key_states.dtype`, and `cat` promotes over every
+    /// input: under autocast, where RoPE's float32 `cos`/`sin` make LLaMA's keys float32 while the
+    /// values stay bfloat16, the value cache is a float32 copy (a 0-byte empty `to` the keys' dtype
+    /// joins the values' `cat`).
     pub fn kv_cache_update(&mut self, k: T, v: T) -> (T, T) {
         let kc = self.cat(&[k], -2);
-        let vc = self.cat(&[v], -2);
+        let empty = self.factory("aten.tensor", &[], &[0], DTypeSpec::Model, vec![]);
+        let empty = self.to_dtype_of(empty, k);
+        let shape = self.shape(v);
+        let dim = shape.len().saturating_sub(2);
+        let d = self.result_dtype(&[empty, v]);
+        let vc = self.op1(crate::ops::OpKind::Cat { dim }, &[empty, v], shape, d);
         self.hold_until_last_op(k);
         self.hold_until_last_op(v);
         (kc, vc)
