@@ -189,7 +189,8 @@ pub struct PredictArgs {
     pub dp: u32,
     /// How the data-parallel ranks share the model states: none (one GPU), ddp
     /// (DistributedDataParallel: gradient buckets), zero1 / zero2 (DeepSpeed ZeRO stages 1 and 2,
-    /// bf16 with an fp32 master partition), fsdp2 (fully_shard on every block and the root).
+    /// bf16 with an fp32 master partition), fsdp2 (fully_shard on every block and the root),
+    /// dataparallel (nn.DataParallel over devices 0..dp-1: a report per device).
     /// ZeRO-3, TP, PP and offload are not modelled yet.
     #[arg(long, default_value = "none", value_parser = named::<Shard>)]
     pub shard: Shard,
