@@ -194,3 +194,153 @@ pub fn to_json(recipe: &Recipe, roles: &[RankRole]) -> Value {
         "device0_excess_by_category": Value::Object(diffs.iter().map(|(c, d)| (c.name().to_string(), json!(*d as i64))).collect()),
     })
 }
+
+/// `recommend --dp N --shard dataparallel`: DataParallel against DDP on the same devices for the
+/// same global batch (DDP's ranks take `ceil(B / N)` each, DataParallel's largest chunk).
+pub struct Comparison {
+    /// Devices.
+    pub gpus: u32,
+    /// The global batch.
+    pub global_batch: u64,
+    /// DataParallel's device roles (device 0 first).
+    pub dataparallel: Vec<RankRole>,
+    /// DDP's per-rank batch.
+    pub ddp_batch: u64,
+    /// DDP's one rank role.
+    pub ddp: RankRole,
+    /// The two `vramsim predict` command lines (DataParallel, DDP).
+    pub commands: [String; 2],
+}
+
+/// Evaluates DataParallel and DDP for `fixed` (predict's options, with `--dp N --shard
+/// dataparallel`) and `global_batch`.
+pub fn compare_with_ddp(
+    fixed: &crate::sweep::FixedOptions,
+    global_batch: u64,
+) -> Result<Comparison> {
+    let set = |pairs: &[(&str, String)]| -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect()
+    };
+    let dp_settings = set(&[("batch", global_batch.to_string())]);
+    let dp_args: PredictArgs = crate::parse_args("predict", &fixed.args(&dp_settings))?;
+    let gpus = dp_args.dp;
+    if gpus < 2 {
+        anyhow::bail!("comparing DataParallel with DDP needs --dp 2 or more");
+    }
+    let dp = crate::predict::predict(&dp_args)?;
+    let ddp_batch = global_batch.div_ceil(u64::from(gpus));
+    let mut ddp_settings = set(&[
+        ("batch", ddp_batch.to_string()),
+        ("shard", "ddp".to_string()),
+    ]);
+    if fixed.has("output-device") {
+        // DataParallel's option: DDP has no output device.
+        ddp_settings.push(("output-device".to_string(), "0".to_string()));
+    }
+    let ddp_args: PredictArgs = crate::parse_args("predict", &fixed.args(&ddp_settings))?;
+    let ddp = crate::predict::predict(&ddp_args)?;
+    let ddp_role = crate::ranks::roles(&ddp.lowered.recipe.parallel, &ddp.report)
+        .into_iter()
+        .next()
+        .expect("one role");
+    Ok(Comparison {
+        gpus,
+        global_batch,
+        dataparallel: dp.devices,
+        ddp_batch,
+        ddp: ddp_role,
+        commands: [
+            fixed.command_line(&dp_settings),
+            fixed.command_line(&ddp_settings),
+        ],
+    })
+}
+
+impl Comparison {
+    /// Whether every DataParallel device fits.
+    pub fn dataparallel_fits(&self) -> bool {
+        self.dataparallel.iter().all(|r| r.fits)
+    }
+
+    /// The verdict in one sentence.
+    pub fn verdict(&self) -> String {
+        let worst = self
+            .dataparallel
+            .iter()
+            .map(|r| r.peak_reserved)
+            .max()
+            .unwrap_or(0);
+        match (self.dataparallel_fits(), self.ddp.fits) {
+            (false, true) => format!(
+                "DDP fits and DataParallel does not: DataParallel's GPU 0 holds the optimizer state, the reduced gradients and the gathered outputs ({} reserved at its peak, {} on a DDP rank)",
+                format_size(self.dataparallel[0].peak_reserved),
+                format_size(self.ddp.peak_reserved)
+            ),
+            (true, true) => format!(
+                "both fit; the largest DataParallel device reserves {} at its peak, a DDP rank {}",
+                format_size(worst),
+                format_size(self.ddp.peak_reserved)
+            ),
+            (true, false) => "DataParallel fits and DDP does not".to_string(),
+            (false, false) => "neither fits".to_string(),
+        }
+    }
+
+    /// `recommend`'s table for the comparison.
+    pub fn to_table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "DataParallel over {} GPUs, batch {}: {}",
+            self.gpus,
+            self.global_batch,
+            if self.dataparallel_fits() {
+                "fits"
+            } else {
+                "out of memory"
+            }
+        );
+        out.push_str(&crate::ranks::to_table_lines(&self.dataparallel));
+        let _ = writeln!(out, "  {}", self.commands[0]);
+        let _ = writeln!(
+            out,
+            "DDP over {} GPUs, batch {} per rank: {}",
+            self.gpus,
+            self.ddp_batch,
+            if self.ddp.fits {
+                "fits"
+            } else {
+                "out of memory"
+            }
+        );
+        out.push_str(&crate::ranks::to_table_lines(std::slice::from_ref(
+            &self.ddp,
+        )));
+        let _ = writeln!(out, "  {}", self.commands[1]);
+        let _ = writeln!(out, "verdict    {}", self.verdict());
+        out
+    }
+
+    /// `recommend --json`'s document for the comparison.
+    pub fn to_json(&self) -> Value {
+        json!({
+            "gpus": self.gpus,
+            "global_batch": self.global_batch,
+            "dataparallel": {
+                "fits": self.dataparallel_fits(),
+                "roles": crate::ranks::to_json(&self.dataparallel),
+                "command": self.commands[0],
+            },
+            "ddp": {
+                "batch_per_rank": self.ddp_batch,
+                "fits": self.ddp.fits,
+                "roles": crate::ranks::to_json(std::slice::from_ref(&self.ddp)),
+                "command": self.commands[1],
+            },
+            "verdict": self.verdict(),
+        })
+    }
+}

@@ -124,3 +124,32 @@ fn bad_dataparallel_layouts_fail_with_the_reason() {
         &["output_device", "--shard dataparallel"],
     );
 }
+
+/// `recommend --shard dataparallel` compares DataParallel with DDP on the same GPUs and global
+/// batch: GPT-2 at 32 × 1024 tokens on four 24 GB cards fits with DDP (8 per rank) but not with
+/// DataParallel, whose GPU 0 also gathers the logits of all 32 sequences.
+#[test]
+fn recommend_compares_dataparallel_with_ddp() {
+    let d = common::json(&[
+        "recommend",
+        "--global-batch",
+        "32",
+        "--model",
+        "gpt2",
+        "--seq",
+        "1024",
+        "--dp",
+        "4",
+        "--shard",
+        "dataparallel",
+        "--gpu",
+        "rtx-4090",
+    ]);
+    assert_eq!(d["ddp"]["batch_per_rank"], 8);
+    assert_eq!(d["ddp"]["fits"], true);
+    assert_eq!(d["dataparallel"]["fits"], false);
+    assert!(d["verdict"]
+        .as_str()
+        .unwrap()
+        .starts_with("DDP fits and DataParallel does not"));
+}
