@@ -220,7 +220,8 @@ pub struct PredictArgs {
     pub dp: u32,
     /// How the data-parallel ranks share the model states: none (one GPU), ddp
     /// (DistributedDataParallel: gradient buckets), zero1 / zero2 (DeepSpeed ZeRO stages 1 and 2,
-    /// bf16 with an fp32 master partition), fsdp2 (fully_shard on every block and the root).
+    /// bf16 with an fp32 master partition), fsdp2 (fully_shard on every block and the root),
+    /// dataparallel (nn.DataParallel over devices 0..dp-1: a report per device).
     /// ZeRO-3, TP, PP and offload are not modelled yet.
     #[arg(long, default_value = "none", value_parser = named::<Shard>)]
     pub shard: Shard,
@@ -239,6 +240,10 @@ pub struct PredictArgs {
     /// buckets instead of a second copy (with --shard ddp).
     #[arg(long)]
     pub ddp_bucket_view: bool,
+    /// DataParallel(output_device=...): the device the outputs are gathered on (with --shard
+    /// dataparallel; default 0).
+    #[arg(long, default_value_t = 0)]
+    pub output_device: u32,
 }
 
 /// `--quant`'s value: a bitsandbytes format, or `none` (what no `--quant` gives; for `--vary
@@ -407,17 +412,31 @@ pub struct Predicted {
     pub report: Report,
     /// The prediction (breakdown at the peak, recipe, warnings, ...).
     pub prediction: Prediction,
+    /// DataParallel over two or more devices: every distinct device role (device 0 first, whose
+    /// replay is `report`); empty otherwise.
+    pub devices: Vec<crate::ranks::RankRole>,
 }
 
 impl Predicted {
     /// `vramsim predict --json`'s document.
     pub fn to_json(&self) -> Value {
-        to_json(&self.report, &self.prediction, &self.lowered.trace)
+        let mut j = to_json(&self.report, &self.prediction, &self.lowered.trace);
+        if !self.devices.is_empty() {
+            j["devices"] = crate::dataparallel::to_json(&self.lowered.recipe, &self.devices);
+        }
+        j
     }
 
     /// `vramsim predict`'s table.
     pub fn to_table(&self) -> String {
-        to_table(&self.report, &self.prediction)
+        let mut t = to_table(&self.report, &self.prediction);
+        if !self.devices.is_empty() {
+            t.push_str(&crate::dataparallel::to_table(
+                &self.lowered.recipe,
+                &self.devices,
+            ));
+        }
+        t
     }
 }
 
@@ -434,10 +453,16 @@ pub fn predict(args: &PredictArgs) -> Result<Predicted> {
     if let Some(path) = &args.plot {
         draw(&report, &prediction, path)?;
     }
+    let devices = if crate::dataparallel::is_multi(&lowered.recipe) {
+        crate::dataparallel::device_roles(args, &lowered.recipe, &report)?
+    } else {
+        Vec::new()
+    };
     Ok(Predicted {
         lowered,
         report,
         prediction,
+        devices,
     })
 }
 
@@ -463,10 +488,17 @@ pub fn run(args: PredictArgs) -> Result<()> {
 
 /// Builds the model `args` name (zoo or config.json) and lowers its step under their recipe.
 pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
-    let (arch, recipe, warnings) = step_recipe(args)?;
+    lower_step_device(args, 0)
+}
+
+/// [`lower_step`] for one device of a DataParallel layout (`device` 0 otherwise): the graph is
+/// built for the device's chunk of the batch.
+pub fn lower_step_device(args: &PredictArgs, device: u32) -> Result<Lowered> {
+    let (arch, mut recipe, warnings) = step_recipe(args)?;
+    recipe.parallel.device = device;
     let t0 = Instant::now();
     let attention = arch.attention_kernel(&recipe)?;
-    let graph = arch.build(&recipe)?;
+    let graph = arch.build(&crate::dataparallel::graph_recipe(&recipe))?;
     let trace = lower(&graph, &recipe)?;
     let lower_ms = t0.elapsed().as_secs_f64() * 1e3;
     let reference = graph
@@ -602,6 +634,8 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
             fsdp_param_dtype: args.fsdp_param_dtype,
             fsdp_reduce_dtype: args.fsdp_reduce_dtype,
             gradient_as_bucket_view: args.ddp_bucket_view,
+            output_device: args.output_device,
+            device: 0,
         },
         ..Recipe::default()
     };
@@ -927,7 +961,7 @@ pub fn to_table(report: &Report, p: &Prediction) -> String {
         p.replay_ms
     );
     out.push_str(&report.to_table());
-    if !p.recipe.parallel.is_single() {
+    if !p.recipe.parallel.is_single() && !crate::dataparallel::is_multi(&p.recipe) {
         let roles = crate::ranks::roles(&p.recipe.parallel, report);
         out.push_str(&crate::ranks::to_table(&p.recipe.parallel, &roles));
     }
@@ -1147,7 +1181,9 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
             "fsdp_reduce_dtype": par.fsdp_reduce_dtype.map(|d| d.name()),
             "gradient_as_bucket_view": par.gradient_as_bucket_view,
         });
-        j["ranks"] = crate::ranks::to_json(&crate::ranks::roles(par, report));
+        if !crate::dataparallel::is_multi(&p.recipe) {
+            j["ranks"] = crate::ranks::to_json(&crate::ranks::roles(par, report));
+        }
     }
     j
 }

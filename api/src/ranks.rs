@@ -43,6 +43,8 @@ pub fn roles(parallel: &Parallel, report: &Report) -> Vec<RankRole> {
         Shard::Zero2 => "data-parallel rank (ZeRO-2 partition)",
         // torch.chunk gives rank 0 the largest shards: its trace is the worst rank's.
         Shard::Fsdp2 => "data-parallel rank (FSDP2 shard; rank 0, the largest shards)",
+        // One device: DataParallel calls the module itself (`crate::dataparallel` for more).
+        Shard::DataParallel => "device 0 (DataParallel)",
     };
     let by_category = Category::ALL
         .iter()
@@ -109,6 +111,13 @@ pub fn to_table(parallel: &Parallel, roles: &[RankRole]) -> String {
         roles.len(),
         if roles.len() == 1 { "" } else { "s" }
     );
+    out.push_str(&to_table_lines(roles));
+    out
+}
+
+/// One line per role: its ranks, peaks, verdict and categories at the peak allocated.
+pub fn to_table_lines(roles: &[RankRole]) -> String {
+    let mut out = String::new();
     for r in roles {
         let cats = r
             .by_category

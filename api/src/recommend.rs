@@ -130,6 +130,16 @@ impl Recommendation {
 
 /// Runs `vramsim recommend`.
 pub fn run(args: RecommendArgs) -> Result<()> {
+    // `--shard dataparallel`: DataParallel against DDP on the same devices and global batch.
+    if args.predict.value("shard").map(str::trim) == Some("dataparallel") {
+        let c = crate::dataparallel::compare_with_ddp(&args.predict, args.global_batch)?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&c.to_json())?);
+        } else {
+            print!("{}", c.to_table());
+        }
+        return Ok(());
+    }
     let answer = recommend(&args)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&answer.to_json())?);
@@ -171,7 +181,7 @@ pub fn recommend(args: &RecommendArgs) -> Result<Recommendation> {
         .iter()
         .any(|k| fixed.has(k));
     if layout {
-        bail!("recommend searches one GPU's recipe; parallel layouts (--dp, --shard, ...) are not searched yet: evaluate them with predict or whatif");
+        bail!("recommend searches one GPU's recipe; parallel layouts (--dp, --shard, ...) are not searched yet: evaluate them with predict or whatif (--shard dataparallel compares DataParallel with DDP)");
     }
     let divisors: Vec<u64> = match (value("batch"), value("accum")) {
         (Some(_), Some(_)) => {

@@ -304,7 +304,7 @@ impl Evaluated {
     /// model has no communication term yet).
     pub fn effective_batch(&self) -> u64 {
         let r = &self.prediction.recipe;
-        r.batch * u64::from(r.accum) * u64::from(r.parallel.world_size())
+        r.batch * u64::from(r.accum) * u64::from(r.parallel.batch_copies())
     }
 
     /// Samples per second at the estimated step time.

@@ -35,6 +35,9 @@ pub enum Shard {
     /// FSDP2 (`fully_shard` on every block and the root): parameters, gradients and optimizer
     /// state sharded; parameters all-gathered per block.
     Fsdp2,
+    /// `torch.nn.DataParallel`: one process, device 0 holds the model, its gradients and the
+    /// optimizer; the others get per-forward replicas (`crate::dataparallel`).
+    DataParallel,
 }
 
 impl fmt::Display for Shard {
@@ -45,6 +48,7 @@ impl fmt::Display for Shard {
             Shard::Zero1 => "zero1",
             Shard::Zero2 => "zero2",
             Shard::Fsdp2 => "fsdp2",
+            Shard::DataParallel => "dataparallel",
         })
     }
 }
@@ -58,10 +62,11 @@ impl FromStr for Shard {
             "zero1" => Ok(Shard::Zero1),
             "zero2" => Ok(Shard::Zero2),
             "fsdp2" => Ok(Shard::Fsdp2),
+            "dataparallel" => Ok(Shard::DataParallel),
             _ => Err(RecipeError::Unknown {
                 field: "shard",
                 value: s.to_string(),
-                valid: "none, ddp, zero1, zero2, fsdp2 (zero3 is not modelled yet)",
+                valid: "none, ddp, zero1, zero2, fsdp2, dataparallel (zero3 is not modelled yet)",
             }),
         }
     }
@@ -92,6 +97,11 @@ pub struct Parallel {
     /// DDP's `gradient_as_bucket_view=True` (`--ddp-bucket-view`): `.grad` becomes a view of its
     /// bucket instead of a second copy.
     pub gradient_as_bucket_view: bool,
+    /// `DataParallel(output_device=...)` (`--output-device`): where the outputs are gathered.
+    pub output_device: u32,
+    /// DataParallel: the device whose trace the lowering writes (each device plays its own role;
+    /// the graph is built for that device's chunk of the batch).
+    pub device: u32,
 }
 
 /// Reads a floating dtype of `MixedPrecisionPolicy` (`fp32`, `bf16`, `fp16`).
@@ -118,6 +128,8 @@ impl Default for Parallel {
             fsdp_param_dtype: None,
             fsdp_reduce_dtype: None,
             gradient_as_bucket_view: false,
+            output_device: 0,
+            device: 0,
         }
     }
 }
@@ -209,6 +221,17 @@ impl Parallel {
                 self.shard
             )));
         }
+        if self.shard == Shard::DataParallel {
+            self.validate_dataparallel(r)?;
+        } else if self.output_device != 0 {
+            return Err(RecipeError::Invalid {
+                field: "output-device",
+                msg: format!(
+                    "is DataParallel's output_device: give --shard dataparallel, not {}",
+                    self.shard
+                ),
+            });
+        }
         if self.shard.is_zero() {
             // ZeRO partitions optimizer state (and the fp32 master weights of mixed precision).
             let stateful = match r.optimizer {
@@ -242,6 +265,75 @@ impl Parallel {
                     self.shard
                 )));
             }
+        }
+        Ok(())
+    }
+}
+
+impl Parallel {
+    /// The batch the graph of `device`'s replica is built for: its `torch.chunk` piece of
+    /// `batch` (0 for a device the batch does not reach); `batch` itself for other layouts.
+    pub fn replica_batch(&self, batch: u64) -> u64 {
+        if self.shard != Shard::DataParallel {
+            return batch;
+        }
+        crate::dataparallel::chunk_sizes(batch, self.dp)
+            .get(self.device as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// How many times `--batch` is taken per micro-step: once per data-parallel rank, but once in
+    /// all for DataParallel (one process scatters its batch over the devices).
+    pub fn batch_copies(&self) -> u32 {
+        if self.shard == Shard::DataParallel {
+            1
+        } else {
+            self.world_size()
+        }
+    }
+
+    fn validate_dataparallel(&self, r: &Recipe) -> Result<(), RecipeError> {
+        let bad = |msg: String| RecipeError::Invalid {
+            field: "shard",
+            msg,
+        };
+        if self.fsdp_param_dtype.is_some() || self.fsdp_reduce_dtype.is_some() {
+            return Err(bad("--shard dataparallel replicates the whole model on every device each forward; --fsdp-param-dtype and --fsdp-reduce-dtype are FSDP2's (give --shard fsdp2)".into()));
+        }
+        if self.gradient_as_bucket_view {
+            return Err(bad("--shard dataparallel has no DDP buckets; --ddp-bucket-view is DistributedDataParallel's (give --shard ddp)".into()));
+        }
+        if self.output_device >= self.dp {
+            return Err(RecipeError::Invalid {
+                field: "output-device",
+                msg: format!(
+                    "{} is not one of the devices 0..{}",
+                    self.output_device,
+                    self.dp - 1
+                ),
+            });
+        }
+        if self.device >= self.dp {
+            return Err(RecipeError::Invalid {
+                field: "device",
+                msg: format!(
+                    "{} is not one of the devices 0..{}",
+                    self.device,
+                    self.dp - 1
+                ),
+            });
+        }
+        if self.dp > 1 && r.accum > 1 {
+            return Err(bad("--shard dataparallel with --accum above 1 is not modelled yet (the reduced gradients would be added into .grad)".into()));
+        }
+        if self.dp > 1 && r.zero_grad == ZeroGrad::Zero {
+            return Err(bad("--shard dataparallel with --zero-grad zero is not modelled yet: give --zero-grad none (set_to_none, the default)".into()));
+        }
+        if self.dp > 1 && r.keep_outputs {
+            return Err(bad(
+                "--shard dataparallel with --keep-outputs is not modelled yet".into(),
+            ));
         }
         Ok(())
     }

@@ -34,6 +34,7 @@
 //! Allocation sizes are exact: `numel × element size`, unrounded, as PyTorch asks the allocator.
 
 mod bwd;
+mod dataparallel;
 mod fsdp;
 mod fwd;
 mod optim;
@@ -286,6 +287,8 @@ pub(crate) struct Lowering<'g> {
     par: parallel::ParState,
     /// FSDP2's state (`fsdp.rs`).
     fsdp: fsdp::FsdpState,
+    /// DataParallel's state on this device (`dataparallel.rs`).
+    dp: dataparallel::DpState,
 }
 
 /// `PreTrainedModel.enable_input_require_grads`: a forward hook on `get_input_embeddings()` that
@@ -317,7 +320,10 @@ fn input_grad_hook(g: &Graph, r: &Recipe) -> Option<ValueId> {
 /// and tags (`module.path:aten.op`, `grad:param`, `exp_avg:param`).
 pub fn lower(graph: &Graph, recipe: &Recipe) -> Result<Trace, LowerError> {
     recipe.validate()?;
-    if graph.batch != recipe.batch || (graph.seq != 0 && graph.seq != recipe.seq) {
+    // DataParallel: the graph is the replica's, built for this device's chunk of the batch.
+    if graph.batch != recipe.parallel.replica_batch(recipe.batch)
+        || (graph.seq != 0 && graph.seq != recipe.seq)
+    {
         return Err(LowerError::ShapeMismatch {
             model: graph.name.clone(),
             graph_batch: graph.batch,
@@ -471,6 +477,7 @@ impl<'g> Lowering<'g> {
             paged_bytes: 0,
             par: parallel::ParState::default(),
             fsdp: fsdp::FsdpState::default(),
+            dp: dataparallel::DpState::default(),
         }
     }
 
@@ -740,7 +747,10 @@ impl<'g> Lowering<'g> {
                 self.phase("forward");
                 let inputs = self.make_inputs();
                 self.par_pre_forward();
+                self.dp_scatter(&inputs);
+                self.dp_replicate();
                 let loss = self.forward()?;
+                self.dp_gather(&inputs);
                 self.fsdp_post_forward();
                 if self.r.inference {
                     self.drop_rt(loss);
@@ -753,6 +763,7 @@ impl<'g> Lowering<'g> {
                 self.backward(&loss);
                 self.fsdp_end_backward();
                 self.par_post_backward(micro + 1 == self.r.accum);
+                self.dp_reduce();
                 // `scaler.scale(loss).backward()`: the scaled temporary dies when the statement
                 // ends, then `del loss` frees the caller's unscaled loss (held through backward).
                 self.drop_rt(loss);
@@ -767,7 +778,9 @@ impl<'g> Lowering<'g> {
             self.micro = 0;
             self.phase("optimizer");
             self.fsdp_before_step();
-            if self.r.parallel.shard.is_zero() {
+            if self.dp_copy() {
+                // DataParallel: the optimizer holds device 0's parameters only.
+            } else if self.r.parallel.shard.is_zero() {
                 self.zero_step();
             } else {
                 self.optimizer_step();
@@ -793,7 +806,7 @@ impl<'g> Lowering<'g> {
             // The model dtype, or the parameter's own (PEFT's fp32 LoRA adapters).
             let dtype = self.resolve(g.values[p.value.0 as usize].dtype);
             // FSDP2 materialises only the shards (`fsdp.rs`): the handle has no storage of its own.
-            let size = if self.fsdp_shards(i) {
+            let size = if self.fsdp_shards(i) || self.dp_copy() {
                 0
             } else {
                 layout.numel() * dtype.size()
@@ -830,7 +843,12 @@ impl<'g> Lowering<'g> {
         let v = &self.g.values[b.value.0 as usize];
         let dtype = self.resolve(v.dtype);
         let layout = Layout::contiguous(&v.shape);
-        let size = layout.numel() * dtype.size();
+        // DataParallel devices ≥ 1 hold only the per-forward replica copies (`dataparallel.rs`).
+        let size = if self.dp_copy() {
+            0
+        } else {
+            layout.numel() * dtype.size()
+        };
         let st = self.alloc_raw(size, Kind::Buffer, format!("buffer:{}", b.name).into());
         self.vals[b.value.0 as usize] = Some(Rt {
             layout,

@@ -99,7 +99,7 @@ impl<'g> Lowering<'g> {
     /// optimizer flattens the parameters and makes the fp32 master partition and the optimizer state.
     pub(super) fn par_setup(&mut self) {
         match self.shard() {
-            Shard::None | Shard::Fsdp2 => {}
+            Shard::None | Shard::Fsdp2 | Shard::DataParallel => {}
             Shard::Ddp => {
                 // `_ddp_init_helper`: without find_unused_parameters (and without static_graph)
                 // the limits are `[sys.maxsize]`, one bucket per dtype; the Reducer gets the
@@ -207,7 +207,7 @@ impl<'g> Lowering<'g> {
     /// the IPG bucket (`reduce_independent_p_g_buckets_and_remove_grads`).
     pub(super) fn par_grad_ready(&mut self, p: usize) {
         match self.shard() {
-            Shard::None | Shard::Zero1 | Shard::Fsdp2 => {}
+            Shard::None | Shard::Zero1 | Shard::Fsdp2 | Shard::DataParallel => {}
             Shard::Ddp => {
                 if !self.par.rebuilt && !self.par.ready_order.contains(&p) {
                     self.par.ready_order.push(p);
@@ -243,7 +243,7 @@ impl<'g> Lowering<'g> {
     /// gradient, at the accumulation boundary) and releases its IPG buffer.
     pub(super) fn par_post_backward(&mut self, boundary: bool) {
         match self.shard() {
-            Shard::None | Shard::Fsdp2 => {}
+            Shard::None | Shard::Fsdp2 | Shard::DataParallel => {}
             Shard::Ddp => {
                 for b in &mut self.par.buckets {
                     b.pending = b.params.len();
