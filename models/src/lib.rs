@@ -34,6 +34,7 @@
 
 pub mod autocast;
 pub mod breakdown;
+pub mod compact;
 pub mod dtype;
 pub mod graph;
 pub mod hf;
