@@ -388,7 +388,7 @@ pub fn evaluate(
                 // one (an out-of-memory configuration still gets its own).
                 let _ = l
                     .peak
-                    .set(vramsim_models::peak_breakdown_until(&l.trace, 0));
+                    .set(vramsim_models::peak_breakdown_until(&l.compact.trace, 0));
             }
             let work = lowered
                 .as_ref()
@@ -470,7 +470,7 @@ fn replay_one(
     let step = work.time(perf);
     let json = wants
         .json
-        .then(|| predict::to_json(&report, &prediction, &lowered.trace));
+        .then(|| predict::to_json(&report, &prediction, &lowered.compact.trace));
     Ok(Evaluated {
         report,
         prediction,
@@ -478,7 +478,7 @@ fn replay_one(
         step,
         perf_preset: perf.preset,
         perf_own,
-        last_iteration_start: last_iteration_start(&lowered.trace),
+        last_iteration_start: last_iteration_start(&lowered.compact.trace),
     })
 }
 
