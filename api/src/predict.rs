@@ -261,7 +261,7 @@ pub struct Lowered {
     /// The recipe the step was lowered under.
     pub recipe: Recipe,
     /// The graph the trace was lowered from.
-    pub graph: Graph,
+    pub graph: std::sync::Arc<Graph>,
     /// Whether `--seq` was given (else the default was taken).
     pub seq_given: bool,
     /// The trace, with repeated micro-batches written once (its `meta` is the whole step's).
@@ -289,6 +289,29 @@ impl Lowered {
             return &self.compact.trace;
         }
         self.expanded.get_or_init(|| self.compact.expand())
+    }
+
+    /// The same step with `accum` micro-batches per optimizer step, without lowering again, where one
+    /// lowering serves both counts (more than three micro-batches each:
+    /// [`CompactTrace::with_accum`]); `None` otherwise.
+    pub fn with_accum(&self, accum: u32) -> Option<Lowered> {
+        let mut recipe = self.recipe.clone();
+        recipe.accum = accum;
+        let compact = self.compact.with_accum(&recipe)?;
+        Some(Lowered {
+            arch: self.arch.clone(),
+            reference: self.reference.clone(),
+            recipe,
+            graph: self.graph.clone(),
+            seq_given: self.seq_given,
+            compact,
+            expanded: std::sync::OnceLock::new(),
+            pieces: std::sync::OnceLock::new(),
+            lower_ms: self.lower_ms,
+            warnings: self.warnings.clone(),
+            attention: self.attention.clone(),
+            peak: std::sync::OnceLock::new(),
+        })
     }
 
     /// The events as a replay takes them.
@@ -407,7 +430,7 @@ pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
         arch,
         reference,
         recipe,
-        graph,
+        graph: std::sync::Arc::new(graph),
         seq_given: args.seq.is_some(),
         compact,
         expanded: std::sync::OnceLock::new(),

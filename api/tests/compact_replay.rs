@@ -66,3 +66,39 @@ fn the_optimised_replay_equals_the_plain_one() {
         "{ooms} of {checked} ran out of memory"
     );
 }
+
+/// A sweep lowers once for every accumulation count above three (and every GPU getting the same
+/// kernels): each configuration's report equals the one it gets evaluated alone.
+#[test]
+fn accumulation_counts_sharing_a_lowering_get_their_own_reports() {
+    use vramsim_api::sweep::{evaluate, evaluate_one, Progress, Wants};
+    let configs: Vec<Vec<String>> = ["1", "4", "7", "16", "64"]
+        .iter()
+        .flat_map(|accum| {
+            ["--gpu=h100-80gb", "--capacity=2GiB"].map(|machine| {
+                args(&[
+                    "--model=gpt2",
+                    "--batch=2",
+                    "--seq=128",
+                    "--precision=amp-bf16",
+                    &format!("--accum={accum}"),
+                    machine,
+                ])
+            })
+        })
+        .collect();
+    let swept = evaluate(&configs, Wants::default(), &Progress::hidden());
+    for (config, swept) in configs.iter().zip(swept) {
+        let swept = swept.unwrap();
+        let alone = evaluate_one(config, Wants::default()).unwrap();
+        assert_eq!(
+            format!("{:?}", swept.report.outcome),
+            format!("{:?}", alone.report.outcome),
+            "{config:?}"
+        );
+        assert_eq!(swept.prediction.recipe, alone.prediction.recipe);
+        assert_eq!(swept.prediction.events, alone.prediction.events);
+        assert_eq!(swept.step.step_ms, alone.step.step_ms);
+        assert_eq!(swept.last_iteration_start, alone.last_iteration_start);
+    }
+}

@@ -58,6 +58,8 @@ pub struct CompactTrace {
     pub repeats: Vec<RepeatSpan>,
     /// Events of the whole step.
     pub events: usize,
+    /// `meta.phases` of the lowered events.
+    lowered_phases: Vec<Value>,
 }
 
 /// Events ready for a replay: ids as the whole step names them, without tags (a replay reads none);
@@ -79,6 +81,7 @@ impl CompactTrace {
             trace,
             repeats: Vec::new(),
             events,
+            lowered_phases: Vec::new(),
         }
     }
 
@@ -346,9 +349,8 @@ fn repeats_itself(second: &[Event], third: &[Event], from: [u64; 3]) -> bool {
 }
 
 /// The compact form of a three-micro-batch lowering standing for `recipe.accum` micro-batches.
-fn compact(mut trace: Trace, recipe: &Recipe) -> Option<CompactTrace> {
+fn compact(trace: Trace, recipe: &Recipe) -> Option<CompactTrace> {
     let ranges = micro_ranges(&trace)?;
-    let times = u64::from(recipe.accum - LOWERED_MICRO_BATCHES + 1);
     let mut repeats = Vec::new();
     for [m0, m1, m2] in ranges {
         let events = &trace.events;
@@ -370,47 +372,79 @@ fn compact(mut trace: Trace, recipe: &Recipe) -> Option<CompactTrace> {
         repeats.push(RepeatSpan {
             start: m2.0,
             len: m2.1 - m2.0,
-            times,
+            times: 1,
             renamed_from: from1,
             shift: if from1 == u64::MAX { 0 } else { from2 - from1 },
         });
     }
-    let extra: usize = repeats.iter().map(|r| (r.times as usize - 1) * r.len).sum();
-    let events = trace.events.len() + extra;
-    // the whole step's meta: its accumulation, recipe name and phase list
-    let m = &mut trace.meta;
-    m.insert("accum".into(), recipe.accum.into());
-    m.insert("recipe".into(), recipe.name().into());
-    let phases = m.get("phases")?.as_array()?.clone();
-    let mut out = Vec::with_capacity(phases.len());
-    let mut moved = 0usize;
-    let mut i = 0;
-    for r in &repeats {
-        // the phases before the repeated micro-batch, then its own once per micro-batch it stands for
-        while i < phases.len() && (phases[i].get("event")?.as_u64()? as usize) < r.start {
-            out.push(moved_phase(&phases[i], moved, None)?);
-            i += 1;
-        }
-        let first = i;
-        while i < phases.len() && (phases[i].get("event")?.as_u64()? as usize) < r.start + r.len {
-            i += 1;
-        }
-        for k in 0..r.times as usize {
-            for p in &phases[first..i] {
-                out.push(moved_phase(p, moved + k * r.len, Some(k))?);
-            }
-        }
-        moved += (r.times as usize - 1) * r.len;
-    }
-    for p in &phases[i..] {
-        out.push(moved_phase(p, moved, None)?);
-    }
-    m.insert("phases".into(), Value::Array(out));
-    Some(CompactTrace {
+    let lowered_phases = trace.meta.get("phases")?.as_array()?.clone();
+    let mut c = CompactTrace {
         trace,
         repeats,
-        events,
-    })
+        events: 0,
+        lowered_phases,
+    };
+    c.set_accum(recipe)?;
+    Some(c)
+}
+
+impl CompactTrace {
+    /// The same step with `recipe.accum` micro-batches per optimizer step, where the compact form
+    /// stands for more than three (`None` otherwise): the lowering of three micro-batches does not
+    /// depend on how many there are beyond that (the loss is divided by the accumulation steps
+    /// whenever there are several, `fwd.rs`'s `finish_loss`), so one serves every count above three.
+    /// `recipe` differs from the lowered one in `accum` only.
+    pub fn with_accum(&self, recipe: &Recipe) -> Option<CompactTrace> {
+        if self.repeats.is_empty() || recipe.accum <= LOWERED_MICRO_BATCHES {
+            return None;
+        }
+        let mut c = self.clone();
+        c.set_accum(recipe)?;
+        Some(c)
+    }
+
+    /// Sets the repetitions, the event count and the whole step's meta (its accumulation, recipe name
+    /// and phase list) for `recipe.accum` micro-batches.
+    fn set_accum(&mut self, recipe: &Recipe) -> Option<()> {
+        let times = u64::from(recipe.accum - LOWERED_MICRO_BATCHES + 1);
+        for r in &mut self.repeats {
+            r.times = times;
+        }
+        let repeats = &self.repeats;
+        let extra: usize = repeats.iter().map(|r| (r.times as usize - 1) * r.len).sum();
+        self.events = self.trace.events.len() + extra;
+        let phases = &self.lowered_phases;
+        let mut out = Vec::with_capacity(phases.len());
+        let mut moved = 0usize;
+        let mut i = 0;
+        for r in repeats {
+            // the phases before the repeated micro-batch, then its own once per micro-batch it
+            // stands for
+            while i < phases.len() && (phases[i].get("event")?.as_u64()? as usize) < r.start {
+                out.push(moved_phase(&phases[i], moved, None)?);
+                i += 1;
+            }
+            let first = i;
+            while i < phases.len() && (phases[i].get("event")?.as_u64()? as usize) < r.start + r.len
+            {
+                i += 1;
+            }
+            for k in 0..r.times as usize {
+                for p in &phases[first..i] {
+                    out.push(moved_phase(p, moved + k * r.len, Some(k))?);
+                }
+            }
+            moved += (r.times as usize - 1) * r.len;
+        }
+        for p in &phases[i..] {
+            out.push(moved_phase(p, moved, None)?);
+        }
+        let m = &mut self.trace.meta;
+        m.insert("accum".into(), recipe.accum.into());
+        m.insert("recipe".into(), recipe.name().into());
+        m.insert("phases".into(), Value::Array(out));
+        Some(())
+    }
 }
 
 /// A `meta.phases` entry moved `by` events later (and, for the `k`-th repetition of the repeated

@@ -120,6 +120,25 @@ fn loop_options_expand_to_their_full_lowering() {
     }
 }
 
+/// One compact lowering serves every accumulation above three.
+#[test]
+fn one_compact_lowering_serves_every_accumulation_above_three() {
+    for name in ["gpt2", "resnet18", "bert-base"] {
+        let r4 = recipe(name, 4);
+        let g = zoo::build(name, &r4).unwrap();
+        let four = lower_compact(&g, &r4).unwrap();
+        for accum in [5, 8, 16, 64] {
+            let r = recipe(name, accum);
+            let other = four.with_accum(&r).expect("more than three micro-batches");
+            assert!(
+                other.expand() == lower(&g, &r).unwrap(),
+                "{name} accum {accum}"
+            );
+        }
+        assert!(four.with_accum(&recipe(name, 3)).is_none());
+    }
+}
+
 #[test]
 fn three_micro_batches_or_fewer_are_lowered_as_they_are() {
     for accum in 1..=3 {
