@@ -570,10 +570,12 @@ pub fn replay_step(
     // Repeated micro-batches replay until their steady state, then are carried
     // (`Replay::apply_repeated`): the same report as every event replayed.
     for piece in lowered.pieces() {
+        let events = lowered.compact.piece_events(piece);
         let flow = match &piece.repeat {
-            None => replay.apply_all(piece.events.iter().cloned().map(Ok))?,
+            // The replay has no use for tags: hand it the events without (no string copies).
+            None => replay.apply_all(events.iter().map(|e| Ok(without_tag(e))))?,
             Some(r) => replay.apply_repeated(&Repeat {
-                events: &piece.events,
+                events,
                 times: r.times,
                 renamed_from: r.renamed_from,
                 shift: r.shift,
@@ -627,6 +629,26 @@ pub fn replay_step(
         attention: lowered.attention.clone(),
     };
     Ok((report, prediction))
+}
+
+/// `event` without its tag (a replay reads none).
+fn without_tag(event: &Event) -> Event {
+    match event {
+        Event::Alloc {
+            id,
+            size,
+            stream,
+            category,
+            ..
+        } => Event::Alloc {
+            id: id.clone(),
+            size: *size,
+            stream: *stream,
+            category: *category,
+            tag: None,
+        },
+        other => other.clone(),
+    }
 }
 
 /// The name a config.json gets in reports: its directory's name for `.../NAME/config.json`, else

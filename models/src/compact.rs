@@ -62,13 +62,16 @@ pub struct CompactTrace {
     lowered_phases: Vec<Value>,
 }
 
-/// Events ready for a replay: ids as the whole step names them, without tags (a replay reads none);
+/// Events ready for a replay, in the ids of the whole step: a range of the compact trace where its ids
+/// are the whole step's already, else a renamed copy (without tags, which a replay does not read);
 /// with `repeat`, the events of one micro-batch that stands for `repeat.times` (its `renamed_from`
-/// named as the whole step names it).
+/// named as the whole step names it). [`CompactTrace::piece_events`] gives the events.
 #[derive(Clone, Debug)]
 pub struct ReplayPiece {
-    /// The events.
-    pub events: Vec<Event>,
+    /// Where the events are in the compact trace.
+    pub range: (usize, usize),
+    /// The renamed copy, where the ids differ.
+    pub renamed: Option<Vec<Event>>,
     /// The repetition these events are, if any.
     pub repeat: Option<RepeatSpan>,
 }
@@ -97,50 +100,57 @@ impl CompactTrace {
     /// The compact trace as pieces to replay in order: events, then each repeated micro-batch, then
     /// the events after it.
     pub fn replay_pieces(&self) -> Vec<ReplayPiece> {
-        let strip = |renames: &[(u64, u64)], events: &[Event]| -> Vec<Event> {
-            events
-                .iter()
-                .map(|e| match rename_event(e, renames, None) {
-                    Event::Alloc {
-                        id,
-                        size,
-                        stream,
-                        category,
-                        ..
-                    } => Event::Alloc {
-                        id,
-                        size,
-                        stream,
-                        category,
-                        tag: None,
-                    },
-                    other => other,
-                })
-                .collect()
+        let piece = |renames: &[(u64, u64)], range: (usize, usize), repeat: Option<RepeatSpan>| {
+            let renamed = (!renames.is_empty()).then(|| {
+                self.trace.events[range.0..range.1]
+                    .iter()
+                    .map(|e| match rename_event(e, renames, None) {
+                        Event::Alloc {
+                            id,
+                            size,
+                            stream,
+                            category,
+                            ..
+                        } => Event::Alloc {
+                            id,
+                            size,
+                            stream,
+                            category,
+                            tag: None,
+                        },
+                        other => other,
+                    })
+                    .collect()
+            });
+            ReplayPiece {
+                range,
+                renamed,
+                repeat,
+            }
         };
         let mut pieces = Vec::new();
         let mut at = 0;
         for (j, r) in self.repeats.iter().enumerate() {
             let renames = self.renames(j);
-            pieces.push(ReplayPiece {
-                events: strip(&renames, &self.trace.events[at..r.start]),
-                repeat: None,
-            });
-            pieces.push(ReplayPiece {
-                events: strip(&renames, &self.trace.events[r.start..r.start + r.len]),
-                repeat: Some(RepeatSpan {
-                    renamed_from: rename_id(r.renamed_from, &renames, None),
-                    ..*r
-                }),
-            });
+            pieces.push(piece(&renames, (at, r.start), None));
+            let repeat = RepeatSpan {
+                renamed_from: rename_id(r.renamed_from, &renames, None),
+                ..*r
+            };
+            pieces.push(piece(&renames, (r.start, r.start + r.len), Some(repeat)));
             at = r.start + r.len;
         }
         let renames = self.renames(self.repeats.len());
-        pieces.push(ReplayPiece {
-            events: strip(&renames, &self.trace.events[at..]),
-            repeat: None,
-        });
+        pieces.push(piece(&renames, (at, self.trace.events.len()), None));
         pieces
+    }
+
+    /// The events of `piece`, one of [`CompactTrace::replay_pieces`].
+    pub fn piece_events<'a>(&'a self, piece: &'a ReplayPiece) -> &'a [Event] {
+        match &piece.renamed {
+            Some(events) => events,
+            None => &self.trace.events[piece.range.0..piece.range.1],
+        }
     }
 
     /// The step as a full lowering writes it.

@@ -162,14 +162,26 @@ impl<A: Allocator> Replay<A> {
             let then = before.occurrences.get(i).copied().unwrap_or(0);
             phase.occurrences += (phase.occurrences - then) * n;
         }
-        'marks: for j in k..repeat.times {
-            for (offset, event) in repeat.events.iter().enumerate() {
-                if let Event::Phase { name } = event {
+        if self.phase_marks.len() < MAX_PHASE_MARKS {
+            let marks: Vec<(u64, &str)> = repeat
+                .events
+                .iter()
+                .enumerate()
+                .filter_map(|(offset, e)| match e {
+                    Event::Phase { name } => Some((offset as u64, &**name)),
+                    _ => None,
+                })
+                .collect();
+            'marks: for j in k..repeat.times {
+                for &(offset, name) in &marks {
                     if self.phase_marks.len() >= MAX_PHASE_MARKS {
                         break 'marks;
                     }
                     self.phase_marks
-                        .push((start + j * len + offset as u64, name.to_string()));
+                        .push((start + j * len + offset, name.to_string()));
+                }
+                if marks.is_empty() {
+                    break;
                 }
             }
         }
