@@ -11,18 +11,19 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args};
 use serde_json::{json, Value};
+use vramsim_models::compact::{lower_compact, CompactTrace, ReplayPiece};
 use vramsim_models::hf::{self, ImportOptions};
 use vramsim_models::zoo::{Arch, KernelChoice};
 use vramsim_models::{
-    lower, parse_image_size, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph,
-    Head, Loss, OptimizerImpl, OptimizerKind, PeakBreakdown, Precision, Recipe, Target, ZeroGrad,
+    parse_image_size, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph, Head,
+    Loss, OptimizerImpl, OptimizerKind, PeakBreakdown, Precision, Recipe, Target, ZeroGrad,
 };
 use vramsim_models::{
     CheckpointImpl, CublasWorkspaceMode, TorchVersion, TransformersVersion, Workspaces,
 };
 use vramsim_models::{DType, Parallel, Shard};
 use vramsim_sim::device::{find_preset, ContextChoice, UnknownGpu, DEFAULT_GPU};
-use vramsim_sim::engine::{Flow, Replay, ReplayOptions};
+use vramsim_sim::engine::{Flow, Repeat, Replay, ReplayOptions};
 use vramsim_sim::format::format_size;
 use vramsim_sim::report::{group_digits, Report};
 use vramsim_traces::{Event, Trace};
@@ -356,11 +357,15 @@ pub struct Lowered {
     /// The recipe the step was lowered under.
     pub recipe: Recipe,
     /// The graph the trace was lowered from.
-    pub graph: Graph,
+    pub graph: std::sync::Arc<Graph>,
     /// Whether `--seq` was given (else the default was taken).
     pub seq_given: bool,
-    /// The trace.
-    pub trace: Trace,
+    /// The trace, with repeated micro-batches written once (its `meta` is the whole step's).
+    pub compact: CompactTrace,
+    /// The whole trace, expanded when first asked for ([`Lowered::trace`]).
+    expanded: std::sync::OnceLock<Trace>,
+    /// The events as a replay takes them, made at the first replay and shared by the others.
+    pieces: std::sync::OnceLock<Vec<ReplayPiece>>,
     /// Time to build and lower, in milliseconds.
     pub lower_ms: f64,
     /// Notes for the user (ignored options, unknown config fields, the config's dtype).
@@ -370,6 +375,45 @@ pub struct Lowered {
     /// The breakdown at the trace's peak, which no machine changes: computed at the first replay that
     /// does not run out of memory, shared by the others (sweeps replay one lowering on many machines).
     pub peak: std::sync::OnceLock<PeakBreakdown>,
+}
+
+impl Lowered {
+    /// The whole trace, as [`vramsim_models::lower`] writes it (expanded from the compact form the
+    /// first time it is asked for).
+    pub fn trace(&self) -> &Trace {
+        if self.compact.repeats.is_empty() {
+            return &self.compact.trace;
+        }
+        self.expanded.get_or_init(|| self.compact.expand())
+    }
+
+    /// The same step with `accum` micro-batches per optimizer step, without lowering again, where one
+    /// lowering serves both counts (more than three micro-batches each:
+    /// [`CompactTrace::with_accum`]); `None` otherwise.
+    pub fn with_accum(&self, accum: u32) -> Option<Lowered> {
+        let mut recipe = self.recipe.clone();
+        recipe.accum = accum;
+        let compact = self.compact.with_accum(&recipe)?;
+        Some(Lowered {
+            arch: self.arch.clone(),
+            reference: self.reference.clone(),
+            recipe,
+            graph: self.graph.clone(),
+            seq_given: self.seq_given,
+            compact,
+            expanded: std::sync::OnceLock::new(),
+            pieces: std::sync::OnceLock::new(),
+            lower_ms: self.lower_ms,
+            warnings: self.warnings.clone(),
+            attention: self.attention.clone(),
+            peak: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// The events as a replay takes them.
+    fn pieces(&self) -> &[ReplayPiece] {
+        self.pieces.get_or_init(|| self.compact.replay_pieces())
+    }
 }
 
 /// What `predict` measured, besides the replay's report.
@@ -420,7 +464,7 @@ pub struct Predicted {
 impl Predicted {
     /// `vramsim predict --json`'s document.
     pub fn to_json(&self) -> Value {
-        let mut j = to_json(&self.report, &self.prediction, &self.lowered.trace);
+        let mut j = to_json(&self.report, &self.prediction, &self.lowered.compact.trace);
         if !self.devices.is_empty() {
             j["devices"] = crate::dataparallel::to_json(&self.lowered.recipe, &self.devices);
         }
@@ -445,7 +489,7 @@ impl Predicted {
 pub fn predict(args: &PredictArgs) -> Result<Predicted> {
     let lowered = lower_step(args)?;
     if let Some(path) = &args.trace_out {
-        vramsim_traces::write_trace(path, &lowered.trace)
+        vramsim_traces::write_trace(path, lowered.trace())
             .map_err(|e| anyhow::anyhow!("cannot write the trace: {e}"))?;
     }
     let points = if args.plot.is_some() { PLOT_POINTS } else { 0 };
@@ -499,7 +543,7 @@ pub fn lower_step_device(args: &PredictArgs, device: u32) -> Result<Lowered> {
     let t0 = Instant::now();
     let attention = arch.attention_kernel(&recipe)?;
     let graph = arch.build(&crate::dataparallel::graph_recipe(&recipe))?;
-    let trace = lower(&graph, &recipe)?;
+    let compact = lower_compact(&graph, &recipe)?;
     let lower_ms = t0.elapsed().as_secs_f64() * 1e3;
     let reference = graph
         .meta
@@ -511,9 +555,11 @@ pub fn lower_step_device(args: &PredictArgs, device: u32) -> Result<Lowered> {
         arch,
         reference,
         recipe,
-        graph,
+        graph: std::sync::Arc::new(graph),
         seq_given: args.seq.is_some(),
-        trace,
+        compact,
+        expanded: std::sync::OnceLock::new(),
+        pieces: std::sync::OnceLock::new(),
         lower_ms,
         warnings,
         attention,
@@ -677,6 +723,7 @@ pub fn replay_step(
     // cuBLAS's own workspace pools (PyTorch 1.10) are device memory outside the allocator.
     let mut machine = machine.clone();
     machine.library_bytes = lowered
+        .compact
         .trace
         .meta
         .get("cublas_own_bytes")
@@ -687,41 +734,38 @@ pub fn replay_step(
     let device = built.allocator.device().clone();
     let options = ReplayOptions { timeline_points };
     let mut replay = Replay::new(built.allocator, &options);
-    let trace = &lowered.trace;
-    let mut oom_at = None;
-    for (i, event) in trace.events.iter().enumerate() {
-        // The replay has no use for tags: hand it the event without one (no string copies).
-        let event = match event {
-            Event::Alloc {
-                id,
-                size,
-                stream,
-                category,
-                ..
-            } => Event::Alloc {
-                id: id.clone(),
-                size: *size,
-                stream: *stream,
-                category: *category,
-                tag: None,
-            },
-            other => other.clone(),
+    // Repeated micro-batches replay until their steady state, then are carried
+    // (`Replay::apply_repeated`): the same report as every event replayed.
+    for piece in lowered.pieces() {
+        let events = lowered.compact.piece_events(piece);
+        let flow = match &piece.repeat {
+            // The replay has no use for tags: hand it the events without (no string copies).
+            None => replay.apply_all(events.iter().map(|e| Ok(without_tag(e))))?,
+            Some(r) => replay.apply_repeated(&Repeat {
+                events,
+                times: r.times,
+                renamed_from: r.renamed_from,
+                shift: r.shift,
+            })?,
         };
-        if replay.apply(event)? == Flow::Stopped {
-            oom_at = Some(i);
+        if flow == Flow::Stopped {
             break;
         }
     }
+    let oom_at = replay.oom().map(|o| o.event_index as usize);
     let outcome = replay.finish();
     // What is live at the step's peak, or, when it runs out of memory, when the error is raised.
     let (breakdown, oom_tag) = match oom_at {
         None => (
-            lowered.peak.get_or_init(|| peak_breakdown(trace)).clone(),
+            lowered
+                .peak
+                .get_or_init(|| peak_breakdown(lowered.trace()))
+                .clone(),
             None,
         ),
         Some(i) => (
-            peak_breakdown_until(trace, i + 1),
-            match &trace.events[i] {
+            peak_breakdown_until(lowered.trace(), i + 1),
+            match &lowered.trace().events[i] {
                 Event::Alloc { tag, .. } => tag.as_deref().map(String::from),
                 _ => None,
             },
@@ -743,7 +787,7 @@ pub fn replay_step(
         trainable_params: lowered.graph.param_count(),
         recipe: lowered.recipe.clone(),
         seq_given: lowered.seq_given,
-        events: trace.events.len(),
+        events: lowered.compact.events,
         lower_ms: lowered.lower_ms,
         replay_ms,
         breakdown,
@@ -753,6 +797,26 @@ pub fn replay_step(
         attention: lowered.attention.clone(),
     };
     Ok((report, prediction))
+}
+
+/// `event` without its tag (a replay reads none).
+fn without_tag(event: &Event) -> Event {
+    match event {
+        Event::Alloc {
+            id,
+            size,
+            stream,
+            category,
+            ..
+        } => Event::Alloc {
+            id: id.clone(),
+            size: *size,
+            stream: *stream,
+            category: *category,
+            tag: None,
+        },
+        other => other.clone(),
+    }
 }
 
 /// The name a config.json gets in reports: its directory's name for `.../NAME/config.json`, else

@@ -27,7 +27,7 @@ use vramsim_sim::engine::TimelinePoint;
 use vramsim_sim::report::Report;
 
 use crate::machine::MachineArgs;
-use crate::predict::{self, PredictArgs, Prediction};
+use crate::predict::{self, Lowered, PredictArgs, Prediction};
 use crate::steptime::{perf_for, StepTime, StepWork};
 
 /// The most configurations one sweep evaluates.
@@ -350,7 +350,9 @@ pub fn evaluate(
     // configurations grouped by everything that shapes the lowering: the recipe's options and what
     // the lowering takes from the GPU (or its compute capability, where that cannot be told)
     let mut groups: Vec<Vec<usize>> = Vec::new();
-    type Key<'a> = (Vec<&'a str>, TargetKey);
+    // (options but the machine's and the accumulation, what the lowering takes from the GPU,
+    // the accumulation or 0 for every count a compact lowering serves)
+    type Key<'a> = (Vec<&'a str>, TargetKey, u32);
     let mut by_key: HashMap<Key, usize> = HashMap::new();
     let target_keys: Vec<TargetKey> = parsed
         .par_iter()
@@ -369,10 +371,12 @@ pub fn evaluate(
             .map(String::as_str)
             .filter(|a| {
                 let long = a.trim_start_matches("--").split('=').next().unwrap_or("");
-                !set.find(long).is_some_and(|o| o.machine)
+                long != "accum" && !set.find(long).is_some_and(|o| o.machine)
             })
             .collect();
-        let slot = *by_key.entry((options, cc)).or_insert_with(|| {
+        let accum = parsed[i].as_ref().map_or(0, |p| p.accum);
+        let accum = if accum > SHARED_ACCUM_ABOVE { 0 } else { accum };
+        let slot = *by_key.entry((options, cc, accum)).or_insert_with(|| {
             groups.push(Vec::new());
             groups.len() - 1
         });
@@ -381,30 +385,57 @@ pub fn evaluate(
     let mut results: Vec<(usize, Result<Evaluated, String>)> = groups
         .par_iter()
         .flat_map_iter(|members| {
-            let first = parsed[members[0]]
-                .as_ref()
-                .expect("grouped configurations parse");
+            let args_of = |i: usize| parsed[i].as_ref().expect("grouped configurations parse");
+            let first = args_of(members[0]);
             let lowered = predict::lower_step(first).map_err(|e| format!("{e:#}"));
-            if let (Ok(l), false) = (&lowered, wants.json) {
-                // Only `predict --json` shows the breakdown at the peak, the slowest part of a replay
-                // after the lowering: without JSON, prime the lowering's shared breakdown with an empty
-                // one (an out-of-memory configuration still gets its own).
-                let _ = l
-                    .peak
-                    .set(vramsim_models::peak_breakdown_until(&l.trace, 0));
-            }
-            let work = lowered
-                .as_ref()
-                .ok()
-                .map(|l| StepWork::of(&l.graph, &l.recipe));
+            // the other accumulation counts of the group: the same compact lowering where it serves
+            // them, else their own
+            let mut accums: Vec<u32> = members.iter().map(|&i| args_of(i).accum).collect();
+            accums.sort_unstable();
+            accums.dedup();
+            let variants: Vec<(u32, Result<Lowered, String>)> = accums
+                .into_par_iter()
+                .filter(|&a| a != first.accum)
+                .map(|a| {
+                    let member = members
+                        .iter()
+                        .map(|&i| args_of(i))
+                        .find(|p| p.accum == a)
+                        .expect("a member has it");
+                    let shared = lowered.as_ref().ok().and_then(|l| l.with_accum(a));
+                    let l = match shared {
+                        Some(l) => Ok(l),
+                        None => predict::lower_step(member).map_err(|e| format!("{e:#}")),
+                    };
+                    (a, l)
+                })
+                .collect();
+            let prepare = |l: &Result<Lowered, String>| -> Option<StepWork> {
+                let l = l.as_ref().ok()?;
+                if !wants.json {
+                    // Only `predict --json` shows the breakdown at the peak, the slowest part of a
+                    // replay after the lowering: without JSON, prime the lowering's shared breakdown
+                    // with an empty one (an out-of-memory configuration still gets its own).
+                    let _ = l
+                        .peak
+                        .set(vramsim_models::peak_breakdown_until(&l.compact.trace, 0));
+                }
+                Some(StepWork::of(&l.graph, &l.recipe))
+            };
+            let work = prepare(&lowered);
+            let variant_work: Vec<Option<StepWork>> =
+                variants.iter().map(|(_, l)| prepare(l)).collect();
             let out: Vec<(usize, Result<Evaluated, String>)> = members
                 .par_iter()
                 .map(|&i| {
-                    let result = match (&lowered, &work) {
-                        (Ok(lowered), Some(work)) => {
-                            let args = parsed[i].as_ref().expect("parsed");
-                            replay_one(lowered, work, args, wants)
-                        }
+                    let args = args_of(i);
+                    let (lowered, work) = match variants.iter().position(|(a, _)| *a == args.accum)
+                    {
+                        Some(v) => (&variants[v].1, &variant_work[v]),
+                        None => (&lowered, &work),
+                    };
+                    let result = match (lowered, work) {
+                        (Ok(lowered), Some(work)) => replay_one(lowered, work, args, wants),
                         (Err(e), _) => Err(e.clone()),
                         (Ok(_), None) => unreachable!("work exists for every lowering"),
                     };
@@ -424,6 +455,10 @@ pub fn evaluate(
     results.sort_by_key(|(i, _)| *i);
     results.into_iter().map(|(_, r)| r).collect()
 }
+
+/// Accumulation counts above this share one lowering ([`vramsim_models::compact`]: three
+/// micro-batches lowered, the third standing for the rest).
+const SHARED_ACCUM_ABOVE: u32 = 3;
 
 /// What a configuration's lowering takes from its GPU: the choices the models crate makes from the
 /// target, or, when they cannot be told here (the error then comes from the lowering), the compute
@@ -473,7 +508,7 @@ fn replay_one(
     let step = work.time(perf);
     let json = wants
         .json
-        .then(|| predict::to_json(&report, &prediction, &lowered.trace));
+        .then(|| predict::to_json(&report, &prediction, &lowered.compact.trace));
     Ok(Evaluated {
         report,
         prediction,
@@ -481,7 +516,7 @@ fn replay_one(
         step,
         perf_preset: perf.preset,
         perf_own,
-        last_iteration_start: last_iteration_start(&lowered.trace),
+        last_iteration_start: last_iteration_start(&lowered.compact.trace),
     })
 }
 

@@ -689,8 +689,9 @@ pub struct SweepBench {
 
 /// The benchmark grids, GPT-2 medium at seq 1024, 1,000 configurations each: a what-if across GPUs
 /// (5 batch sizes × 4 precisions × 5 checkpointing policies × 2 accumulation steps × 5 GPUs; the GPUs
-/// share each lowering, so 200 lowerings), and 1,000 distinct lowerings (10 batch sizes × 4
-/// precisions × 5 checkpointing policies × 5 optimizers).
+/// share each lowering, so 200 lowerings), 1,000 distinct lowerings (10 batch sizes × 4
+/// precisions × 5 checkpointing policies × 5 optimizers), and issue 11's grid (10 batch sizes × 5
+/// accumulation steps × 4 precisions × 5 checkpointing policies).
 pub const BENCH_GRIDS: &[(&str, &[&str])] = &[
     (
         "across GPUs",
@@ -711,7 +712,73 @@ pub const BENCH_GRIDS: &[(&str, &[&str])] = &[
             "optimizer=adamw,adam,sgd,sgd-momentum,adafactor",
         ],
     ),
+    (
+        "issue 11: with accumulation",
+        &[
+            "batch=1,2,3,4,5,6,7,8,9,10",
+            "accum=1,2,4,8,16",
+            "precision=fp32,bf16,amp-fp16,amp-bf16",
+            "checkpoint=none,full,selective,sqrt,every:2",
+        ],
+    ),
 ];
+
+/// What `vramsim bench --sweep` measured besides the grids: one configuration at accumulation 2 and 64
+/// (gpt2-medium, seq 1024, batch 4; best of five, seconds), and `max-batch` of Llama-2-70B at seq
+/// 4096, bf16, full checkpointing on 1 TiB (seconds, and the answer).
+pub struct AccumBench {
+    /// Seconds for accumulation 2.
+    pub accum2: f64,
+    /// Seconds for accumulation 64.
+    pub accum64: f64,
+    /// Seconds for the max-batch search.
+    pub max_batch: f64,
+    /// The batch it found.
+    pub max_batch_found: u64,
+}
+
+/// Times [`AccumBench`]'s cases through the sweep's evaluation (lowering and replay, no JSON).
+pub fn bench_accumulation() -> Result<AccumBench> {
+    let best = |accum: u32| -> Result<f64> {
+        let args: Vec<String> = [
+            "--model=gpt2-medium",
+            "--seq=1024",
+            "--batch=4",
+            &format!("--accum={accum}"),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let t0 = Instant::now();
+            sweep::evaluate_one(&args, Wants::default())?;
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    };
+    let (accum2, accum64) = (best(2)?, best(64)?);
+    let fixed = FixedOptions {
+        given: [
+            ("model", "llama2-70b"),
+            ("seq", "4096"),
+            ("precision", "bf16"),
+            ("checkpoint", "full"),
+            ("capacity", "1TiB"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), Some(v.to_string())))
+        .collect(),
+    };
+    let t0 = Instant::now();
+    let search = crate::maxbatch::search(&fixed, "batch", &[], None, None)?;
+    Ok(AccumBench {
+        accum2,
+        accum64,
+        max_batch: t0.elapsed().as_secs_f64(),
+        max_batch_found: search.largest.size,
+    })
+}
 
 /// Times each of [`BENCH_GRIDS`] with rayon's default pool, then on one thread.
 pub fn bench_sweeps() -> Result<Vec<SweepBench>> {
@@ -762,6 +829,7 @@ pub fn bench_sweeps() -> Result<Vec<SweepBench>> {
 /// `vramsim bench --sweep`: prints [`bench_sweeps`] as text or JSON.
 pub fn print_bench(as_json: bool) -> Result<()> {
     let results = bench_sweeps()?;
+    let accum = bench_accumulation()?;
     if as_json {
         let list: Vec<Value> = results
             .iter()
@@ -780,11 +848,18 @@ pub fn print_bench(as_json: bool) -> Result<()> {
             .collect();
         println!(
             "{}",
-            serde_json::to_string_pretty(&json!({ "sweeps": list }))?
+            serde_json::to_string_pretty(&json!({
+                "sweeps": list,
+                "accum2_seconds": accum.accum2,
+                "accum64_seconds": accum.accum64,
+                "accum64_over_accum2": accum.accum64 / accum.accum2,
+                "max_batch_llama2_70b_seconds": accum.max_batch,
+                "max_batch_llama2_70b": accum.max_batch_found,
+            }))?
         );
         return Ok(());
     }
-    println!("what-if sweeps of gpt2-medium, seq 1024 (target: 1,000 configurations in < 5 s on 2 cores)");
+    println!("what-if sweeps of gpt2-medium, seq 1024 (targets on 2 cores: 1,000 configurations in < 5 s; the issue 11 grid in < 1 s)");
     for b in &results {
         println!(
             "  {:<24} {} configurations, {} lowerings: {:>6.2} s on {} threads, {:>6.2} s on one ({:.2}× speed-up); {} fit",
@@ -798,6 +873,17 @@ pub fn print_bench(as_json: bool) -> Result<()> {
             b.fits
         );
     }
+    println!(
+        "gpt2-medium seq 1024 batch 4: accumulation 2 {:.1} ms, accumulation 64 {:.1} ms ({:.2}×; target ≤ 1.5×)",
+        accum.accum2 * 1e3,
+        accum.accum64 * 1e3,
+        accum.accum64 / accum.accum2
+    );
+    println!(
+        "max-batch llama2-70b seq 4096 bf16 full checkpointing on 1 TiB: batch {} in {:.0} ms (target < 100 ms)",
+        accum.max_batch_found,
+        accum.max_batch * 1e3
+    );
     Ok(())
 }
 

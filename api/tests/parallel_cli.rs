@@ -39,7 +39,7 @@ fn dp1_shard_none_is_todays_predict_for_every_zoo_model() {
         let layout: predict::PredictArgs = parse_args("predict", &strings(&with)).unwrap();
         let a = predict::predict(&plain).unwrap();
         let b = predict::predict(&layout).unwrap();
-        assert_eq!(a.lowered.trace, b.lowered.trace, "{name}: trace");
+        assert_eq!(a.lowered.trace(), b.lowered.trace(), "{name}: trace");
         assert_eq!(
             serde_json::to_string(&untimed(a.to_json())).unwrap(),
             serde_json::to_string(&untimed(b.to_json())).unwrap(),

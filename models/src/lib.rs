@@ -34,6 +34,7 @@
 
 pub mod autocast;
 pub mod breakdown;
+pub mod compact;
 pub mod dataparallel;
 pub mod dtype;
 pub mod finetune;

@@ -14,6 +14,8 @@
 //! segments it already holds ([`Allocator::adopt_segment`]), and their blocks become live allocations
 //! under the ids the events give them.
 
+mod repeat;
+
 use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
@@ -22,6 +24,8 @@ use vramsim_traces::{AllocId, Category, Event, TraceError};
 use crate::allocator::{AdoptError, Allocator, BlockRef};
 use crate::stats::MemoryStats;
 use crate::timeline::Timeline;
+
+pub use repeat::Repeat;
 
 /// A trace that cannot be replayed: it says which event and why.
 #[derive(Debug, thiserror::Error)]

@@ -196,6 +196,38 @@ impl MemoryStats {
         ]
     }
 
+    /// Moves the statistics on by `n` repetitions of what they did since `before`, a state with the
+    /// same blocks (so the same current values): each running total (`allocated`, `freed`, the
+    /// `num_*` counters) grows by `n` times its growth since then; peaks stay, since the repetitions
+    /// reach what the last one reached.
+    pub fn carry_repetitions(&mut self, before: &MemoryStats, n: u64) {
+        let n = n as i64;
+        let carry = |now: &mut Stat, then: &Stat| {
+            now.allocated += (now.allocated - then.allocated) * n;
+            now.freed += (now.freed - then.freed) * n;
+        };
+        for (now, then) in self.arrays_mut().into_iter().zip(before.arrays()) {
+            for (now, then) in now.each_mut().into_iter().zip([
+                &then.1.all,
+                &then.1.small_pool,
+                &then.1.large_pool,
+            ]) {
+                carry(now, then);
+            }
+        }
+        carry(&mut self.oversize_allocations, &before.oversize_allocations);
+        carry(&mut self.oversize_segments, &before.oversize_segments);
+        for (now, then) in [
+            (&mut self.num_alloc_retries, before.num_alloc_retries),
+            (&mut self.num_ooms, before.num_ooms),
+            (&mut self.num_sync_all_streams, before.num_sync_all_streams),
+            (&mut self.num_device_alloc, before.num_device_alloc),
+            (&mut self.num_device_free, before.num_device_free),
+        ] {
+            *now += (*now - then) * n;
+        }
+    }
+
     /// `reset_peak_memory_stats`: every peak becomes the current value.
     pub fn reset_peak(&mut self) {
         for array in self.arrays_mut() {

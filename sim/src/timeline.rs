@@ -72,6 +72,15 @@ impl Timeline {
         self.wait_until(self.stream_idle_at(stream));
     }
 
+    /// Writes the host clock and every stream's clock (a replay's steady-state check compares them).
+    pub fn steady_state_key(&self, key: &mut Vec<u64>) {
+        key.push(self.host_ns);
+        key.push(self.streams.len() as u64);
+        for &(stream, t) in &self.streams {
+            key.extend([stream, t]);
+        }
+    }
+
     /// `torch.cuda.synchronize()`: waits for every stream.
     pub fn synchronize(&mut self) {
         let last = self.streams.iter().map(|&(_, t)| t).max().unwrap_or(0);

@@ -261,7 +261,7 @@ pub fn smaller_batches(
         let mut a: crate::predict::PredictArgs = crate::parse_args("predict", &args)?;
         a.machine = machine.clone();
         let p = crate::predict::predict(&a)?;
-        if b == batch && p.lowered.trace.events.len() != events {
+        if b == batch && p.lowered.compact.events != events {
             anyhow::bail!("the trace's meta does not describe it");
         }
         Ok(p.report.outcome)

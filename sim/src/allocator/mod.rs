@@ -242,6 +242,46 @@ pub trait Allocator {
 
     /// Takes the history recorded since the last call.
     fn take_history(&mut self) -> Vec<HistoryEntry>;
+
+    /// Appends to `key` a canonical description of everything that decides what the allocator does
+    /// next (segments and blocks named by address, with streams, offsets, sizes and states; free pools;
+    /// the counters its decisions read), so that two states with equal keys answer the same calls the
+    /// same way. Returns false (the key is then meaningless) when the model cannot describe its state:
+    /// a replay then never skips repetitions ([`crate::engine::Replay::apply_repeated`]).
+    fn steady_state_key(&self, key: &mut Vec<u64>) -> bool {
+        let _ = key;
+        false
+    }
+
+    /// The device address of a live block, for [`Allocator::steady_state_key`]'s naming.
+    fn block_address(&self, block: BlockRef) -> Option<u64> {
+        let _ = block;
+        None
+    }
+
+    /// The counters that repetitions move (statistics, GC call counts).
+    fn counters(&self) -> Counters {
+        Counters {
+            stats: self.stats().clone(),
+            gc_calls: [0; 2],
+        }
+    }
+
+    /// Moves the counters on by `n` repetitions of what changed them since `before` (the same state
+    /// key then and now): what `n` more identical repetitions would leave. Only called where
+    /// [`Allocator::steady_state_key`] describes the state.
+    fn carry_repetitions(&mut self, before: &Counters, n: u64) {
+        let _ = (before, n);
+    }
+}
+
+/// What an allocator's counters stood at when a repetition began ([`Allocator::counters`]).
+#[derive(Clone, Debug)]
+pub struct Counters {
+    /// The statistics.
+    pub stats: MemoryStats,
+    /// `get_free_blocks_call_count` of the small and the large pool (the GC's clock, §5.4).
+    pub gc_calls: [i64; 2],
 }
 
 impl<T: Allocator + ?Sized> Allocator for Box<T> {
@@ -285,5 +325,17 @@ impl<T: Allocator + ?Sized> Allocator for Box<T> {
     }
     fn take_history(&mut self) -> Vec<HistoryEntry> {
         (**self).take_history()
+    }
+    fn steady_state_key(&self, key: &mut Vec<u64>) -> bool {
+        (**self).steady_state_key(key)
+    }
+    fn block_address(&self, block: BlockRef) -> Option<u64> {
+        (**self).block_address(block)
+    }
+    fn counters(&self) -> Counters {
+        (**self).counters()
+    }
+    fn carry_repetitions(&mut self, before: &Counters, n: u64) {
+        (**self).carry_repetitions(before, n)
     }
 }

@@ -102,6 +102,16 @@ impl AddressSpace {
         Ok(())
     }
 
+    /// Writes what decides where the next reservations go (for a replay's steady-state check); false
+    /// once ranges are placed at given addresses or hints wait (then no two states are compared).
+    pub fn steady_state_key(&self, key: &mut Vec<u64>) -> bool {
+        if self.tracking || !self.hints.is_empty() {
+            return false;
+        }
+        key.extend([self.next, self.untracked_end]);
+        true
+    }
+
     /// Forgets a placed range (its segment was freed); ranges from the bump region are never reused.
     #[inline]
     pub fn release(&mut self, addr: u64) {

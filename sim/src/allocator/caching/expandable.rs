@@ -135,6 +135,27 @@ impl ExpandableSegments {
             .expect("block of a released expandable segment")
     }
 
+    /// Writes every slot (live segments with their reservation, pages and mapped bytes) and the vacant
+    /// slots in reuse order, for a replay's steady-state check.
+    pub(crate) fn steady_state_key(&self, key: &mut Vec<u64>) {
+        key.push(self.slots.len() as u64);
+        for slot in &self.slots {
+            match slot {
+                None => key.push(u64::MAX),
+                Some(s) => key.extend([
+                    s.base,
+                    s.page,
+                    s.max_pages,
+                    s.stream,
+                    s.kind as u64,
+                    s.mapped_bytes,
+                ]),
+            }
+        }
+        key.push(self.vacant.len() as u64);
+        key.extend(self.vacant.iter().map(|&v| u64::from(v)));
+    }
+
     /// Number of live segments.
     pub fn len(&self) -> usize {
         self.slots.iter().filter(|s| s.is_some()).count()

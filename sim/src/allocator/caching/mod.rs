@@ -50,6 +50,7 @@
 //! - `invariants.rs` — `check_snapshot`: the §8.4 consistency checks between stats and snapshot.
 //! - `address_space.rs` — the simulated virtual address space (and the address hints of recorded runs).
 //! - `adopt.rs` — starting from a recorded state: segments that exist before the first event.
+//! - `steady.rs` — the state key and counters of a replay's steady-state check (skipped repetitions).
 //! - this file — `malloc`, `free`, `record_stream` and the block bookkeeping they share.
 //!
 //! Version followed: the NEW behaviour (≈ PyTorch 2.9 / main, late 2025) wherever versions differ, each place
@@ -68,13 +69,14 @@ mod pool;
 mod release;
 mod snapshot;
 mod sorted;
+mod steady;
 
 use vramsim_traces::StreamId;
 
 use vramsim_traces::InitialSegment;
 
 use crate::allocator::{
-    Action, AdoptError, Allocator, BlockRef, HistoryEntry, OutOfMemory, SegmentInfo,
+    Action, AdoptError, Allocator, BlockRef, Counters, HistoryEntry, OutOfMemory, SegmentInfo,
 };
 use crate::config::AllocatorConfig;
 use crate::device::Device;
@@ -839,6 +841,22 @@ impl Allocator for CachingAllocator {
 
     fn take_history(&mut self) -> Vec<HistoryEntry> {
         std::mem::take(&mut self.history)
+    }
+
+    fn steady_state_key(&self, key: &mut Vec<u64>) -> bool {
+        self.write_steady_state_key(key)
+    }
+
+    fn block_address(&self, block: BlockRef) -> Option<u64> {
+        Some(self.blocks[block.0].addr)
+    }
+
+    fn counters(&self) -> Counters {
+        self.steady_counters()
+    }
+
+    fn carry_repetitions(&mut self, before: &Counters, n: u64) {
+        self.carry_steady_repetitions(before, n)
     }
 }
 

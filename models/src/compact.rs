@@ -1,0 +1,469 @@
+//! Gradient accumulation lowered once per repeated micro-step: a step of `accum` micro-batches is
+//! lowered with three, and the third micro-batch stands for the third to the last.
+//!
+//! From the second micro-batch of an optimizer step on, the training loop does the same thing again
+//! (`forward`, `backward` into gradients that exist already, the previous micro-batch's kept outputs
+//! freed): the lowering makes the same events, each micro-batch allocating its own ids and freeing the
+//! previous one's. [`lower_compact`] lowers three micro-batches per optimizer step and checks that the
+//! third is the second again, every event equal (op, size, stream, category, tag) with the ids
+//! renamed consistently: the second's own ids moved by the ids one micro-batch allocates, those it
+//! takes from the first (kept outputs it frees) mapped one-to-one onto those the third takes from the
+//! second, every other id the same. Where the check fails, the whole step is lowered as it is.
+//! [`CompactTrace::expand`] writes the events a lowering of all `accum` micro-batches makes: the
+//! third micro-batch's events once per micro-batch, its ids renamed as the replay engine's `Repeat`
+//! renames them, and the
+//! later events' ids moved past the added micro-batches (ids are handed out in order). The equality
+//! with a fresh lowering, byte for byte, is the test `compact_lowering` (every zoo model and recipe
+//! option that touches the loop), not this module's check.
+//!
+
+use std::collections::HashMap;
+
+use serde_json::Value;
+use vramsim_traces::{AllocId, Event, Trace};
+
+use crate::graph::Graph;
+use crate::lower::{lower, LowerError};
+use crate::recipe::Recipe;
+
+/// Micro-batches lowered per optimizer step when the step has more: the first (which creates the
+/// gradients), the second (the first repetition) and the third (checked to equal the second).
+const LOWERED_MICRO_BATCHES: u32 = 3;
+
+/// One micro-batch that stands for several: `events[start..start + len]` of the compact trace, done
+/// `times` times in a row, the `k`-th time (from 0) with every id at or above `renamed_from` moved by
+/// `k × shift`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RepeatSpan {
+    /// Index of its first event in the compact trace.
+    pub start: usize,
+    /// Events of one micro-batch.
+    pub len: usize,
+    /// Micro-batches it stands for.
+    pub times: u64,
+    /// The lowest id renamed from one micro-batch to the next (the first id of the micro-batch before).
+    pub renamed_from: u64,
+    /// Ids one micro-batch allocates.
+    pub shift: u64,
+}
+
+/// A lowered step with its repeated micro-batches written once.
+#[derive(Clone, Debug)]
+pub struct CompactTrace {
+    /// The events lowered (with three micro-batches per optimizer step where `repeats` is not empty),
+    /// and the `meta` of the whole step (its `accum`, `recipe` and `phases` as a full lowering writes
+    /// them).
+    pub trace: Trace,
+    /// The repeated micro-batches, in trace order.
+    pub repeats: Vec<RepeatSpan>,
+    /// Events of the whole step.
+    pub events: usize,
+    /// `meta.phases` of the lowered events.
+    lowered_phases: Vec<Value>,
+}
+
+/// Events ready for a replay, in the ids of the whole step: a range of the compact trace where its ids
+/// are the whole step's already, else a renamed copy (without tags, which a replay does not read);
+/// with `repeat`, the events of one micro-batch that stands for `repeat.times` (its `renamed_from`
+/// named as the whole step names it). [`CompactTrace::piece_events`] gives the events.
+#[derive(Clone, Debug)]
+pub struct ReplayPiece {
+    /// Where the events are in the compact trace.
+    pub range: (usize, usize),
+    /// The renamed copy, where the ids differ.
+    pub renamed: Option<Vec<Event>>,
+    /// The repetition these events are, if any.
+    pub repeat: Option<RepeatSpan>,
+}
+
+impl CompactTrace {
+    /// A trace without repetitions.
+    pub fn plain(trace: Trace) -> CompactTrace {
+        let events = trace.events.len();
+        CompactTrace {
+            trace,
+            repeats: Vec::new(),
+            events,
+            lowered_phases: Vec::new(),
+        }
+    }
+
+    /// The renames that apply after the first `j` repeats: ids at or above a repeat's `renamed_from`
+    /// move by `(times − 1) × shift`, the ids its later micro-batches took.
+    fn renames(&self, j: usize) -> Vec<(u64, u64)> {
+        self.repeats[..j]
+            .iter()
+            .map(|r| (r.renamed_from, (r.times - 1) * r.shift))
+            .collect()
+    }
+
+    /// The compact trace as pieces to replay in order: events, then each repeated micro-batch, then
+    /// the events after it.
+    pub fn replay_pieces(&self) -> Vec<ReplayPiece> {
+        let piece = |renames: &[(u64, u64)], range: (usize, usize), repeat: Option<RepeatSpan>| {
+            let renamed = (!renames.is_empty()).then(|| {
+                self.trace.events[range.0..range.1]
+                    .iter()
+                    .map(|e| match rename_event(e, renames, None) {
+                        Event::Alloc {
+                            id,
+                            size,
+                            stream,
+                            category,
+                            ..
+                        } => Event::Alloc {
+                            id,
+                            size,
+                            stream,
+                            category,
+                            tag: None,
+                        },
+                        other => other,
+                    })
+                    .collect()
+            });
+            ReplayPiece {
+                range,
+                renamed,
+                repeat,
+            }
+        };
+        let mut pieces = Vec::new();
+        let mut at = 0;
+        for (j, r) in self.repeats.iter().enumerate() {
+            let renames = self.renames(j);
+            pieces.push(piece(&renames, (at, r.start), None));
+            let repeat = RepeatSpan {
+                renamed_from: rename_id(r.renamed_from, &renames, None),
+                ..*r
+            };
+            pieces.push(piece(&renames, (r.start, r.start + r.len), Some(repeat)));
+            at = r.start + r.len;
+        }
+        let renames = self.renames(self.repeats.len());
+        pieces.push(piece(&renames, (at, self.trace.events.len()), None));
+        pieces
+    }
+
+    /// The events of `piece`, one of [`CompactTrace::replay_pieces`].
+    pub fn piece_events<'a>(&'a self, piece: &'a ReplayPiece) -> &'a [Event] {
+        match &piece.renamed {
+            Some(events) => events,
+            None => &self.trace.events[piece.range.0..piece.range.1],
+        }
+    }
+
+    /// The step as a full lowering writes it.
+    pub fn expand(&self) -> Trace {
+        if self.repeats.is_empty() {
+            return self.trace.clone();
+        }
+        let mut events = Vec::with_capacity(self.events);
+        let mut at = 0;
+        let mut renames: Vec<(u64, u64)> = Vec::new();
+        for r in &self.repeats {
+            events.extend(
+                self.trace.events[at..r.start]
+                    .iter()
+                    .map(|e| rename_event(e, &renames, None)),
+            );
+            for k in 0..r.times {
+                events.extend(
+                    self.trace.events[r.start..r.start + r.len]
+                        .iter()
+                        .map(|e| rename_event(e, &renames, Some((r, k)))),
+                );
+            }
+            renames.push((r.renamed_from, (r.times - 1) * r.shift));
+            at = r.start + r.len;
+        }
+        events.extend(
+            self.trace.events[at..]
+                .iter()
+                .map(|e| rename_event(e, &renames, None)),
+        );
+        Trace {
+            meta: self.trace.meta.clone(),
+            events,
+        }
+    }
+}
+
+/// `id` after the renames of earlier repeats, then (inside a repeat) as its `k`-th micro-batch names it.
+pub fn rename_id(id: u64, renames: &[(u64, u64)], repeat: Option<(&RepeatSpan, u64)>) -> u64 {
+    let mut out = id;
+    if let Some((r, k)) = repeat {
+        if id >= r.renamed_from {
+            out += k * r.shift;
+        }
+    }
+    for &(from, by) in renames {
+        if id >= from {
+            out += by;
+        }
+    }
+    out
+}
+
+fn rename_event(e: &Event, renames: &[(u64, u64)], repeat: Option<(&RepeatSpan, u64)>) -> Event {
+    let id = |id: &AllocId| match id {
+        AllocId::Int(i) => AllocId::Int(rename_id(*i, renames, repeat)),
+        other => other.clone(),
+    };
+    match e {
+        Event::Alloc {
+            id: i,
+            size,
+            stream,
+            category,
+            tag,
+        } => Event::Alloc {
+            id: id(i),
+            size: *size,
+            stream: *stream,
+            category: *category,
+            tag: tag.clone(),
+        },
+        Event::Free { id: i } => Event::Free { id: id(i) },
+        Event::RecordStream { id: i, stream } => Event::RecordStream {
+            id: id(i),
+            stream: *stream,
+        },
+        other => other.clone(),
+    }
+}
+
+/// Lowers `recipe`'s step of `graph` with each optimizer step's third to last micro-batches written
+/// once (see the module documentation); the same as [`lower`] where the step has three micro-batches
+/// or fewer, or where the third is not the second again.
+pub fn lower_compact(graph: &Graph, recipe: &Recipe) -> Result<CompactTrace, LowerError> {
+    if recipe.accum <= LOWERED_MICRO_BATCHES {
+        return Ok(CompactTrace::plain(lower(graph, recipe)?));
+    }
+    let mut three = recipe.clone();
+    three.accum = LOWERED_MICRO_BATCHES;
+    let trace = lower(graph, &three)?;
+    match compact(trace, recipe) {
+        Some(c) => Ok(c),
+        None => Ok(CompactTrace::plain(lower(graph, recipe)?)),
+    }
+}
+
+/// The event ranges of micro-batches 0, 1 and 2 of each optimizer step, from `meta.phases`.
+fn micro_ranges(trace: &Trace) -> Option<Vec<[(usize, usize); 3]>> {
+    let phases = trace.meta.get("phases")?.as_array()?;
+    let entry = |p: &Value| -> Option<(u64, u64, usize, String)> {
+        Some((
+            p.get("iteration")?.as_u64()?,
+            p.get("micro_batch")?.as_u64()?,
+            p.get("event")?.as_u64()? as usize,
+            p.get("phase")?.as_str()?.to_string(),
+        ))
+    };
+    let entries: Vec<_> = phases.iter().map(entry).collect::<Option<_>>()?;
+    let iterations = trace.meta.get("iterations")?.as_u64()?;
+    let mut out = Vec::new();
+    for it in 0..iterations {
+        let mut ranges = [(0usize, 0usize); 3];
+        for (m, range) in ranges.iter_mut().enumerate() {
+            let first = entries
+                .iter()
+                .position(|(i, mb, _, name)| *i == it && *mb == m as u64 && name == "forward")?;
+            let end = entries[first..]
+                .iter()
+                .find(|(i, mb, _, name)| *i != it || *mb != m as u64 || name == "optimizer")
+                .map_or(trace.events.len(), |e| e.2);
+            *range = (entries[first].2, end);
+        }
+        out.push(ranges);
+    }
+    Some(out)
+}
+
+/// The first integer id allocated in `events`.
+fn first_alloc(events: &[Event]) -> Option<u64> {
+    events.iter().find_map(|e| match e {
+        Event::Alloc {
+            id: AllocId::Int(i),
+            ..
+        } => Some(*i),
+        _ => None,
+    })
+}
+
+fn int_ids(e: &Event) -> Option<Option<u64>> {
+    match e {
+        Event::Alloc { id, .. } | Event::Free { id } | Event::RecordStream { id, .. } => match id {
+            AllocId::Int(i) => Some(Some(*i)),
+            AllocId::Str(_) => None,
+        },
+        _ => Some(None),
+    }
+}
+
+/// Whether micro-batch 2 (`third`) is micro-batch 1 (`second`) again: equal events with the ids
+/// renamed consistently (see the module documentation). `from` are the first ids of micro-batches
+/// 0, 1 and 2.
+fn repeats_itself(second: &[Event], third: &[Event], from: [u64; 3]) -> bool {
+    if second.len() != third.len() {
+        return false;
+    }
+    let shift = from[2] - from[1];
+    let mut taken: HashMap<u64, u64> = HashMap::new();
+    for (a, b) in second.iter().zip(third) {
+        let (Some(ia), Some(ib)) = (int_ids(a), int_ids(b)) else {
+            return false;
+        };
+        let ids_match = match (ia, ib) {
+            (None, None) => true,
+            (Some(y), Some(z)) if y >= from[1] => y < from[2] && z == y + shift,
+            (Some(y), Some(z)) if y == z => !taken.contains_key(&y),
+            (Some(y), Some(z)) => {
+                (from[0]..from[1]).contains(&y)
+                    && (from[1]..from[2]).contains(&z)
+                    && *taken.entry(y).or_insert(z) == z
+            }
+            _ => false,
+        };
+        if !ids_match {
+            return false;
+        }
+        let same = match (a, b) {
+            (
+                Event::Alloc {
+                    size,
+                    stream,
+                    category,
+                    tag,
+                    ..
+                },
+                Event::Alloc {
+                    size: s2,
+                    stream: st2,
+                    category: c2,
+                    tag: t2,
+                    ..
+                },
+            ) => size == s2 && stream == st2 && category == c2 && tag == t2,
+            (Event::Free { .. }, Event::Free { .. }) => true,
+            (Event::RecordStream { stream, .. }, Event::RecordStream { stream: s2, .. }) => {
+                stream == s2
+            }
+            (a, b) => a == b,
+        };
+        if !same {
+            return false;
+        }
+    }
+    true
+}
+
+/// The compact form of a three-micro-batch lowering standing for `recipe.accum` micro-batches.
+fn compact(trace: Trace, recipe: &Recipe) -> Option<CompactTrace> {
+    let ranges = micro_ranges(&trace)?;
+    let mut repeats = Vec::new();
+    for [m0, m1, m2] in ranges {
+        let events = &trace.events;
+        let f1 = first_alloc(&events[m1.0..m1.1]);
+        let f2 = first_alloc(&events[m2.0..m2.1]);
+        let (from1, from2) = match (f1, f2) {
+            (Some(a), Some(b)) if b >= a => (a, b),
+            (None, None) => (u64::MAX, u64::MAX),
+            _ => return None,
+        };
+        let from0 = first_alloc(&events[m0.0..m0.1]).unwrap_or(from1);
+        if !repeats_itself(
+            &events[m1.0..m1.1],
+            &events[m2.0..m2.1],
+            [from0, from1, from2],
+        ) {
+            return None;
+        }
+        repeats.push(RepeatSpan {
+            start: m2.0,
+            len: m2.1 - m2.0,
+            times: 1,
+            renamed_from: from1,
+            shift: if from1 == u64::MAX { 0 } else { from2 - from1 },
+        });
+    }
+    let lowered_phases = trace.meta.get("phases")?.as_array()?.clone();
+    let mut c = CompactTrace {
+        trace,
+        repeats,
+        events: 0,
+        lowered_phases,
+    };
+    c.set_accum(recipe)?;
+    Some(c)
+}
+
+impl CompactTrace {
+    /// The same step with `recipe.accum` micro-batches per optimizer step, where the compact form
+    /// stands for more than three (`None` otherwise): the lowering of three micro-batches does not
+    /// depend on how many there are beyond that (the loss is divided by the accumulation steps
+    /// whenever there are several, `fwd.rs`'s `finish_loss`), so one serves every count above three.
+    /// `recipe` differs from the lowered one in `accum` only.
+    pub fn with_accum(&self, recipe: &Recipe) -> Option<CompactTrace> {
+        if self.repeats.is_empty() || recipe.accum <= LOWERED_MICRO_BATCHES {
+            return None;
+        }
+        let mut c = self.clone();
+        c.set_accum(recipe)?;
+        Some(c)
+    }
+
+    /// Sets the repetitions, the event count and the whole step's meta (its accumulation, recipe name
+    /// and phase list) for `recipe.accum` micro-batches.
+    fn set_accum(&mut self, recipe: &Recipe) -> Option<()> {
+        let times = u64::from(recipe.accum - LOWERED_MICRO_BATCHES + 1);
+        for r in &mut self.repeats {
+            r.times = times;
+        }
+        let repeats = &self.repeats;
+        let extra: usize = repeats.iter().map(|r| (r.times as usize - 1) * r.len).sum();
+        self.events = self.trace.events.len() + extra;
+        let phases = &self.lowered_phases;
+        let mut out = Vec::with_capacity(phases.len());
+        let mut moved = 0usize;
+        let mut i = 0;
+        for r in repeats {
+            // the phases before the repeated micro-batch, then its own once per micro-batch it
+            // stands for
+            while i < phases.len() && (phases[i].get("event")?.as_u64()? as usize) < r.start {
+                out.push(moved_phase(&phases[i], moved, None)?);
+                i += 1;
+            }
+            let first = i;
+            while i < phases.len() && (phases[i].get("event")?.as_u64()? as usize) < r.start + r.len
+            {
+                i += 1;
+            }
+            for k in 0..r.times as usize {
+                for p in &phases[first..i] {
+                    out.push(moved_phase(p, moved + k * r.len, Some(k))?);
+                }
+            }
+            moved += (r.times as usize - 1) * r.len;
+        }
+        for p in &phases[i..] {
+            out.push(moved_phase(p, moved, None)?);
+        }
+        let m = &mut self.trace.meta;
+        m.insert("accum".into(), recipe.accum.into());
+        m.insert("recipe".into(), recipe.name().into());
+        m.insert("phases".into(), Value::Array(out));
+        Some(())
+    }
+}
+
+/// A `meta.phases` entry moved `by` events later (and, for the `k`-th repetition of the repeated
+/// micro-batch, numbered as that micro-batch).
+fn moved_phase(p: &Value, by: usize, k: Option<usize>) -> Option<Value> {
+    let mut q = p.clone();
+    q["event"] = (p.get("event")?.as_u64()? as usize + by).into();
+    if let Some(k) = k {
+        q["micro_batch"] = (LOWERED_MICRO_BATCHES as usize - 1 + k).into();
+    }
+    Some(q)
+}

@@ -1,0 +1,147 @@
+//! Gradient accumulation lowered once per repeated micro-step (`compact::lower_compact`): the expanded
+//! trace equals a fresh lowering of every micro-batch, event for event and in its `meta` (the byte-for-
+//! byte JSON follows), for every zoo model, and for the recipe options that touch the training loop
+//! (kept outputs, gradients zeroed in place, checkpointing of both kinds, AMP with a GradScaler,
+//! clipping, persistent cuBLAS workspaces, cudnn.benchmark, more iterations, inference).
+
+use vramsim_models::compact::lower_compact;
+use vramsim_models::zoo::{self, NAMES};
+use vramsim_models::{
+    lower, CheckpointImpl, Checkpointing, CublasWorkspaceMode, Precision, Recipe, ZeroGrad,
+};
+
+fn recipe(name: &str, accum: u32) -> Recipe {
+    let mut r = Recipe::new(2, 32);
+    if zoo::Arch::from_name(name)
+        .unwrap()
+        .max_positions()
+        .is_none()
+    {
+        r.seq = 0;
+        if ["resnet", "vgg", "efficientnet", "convnext"]
+            .iter()
+            .any(|family| name.contains(family))
+        {
+            r.image_size = Some((64, 64));
+        }
+    }
+    r.accum = accum;
+    r
+}
+
+/// The expanded compact lowering equals the full one; returns whether micro-batches were repeated.
+fn check(name: &str, r: &Recipe) -> bool {
+    let g = zoo::build(name, r).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let full = lower(&g, r).unwrap();
+    let compact = lower_compact(&g, r).unwrap();
+    let expanded = compact.expand();
+    assert_eq!(compact.events, full.events.len(), "{name} {}", r.name());
+    assert_eq!(expanded.meta, full.meta, "{name} {}: meta", r.name());
+    if let Some(i) = (0..full.events.len()).find(|&i| expanded.events[i] != full.events[i]) {
+        panic!(
+            "{name} {}: event {i}: {:?} != {:?}",
+            r.name(),
+            expanded.events[i],
+            full.events[i]
+        );
+    }
+    assert_eq!(expanded.events.len(), full.events.len());
+    let json = |t: &vramsim_traces::Trace| {
+        let mut out = Vec::new();
+        vramsim_traces::write_json(&mut out, t).unwrap();
+        out
+    };
+    assert!(json(&expanded) == json(&full), "{name} {}: JSON", r.name());
+    !compact.repeats.is_empty()
+}
+
+#[test]
+fn every_zoo_model_expands_to_its_full_lowering() {
+    for name in NAMES {
+        assert!(check(name, &recipe(name, 5)), "{name}: no repetition found");
+    }
+}
+
+/// A change to a recipe.
+type Change = Box<dyn Fn(&mut Recipe)>;
+
+#[test]
+fn loop_options_expand_to_their_full_lowering() {
+    let variants: Vec<(&str, Change)> = vec![
+        ("keep outputs", Box::new(|r| r.keep_outputs = true)),
+        ("zero_grad zero", Box::new(|r| r.zero_grad = ZeroGrad::Zero)),
+        (
+            "full checkpointing",
+            Box::new(|r| r.checkpointing = Checkpointing::Full),
+        ),
+        (
+            "reentrant checkpointing",
+            Box::new(|r| {
+                r.checkpointing = Checkpointing::Every(2);
+                r.checkpoint_impl = CheckpointImpl::Reentrant;
+            }),
+        ),
+        (
+            "selective",
+            Box::new(|r| r.checkpointing = Checkpointing::Selective),
+        ),
+        ("amp-fp16", Box::new(|r| r.precision = Precision::AmpFp16)),
+        ("amp-bf16", Box::new(|r| r.precision = Precision::AmpBf16)),
+        ("bf16", Box::new(|r| r.precision = Precision::Bf16)),
+        ("clip", Box::new(|r| r.clip_grad_norm = Some(1.0))),
+        (
+            "persistent cuBLAS",
+            Box::new(|r| r.workspaces.cublas_mode = CublasWorkspaceMode::Persistent),
+        ),
+        (
+            "cudnn.benchmark",
+            Box::new(|r| r.workspaces.cudnn_benchmark = true),
+        ),
+        ("3 iterations", Box::new(|r| r.iterations = 3)),
+        ("1 iteration", Box::new(|r| r.iterations = 1)),
+        ("inference", Box::new(|r| r.inference = true)),
+    ];
+    for name in [
+        "gpt2",
+        "bert-base",
+        "tinyllama-1.1b",
+        "resnet18",
+        "vit-b-16",
+        "nanogpt",
+        "timm/convnext_nano",
+    ] {
+        for (what, change) in &variants {
+            for accum in [4, 7] {
+                let mut r = recipe(name, accum);
+                change(&mut r);
+                assert!(check(name, &r), "{name} {what}: no repetition found");
+            }
+        }
+    }
+}
+
+/// One compact lowering serves every accumulation above three.
+#[test]
+fn one_compact_lowering_serves_every_accumulation_above_three() {
+    for name in ["gpt2", "resnet18", "bert-base"] {
+        let r4 = recipe(name, 4);
+        let g = zoo::build(name, &r4).unwrap();
+        let four = lower_compact(&g, &r4).unwrap();
+        for accum in [5, 8, 16, 64] {
+            let r = recipe(name, accum);
+            let other = four.with_accum(&r).expect("more than three micro-batches");
+            assert!(
+                other.expand() == lower(&g, &r).unwrap(),
+                "{name} accum {accum}"
+            );
+        }
+        assert!(four.with_accum(&recipe(name, 3)).is_none());
+    }
+}
+
+#[test]
+fn three_micro_batches_or_fewer_are_lowered_as_they_are() {
+    for accum in 1..=3 {
+        assert!(!check("gpt2", &recipe("gpt2", accum)));
+    }
+}

@@ -1,0 +1,206 @@
+//! Repeated events with an exact steady state: a run of events that a trace repeats (gradient
+//! accumulation's micro-steps) is replayed until the state at a repetition boundary equals the state at
+//! the previous boundary; the remaining repetitions would then do exactly what the last one did, so
+//! they are skipped and their effect carried: running totals (events, allocs, frees, the allocator's
+//! `allocated`/`freed`/`num_*` counters, GC clocks, phase occurrences and marks) grow by what one
+//! repetition added, peaks stay (a repetition reaches what the last one reached), and the live
+//! allocations take the last repetition's ids.
+//!
+//! "The state" is everything that decides what the following events do: the allocator's state key
+//! ([`Allocator::steady_state_key`]: segments and blocks by address, pools, GC ages), the clocks, the
+//! current phase, and the live allocations with their blocks, the ids of earlier repetitions named as
+//! the next repetition names them. Where a part cannot be described (another allocator model, a kept
+//! timeline for plots, string ids), every repetition is replayed: the result is the same either way.
+
+use rustc_hash::FxHashMap;
+use vramsim_traces::{AllocId, Event};
+
+use super::{Flow, Live, Replay, ReplayError, MAX_PHASE_MARKS};
+use crate::allocator::{Allocator, Counters};
+
+/// Events that repeat: `events` `times` times in a row, the `k`-th repetition (from 0) being `events`
+/// with every integer id at or above `renamed_from` increased by `k × shift` (each repetition
+/// allocates its own ids, and may free those of the repetition before it, `shift` ids earlier).
+#[derive(Clone, Copy, Debug)]
+pub struct Repeat<'a> {
+    /// One repetition (the first).
+    pub events: &'a [Event],
+    /// Repetitions in all (the first included).
+    pub times: u64,
+    /// The lowest integer id that is renamed from one repetition to the next.
+    pub renamed_from: u64,
+    /// How far each repetition moves the renamed ids.
+    pub shift: u64,
+}
+
+impl Repeat<'_> {
+    /// `id` as the `k`-th repetition names it.
+    #[inline]
+    pub fn id(&self, id: &AllocId, k: u64) -> AllocId {
+        match id {
+            AllocId::Int(i) if *i >= self.renamed_from => AllocId::Int(i + k * self.shift),
+            other => other.clone(),
+        }
+    }
+
+    /// `event` as the `k`-th repetition has it (without its tag, which a replay does not read).
+    #[inline]
+    pub fn event(&self, event: &Event, k: u64) -> Event {
+        match event {
+            Event::Alloc {
+                id,
+                size,
+                stream,
+                category,
+                ..
+            } => Event::Alloc {
+                id: self.id(id, k),
+                size: *size,
+                stream: *stream,
+                category: *category,
+                tag: None,
+            },
+            Event::Free { id } => Event::Free { id: self.id(id, k) },
+            Event::RecordStream { id, stream } => Event::RecordStream {
+                id: self.id(id, k),
+                stream: *stream,
+            },
+            other => other.clone(),
+        }
+    }
+
+    /// Every event of every repetition, in order (what [`Replay::apply_repeated`] stands for).
+    pub fn expand(&self) -> impl Iterator<Item = Event> + '_ {
+        (0..self.times).flat_map(move |k| self.events.iter().map(move |e| self.event(e, k)))
+    }
+}
+
+/// The state and counters at a repetition boundary.
+struct Boundary {
+    key: Vec<u64>,
+    counters: Counters,
+    allocs: u64,
+    frees: u64,
+    occurrences: Vec<u64>,
+}
+
+impl<A: Allocator> Replay<A> {
+    /// Applies `repeat.times` repetitions of `repeat.events` (as [`Repeat::expand`] lists them),
+    /// skipping those that follow a steady state exactly (see the module documentation). Stops at an
+    /// out-of-memory error as [`Replay::apply`] does.
+    pub fn apply_repeated(&mut self, repeat: &Repeat) -> Result<Flow, ReplayError> {
+        let start = self.next_index;
+        let mut previous: Option<Boundary> = None;
+        for k in 0..repeat.times {
+            if let Some(now) = self.boundary(repeat, k) {
+                if previous.as_ref().is_some_and(|p| p.key == now.key) {
+                    let before = previous.expect("checked");
+                    self.skip(repeat, k, start, &before);
+                    return Ok(Flow::Continue);
+                }
+                previous = Some(now);
+            }
+            for event in repeat.events {
+                if self.apply(repeat.event(event, k))? == Flow::Stopped {
+                    return Ok(Flow::Stopped);
+                }
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// The state before repetition `k`, or `None` where it cannot be described.
+    fn boundary(&self, repeat: &Repeat, k: u64) -> Option<Boundary> {
+        if self.sampler.capacity > 0 {
+            return None;
+        }
+        let mut key = Vec::new();
+        if !self.allocator.steady_state_key(&mut key) {
+            return None;
+        }
+        self.timeline.steady_state_key(&mut key);
+        key.push(self.current_phase.map_or(u64::MAX, |p| p as u64));
+        // the live allocations, ids named as repetition k + 1 would name those of repetition k
+        let first_renamed = repeat.renamed_from + k * repeat.shift;
+        let mut live = Vec::with_capacity(self.live.len());
+        for (id, l) in &self.live {
+            let AllocId::Int(i) = id else { return None };
+            let name = if *i >= first_renamed {
+                (1, i - k * repeat.shift)
+            } else {
+                (0, *i)
+            };
+            let addr = match l.block {
+                Some(b) => self.allocator.block_address(b)?,
+                None => u64::MAX,
+            };
+            live.push((name, l.size, l.category.index() as u64, addr));
+        }
+        live.sort_unstable();
+        key.push(live.len() as u64);
+        for ((renamed, id), size, category, addr) in live {
+            key.extend([renamed, id, size, category, addr]);
+        }
+        Some(Boundary {
+            key,
+            counters: self.allocator.counters(),
+            allocs: self.allocs,
+            frees: self.frees,
+            occurrences: self.phases.iter().map(|p| p.occurrences).collect(),
+        })
+    }
+
+    /// Repetitions `k..times` start from the state repetition `k − 1` started from (`before`): they
+    /// would do what it did. Carries their effect instead of replaying them.
+    fn skip(&mut self, repeat: &Repeat, k: u64, start: u64, before: &Boundary) {
+        let n = repeat.times - k;
+        let len = repeat.events.len() as u64;
+        self.allocs += (self.allocs - before.allocs) * n;
+        self.frees += (self.frees - before.frees) * n;
+        self.allocator.carry_repetitions(&before.counters, n);
+        for (i, phase) in self.phases.iter_mut().enumerate() {
+            let then = before.occurrences.get(i).copied().unwrap_or(0);
+            phase.occurrences += (phase.occurrences - then) * n;
+        }
+        if self.phase_marks.len() < MAX_PHASE_MARKS {
+            let marks: Vec<(u64, &str)> = repeat
+                .events
+                .iter()
+                .enumerate()
+                .filter_map(|(offset, e)| match e {
+                    Event::Phase { name } => Some((offset as u64, &**name)),
+                    _ => None,
+                })
+                .collect();
+            'marks: for j in k..repeat.times {
+                for &(offset, name) in &marks {
+                    if self.phase_marks.len() >= MAX_PHASE_MARKS {
+                        break 'marks;
+                    }
+                    self.phase_marks
+                        .push((start + j * len + offset, name.to_string()));
+                }
+                if marks.is_empty() {
+                    break;
+                }
+            }
+        }
+        self.next_index += n * len;
+        // the live allocations of the last repetitions take the ids the last one gives them
+        let first_renamed = repeat.renamed_from + k * repeat.shift;
+        let live = std::mem::take(&mut self.live);
+        let mut renamed: FxHashMap<AllocId, Live> =
+            FxHashMap::with_capacity_and_hasher(live.len(), Default::default());
+        for (id, mut l) in live {
+            let id = match id {
+                AllocId::Int(i) if i >= first_renamed => {
+                    l.since += n * len;
+                    AllocId::Int(i + n * repeat.shift)
+                }
+                other => other,
+            };
+            renamed.insert(id, l);
+        }
+        self.live = renamed;
+    }
+}

@@ -1,0 +1,315 @@
+//! Repeated events with an exact steady state (`Replay::apply_repeated`): skipping the repetitions that
+//! follow a steady state gives the same report, statistics and segments as replaying every event, on
+//! random programs under random allocator settings (expandable segments, max_split_size_mb, the GC
+//! threshold with a memory fraction), devices small enough to run out of memory, and bodies that never
+//! reach a steady state (leaks, clocks that move, stream uses).
+
+use proptest::prelude::*;
+use vramsim_sim::allocator::caching::CachingAllocator;
+use vramsim_sim::allocator::Allocator;
+use vramsim_sim::config::AllocatorConfig;
+use vramsim_sim::device::Device;
+use vramsim_sim::engine::{Flow, Repeat, Replay, ReplayOptions};
+use vramsim_traces::{AllocId, Category, Event};
+
+const MIB: u64 = 1 << 20;
+/// Ids of the repeated body start here (the prefix's are below).
+const FROM: u64 = 1_000_000;
+
+/// One step of the repeated body.
+#[derive(Clone, Debug)]
+enum Op {
+    /// An allocation and what becomes of it: freed later in the body (`Some(false)`), freed by the
+    /// next repetition (`Some(true)`, what a kept output does), or never (`None`, a leak).
+    Alloc {
+        size: u64,
+        stream: u64,
+        kept: Option<bool>,
+    },
+    /// Frees the earliest body allocation not yet freed that the body frees itself.
+    FreeOwn,
+    /// Frees the earliest of the previous repetition's kept allocations not yet freed.
+    FreeKept,
+    EmptyCache,
+    Phase(&'static str),
+    Compute,
+    RecordStream,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    // sizes log-uniform from 1 B to 64 MiB
+    let size = (0u32..26, any::<u64>()).prop_map(|(e, r)| (1u64 << e) + r % (1u64 << e));
+    let kept = prop_oneof![8 => Just(Some(false)), 3 => Just(Some(true)), 1 => Just(None)];
+    prop_oneof![
+        10 => (size, prop_oneof![9 => Just(0u64), 1 => Just(1u64)], kept)
+            .prop_map(|(size, stream, kept)| Op::Alloc { size, stream, kept }),
+        7 => Just(Op::FreeOwn),
+        3 => Just(Op::FreeKept),
+        1 => Just(Op::EmptyCache),
+        2 => prop_oneof![Just("forward"), Just("backward")].prop_map(Op::Phase),
+        1 => Just(Op::Compute),
+        1 => Just(Op::RecordStream),
+    ]
+}
+
+/// The settings a program runs under.
+fn settings() -> impl Strategy<Value = String> {
+    (
+        any::<bool>(),
+        prop::option::of(prop_oneof![Just(20u64), Just(40), Just(100)]),
+        prop::option::of(prop_oneof![Just(0.5f64), Just(0.8)]),
+    )
+        .prop_map(|(expandable, max_split, gc)| {
+            let mut parts = Vec::new();
+            if expandable {
+                parts.push("expandable_segments:True".to_string());
+            }
+            if let Some(mb) = max_split {
+                parts.push(format!("max_split_size_mb:{mb}"));
+            }
+            if let Some(threshold) = gc {
+                parts.push(format!(
+                    "garbage_collection_threshold:{threshold},per_process_memory_fraction:0.9"
+                ));
+            }
+            parts.join(",")
+        })
+}
+
+fn alloc(id: u64, size: u64, stream: u64) -> Event {
+    Event::Alloc {
+        id: AllocId::Int(id),
+        size,
+        stream,
+        category: Category::Activation,
+        tag: None,
+    }
+}
+
+fn free(id: u64) -> Event {
+    Event::Free {
+        id: AllocId::Int(id),
+    }
+}
+
+/// A program: prefix, the kept allocations of a repetition before the first, the body to repeat
+/// `times` times (repetition 0's ids), and a suffix that frees the last repetition's kept
+/// allocations and asks for one more block.
+struct Program {
+    prefix: Vec<Event>,
+    warmup: Vec<Event>,
+    body: Vec<Event>,
+    shift: u64,
+    times: u64,
+    suffix: Vec<Event>,
+}
+
+fn program(prefix_sizes: &[u64], ops: &[Op], times: u64, last: u64) -> Program {
+    let prefix: Vec<Event> = prefix_sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| alloc(i as u64, s, 0))
+        .collect();
+    let allocs: Vec<(u64, u64, Option<bool>)> = ops
+        .iter()
+        .filter_map(|o| match o {
+            Op::Alloc { size, stream, kept } => Some((*size, *stream, *kept)),
+            _ => None,
+        })
+        .collect();
+    let shift = allocs.len() as u64;
+    let kept: Vec<usize> = (0..allocs.len())
+        .filter(|&j| allocs[j].2 == Some(true))
+        .collect();
+    // the repetition before the first leaves its kept allocations live
+    let warmup: Vec<Event> = kept
+        .iter()
+        .map(|&j| alloc(FROM + j as u64, allocs[j].0, allocs[j].1))
+        .collect();
+    let mut body = Vec::new();
+    let mut made = 0usize;
+    let mut own_live: Vec<u64> = Vec::new();
+    let mut kept_left: Vec<u64> = kept.iter().map(|&j| FROM + j as u64).collect();
+    for o in ops {
+        match o {
+            Op::Alloc { size, stream, kept } => {
+                let id = FROM + shift + made as u64;
+                body.push(alloc(id, *size, *stream));
+                if *kept == Some(false) {
+                    own_live.push(id);
+                }
+                made += 1;
+            }
+            Op::FreeOwn if !own_live.is_empty() => body.push(free(own_live.remove(0))),
+            Op::FreeKept if !kept_left.is_empty() => body.push(free(kept_left.remove(0))),
+            Op::EmptyCache => body.push(Event::EmptyCache),
+            Op::Phase(name) => body.push(Event::Phase {
+                name: (*name).into(),
+            }),
+            Op::Compute => body.push(Event::Compute { stream: 0, us: 1.5 }),
+            Op::RecordStream if !own_live.is_empty() => body.push(Event::RecordStream {
+                id: AllocId::Int(own_live[0]),
+                stream: 1,
+            }),
+            _ => {}
+        }
+    }
+    // what the body allocates for itself dies in it; the previous repetition's kept ones too
+    body.extend(own_live.into_iter().map(free));
+    body.extend(kept_left.into_iter().map(free));
+    let renamed_last = (times - 1) * shift;
+    let mut suffix: Vec<Event> = kept
+        .iter()
+        .map(|&j| free(FROM + shift + j as u64 + renamed_last))
+        .collect();
+    suffix.push(Event::Phase {
+        name: "optimizer".into(),
+    });
+    // more requests after the repetitions: new segments (where the GC may run, reading the ages the
+    // repetitions left), a cached block taken, the cache emptied
+    let big = u64::MAX / 2;
+    suffix.extend([
+        alloc(big, 7 * MIB, 0),
+        alloc(big + 1, last, 0),
+        free(big),
+        alloc(big + 2, last / 2 + 1, 0),
+        alloc(big + 3, 13 * MIB, 0),
+        free(big + 3),
+        Event::EmptyCache,
+        alloc(big + 4, 2 * last, 0),
+    ]);
+    Program {
+        prefix,
+        warmup,
+        body,
+        shift,
+        times,
+        suffix,
+    }
+}
+
+fn allocator(settings: &str, capacity: u64) -> CachingAllocator {
+    let config = AllocatorConfig::parse(settings).expect("valid settings");
+    CachingAllocator::new(config, Device::with_capacity(capacity))
+}
+
+/// Replays the program, the body through `apply_repeated` (`skip`) or event by event; the report and
+/// the allocator's final statistics and segments, as text.
+fn replay(p: &Program, settings: &str, capacity: u64, skip: bool) -> String {
+    let mut r = Replay::new(allocator(settings, capacity), &ReplayOptions::default());
+    let repeat = Repeat {
+        events: &p.body,
+        times: p.times,
+        renamed_from: FROM,
+        shift: p.shift,
+    };
+    let run = |r: &mut Replay<CachingAllocator>| -> Result<Flow, String> {
+        for e in p.prefix.iter().chain(&p.warmup) {
+            if r.apply(e.clone()).map_err(|e| e.to_string())? == Flow::Stopped {
+                return Ok(Flow::Stopped);
+            }
+        }
+        if skip {
+            if r.apply_repeated(&repeat).map_err(|e| e.to_string())? == Flow::Stopped {
+                return Ok(Flow::Stopped);
+            }
+        } else {
+            for e in repeat.expand() {
+                if r.apply(e).map_err(|e| e.to_string())? == Flow::Stopped {
+                    return Ok(Flow::Stopped);
+                }
+            }
+        }
+        for e in &p.suffix {
+            if r.apply(e.clone()).map_err(|e| e.to_string())? == Flow::Stopped {
+                return Ok(Flow::Stopped);
+            }
+        }
+        Ok(Flow::Continue)
+    };
+    let flow = run(&mut r);
+    let (outcome, allocator) = r.into_parts();
+    format!(
+        "{flow:?}\n{outcome:#?}\n{:#?}\n{:#?}",
+        allocator.stats(),
+        allocator.segments()
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, .. ProptestConfig::default() })]
+
+    #[test]
+    fn skipping_repetitions_equals_replaying_them(
+        settings in settings(),
+        capacity in prop_oneof![Just(256 * MIB), Just(1024 * MIB), Just(16384 * MIB)],
+        prefix in prop::collection::vec(1u64..(64 * MIB), 0..6),
+        ops in prop::collection::vec(op(), 1..40),
+        times in 1u64..12,
+        last in prop_oneof![Just(1u64), Just(30 * MIB), Just(90 * MIB), Just(4096 * MIB)],
+    ) {
+        let p = program(&prefix, &ops, times, last);
+        let full = replay(&p, &settings, capacity, false);
+        let skipped = replay(&p, &settings, capacity, true);
+        prop_assert_eq!(full, skipped);
+    }
+}
+
+/// A steady body repeated a billion times replays in a moment (it is skipped after two repetitions),
+/// and its counters are the body's times a billion: worked out by hand from one repetition.
+#[test]
+fn a_billion_repetitions_are_carried_exactly() {
+    // one repetition: a 3 MiB block (rounded to 3 MiB, from a 20 MiB segment) and a 100-byte block
+    // (512 B, from a 2 MiB small segment), both freed
+    let body = vec![
+        Event::Phase {
+            name: "forward".into(),
+        },
+        alloc(FROM, 3 * MIB, 0),
+        alloc(FROM + 1, 100, 0),
+        free(FROM),
+        free(FROM + 1),
+    ];
+    let times = 1_000_000_000u64;
+    let repeat = Repeat {
+        events: &body,
+        times,
+        renamed_from: FROM,
+        shift: 2,
+    };
+    // every setting reaches the steady state (a replay of every event would take minutes)
+    for settings in [
+        "expandable_segments:True",
+        "max_split_size_mb:40",
+        "garbage_collection_threshold:0.6,per_process_memory_fraction:0.9",
+    ] {
+        let mut r = Replay::new(allocator(settings, 80 << 30), &ReplayOptions::default());
+        assert_eq!(r.apply_repeated(&repeat).unwrap(), Flow::Continue);
+        assert_eq!(r.finish().events, 5 * times, "{settings}");
+    }
+    let mut r = Replay::new(allocator("", 80 << 30), &ReplayOptions::default());
+    assert_eq!(r.apply_repeated(&repeat).unwrap(), Flow::Continue);
+    // the last repetition's ids are live no more: an alloc may take the first repetition's again
+    r.apply(alloc(FROM, 1, 0)).unwrap();
+    let outcome = r.finish();
+    assert_eq!(outcome.events, 5 * times + 1);
+    assert_eq!(outcome.allocs, 2 * times + 1);
+    assert_eq!(outcome.frees, 2 * times);
+    let s = &outcome.stats;
+    assert_eq!(s.allocation.all.allocated, 2 * times as i64 + 1);
+    assert_eq!(s.allocation.all.freed, 2 * times as i64);
+    assert_eq!(
+        s.allocated_bytes.all.allocated,
+        (3 * MIB as i64 + 512) * times as i64 + 512
+    );
+    assert_eq!(s.allocated_bytes.all.peak, 3 * MIB as i64 + 512);
+    // segments are made once: 20 MiB large, 2 MiB small
+    assert_eq!(s.num_device_alloc, 2);
+    assert_eq!(s.reserved_bytes.all.current, 22 * MIB as i64);
+    assert_eq!(outcome.phases[0].occurrences, times);
+    assert_eq!(
+        outcome.phase_marks.len(),
+        vramsim_sim::engine::MAX_PHASE_MARKS
+    );
+    assert_eq!(outcome.phase_marks[999].0, 999 * 5);
+}
