@@ -740,7 +740,7 @@ pub fn replay_step(
         let events = lowered.compact.piece_events(piece);
         let flow = match &piece.repeat {
             // The replay has no use for tags: hand it the events without (no string copies).
-            None => replay.apply_all(events.iter().map(|e| Ok(without_tag(e))))?,
+            None => replay.apply_all(events.iter().map(|e| Ok(e.clone().without_tag())))?,
             Some(r) => replay.apply_repeated(&Repeat {
                 events,
                 times: r.times,
@@ -797,26 +797,6 @@ pub fn replay_step(
         attention: lowered.attention.clone(),
     };
     Ok((report, prediction))
-}
-
-/// `event` without its tag (a replay reads none).
-fn without_tag(event: &Event) -> Event {
-    match event {
-        Event::Alloc {
-            id,
-            size,
-            stream,
-            category,
-            ..
-        } => Event::Alloc {
-            id: id.clone(),
-            size: *size,
-            stream: *stream,
-            category: *category,
-            tag: None,
-        },
-        other => other.clone(),
-    }
 }
 
 /// The name a config.json gets in reports: its directory's name for `.../NAME/config.json`, else

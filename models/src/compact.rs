@@ -104,22 +104,7 @@ impl CompactTrace {
             let renamed = (!renames.is_empty()).then(|| {
                 self.trace.events[range.0..range.1]
                     .iter()
-                    .map(|e| match rename_event(e, renames, None) {
-                        Event::Alloc {
-                            id,
-                            size,
-                            stream,
-                            category,
-                            ..
-                        } => Event::Alloc {
-                            id,
-                            size,
-                            stream,
-                            category,
-                            tag: None,
-                        },
-                        other => other,
-                    })
+                    .map(|e| rename_event(e, renames, None).without_tag())
                     .collect()
             });
             ReplayPiece {

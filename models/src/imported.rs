@@ -142,6 +142,13 @@ fn int_at(j: &J, (batch, seq): (u64, u64)) -> Option<i64> {
     Some(total)
 }
 
+/// The value ids of a JSON list (`[3, 7]`); anything else is no ids.
+fn id_list(j: &J) -> Vec<usize> {
+    j.as_array()
+        .map(|a| a.iter().filter_map(J::as_u64).map(|v| v as usize).collect())
+        .unwrap_or_default()
+}
+
 fn dtype_spec(name: &str) -> Result<DTypeSpec, ImportError> {
     Ok(match name {
         "model" => DTypeSpec::Model,
@@ -329,10 +336,7 @@ impl ImportedGraph {
         let mut seen: BTreeMap<String, (usize, String, usize)> = BTreeMap::new();
         for (i, op) in self.ops().iter().enumerate() {
             let name = op["op"].as_str().unwrap_or("?");
-            let outs: Vec<usize> = op["outputs"]
-                .as_array()
-                .map(|a| a.iter().filter_map(J::as_u64).map(|x| x as usize).collect())
-                .unwrap_or_default();
+            let outs: Vec<usize> = id_list(&op["outputs"]);
             let args = op["args"].as_array().map(Vec::as_slice).unwrap_or(&[]);
             if !SUPPORTED.contains(&name)
                 && !text::SUPPORTED.contains(&name)
@@ -576,10 +580,7 @@ impl<'a> Builder<'a> {
                     "block {path:?} is not one contiguous run of forward calls"
                 )));
             }
-            let args = blk["args"]
-                .as_array()
-                .map(|a| a.iter().filter_map(J::as_u64).map(|v| v as usize).collect())
-                .unwrap_or_default();
+            let args = id_list(&blk["args"]);
             blocks.push((first, last + 1, path, args));
         }
         blocks.sort();
@@ -589,14 +590,11 @@ impl<'a> Builder<'a> {
                 a.iter()
                     .filter_map(|c| {
                         let c = c.as_array()?;
-                        let held = c.get(2)?.as_array()?;
+                        let held = c.get(2).filter(|h| h.is_array())?;
                         Some((
                             c.first()?.as_u64()? as usize,
                             c.get(1)?.as_u64()? as usize,
-                            held.iter()
-                                .filter_map(J::as_u64)
-                                .map(|v| v as usize)
-                                .collect(),
+                            id_list(held),
                         ))
                     })
                     .collect()
@@ -609,14 +607,7 @@ impl<'a> Builder<'a> {
                 a.iter()
                     .filter_map(|e| {
                         let k = e.get(0)?.as_u64()? as usize;
-                        let ids = e.get(1)?.as_array()?;
-                        Some((
-                            k,
-                            ids.iter()
-                                .filter_map(J::as_u64)
-                                .map(|v| v as usize)
-                                .collect(),
-                        ))
+                        Some((k, id_list(e.get(1)?)))
                     })
                     .collect()
             })
@@ -827,10 +818,7 @@ impl<'a> Builder<'a> {
         let module = op["module"].as_str().unwrap_or("").to_string();
         let args = op["args"].as_array().cloned().unwrap_or_default();
         let kwargs = op["kwargs"].as_object().cloned().unwrap_or_default();
-        let outs: Vec<usize> = op["outputs"]
-            .as_array()
-            .map(|a| a.iter().filter_map(J::as_u64).map(|x| x as usize).collect())
-            .unwrap_or_default();
+        let outs: Vec<usize> = id_list(&op["outputs"]);
         let bad = |msg: String| ImportError::Arguments {
             op: name.clone(),
             module: module.clone(),
@@ -1481,10 +1469,7 @@ impl<'a> Builder<'a> {
     fn op(&mut self, op: &J) -> Result<(), ImportError> {
         let name = op["op"].as_str().unwrap_or("?").to_string();
         let module = op["module"].as_str().unwrap_or("").to_string();
-        let outs: Vec<usize> = op["outputs"]
-            .as_array()
-            .map(|a| a.iter().filter_map(J::as_u64).map(|x| x as usize).collect())
-            .unwrap_or_default();
+        let outs: Vec<usize> = id_list(&op["outputs"]);
         let bad = |msg: String| ImportError::Arguments {
             op: name.clone(),
             module: module.clone(),

@@ -353,9 +353,10 @@ impl Builder<'_> {
                 let w = self.input_t(c, 2, "mat2")?;
                 vec![self.b.addmm(bias, a, w)]
             }
-            // `qkv.split(n_embd, dim=2)`: views of the sizes PyTorch gave.
-            "split" => {
-                let x = self.input_t(c, 0, "self")?;
+            // `qkv.split(n_embd, dim=2)`, `gate_up.chunk(2, dim=-1)`: views of the sizes PyTorch
+            // gave.
+            "split" | "chunk" => {
+                let x = self.input_t(c, 0, if c.name == "split" { "self" } else { "input" })?;
                 let dim = c
                     .arg(2, "dim")
                     .and_then(|j| int_at(j, (self.batch, self.seq)))
@@ -514,21 +515,6 @@ impl Builder<'_> {
                 let a = self.input_t(c, 0, "self")?;
                 let o = self.input_t(c, 1, "other")?;
                 vec![self.b.div(a, o)]
-            }
-            // `gate_up.chunk(2, dim=-1)`: views, as `split`.
-            "chunk" => {
-                let x = self.input_t(c, 0, "input")?;
-                let dim = c
-                    .arg(2, "dim")
-                    .and_then(|j| int_at(j, (self.batch, self.seq)))
-                    .unwrap_or(0);
-                let n = self.b.shape(x).len() as i64;
-                let d = if dim < 0 { dim + n } else { dim } as usize;
-                let mut sizes = Vec::new();
-                for i in 0..c.outs.len() {
-                    sizes.push(self.declared(c, i)?.0.get(d).copied().unwrap_or(0));
-                }
-                self.b.split(x, &sizes, d as isize)
             }
             // transformers' `_grouped_mm` (`grouped_mm_experts_forward`): the experts' GEMMs,
             // whose allocations do not depend on how many tokens each expert gets.

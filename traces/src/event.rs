@@ -251,6 +251,26 @@ pub struct InitialBlock {
 }
 
 impl Event {
+    /// This event without an allocation's tag (what a replay reads: the tag only names the site).
+    pub fn without_tag(self) -> Event {
+        match self {
+            Event::Alloc {
+                id,
+                size,
+                stream,
+                category,
+                ..
+            } => Event::Alloc {
+                id,
+                size,
+                stream,
+                category,
+                tag: None,
+            },
+            other => other,
+        }
+    }
+
     /// The `op` string of this event in trace files.
     pub fn op(&self) -> &'static str {
         match self {

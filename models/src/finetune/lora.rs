@@ -171,6 +171,26 @@ pub struct LinearLayer {
     pub ops: (usize, usize),
 }
 
+impl LinearLayer {
+    /// The layer's input (the first value its ops read that they did not make and that is not a
+    /// parameter) and its output (the last op's first output) in `g`; `None` without such an input.
+    pub fn input_output(&self, g: &Graph) -> Option<(ValueId, ValueId)> {
+        let range = self.ops.0..=self.ops.1;
+        let made_here = |v: ValueId| match g.values[v.0 as usize].source {
+            Source::Op { op, .. } => range.contains(&(op.0 as usize)),
+            _ => false,
+        };
+        let x = g.ops[self.ops.0..=self.ops.1]
+            .iter()
+            .flat_map(|o| o.inputs.iter().copied())
+            .find(|&v| {
+                !made_here(v) && !matches!(g.values[v.0 as usize].source, Source::Param(_))
+            })?;
+        let y = *g.ops[self.ops.1].outputs.first()?;
+        Some((x, y))
+    }
+}
+
 /// The linear layers of `g`, in program order: modules with a 2-D `weight` parameter that a
 /// matrix multiply (`mm`/`addmm`) of the module consumes (directly: HF `Conv1D`'s `[in, out]`
 /// weight; or transposed: `nn.Linear`'s `[out, in]`). Embeddings and convolutions are not.
@@ -335,19 +355,9 @@ pub fn apply_lora(g: Graph, cfg: &LoraConfig) -> Result<Graph, FinetuneError> {
     let mut inserts = Vec::new();
     for l in &layers {
         let g = b.graph();
-        let range = l.ops.0..=l.ops.1;
-        let made_here = |v: ValueId| match g.values[v.0 as usize].source {
-            Source::Op { op, .. } => range.contains(&(op.0 as usize)),
-            _ => false,
-        };
-        let Some(x) = g.ops[l.ops.0..=l.ops.1]
-            .iter()
-            .flat_map(|o| o.inputs.iter().copied())
-            .find(|&v| !made_here(v) && !matches!(g.values[v.0 as usize].source, Source::Param(_)))
-        else {
+        let Some((x, y)) = l.input_output(g) else {
             continue;
         };
-        let y = *g.ops[l.ops.1].outputs.first().expect("an op has an output");
         let after_param = g
             .params
             .iter()

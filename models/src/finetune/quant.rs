@@ -23,7 +23,7 @@
 use super::lora::{linear_modules, LinearLayer};
 use super::FinetuneError;
 use crate::dtype::DType;
-use crate::graph::{DTypeSpec, Graph, GraphBuilder, Source, ValueId};
+use crate::graph::{DTypeSpec, Graph, GraphBuilder};
 use crate::ops::OpKind;
 
 /// bitsandbytes' 4-bit block size (`Params4bit` `blocksize=None → 64`).
@@ -162,19 +162,9 @@ pub fn apply_quant(g: Graph, q: Quant) -> Result<Graph, FinetuneError> {
     let mut replaced = Vec::new();
     for l in &layers {
         let g = b.graph();
-        let range = l.ops.0..=l.ops.1;
-        let made_here = |v: ValueId| match g.values[v.0 as usize].source {
-            Source::Op { op, .. } => range.contains(&(op.0 as usize)),
-            _ => false,
-        };
-        let Some(x) = g.ops[l.ops.0..=l.ops.1]
-            .iter()
-            .flat_map(|o| o.inputs.iter().copied())
-            .find(|&v| !made_here(v) && !matches!(g.values[v.0 as usize].source, Source::Param(_)))
-        else {
+        let Some((x, y)) = l.input_output(g) else {
             continue;
         };
-        let y = *g.ops[l.ops.1].outputs.first().expect("an op has an output");
         let y_shape = g.values[y.0 as usize].shape.clone();
         let bias = g
             .params
