@@ -65,6 +65,8 @@ def test_timm_from_module_matches_the_zoo(name):
     net = _create(name)
     hw = 384 if name.endswith("_384") else 224
     m = vramsim.from_module(net, _image(hw))
+    # Every call has a rule but ViT's `q, k, v = qkv.unbind(0)`, lowered from its recording.
+    assert {r["op"] for r in m.recorded} <= {"unbind"}
     for options in (dict(batch=8, precision="fp32"), dict(batch=8, precision="amp-bf16")):
         ours = vramsim.predict(model=m, **options).peak_requested_bytes
         theirs = vramsim.predict(model="timm/" + name, **options).peak_requested_bytes
