@@ -241,3 +241,65 @@ fn amp_peaks_agree_with_pytorch_autocast() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// GPT-2 under autocast, block 0 allocation by allocation: from the allocation of `ln_1`'s float32
+/// output to its free, the allocs and frees (signed sizes, in order) equal the recording's
+/// (`transformer.h.0.ln_1`, events 192–224 of `gpt2__b2s128__amp-bf16-adamw.jsonl.gz`).
+/// `GPT2Block.forward` holds the norm's output in `hidden_states` until `attn_output + residual`
+/// rebinds it (c_attn saves its bf16 copy): freed right after the cast, the step's requested peak is
+/// the same, so the peak comparison above cannot see it, but the allocator's blocks, and so its
+/// reserved bytes, differ.
+#[test]
+fn gpt2_autocast_block_frees_in_pytorchs_order() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/amp");
+    let fx: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("gpt2__b2s128__amp-bf16-adamw.json")).unwrap(),
+    )
+    .unwrap();
+    let recorded = vramsim_traces::file::read_trace(dir.join(fx["trace"].as_str().unwrap()))
+        .expect("the recording's trace");
+    let r = recipe_of(&fx).unwrap();
+    let g = zoo::build("gpt2", &r).unwrap();
+    let t = lower(&g, &r).unwrap();
+    // The signed sizes from the forward's first allocation tagged with block 0's `ln_1` to its free.
+    let span = |t: &Trace| -> Vec<i64> {
+        let mut sizes: HashMap<&AllocId, u64> = HashMap::new();
+        let mut out = Vec::new();
+        let mut first: Option<&AllocId> = None;
+        let mut forward = false;
+        for e in &t.events {
+            match e {
+                Event::Phase { name } => forward |= &**name == "forward",
+                Event::Alloc { id, size, tag, .. } => {
+                    sizes.insert(id, *size);
+                    let ln_1 = tag.as_deref().is_some_and(|g| g.contains("h.0.ln_1"));
+                    if first.is_none() && forward && ln_1 {
+                        first = Some(id);
+                    }
+                    if first.is_some() {
+                        out.push(*size as i64);
+                    }
+                }
+                Event::Free { id } if first.is_some() => {
+                    out.push(-(sizes[id] as i64));
+                    if Some(id) == first {
+                        return out;
+                    }
+                }
+                _ => {}
+            }
+        }
+        panic!("no freed allocation of h.0.ln_1");
+    };
+    // Both end with the residual add's output and then the norm's free. (Inside the span the eager
+    // attention still differs: the recording casts the float32 softmax to bf16 (`_to_copy`) before
+    // `native_dropout` and frees the cast after it; the lowering allocates in another order. The
+    // phase peaks above agree; not yet modelled.)
+    let (ours, theirs) = (span(&t), span(&recorded));
+    assert_eq!(ours[ours.len() - 2..], theirs[theirs.len() - 2..]);
+    assert_eq!(
+        ours[..16],
+        theirs[..16],
+        "through c_attn and the attention scores"
+    );
+}

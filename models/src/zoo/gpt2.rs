@@ -184,6 +184,10 @@ pub fn gpt2_with_head(
                 b.hold(a);
                 b.hold_opt(probs);
                 let x = b.add(a, residual);
+                // `hidden_states = self.ln_1(hidden_states)` holds the norm's output until
+                // `hidden_states = attn_output + residual` rebinds it (GPT2Block.forward): under
+                // autocast c_attn saves its bf16 copy, and the float32 output lives to this add.
+                b.hold_until_last_op(y);
                 let residual = x;
                 let y = b.layer_norm("ln_2", x);
                 let f = b.module("mlp", |b| {
@@ -193,7 +197,10 @@ pub fn gpt2_with_head(
                     b.module("dropout", |b| b.dropout(y, cfg.resid_dropout))
                 });
                 b.hold(f);
-                b.add(residual, f)
+                let x = b.add(residual, f);
+                // Likewise `ln_2`'s output until `hidden_states = residual + feed_forward_hidden_states`.
+                b.hold_until_last_op(y);
+                x
             });
         }
         (b.layer_norm("ln_f", x), wte, cache)
