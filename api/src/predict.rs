@@ -30,8 +30,6 @@ use vramsim_traces::{Event, Trace};
 
 use crate::machine::MachineArgs;
 
-/// Timeline points kept for `--plot`.
-const PLOT_POINTS: usize = 4000;
 /// Module groups listed in the table (`--json` has them all).
 const TOP_MODULES: usize = 8;
 /// Largest allocations listed in the table.
@@ -492,7 +490,7 @@ pub fn predict(args: &PredictArgs) -> Result<Predicted> {
         vramsim_traces::write_trace(path, lowered.trace())
             .map_err(|e| anyhow::anyhow!("cannot write the trace: {e}"))?;
     }
-    let points = if args.plot.is_some() { PLOT_POINTS } else { 0 };
+    let points = crate::replay::timeline_points(&args.plot);
     let (report, prediction) = replay_step(&lowered, &args.machine, points)?;
     if let Some(path) = &args.plot {
         draw(&report, &prediction, path)?;

@@ -14,6 +14,15 @@ use crate::machine::MachineArgs;
 /// Timeline points kept for `--plot`.
 const PLOT_POINTS: usize = 4000;
 
+/// The timeline points a replay keeps: [`PLOT_POINTS`] when a `--plot` file is asked for, else none.
+pub(crate) fn timeline_points(plot: &Option<PathBuf>) -> usize {
+    if plot.is_some() {
+        PLOT_POINTS
+    } else {
+        0
+    }
+}
+
 /// Options of `vramsim replay`.
 #[derive(Args, Debug)]
 pub struct ReplayArgs {
@@ -121,7 +130,7 @@ pub fn replay(mut args: ReplayArgs) -> Result<Replayed> {
     args.machine = crate::import::machine_for(recorded.as_ref(), &given);
     let machine = args.machine.build()?;
     let options = ReplayOptions {
-        timeline_points: if args.plot.is_some() { PLOT_POINTS } else { 0 },
+        timeline_points: timeline_points(&args.plot),
     };
     let device = machine.allocator.device().clone();
     let mut allocator = machine.allocator;

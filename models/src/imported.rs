@@ -849,6 +849,16 @@ impl<'a> Builder<'a> {
                 },
             }
         };
+        // A pooling call's `kernel_size, stride, padding` (arguments 1–3): a missing or empty
+        // `stride` is the kernel, as `F.max_pool2d`/`F.avg_pool2d` default it.
+        let window = || -> Result<[[u64; 2]; 3], ImportError> {
+            let kernel = pair(arg(1, "kernel_size"), [1, 1])?;
+            let stride = match arg(2, "stride") {
+                Some(j) if !j.as_array().is_some_and(Vec::is_empty) => pair(Some(j), kernel)?,
+                _ => kernel,
+            };
+            Ok([kernel, stride, pair(arg(3, "padding"), [0, 0])?])
+        };
         let tensor = |s: &Self, j: Option<J>| -> Result<Option<T>, ImportError> {
             match j {
                 None => Ok(None),
@@ -1366,12 +1376,7 @@ impl<'a> Builder<'a> {
             }
             "max_pool2d" | "_max_pool2d" => {
                 let x = need(self, 0, "input")?;
-                let kernel = pair(arg(1, "kernel_size"), [1, 1])?;
-                let stride = match arg(2, "stride") {
-                    Some(j) if !j.as_array().is_some_and(Vec::is_empty) => pair(Some(j), kernel)?,
-                    _ => kernel,
-                };
-                let padding = pair(arg(3, "padding"), [0, 0])?;
+                let [kernel, stride, padding] = window()?;
                 if pair(arg(4, "dilation"), [1, 1])? != [1, 1]
                     || bool_arg(6, "return_indices", false)
                 {
@@ -1384,12 +1389,7 @@ impl<'a> Builder<'a> {
             // count_include_pad=True, divisor_override=None)`: the last two change no memory.
             "avg_pool2d" => {
                 let x = need(self, 0, "input")?;
-                let kernel = pair(arg(1, "kernel_size"), [1, 1])?;
-                let stride = match arg(2, "stride") {
-                    Some(j) if !j.as_array().is_some_and(Vec::is_empty) => pair(Some(j), kernel)?,
-                    _ => kernel,
-                };
-                let padding = pair(arg(3, "padding"), [0, 0])?;
+                let [kernel, stride, padding] = window()?;
                 let ceil = bool_arg(4, "ceil_mode", false);
                 vec![self.b.avg_pool2d(x, kernel, stride, padding, ceil)]
             }

@@ -36,8 +36,6 @@ use crate::machine::MachineArgs;
 use history::{Growth, History, Iterations};
 use remedies::Remedy;
 
-/// Timeline points kept for `--plot`.
-const PLOT_POINTS: usize = 4000;
 /// Sites listed in the OOM cause.
 const TOP_SITES: usize = 8;
 
@@ -281,7 +279,7 @@ pub fn diagnose(args: &DiagnoseArgs) -> Result<Diagnosis> {
     };
     let iterations = history::iterations(&h);
     let growth = iterations.as_ref().map(|it| history::growth(&h, it));
-    let points = if args.plot.is_some() { PLOT_POINTS } else { 0 };
+    let points = crate::replay::timeline_points(&args.plot);
     let Replayed {
         outcome: baseline,
         device,

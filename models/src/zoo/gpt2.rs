@@ -187,7 +187,7 @@ pub fn gpt2_with_head(
                 // `hidden_states = self.ln_1(hidden_states)` holds the norm's output until
                 // `hidden_states = attn_output + residual` rebinds it (GPT2Block.forward): under
                 // autocast c_attn saves its bf16 copy, and the float32 output lives to this add.
-                b.hold_until_last_op(y);
+                b.hold_through(y);
                 let residual = x;
                 let y = b.layer_norm("ln_2", x);
                 let f = b.module("mlp", |b| {
@@ -199,7 +199,7 @@ pub fn gpt2_with_head(
                 b.hold(f);
                 let x = b.add(residual, f);
                 // Likewise `ln_2`'s output until `hidden_states = residual + feed_forward_hidden_states`.
-                b.hold_until_last_op(y);
+                b.hold_through(y);
                 x
             });
         }
