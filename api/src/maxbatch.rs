@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Value};
 use vramsim_sim::format::format_size;
@@ -20,7 +20,11 @@ use vramsim_sim::plot::{
     SizePoint,
 };
 
-use crate::sweep::{self, Evaluated, FixedOptions, Headroom, Progress, Setting, Wants};
+use vramsim_models::compact::CompactTrace;
+use vramsim_models::template::BatchTemplate;
+
+use crate::predict::{self, Lowered};
+use crate::sweep::{self, Evaluated, FixedOptions, Headroom, OptionSet, Progress, Setting, Wants};
 use crate::whatif::step_json;
 
 /// Largest batch tried when no `--limit` is given.
@@ -106,35 +110,105 @@ pub struct Search {
     pub limit: u64,
 }
 
-/// Evaluates `fixed` with `key` set to `size` (and `extra`).
-fn probe(
-    fixed: &FixedOptions,
-    key: &str,
-    size: u64,
-    extra: &[Setting],
+/// Evaluates sizes of one search: `fixed` with `key` set to each size (and `extra`). A batch search
+/// lowers once per structure: the lowerings of the first two batches of at least 2 it tries fit a
+/// [`BatchTemplate`], trusted once it reproduces the next fresh lowering byte for byte; later batches
+/// are written by it (`predict::lower_step_instance`) instead of being lowered.
+struct Prober<'a> {
+    fixed: &'a FixedOptions,
+    key: &'a str,
+    extra: &'a [Setting],
     headroom: Option<Headroom>,
-    timeline_points: usize,
-) -> Result<Probe> {
-    let mut settings = extra.to_vec();
-    settings.push((key.to_string(), size.to_string()));
-    let evaluated = sweep::evaluate_one(
-        &fixed.args(&settings),
-        Wants {
+    /// Fresh lowerings of batches of at least 2, by batch, until the template is trusted.
+    fresh: Vec<(u64, CompactTrace)>,
+    template: Option<BatchTemplate>,
+    /// Lowerings made (fresh ones), for the report.
+    lowerings: usize,
+}
+
+impl<'a> Prober<'a> {
+    fn new(
+        fixed: &'a FixedOptions,
+        key: &'a str,
+        extra: &'a [Setting],
+        headroom: Option<Headroom>,
+    ) -> Self {
+        Prober {
+            fixed,
+            key,
+            extra,
+            headroom,
+            fresh: Vec::new(),
+            template: None,
+            lowerings: 0,
+        }
+    }
+
+    /// Evaluates the search's configuration at `size`, keeping `timeline_points` timeline points.
+    fn probe(&mut self, size: u64, timeline_points: usize) -> Result<Probe> {
+        let mut settings = self.extra.to_vec();
+        settings.push((self.key.to_string(), size.to_string()));
+        let args = OptionSet::predict().parse(&self.fixed.args(&settings))?;
+        let lowered = match &self.template {
+            Some(t) if size >= 2 => predict::lower_step_instance(&args, t)?,
+            _ => {
+                let lowered = predict::lower_step(&args)?;
+                self.lowerings += 1;
+                self.learn(size, &lowered);
+                lowered
+            }
+        };
+        let wants = Wants {
             json: false,
             timeline_points,
-        },
-    )?;
-    let reason = misfit(&evaluated, headroom);
-    Ok(Probe {
-        size,
-        fits: reason.is_none(),
-        reason,
-        evaluated,
-    })
+        };
+        let evaluated = sweep::evaluate_lowered(&lowered, &args, wants).map_err(|e| anyhow!(e))?;
+        let reason = misfit(&evaluated, self.headroom);
+        Ok(Probe {
+            size,
+            fits: reason.is_none(),
+            reason,
+            evaluated,
+        })
+    }
+
+    /// Once the template is trusted, the largest batch that can fit at all: above it the step holds
+    /// more requested bytes at once than the device has (less the headroom), which no allocator
+    /// serves ([`BatchTemplate::largest_batch_within`]). `fitted` is a probe that fits (its device).
+    fn bound(&self, fitted: &Probe) -> Option<u64> {
+        let total = fitted.evaluated.report.device.total_memory;
+        let room = total.saturating_sub(self.headroom.map_or(0, |h| h.bytes(total)));
+        self.template.as_ref()?.largest_batch_within(room)
+    }
+
+    /// Takes a fresh lowering at `size` into the template: two fit it, the third checks it.
+    fn learn(&mut self, size: u64, lowered: &Lowered) {
+        // batch 1 is a structure of its own (dimensions of 1 change kernels and copies), and
+        // DataParallel's devices take chunks of the batch
+        if self.key != "batch" || size < 2 || crate::dataparallel::is_multi(&lowered.recipe) {
+            return;
+        }
+        if let [(b0, t0), (b1, t1)] = &self.fresh[..] {
+            self.template = BatchTemplate::fit(t0, *b0, t1, *b1).filter(|t| {
+                t.instantiate(size)
+                    .is_some_and(|made| made.same_as(&lowered.compact))
+            });
+            // a structure that changed: fit again from the last two
+            self.fresh.remove(0);
+        }
+        if self.template.is_none() {
+            self.fresh.push((size, lowered.compact.clone()));
+        } else {
+            self.fresh.clear();
+        }
+    }
 }
 
 /// Finds the largest `key` (batch or seq) that fits: 1, 2, 4, ... until one does not fit or `limit`,
-/// then bisection between the last that fit and the first that did not.
+/// then bisection between the last that fit and the first that did not. A batch search starts at 2
+/// (1 only when 2 does not fit: batch 1 is a structure of its own, whose lowering a template of the
+/// larger batches cannot use) and, once its template is trusted, bisects below the bound of the
+/// requested bytes ([`Prober::bound`]) instead of doubling on.
 pub fn search(
     fixed: &FixedOptions,
     key: &'static str,
@@ -143,8 +217,26 @@ pub fn search(
     limit: Option<u64>,
 ) -> Result<Search> {
     let what = if key == "seq" { "sequence" } else { "batch" };
-    let first = probe(fixed, key, 1, extra, headroom, 0)?;
-    let mut tried = vec![(1, first.evaluated.report.peak_device_used(), first.fits)];
+    let mut prober = Prober::new(fixed, key, extra, headroom);
+    let mut tried = Vec::new();
+    let mut failure: Option<Probe> = None;
+    let mut first = None;
+    if key == "batch" && limit.is_none_or(|l| l >= 2) {
+        let two = prober.probe(2, 0)?;
+        tried.push((2, two.evaluated.report.peak_device_used(), two.fits));
+        match two.fits {
+            true => first = Some(two),
+            false => failure = Some(two),
+        }
+    }
+    let first = match first {
+        Some(p) => p,
+        None => {
+            let p = prober.probe(1, 0)?;
+            tried.insert(0, (1, p.evaluated.report.peak_device_used(), p.fits));
+            p
+        }
+    };
     if !first.fits {
         let device = &first.evaluated.report.device;
         bail!(
@@ -169,12 +261,28 @@ pub fn search(
         );
     }
     let mut largest = first;
-    let mut failure: Option<Probe> = None;
-    // doubling
-    while largest.size < limit {
+    let mut bounded = false;
+    // doubling, until the batch's structure is known: then the requested bytes bound the answer
+    // from above, and bisection takes over below that bound
+    while largest.size < limit && failure.is_none() {
+        let mut try_size = |size: u64, prober: &mut Prober| -> Result<Probe> {
+            let p = prober.probe(size, 0)?;
+            tried.push((size, p.evaluated.report.peak_device_used(), p.fits));
+            Ok(p)
+        };
+        if let Some(up) = prober.bound(&largest).filter(|&up| !bounded && up < limit) {
+            bounded = true;
+            let p = try_size(up.max(largest.size) + 1, &mut prober)?;
+            if p.fits {
+                // cannot happen (the bound is sure); carry on doubling from there
+                largest = p;
+                continue;
+            }
+            failure = Some(p);
+            break;
+        }
         let size = (largest.size * 2).min(limit);
-        let p = probe(fixed, key, size, extra, headroom, 0)?;
-        tried.push((size, p.evaluated.report.peak_device_used(), p.fits));
+        let p = try_size(size, &mut prober)?;
         if p.fits {
             largest = p;
         } else {
@@ -188,7 +296,7 @@ pub fn search(
             break;
         }
         let size = largest.size + (f.size - largest.size) / 2;
-        let p = probe(fixed, key, size, extra, headroom, 0)?;
+        let p = prober.probe(size, 0)?;
         tried.push((size, p.evaluated.report.peak_device_used(), p.fits));
         if p.fits {
             largest = p;
@@ -399,14 +507,8 @@ pub fn max_batch(args: &MaxBatchArgs) -> Result<MaxBatch> {
         draw_curve(args, &found, &curve, path)?;
     }
     if let Some(path) = &args.timeline {
-        let p = probe(
-            &args.predict,
-            key,
-            found.largest.size,
-            &extra,
-            args.headroom,
-            TIMELINE_POINTS,
-        )?;
+        let p = Prober::new(&args.predict, key, &extra, args.headroom)
+            .probe(found.largest.size, TIMELINE_POINTS)?;
         draw_timeline(&p, key, path)?;
     }
     let mut settings = extra.clone();

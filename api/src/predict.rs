@@ -13,6 +13,7 @@ use clap::{ArgGroup, Args};
 use serde_json::{json, Value};
 use vramsim_models::compact::{lower_compact, CompactTrace, ReplayPiece};
 use vramsim_models::hf::{self, ImportOptions};
+use vramsim_models::template::BatchTemplate;
 use vramsim_models::zoo::{Arch, KernelChoice};
 use vramsim_models::{
     parse_image_size, peak_breakdown, peak_breakdown_until, Attention, Checkpointing, Graph, Head,
@@ -536,12 +537,35 @@ pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
 /// [`lower_step`] for one device of a DataParallel layout (`device` 0 otherwise): the graph is
 /// built for the device's chunk of the batch.
 pub fn lower_step_device(args: &PredictArgs, device: u32) -> Result<Lowered> {
+    assemble(args, device, |graph, recipe| {
+        Ok(lower_compact(graph, recipe)?)
+    })
+}
+
+/// [`lower_step`] without lowering: the step written by `template` at this configuration's batch
+/// (lowering once per structure, [`BatchTemplate`]). The caller checked that the template is this
+/// configuration's structure (the same options but the batch, and a fresh lowering it reproduced).
+pub fn lower_step_instance(args: &PredictArgs, template: &BatchTemplate) -> Result<Lowered> {
+    assemble(args, 0, |_, recipe| {
+        template
+            .instantiate(recipe.batch)
+            .with_context(|| format!("batch {} leaves the range of sizes", recipe.batch))
+    })
+}
+
+/// Builds the graph of `args`' step (for `device` of a DataParallel layout) and its lowering by
+/// `lower`, with what `predict` reports beside them.
+fn assemble(
+    args: &PredictArgs,
+    device: u32,
+    lower: impl FnOnce(&Graph, &Recipe) -> Result<CompactTrace>,
+) -> Result<Lowered> {
     let (arch, mut recipe, warnings) = step_recipe(args)?;
     recipe.parallel.device = device;
     let t0 = Instant::now();
     let attention = arch.attention_kernel(&recipe)?;
     let graph = arch.build(&crate::dataparallel::graph_recipe(&recipe))?;
-    let compact = lower_compact(&graph, &recipe)?;
+    let compact = lower(&graph, &recipe)?;
     let lower_ms = t0.elapsed().as_secs_f64() * 1e3;
     let reference = graph
         .meta
@@ -737,8 +761,8 @@ pub fn replay_step(
     for piece in lowered.pieces() {
         let events = lowered.compact.piece_events(piece);
         let flow = match &piece.repeat {
-            // The replay has no use for tags: hand it the events without (no string copies).
-            None => replay.apply_all(events.iter().map(|e| Ok(e.clone().without_tag())))?,
+            // borrowed: no event (nor its tag) is copied
+            None => replay.apply_slice(events)?,
             Some(r) => replay.apply_repeated(&Repeat {
                 events,
                 times: r.times,

@@ -22,6 +22,7 @@ use clap::{ArgAction, Args, Command, FromArgMatches};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rayon::prelude::*;
 use serde_json::Value;
+use vramsim_models::template::BatchTemplate;
 use vramsim_models::zoo::{Arch, TargetChoices};
 use vramsim_sim::engine::TimelinePoint;
 use vramsim_sim::report::Report;
@@ -348,12 +349,15 @@ pub fn evaluate(
         .map(|args| set.parse(args).map_err(|e| format!("{e:#}")))
         .collect();
     // configurations grouped by everything that shapes the lowering: the recipe's options and what
-    // the lowering takes from the GPU (or its compute capability, where that cannot be told)
+    // the lowering takes from the GPU (or its compute capability, where that cannot be told); the
+    // groups that differ only in the batch form a family, lowered once per structure
     let mut groups: Vec<Vec<usize>> = Vec::new();
-    // (options but the machine's and the accumulation, what the lowering takes from the GPU,
-    // the accumulation or 0 for every count a compact lowering serves)
+    let mut families: Vec<Vec<usize>> = Vec::new();
+    // (options but the machine's, the accumulation and the batch, what the lowering takes from the
+    // GPU, the accumulation or 0 for every count a compact lowering serves)
     type Key<'a> = (Vec<&'a str>, TargetKey, u32);
-    let mut by_key: HashMap<Key, usize> = HashMap::new();
+    let mut by_key: HashMap<(Key, u64), usize> = HashMap::new();
+    let mut by_family: HashMap<Key, usize> = HashMap::new();
     let target_keys: Vec<TargetKey> = parsed
         .par_iter()
         .map(|p| match p {
@@ -362,32 +366,40 @@ pub fn evaluate(
         })
         .collect();
     for (i, args) in configs.iter().enumerate() {
-        if parsed[i].is_err() {
-            continue;
-        }
+        let Ok(p) = &parsed[i] else { continue };
         let cc = target_keys[i];
         let options: Vec<&str> = args
             .iter()
             .map(String::as_str)
             .filter(|a| {
                 let long = a.trim_start_matches("--").split('=').next().unwrap_or("");
-                long != "accum" && !set.find(long).is_some_and(|o| o.machine)
+                long != "accum" && long != "batch" && !set.find(long).is_some_and(|o| o.machine)
             })
             .collect();
-        let accum = parsed[i].as_ref().map_or(0, |p| p.accum);
-        let accum = if accum > SHARED_ACCUM_ABOVE { 0 } else { accum };
-        let slot = *by_key.entry((options, cc, accum)).or_insert_with(|| {
+        let accum = if p.accum > SHARED_ACCUM_ABOVE {
+            0
+        } else {
+            p.accum
+        };
+        let key = (options, cc, accum);
+        let family = *by_family.entry(key.clone()).or_insert_with(|| {
+            families.push(Vec::new());
+            families.len() - 1
+        });
+        let slot = *by_key.entry((key, p.batch)).or_insert_with(|| {
             groups.push(Vec::new());
+            families[family].push(groups.len() - 1);
             groups.len() - 1
         });
         groups[slot].push(i);
     }
+    let args_of = |i: usize| parsed[i].as_ref().expect("grouped configurations parse");
+    let lowerings = lower_groups(&groups, &families, &args_of);
     let mut results: Vec<(usize, Result<Evaluated, String>)> = groups
         .par_iter()
-        .flat_map_iter(|members| {
-            let args_of = |i: usize| parsed[i].as_ref().expect("grouped configurations parse");
+        .zip(lowerings)
+        .flat_map_iter(|(members, lowered)| {
             let first = args_of(members[0]);
-            let lowered = predict::lower_step(first).map_err(|e| format!("{e:#}"));
             // the other accumulation counts of the group: the same compact lowering where it serves
             // them, else their own
             let mut accums: Vec<u32> = members.iter().map(|&i| args_of(i).accum).collect();
@@ -410,18 +422,7 @@ pub fn evaluate(
                     (a, l)
                 })
                 .collect();
-            let prepare = |l: &Result<Lowered, String>| -> Option<StepWork> {
-                let l = l.as_ref().ok()?;
-                if !wants.json {
-                    // Only `predict --json` shows the breakdown at the peak, the slowest part of a
-                    // replay after the lowering: without JSON, prime the lowering's shared breakdown
-                    // with an empty one (an out-of-memory configuration still gets its own).
-                    let _ = l
-                        .peak
-                        .set(vramsim_models::peak_breakdown_until(&l.compact.trace, 0));
-                }
-                Some(StepWork::of(&l.graph, &l.recipe))
-            };
+            let prepare = |l: &Result<Lowered, String>| Some(prepare(l.as_ref().ok()?, wants));
             let work = prepare(&lowered);
             let variant_work: Vec<Option<StepWork>> =
                 variants.iter().map(|(_, l)| prepare(l)).collect();
@@ -454,6 +455,101 @@ pub fn evaluate(
     }
     results.sort_by_key(|(i, _)| *i);
     results.into_iter().map(|(_, r)| r).collect()
+}
+
+/// What every replay of `lowered` shares: the step-time model's work, and, where `wants` has no
+/// JSON, an empty breakdown at the peak in place of the real one.
+fn prepare(lowered: &Lowered, wants: Wants) -> StepWork {
+    if !wants.json {
+        // Only `predict --json` shows the breakdown at the peak, the slowest part of a replay after
+        // the lowering: without JSON, prime the lowering's shared breakdown with an empty one (an
+        // out-of-memory configuration still gets its own).
+        let _ = lowered.peak.set(vramsim_models::peak_breakdown_until(
+            &lowered.compact.trace,
+            0,
+        ));
+    }
+    StepWork::of(&lowered.graph, &lowered.recipe)
+}
+
+/// Evaluates one configuration (`args`, parsed) on a lowering made for it: [`evaluate`]'s work for
+/// one point, for searches that make their lowerings themselves (`max-batch` from a template).
+pub fn evaluate_lowered(
+    lowered: &Lowered,
+    args: &PredictArgs,
+    wants: Wants,
+) -> Result<Evaluated, String> {
+    replay_one(lowered, &prepare(lowered, wants), args, wants)
+}
+
+/// Batches of one family (configurations that differ only in the batch) from which on its lowering is
+/// made from a template ([`BatchTemplate`]): two lowerings fit it, a third checks it, so a family
+/// needs this many batches of at least 2 for the template to save a lowering.
+const TEMPLATE_FROM_BATCHES: usize = 4;
+
+/// One lowering per group (`groups[g]`'s first configuration): lowered afresh, or, in a family of
+/// [`TEMPLATE_FROM_BATCHES`] batches or more, written by the family's [`BatchTemplate`] — fitted
+/// through its two smallest batches of at least 2 (batch 1 is a structure of its own: dimensions of 1
+/// change kernels and copies) and trusted only when it reproduces a fresh lowering of its largest
+/// batch, byte for byte. A structure that changes inside the range (a kernel chosen by size) fails
+/// that check, and the family is lowered afresh. DataParallel layouts, whose devices take chunks of
+/// the batch, are always lowered afresh.
+fn lower_groups<'a>(
+    groups: &[Vec<usize>],
+    families: &[Vec<usize>],
+    args_of: &(dyn Fn(usize) -> &'a PredictArgs + Sync),
+) -> Vec<Result<Lowered, String>> {
+    let first = |g: usize| args_of(groups[g][0]);
+    let fresh = |g: usize| predict::lower_step(first(g)).map_err(|e| format!("{e:#}"));
+    let lowered: Vec<Vec<(usize, Result<Lowered, String>)>> = families
+        .par_iter()
+        .map(|family| {
+            let mut sized: Vec<(u64, usize)> = family
+                .iter()
+                .map(|&g| (first(g).batch, g))
+                .filter(|&(batch, _)| batch >= 2)
+                .collect();
+            sized.sort_unstable();
+            if sized.len() < TEMPLATE_FROM_BATCHES {
+                return family.par_iter().map(|&g| (g, fresh(g))).collect();
+            }
+            let ends = [sized[0], sized[1], sized[sized.len() - 1]];
+            let mut out: Vec<(usize, Result<Lowered, String>)> =
+                ends.par_iter().map(|&(_, g)| (g, fresh(g))).collect();
+            let template = match (&out[0].1, &out[1].1, &out[2].1) {
+                (Ok(a), Ok(b), Ok(last)) if !crate::dataparallel::is_multi(&a.recipe) => {
+                    BatchTemplate::fit(&a.compact, ends[0].0, &b.compact, ends[1].0).filter(|t| {
+                        t.instantiate(ends[2].0)
+                            .is_some_and(|made| made.same_as(&last.compact))
+                    })
+                }
+                _ => None,
+            };
+            let rest: Vec<usize> = family
+                .iter()
+                .copied()
+                .filter(|g| !ends.iter().any(|(_, e)| e == g))
+                .collect();
+            out.par_extend(rest.into_par_iter().map(|g| {
+                let made = match &template {
+                    Some(t) if first(g).batch >= 2 => {
+                        predict::lower_step_instance(first(g), t).map_err(|e| format!("{e:#}"))
+                    }
+                    _ => fresh(g),
+                };
+                (g, made)
+            }));
+            out
+        })
+        .collect();
+    let mut slots: Vec<Option<Result<Lowered, String>>> = groups.iter().map(|_| None).collect();
+    for (g, l) in lowered.into_iter().flatten() {
+        slots[g] = Some(l);
+    }
+    slots
+        .into_iter()
+        .map(|l| l.expect("every group is lowered"))
+        .collect()
 }
 
 /// Accumulation counts above this share one lowering ([`vramsim_models::compact`]: three

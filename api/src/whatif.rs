@@ -675,7 +675,8 @@ pub struct SweepBench {
     pub name: &'static str,
     /// Configurations evaluated.
     pub configurations: usize,
-    /// Distinct lowerings among them.
+    /// Distinct steps among them (configurations that differ in more than the machine): what one
+    /// lowering per step would lower; templates lower fewer ([`crate::sweep::evaluate`]).
     pub lowerings: usize,
     /// Seconds with rayon's default pool.
     pub seconds: f64,
@@ -690,8 +691,9 @@ pub struct SweepBench {
 /// The benchmark grids, GPT-2 medium at seq 1024, 1,000 configurations each: a what-if across GPUs
 /// (5 batch sizes × 4 precisions × 5 checkpointing policies × 2 accumulation steps × 5 GPUs; the GPUs
 /// share each lowering, so 200 lowerings), 1,000 distinct lowerings (10 batch sizes × 4
-/// precisions × 5 checkpointing policies × 5 optimizers), and issue 11's grid (10 batch sizes × 5
-/// accumulation steps × 4 precisions × 5 checkpointing policies).
+/// precisions × 5 checkpointing policies × 5 optimizers), issue 11's grid (10 batch sizes × 5
+/// accumulation steps × 4 precisions × 5 checkpointing policies) and a grid of parallel layouts
+/// (10 batch sizes × 4 ways to shard × 5 data-parallel degrees × 5 checkpointing policies).
 pub const BENCH_GRIDS: &[(&str, &[&str])] = &[
     (
         "across GPUs",
@@ -718,6 +720,15 @@ pub const BENCH_GRIDS: &[(&str, &[&str])] = &[
             "batch=1,2,3,4,5,6,7,8,9,10",
             "accum=1,2,4,8,16",
             "precision=fp32,bf16,amp-fp16,amp-bf16",
+            "checkpoint=none,full,selective,sqrt,every:2",
+        ],
+    ),
+    (
+        "parallel layouts",
+        &[
+            "batch=1,2,3,4,5,6,7,8,9,10",
+            "shard=ddp,zero1,zero2,fsdp2",
+            "dp=2,4,8,16,32",
             "checkpoint=none,full,selective,sqrt,every:2",
         ],
     ),
@@ -862,7 +873,7 @@ pub fn print_bench(as_json: bool) -> Result<()> {
     println!("what-if sweeps of gpt2-medium, seq 1024 (targets on 2 cores: 1,000 configurations in < 5 s; the issue 11 grid in < 1 s)");
     for b in &results {
         println!(
-            "  {:<24} {} configurations, {} lowerings: {:>6.2} s on {} threads, {:>6.2} s on one ({:.2}× speed-up); {} fit",
+            "  {:<28} {} configurations, {} distinct steps: {:>6.2} s on {} threads, {:>6.2} s on one ({:.2}× speed-up); {} fit",
             b.name,
             b.configurations,
             b.lowerings,

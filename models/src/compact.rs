@@ -138,6 +138,11 @@ impl CompactTrace {
         }
     }
 
+    /// `meta.phases` of the lowered events (of three micro-batches per step where there are repeats).
+    pub(crate) fn lowered_phases(&self) -> &[Value] {
+        &self.lowered_phases
+    }
+
     /// The step as a full lowering writes it.
     pub fn expand(&self) -> Trace {
         if self.repeats.is_empty() {

@@ -47,6 +47,7 @@ pub mod ops;
 pub mod parallel;
 pub mod recipe;
 pub mod sdpa;
+pub mod template;
 pub mod zoo;
 
 pub use breakdown::{peak_breakdown, peak_breakdown_until, PeakBreakdown};

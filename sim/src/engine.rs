@@ -245,9 +245,15 @@ impl<A: Allocator> Replay<A> {
 
     /// Applies the next event of the trace.
     pub fn apply(&mut self, event: Event) -> Result<Flow, ReplayError> {
+        self.apply_ref(&event)
+    }
+
+    /// [`Replay::apply`] for a borrowed event: nothing is copied (an integer id is not even cloned),
+    /// so a lowered trace replays in place, as many times as asked.
+    pub fn apply_ref(&mut self, event: &Event) -> Result<Flow, ReplayError> {
         let index = self.next_index;
         self.next_index += 1;
-        if let Event::Segment(segment) = &event {
+        if let Event::Segment(segment) = event {
             return self.adopt(index, segment);
         }
         if self.started.is_none() {
@@ -260,12 +266,12 @@ impl<A: Allocator> Replay<A> {
                 stream,
                 category,
                 ..
-            } => return self.alloc(index, id, size, stream, category),
+            } => return self.alloc(index, id, *size, *stream, *category),
             Event::Free { id } => {
-                let live = self.live.remove(&id).ok_or(ReplayError::UnknownId {
+                let live = self.live.remove(id).ok_or_else(|| ReplayError::UnknownId {
                     index,
                     op: "free",
-                    id,
+                    id: id.clone(),
                 })?;
                 self.frees += 1;
                 self.categories[live.category.index()] -= live.size;
@@ -274,19 +280,19 @@ impl<A: Allocator> Replay<A> {
                 }
             }
             Event::RecordStream { id, stream } => {
-                let live = self.live.get(&id).ok_or(ReplayError::UnknownId {
+                let live = self.live.get(id).ok_or_else(|| ReplayError::UnknownId {
                     index,
                     op: "record_stream",
-                    id,
+                    id: id.clone(),
                 })?;
                 if let Some(block) = live.block {
-                    self.allocator.record_stream(block, stream);
+                    self.allocator.record_stream(block, *stream);
                 }
                 return Ok(Flow::Continue);
             }
             Event::EmptyCache => self.allocator.empty_cache(&mut self.timeline),
             Event::Compute { stream, us } => {
-                self.timeline.enqueue(stream, (us * 1000.0).round() as u64);
+                self.timeline.enqueue(*stream, (us * 1000.0).round() as u64);
                 return Ok(Flow::Continue);
             }
             Event::Sync { stream: None } => {
@@ -296,11 +302,11 @@ impl<A: Allocator> Replay<A> {
             Event::Sync {
                 stream: Some(stream),
             } => {
-                self.timeline.synchronize_stream(stream);
+                self.timeline.synchronize_stream(*stream);
                 return Ok(Flow::Continue);
             }
             Event::Phase { name } => {
-                self.start_phase(index, &name);
+                self.start_phase(index, name);
                 return Ok(Flow::Continue);
             }
             Event::Segment(_) => unreachable!("handled above"),
@@ -309,18 +315,28 @@ impl<A: Allocator> Replay<A> {
         Ok(Flow::Continue)
     }
 
+    /// Applies borrowed events in order until they end or an allocation fails ([`Replay::apply_ref`]).
+    pub fn apply_slice(&mut self, events: &[Event]) -> Result<Flow, ReplayError> {
+        for event in events {
+            if self.apply_ref(event)? == Flow::Stopped {
+                return Ok(Flow::Stopped);
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
     fn alloc(
         &mut self,
         index: u64,
-        id: AllocId,
+        id: &AllocId,
         size: u64,
         stream: u64,
         category: Category,
     ) -> Result<Flow, ReplayError> {
-        if let Some(live) = self.live.get(&id) {
+        if let Some(live) = self.live.get(id) {
             return Err(ReplayError::DuplicateId {
                 index,
-                id,
+                id: id.clone(),
                 live_since: live.since,
             });
         }
@@ -336,7 +352,7 @@ impl<A: Allocator> Replay<A> {
                         event_index: index,
                         message: oom.message,
                         requested_bytes: size,
-                        id,
+                        id: id.clone(),
                     });
                     self.observe(index);
                     return Ok(Flow::Stopped);
@@ -345,7 +361,7 @@ impl<A: Allocator> Replay<A> {
         };
         self.categories[category.index()] += size;
         self.live.insert(
-            id,
+            id.clone(),
             Live {
                 block,
                 size,

@@ -439,7 +439,7 @@ impl<'de> Visitor<'de> for EventVisitor<'_> {
                     v => return fail(slot, wrong("category", &v)),
                 },
                 Key::Tag => match value {
-                    Scalar::Str(s) => tag = Some(Box::<str>::from(s)),
+                    Scalar::Str(s) => tag = Some(std::sync::Arc::<str>::from(s)),
                     Scalar::Null => tag = None,
                     v => return fail(slot, wrong("tag", &v)),
                 },
@@ -963,7 +963,7 @@ impl Serialize for Event {
                 m.serialize_entry("stream", stream)?;
                 m.serialize_entry("category", category.name())?;
                 if let Some(tag) = tag {
-                    m.serialize_entry("tag", tag)?;
+                    m.serialize_entry("tag", &**tag)?;
                 }
                 m.end()
             }

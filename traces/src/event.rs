@@ -128,7 +128,7 @@ pub enum Event {
         /// What the bytes are for (default `other`).
         category: Category,
         /// Free-form label (a module path, a tensor name).
-        tag: Option<Box<str>>,
+        tag: Option<std::sync::Arc<str>>,
     },
     /// `{"op":"free","id":ID}`: the storage is released (the caching allocator's `free`).
     Free {

@@ -983,7 +983,7 @@ impl<'g> Lowering<'g> {
             } = &mut self.events[s.ev as usize]
             {
                 *category = cat;
-                *t = Some(tag);
+                *t = Some(tag.into());
             }
         }
         let mut trace = Trace::from_events(self.events);

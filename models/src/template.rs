@@ -1,0 +1,277 @@
+//! Lowering once per structure: a lowered step whose sizes are polynomials of the batch.
+//!
+//! A training step's allocations are tensors whose shapes carry the batch as one factor of their
+//! leading dimension (inputs, activations, saved tensors, their gradients, the logits and the loss
+//! temporaries) or not at all (parameters, gradients of parameters, optimizer state, library
+//! workspaces): every requested size is `a + c · batch` as long as the step keeps its structure — the
+//! same events in the same order, with the same ids, streams, categories and tags. Where PyTorch's or
+//! a kernel's choice depends on the batch, the structure changes and so does the key: the lowering
+//! writes other events, and two lowerings of one structure no longer agree on everything but sizes.
+//!
+//! [`BatchTemplate::fit`] takes two lowerings of one recipe at two batch sizes and, when they agree on
+//! everything but allocation sizes and numbers in `meta` (its `batch`), keeps each size's polynomial of
+//! degree one (Lagrange interpolation through the two points, refused unless the slope is a whole
+//! number of bytes per sample); [`BatchTemplate::instantiate`] writes the step at another batch
+//! without lowering. A caller checks the template against a third fresh lowering before trusting it
+//! (the sweep lowers its largest batch afresh and compares, byte for byte), and the test
+//! `batch_templates` proves instantiation equal to a fresh lowering for every zoo model over a range
+//! of batch sizes and sequence lengths.
+
+use serde_json::Value;
+use vramsim_traces::{Event, Meta, Trace};
+
+use crate::compact::CompactTrace;
+
+/// One step of a path into a JSON tree.
+#[derive(Clone, Debug, PartialEq)]
+enum PathStep {
+    Key(String),
+    Index(usize),
+}
+
+/// A number in `meta` that varies with the batch: where it is and how much per sample.
+#[derive(Clone, Debug)]
+struct MetaSlope {
+    path: Vec<PathStep>,
+    base: u64,
+    per_sample: i128,
+}
+
+/// A lowered step at one batch with the polynomial of every size that depends on the batch.
+#[derive(Clone, Debug)]
+pub struct BatchTemplate {
+    base: CompactTrace,
+    batch: u64,
+    /// (event index, requested bytes per sample) of every allocation whose size varies.
+    sizes: Vec<(usize, i128)>,
+    meta: Vec<MetaSlope>,
+}
+
+impl BatchTemplate {
+    /// The template through `a` (lowered at batch `batch_a`) and `b` (at `batch_b`), or `None` when
+    /// they are not one structure: different events, repeats or `meta` beyond sizes and numbers, or
+    /// a size whose change is not a whole number of bytes per sample.
+    pub fn fit(a: &CompactTrace, batch_a: u64, b: &CompactTrace, batch_b: u64) -> Option<Self> {
+        Self::fit_or_why(a, batch_a, b, batch_b).ok()
+    }
+
+    /// [`BatchTemplate::fit`], or where the two lowerings part.
+    pub fn fit_or_why(
+        a: &CompactTrace,
+        batch_a: u64,
+        b: &CompactTrace,
+        batch_b: u64,
+    ) -> Result<Self, String> {
+        if batch_a == batch_b {
+            return Err("one batch twice".into());
+        }
+        if a.repeats != b.repeats || a.events != b.events {
+            return Err("other repeated micro-batches".into());
+        }
+        if a.lowered_phases() != b.lowered_phases() || a.trace.events.len() != b.trace.events.len()
+        {
+            return Err(format!(
+                "other events ({} and {})",
+                a.trace.events.len(),
+                b.trace.events.len()
+            ));
+        }
+        let run = i128::from(batch_b) - i128::from(batch_a);
+        let slope = |sa: u64, sb: u64| -> Option<i128> {
+            let rise = i128::from(sb) - i128::from(sa);
+            (rise % run == 0).then_some(rise / run)
+        };
+        let mut sizes = Vec::new();
+        for (i, (ea, eb)) in a.trace.events.iter().zip(&b.trace.events).enumerate() {
+            match (ea, eb) {
+                (
+                    Event::Alloc {
+                        id,
+                        size,
+                        stream,
+                        category,
+                        tag,
+                    },
+                    Event::Alloc {
+                        id: id_b,
+                        size: size_b,
+                        stream: stream_b,
+                        category: category_b,
+                        tag: tag_b,
+                    },
+                ) => {
+                    if id != id_b || stream != stream_b || category != category_b || tag != tag_b {
+                        return Err(format!("event {i}: {ea:?} and {eb:?}"));
+                    }
+                    if size != size_b {
+                        let per_sample = slope(*size, *size_b).ok_or_else(|| {
+                            format!("event {i}: {size} and {size_b} bytes, not a whole number of bytes per sample")
+                        })?;
+                        sizes.push((i, per_sample));
+                    }
+                }
+                _ if ea == eb => {}
+                _ => return Err(format!("event {i}: {ea:?} and {eb:?}")),
+            }
+        }
+        let mut meta = Vec::new();
+        let (ma, mb) = (meta_value(&a.trace.meta), meta_value(&b.trace.meta));
+        if !numbers_apart(&ma, &mb, &mut Vec::new(), &mut |path, x, y| {
+            meta.push(MetaSlope {
+                path,
+                base: x,
+                per_sample: slope(x, y)?,
+            });
+            Some(())
+        }) {
+            return Err("other meta".into());
+        }
+        Ok(BatchTemplate {
+            base: a.clone(),
+            batch: batch_a,
+            sizes,
+            meta,
+        })
+    }
+
+    /// The batch the template's own events were lowered at.
+    pub fn batch(&self) -> u64 {
+        self.batch
+    }
+
+    /// The step at `batch`, as a lowering at `batch` writes it when the structure holds there;
+    /// `None` when a size would leave the range of bytes (negative, or 2^64 or more).
+    pub fn instantiate(&self, batch: u64) -> Option<CompactTrace> {
+        let delta = i128::from(batch) - i128::from(self.batch);
+        let at = |base: u64, per_sample: i128| -> Option<u64> {
+            u64::try_from(i128::from(base).checked_add(per_sample.checked_mul(delta)?)?).ok()
+        };
+        let mut out = self.base.clone();
+        for &(i, per_sample) in &self.sizes {
+            if let Event::Alloc { size, .. } = &mut out.trace.events[i] {
+                *size = at(*size, per_sample)?;
+            }
+        }
+        if !self.meta.is_empty() {
+            let mut meta = meta_value(&out.trace.meta);
+            for m in &self.meta {
+                *slot(&mut meta, &m.path)? = Value::from(at(m.base, m.per_sample)?);
+            }
+            if let Value::Object(map) = meta {
+                out.trace.meta = map;
+            }
+        }
+        Some(out)
+    }
+}
+
+impl BatchTemplate {
+    /// The largest batch whose step never holds more than `bytes` requested bytes live at once, or
+    /// `None` when every batch does (sizes that do not grow). The step's live requested bytes after
+    /// each event are `a + c · batch` (sums of the live sizes' polynomials), so their peak is the
+    /// largest of these lines; a batch above the answer holds more than `bytes` at some event, and no
+    /// allocator can serve that in `bytes` of memory (it hands out at least what is requested). A
+    /// compact step's repeated micro-batch leaves the live set as it found it (it frees what it
+    /// allocates, the check of [`crate::compact`]), so its repetitions add no new peak.
+    pub fn largest_batch_within(&self, bytes: u64) -> Option<u64> {
+        let slopes: std::collections::HashMap<usize, i128> = self.sizes.iter().copied().collect();
+        let mut live: std::collections::HashMap<&vramsim_traces::AllocId, (i128, i128)> =
+            std::collections::HashMap::new();
+        let (mut base, mut slope) = (0i128, 0i128);
+        let mut best: Option<u64> = None;
+        let b0 = i128::from(self.batch);
+        let limit = i128::from(bytes);
+        for (i, e) in self.base.trace.events.iter().enumerate() {
+            match e {
+                Event::Alloc { id, size, .. } => {
+                    let c = slopes.get(&i).copied().unwrap_or(0);
+                    // the size's polynomial as a + c · batch
+                    let a = i128::from(*size) - c * b0;
+                    base += a;
+                    slope += c;
+                    live.insert(id, (a, c));
+                }
+                Event::Free { id } => {
+                    if let Some((a, c)) = live.remove(id) {
+                        base -= a;
+                        slope -= c;
+                    }
+                    continue;
+                }
+                _ => continue,
+            }
+            // a + c · batch ≤ bytes: a bound from above where the line grows; a line that does not
+            // grow bounds nothing, unless it is above `bytes` already (then no batch is within)
+            if slope > 0 {
+                let within = (limit - base).div_euclid(slope).max(0);
+                let within = u64::try_from(within).unwrap_or(u64::MAX);
+                best = Some(best.map_or(within, |b| b.min(within)));
+            } else if slope == 0 && base > limit {
+                return Some(0);
+            }
+        }
+        best
+    }
+}
+
+impl CompactTrace {
+    /// Whether `self` is `other` to the byte: every event, repeat and `meta` field.
+    pub fn same_as(&self, other: &CompactTrace) -> bool {
+        self.repeats == other.repeats
+            && self.events == other.events
+            && self.lowered_phases() == other.lowered_phases()
+            && traces_equal(&self.trace, &other.trace)
+    }
+}
+
+fn traces_equal(a: &Trace, b: &Trace) -> bool {
+    a.events == b.events && meta_value(&a.meta) == meta_value(&b.meta)
+}
+
+fn meta_value(meta: &Meta) -> Value {
+    Value::Object(meta.clone())
+}
+
+/// Walks `a` and `b` together: `true` when they are equal but for unsigned integers, each such pair
+/// handed to `apart` with its path (which may refuse it).
+fn numbers_apart(
+    a: &Value,
+    b: &Value,
+    path: &mut Vec<PathStep>,
+    apart: &mut dyn FnMut(Vec<PathStep>, u64, u64) -> Option<()>,
+) -> bool {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter().all(|(k, v)| {
+                    let Some(w) = y.get(k) else { return false };
+                    path.push(PathStep::Key(k.clone()));
+                    let same = numbers_apart(v, w, path, apart);
+                    path.pop();
+                    same
+                })
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len()
+                && x.iter().zip(y).enumerate().all(|(i, (v, w))| {
+                    path.push(PathStep::Index(i));
+                    let same = numbers_apart(v, w, path, apart);
+                    path.pop();
+                    same
+                })
+        }
+        _ if a == b => true,
+        (Value::Number(x), Value::Number(y)) => match (x.as_u64(), y.as_u64()) {
+            (Some(x), Some(y)) => apart(path.clone(), x, y).is_some(),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+fn slot<'a>(value: &'a mut Value, path: &[PathStep]) -> Option<&'a mut Value> {
+    path.iter().try_fold(value, |v, step| match step {
+        PathStep::Key(k) => v.get_mut(k.as_str()),
+        PathStep::Index(i) => v.get_mut(*i),
+    })
+}
