@@ -104,6 +104,23 @@ fn bad_dataparallel_layouts_fail_with_the_reason() {
         &["dataparallel", "DistributedDataParallel"],
     );
     fails(&["--output-device", "2"], &["output-device", "0..1"]);
+    // torch.chunk(1, 2) makes one piece: device 1 would gather with no replica.
+    common::assert_fails(
+        &[
+            "predict",
+            "--model",
+            "resnet18",
+            "--batch",
+            "1",
+            "--dp",
+            "2",
+            "--shard",
+            "dataparallel",
+            "--output-device",
+            "1",
+        ],
+        &["--output-device 1", "no chunk", "not modelled"],
+    );
     fails(&["--accum", "2"], &["dataparallel", "--accum"]);
     common::assert_fails(
         &[
