@@ -36,6 +36,9 @@ pub(crate) struct DpState {
     mode: Option<DpMode>,
     /// The inputs `DataParallel.forward` scatters (the model's; not the loop's targets).
     scattered: Vec<ValueId>,
+    /// The output device with the criterion outside the model: the op before which the
+    /// outputs are gathered ([`DpMode::Output`]'s `from`).
+    gather_at: Option<usize>,
 }
 
 /// What this device's graph holds of the step (`crate::dataparallel::META_KEY`).
@@ -92,6 +95,9 @@ impl<'g> Lowering<'g> {
             return;
         }
         let mode = self.dp_mode().clone();
+        if let DpMode::Output { from, .. } = &mode {
+            self.dp.gather_at = Some(*from);
+        }
         // The loop's targets (read by the criterion only) stay where the loop put them.
         self.dp.scattered = match &mode {
             DpMode::Output { from, .. } => inputs
@@ -253,15 +259,12 @@ impl<'g> Lowering<'g> {
     /// the criterion's first op follows `DataParallel.forward`'s return, so the gather and the
     /// return happen here.
     pub(super) fn dp_forward_op(&mut self, i: usize) {
-        if !self.dp_on() {
+        if self.dp.gather_at != Some(i) {
             return;
         }
-        let DpMode::Output { from, gathered } = self.dp_mode().clone() else {
+        let DpMode::Output { gathered, .. } = self.dp_mode().clone() else {
             return;
         };
-        if i != from {
-            return;
-        }
         // `gather` → `Gather.apply` per returned tensor (`scatter_gather.py` `gather_map`):
         // `comm.cpp` `gather` makes `at::empty` of the whole batch on the output device and
         // copies each replica's output in; autograd records `Gather`, whose backward scatters
