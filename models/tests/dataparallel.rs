@@ -417,3 +417,33 @@ fn the_whole_replica_graph_of_a_loop_criterion_is_refused() {
         other => panic!("{:?}", other.map(|t| t.events.len())),
     }
 }
+
+#[test]
+fn every_returned_tensor_is_gathered_and_dies_within_its_step() {
+    // BertModel (`--head none`) returns last_hidden_state and pooler_output; the loop's
+    // `out.last_hidden_state.mean()` reads the first. `gather_map` gathers both on the output
+    // device (B × S × 768 × 4 B and B × 768 × 4 B); neither outlives its step.
+    let (batch, seq, dp) = (4u64, 32u64, 2u32);
+    let mut r = recipe(batch, seq, dp, 0);
+    r.head = Some(Head::None);
+    let g = replica("bert-base", &r);
+    let g = device_graph(g, &r.parallel, || {
+        zoo::build("bert-base", &r).map_err(Box::<dyn std::error::Error>::from)
+    })
+    .unwrap();
+    let t = lower(&g, &r).unwrap();
+    let iterations = r.iterations as usize;
+    assert_eq!(
+        tagged(&t, "dp_gather:output"),
+        [batch * seq * 768 * 4, batch * 768 * 4].repeat(iterations)
+    );
+    for k in 0..2 * iterations {
+        let (made, freed) = alloc_and_free(&t, "dp_gather:output", k);
+        let next_step = t.events[made..]
+            .iter()
+            .position(|e| matches!(e, Event::Phase { name } if &**name == "optimizer"))
+            .expect("an optimizer phase")
+            + made;
+        assert!(freed < next_step, "gathered output {k}");
+    }
+}

@@ -285,7 +285,15 @@ impl<'g> Lowering<'g> {
                 .pop()
                 .expect("one output");
             self.retag(&g, "dp_gather:output".into());
-            self.vals[gv.0 as usize] = Some(g);
+            // A returned tensor the criterion never reads (BertModel's pooler output under a
+            // loss on the hidden state) dies with the returned object, as on one GPU.
+            let read = self.g.ops[i..].iter().any(|op| op.inputs.contains(&gv))
+                || self.g.holds.iter().any(|&(v, _)| v == gv);
+            if read {
+                self.vals[gv.0 as usize] = Some(g);
+            } else {
+                self.drop_rt(g);
+            }
             // `outputs`, a local of `DataParallel.forward`, dies when it returns.
             self.drop_rt(out);
         }
