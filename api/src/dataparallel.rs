@@ -10,7 +10,8 @@ use std::fmt::Write as _;
 use anyhow::Result;
 use serde_json::{json, Value};
 use vramsim_models::dataparallel::chunk_sizes;
-use vramsim_models::{Recipe, Shard};
+use vramsim_models::zoo::Arch;
+use vramsim_models::{Graph, Recipe, Shard};
 use vramsim_sim::format::format_size;
 use vramsim_sim::report::Report;
 use vramsim_traces::Category;
@@ -23,6 +24,19 @@ pub fn graph_recipe(recipe: &Recipe) -> Recipe {
     let mut r = recipe.clone();
     r.batch = r.parallel.replica_batch(r.batch);
     r
+}
+
+/// The graph `recipe.parallel.device`'s lowering takes: the model built for the device's chunk,
+/// cut where the training loop's criterion starts on every device but the output device, which
+/// gets the gathered outputs and the criterion over the whole batch (the model built for the
+/// whole batch supplies the criterion's shapes); see `vramsim_models::dataparallel::device_graph`.
+pub fn device_graph(arch: &Arch, recipe: &Recipe) -> Result<Graph> {
+    let replica = arch.build(&graph_recipe(recipe))?;
+    vramsim_models::dataparallel::device_graph(
+        replica,
+        &recipe.parallel,
+        || Ok(arch.build(recipe)?),
+    )
 }
 
 /// Whether `recipe` is DataParallel over two or more devices.

@@ -564,7 +564,7 @@ fn assemble(
     recipe.parallel.device = device;
     let t0 = Instant::now();
     let attention = arch.attention_kernel(&recipe)?;
-    let graph = arch.build(&crate::dataparallel::graph_recipe(&recipe))?;
+    let graph = crate::dataparallel::device_graph(&arch, &recipe)?;
     let compact = lower(&graph, &recipe)?;
     let lower_ms = t0.elapsed().as_secs_f64() * 1e3;
     let reference = graph

@@ -104,6 +104,23 @@ fn bad_dataparallel_layouts_fail_with_the_reason() {
         &["dataparallel", "DistributedDataParallel"],
     );
     fails(&["--output-device", "2"], &["output-device", "0..1"]);
+    // torch.chunk(1, 2) makes one piece: device 1 would gather with no replica.
+    common::assert_fails(
+        &[
+            "predict",
+            "--model",
+            "resnet18",
+            "--batch",
+            "1",
+            "--dp",
+            "2",
+            "--shard",
+            "dataparallel",
+            "--output-device",
+            "1",
+        ],
+        &["--output-device 1", "no chunk", "not modelled"],
+    );
     fails(&["--accum", "2"], &["dataparallel", "--accum"]);
     common::assert_fails(
         &[
@@ -152,4 +169,25 @@ fn recommend_compares_dataparallel_with_ddp() {
         .as_str()
         .unwrap()
         .starts_with("DDP fits and DataParallel does not"));
+}
+
+/// A captured module whose loss function ran outside it (`forward_ops` before the loss) is split
+/// as the zoo's torchvision loop is: the criterion on the output device, over the gathered logits.
+#[test]
+fn a_captured_module_with_its_criterion_outside_is_split_as_the_zoo_model() {
+    let graph = format!(
+        "{}/../models/tests/imported/resnet18.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let layout = ["--batch", "10", "--dp", "2", "--shard", "dataparallel"];
+    let mut zoo = vec!["--model", "resnet18"];
+    zoo.extend(layout);
+    let mut captured = vec!["--graph", graph.as_str()];
+    captured.extend(layout);
+    let (z, c) = (devices(&zoo), devices(&captured));
+    for key in ["peak_allocated_bytes", "peak_reserved_bytes"] {
+        for d in 0..2 {
+            assert_eq!(z["roles"][d][key], c["roles"][d][key], "device {d} {key}");
+        }
+    }
 }

@@ -28,11 +28,20 @@ impl<'g> Lowering<'g> {
             "aten.ones_like",
         );
         let s = self.dup(&seed);
+        self.backward_seeded(root, s, Some(seed));
+    }
+
+    /// The engine's run from `root` with gradient `grad` (its input buffer's reference), then the
+    /// graph's release; `held`: the caller's reference on the gradient, dropped when the engine
+    /// is done (`loss.backward()`'s `grad_tensors`).
+    pub(super) fn backward_seeded(&mut self, root: Edge, grad: Rt, held: Option<Rt>) {
         // CUDA backward runs on the autograd engine's device thread (its own cuBLAS handle).
         self.in_backward = true;
-        self.run_engine(vec![(root, s)]);
+        self.run_engine(vec![(root, grad)]);
         self.in_backward = false;
-        self.drop_rt(seed);
+        if let Some(seed) = held {
+            self.drop_rt(seed);
+        }
         // The graph is freed: only the AccumulateGrad nodes stay.
         let keep = self
             .acc_nodes

@@ -3,14 +3,23 @@
 //! chunk of the batch); with one device nothing here runs (`DataParallel.forward` calls the
 //! module directly).
 //!
-//! The replica is the whole graph, criterion included (the loss of every replica is gathered as
-//! a vector and averaged on the output device, as with a model that returns its loss).
+//! Two shapes of training step, as the graph says (`crate::dataparallel::META_KEY`):
+//!
+//! * the model returns its loss (transformers' heads with labels, nanoGPT): the replica is the
+//!   whole graph; each replica's loss is gathered as a vector on the output device and the loop
+//!   averages it;
+//! * the loop's criterion is outside the model (`loss = criterion(model(x), y)`): each replica's
+//!   graph stops at the model's output; the output device gathers the outputs of the whole batch
+//!   (`comm.cpp` `gather`, a `Gather` node whose backward is `Scatter`: a narrow view of the
+//!   gradient for its own chunk, `comm.cpp` `scatter`) and runs the criterion once over them;
+//!   every other device's backward starts from the copy of its chunk of that gradient.
 
 use super::{Kind, Lowering, Rt};
 use crate::dataparallel::{chunk_sizes, cpp_take_tensors, py_take_tensors, COALESCE_BYTES};
 use crate::dtype::DType;
 use crate::graph::{ModuleId, ValueId};
 use crate::layout::Layout;
+use crate::ops::OpKind;
 use crate::parallel::Shard;
 
 /// DataParallel state of one device's lowering.
@@ -23,6 +32,28 @@ pub(crate) struct DpState {
     orig_buffers: Vec<(ValueId, Rt)>,
     /// The output device: the gathered loss vector and its mean, until the loss dies.
     gathered: Vec<Rt>,
+    /// How this device's graph runs the step (read from the graph's meta once).
+    mode: Option<DpMode>,
+    /// The inputs `DataParallel.forward` scatters (the model's; not the loop's targets).
+    scattered: Vec<ValueId>,
+    /// The output device with the criterion outside the model: the op before which the
+    /// outputs are gathered ([`DpMode::Output`]'s `from`).
+    gather_at: Option<usize>,
+}
+
+/// What this device's graph holds of the step (`crate::dataparallel::META_KEY`).
+#[derive(Clone, Debug, PartialEq)]
+enum DpMode {
+    /// The model returns its loss: the replica is the whole graph.
+    Whole,
+    /// The criterion runs on the output device: this graph is the replica's forward.
+    Replica,
+    /// The output device with the criterion outside the model: before op `from`, each
+    /// (replica output, gathered value) pair is gathered.
+    Output {
+        from: usize,
+        gathered: Vec<(ValueId, ValueId)>,
+    },
 }
 
 impl<'g> Lowering<'g> {
@@ -60,11 +91,28 @@ impl<'g> Lowering<'g> {
     /// training loop holds to the end of the step; on the other devices `make_inputs` already
     /// made the chunk's copy.
     pub(super) fn dp_scatter(&mut self, inputs: &[ValueId]) {
-        if !self.dp_on() || self.r.parallel.device != 0 {
+        if !self.dp_on() {
+            return;
+        }
+        let mode = self.dp_mode().clone();
+        if let DpMode::Output { from, .. } = &mode {
+            self.dp.gather_at = Some(*from);
+        }
+        // The loop's targets (read by the criterion only) stay where the loop put them.
+        self.dp.scattered = match &mode {
+            DpMode::Output { from, .. } => inputs
+                .iter()
+                .copied()
+                .filter(|v| self.g.ops[..*from].iter().any(|op| op.inputs.contains(v)))
+                .collect(),
+            _ => inputs.to_vec(),
+        };
+        if self.r.parallel.device != 0 {
             return;
         }
         let chunk = self.g.batch.max(1);
-        for &v in inputs {
+        let scattered = self.dp.scattered.clone();
+        for &v in &scattered {
             let Some(rt) = self.vals[v.0 as usize].take() else {
                 continue;
             };
@@ -172,17 +220,129 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// When `DataParallel.forward` returns: `gather` concatenates the replicas' outputs on the
-    /// output device (the loss of each replica, unsqueezed: a vector of one per device, then the
-    /// loop's `.mean()`; the model's other returned tensors at the whole batch, alive until the
-    /// loss is computed); then the replicas and the scattered inputs, locals of the forward, die
-    /// (their tensors live on where autograd saved them).
-    pub(super) fn dp_gather(&mut self, inputs: &[ValueId]) {
+    /// This device's [`DpMode`], from the graph's meta (`crate::dataparallel::replica_graph`,
+    /// `output_device_graph`); a graph without the mark is the whole step's.
+    fn dp_mode(&mut self) -> &DpMode {
+        if self.dp.mode.is_none() {
+            let m = self.g.meta.get(crate::dataparallel::META_KEY);
+            let role = m.and_then(|m| m.get("role")).and_then(|r| r.as_str());
+            let from = m
+                .and_then(|m| m.get("criterion_from"))
+                .and_then(|f| f.as_u64())
+                .unwrap_or(0) as usize;
+            let pairs = m
+                .and_then(|m| m.get("gathered"))
+                .and_then(|g| g.as_array())
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|p| {
+                            let l = p.get(0)?.as_u64()? as u32;
+                            let g = p.get(1)?.as_u64()? as u32;
+                            Some((ValueId(l), ValueId(g)))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            self.dp.mode = Some(match role {
+                Some("replica") => DpMode::Replica,
+                Some("output") => DpMode::Output {
+                    from,
+                    gathered: pairs,
+                },
+                _ => DpMode::Whole,
+            });
+        }
+        self.dp.mode.as_ref().expect("set")
+    }
+
+    /// Before op `i` of the forward: on the output device with the criterion outside the model,
+    /// the criterion's first op follows `DataParallel.forward`'s return, so the gather and the
+    /// return happen here.
+    pub(super) fn dp_forward_op(&mut self, i: usize) {
+        if self.dp.gather_at != Some(i) {
+            return;
+        }
+        let DpMode::Output { gathered, .. } = self.dp_mode().clone() else {
+            return;
+        };
+        // `gather` → `Gather.apply` per returned tensor (`scatter_gather.py` `gather_map`):
+        // `comm.cpp` `gather` makes `at::empty` of the whole batch on the output device and
+        // copies each replica's output in; autograd records `Gather`, whose backward scatters
+        // the gradient (this device's chunk a `narrow` view of it: `comm.cpp` `scatter`'s
+        // `.to()` of a tensor already on the device returns it), as `cat`'s does.
+        for (l, gv) in gathered {
+            let Some(out) = self.vals[l.0 as usize].take() else {
+                continue;
+            };
+            let g = self
+                .exec(
+                    &OpKind::Cat { dim: 0 },
+                    std::slice::from_ref(&out),
+                    &[gv],
+                    ModuleId(0),
+                    None,
+                )
+                .pop()
+                .expect("one output");
+            self.retag(&g, "dp_gather:output".into());
+            // A returned tensor the criterion never reads (BertModel's pooler output under a
+            // loss on the hidden state) dies with the returned object, as on one GPU.
+            let read = self.g.ops[i..].iter().any(|op| op.inputs.contains(&gv))
+                || self.g.holds.iter().any(|&(v, _)| v == gv);
+            if read {
+                self.vals[gv.0 as usize] = Some(g);
+            } else {
+                self.drop_rt(g);
+            }
+            // `outputs`, a local of `DataParallel.forward`, dies when it returns.
+            self.drop_rt(out);
+        }
+        self.dp_forward_returns();
+    }
+
+    /// When `DataParallel.forward` returns: the replicas and the scattered inputs, its locals,
+    /// die (their tensors live on where autograd saved them).
+    fn dp_forward_returns(&mut self) {
+        if !self.dp_copy() {
+            return;
+        }
+        for (p, orig) in std::mem::take(&mut self.dp.orig_params) {
+            let value = self.g.params[p].value.0 as usize;
+            if let Some(v) = self.vals[value].replace(orig.clone()) {
+                self.drop_rt(v);
+            }
+            let v = std::mem::replace(&mut self.params[p], orig);
+            self.drop_rt(v);
+        }
+        for (v, orig) in std::mem::take(&mut self.dp.orig_buffers) {
+            if let Some(b) = self.vals[v.0 as usize].replace(orig) {
+                self.drop_rt(b);
+            }
+        }
+        for v in std::mem::take(&mut self.dp.scattered).into_iter().rev() {
+            if let Some(rt) = self.vals[v.0 as usize].take() {
+                self.drop_rt(rt);
+            }
+        }
+    }
+
+    /// After the forward. With the model returning its loss, `gather` concatenates the replicas'
+    /// outputs on the output device (the loss of each replica, unsqueezed: a vector of one per
+    /// device, then the loop's `.mean()`; the model's other returned tensors at the whole batch,
+    /// alive until the loss is computed); then `DataParallel.forward` returns. On a replica
+    /// device of a loop whose criterion runs elsewhere, only the return; on that output device
+    /// [`Self::dp_forward_op`] did both before the criterion.
+    pub(super) fn dp_gather(&mut self) {
         if !self.dp_on() {
             return;
         }
+        if matches!(self.dp_mode(), DpMode::Output { .. }) {
+            return;
+        }
         let g = self.g;
-        if self.r.parallel.device == self.r.parallel.output_device {
+        if *self.dp_mode() == DpMode::Whole
+            && self.r.parallel.device == self.r.parallel.output_device
+        {
             let n = self.dp_devices_used();
             let out = g.output.expect("checked");
             let d = self.resolve(g.values[out.0 as usize].dtype);
@@ -208,26 +368,37 @@ impl<'g> Lowering<'g> {
             }
             self.dp.gathered = vec![vec, mean];
         }
-        if self.dp_copy() {
-            for (p, orig) in std::mem::take(&mut self.dp.orig_params) {
-                let value = self.g.params[p].value.0 as usize;
-                if let Some(v) = self.vals[value].replace(orig.clone()) {
-                    self.drop_rt(v);
-                }
-                let v = std::mem::replace(&mut self.params[p], orig);
-                self.drop_rt(v);
-            }
-            for (v, orig) in std::mem::take(&mut self.dp.orig_buffers) {
-                if let Some(b) = self.vals[v.0 as usize].replace(orig) {
-                    self.drop_rt(b);
-                }
-            }
-            for &v in inputs.iter().rev() {
-                if let Some(rt) = self.vals[v.0 as usize].take() {
-                    self.drop_rt(rt);
-                }
-            }
+        self.dp_forward_returns();
+    }
+
+    /// Whether this device runs a replica but not the loop's criterion (it is on the output
+    /// device): its step is [`Self::dp_replica_backward`] after the forward.
+    pub(super) fn dp_criterion_elsewhere(&mut self) -> bool {
+        self.dp_on() && *self.dp_mode() == DpMode::Replica
+    }
+
+    /// A replica device's backward when the criterion runs on the output device: the replica's
+    /// output (`out`) died when `DataParallel.forward` returned (a local `outputs` list; the
+    /// output device holds the gathered copy); `Gather.backward` → `Scatter.apply` copies this
+    /// device's chunk of the gathered output's gradient here (`comm.cpp` `scatter`: `.to(device)`
+    /// of a `narrow` of it), which goes into the input buffer of the replica's last node and dies
+    /// once that node has run; then the replica's backward and the reduce.
+    pub(super) fn dp_replica_backward(&mut self, out: Rt) {
+        let root = out.edge;
+        let (layout, dtype) = (Layout::contiguous(out.shape()), out.dtype);
+        self.drop_rt(out);
+        self.phase("backward");
+        self.par_pre_backward();
+        if let Some(root) = root {
+            self.kind_now = Kind::Comm;
+            let grad = self.alloc(layout, dtype, ModuleId(0), "aten._to_copy");
+            self.kind_now = Kind::Temporary;
+            self.retag(&grad, "dp_scatter:grad_output".into());
+            self.backward_seeded(root, grad, None);
         }
+        self.fsdp_end_backward();
+        self.par_post_backward(true);
+        self.dp_reduce();
     }
 
     /// The end of the backward: `Broadcast.backward` (it ran once every replica gradient was in
@@ -290,5 +461,44 @@ impl<'g> Lowering<'g> {
         for t in std::mem::take(&mut self.dp.gathered) {
             self.drop_rt(t);
         }
+    }
+}
+
+/// `lower`'s check of a DataParallel graph over two or more devices: one whose training loop
+/// runs the criterion outside the model must be the device's graph
+/// (`crate::dataparallel::device_graph`), not the replica's whole step.
+pub(super) fn check_graph(
+    g: &crate::graph::Graph,
+    r: &crate::recipe::Recipe,
+) -> Result<(), super::LowerError> {
+    let p = &r.parallel;
+    if p.shard != Shard::DataParallel || p.dp < 2 {
+        return Ok(());
+    }
+    // `replicate(self.module, self.device_ids[:len(inputs)])`: a batch smaller than the devices
+    // leaves the last ones without a replica; an output device among them would hold the
+    // gathered outputs (and the loop's criterion) with no replica, which is not modelled.
+    let chunks = chunk_sizes(r.batch, p.dp);
+    if p.output_device as usize >= chunks.len() {
+        return Err(super::LowerError::DataParallel(format!(
+            "--output-device {} gets no chunk of batch {} over {} devices (torch.chunk makes {:?}): an output device without a replica is not modelled; give --output-device 0..{} or a batch of at least {}",
+            p.output_device,
+            r.batch,
+            p.dp,
+            chunks,
+            chunks.len() - 1,
+            p.output_device + 1
+        )));
+    }
+    if g.meta.contains_key(crate::dataparallel::META_KEY) {
+        return Ok(());
+    }
+    match crate::dataparallel::criterion_split(g) {
+        Ok(None) => Ok(()),
+        Ok(Some(_)) => Err(super::LowerError::DataParallel(format!(
+            "{}: the training loop's criterion is outside the model, so under DataParallel it runs once on the output device over the gathered outputs: lower the device's graph from vramsim_models::dataparallel::device_graph",
+            g.name
+        ))),
+        Err(e) => Err(super::LowerError::DataParallel(e.to_string())),
     }
 }

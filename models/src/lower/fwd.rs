@@ -44,6 +44,7 @@ impl<'g> Lowering<'g> {
         let reentrant = self.r.checkpoint_impl == CheckpointImpl::Reentrant;
         for i in 0..g.ops.len() {
             self.fsdp_forward_op(i);
+            self.dp_forward_op(i);
             let region = self.op_region[i];
             if reentrant {
                 if let Some(rf) = &self.reentrant_fwd {

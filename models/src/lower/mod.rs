@@ -86,6 +86,11 @@ pub enum LowerError {
     /// The graph's ops are not in a topological order.
     #[error("the graph of {0} is not a DAG in program order (op {1} uses a value made later)")]
     NotTopological(String, usize),
+    /// A DataParallel layout over two or more devices got a graph it cannot run as it is (the
+    /// training loop's criterion is outside the model: the device's graph must come from
+    /// `dataparallel::device_graph`).
+    #[error("{0}")]
+    DataParallel(String),
 }
 
 /// A handle on a tensor: its layout, dtype, storage, and where its gradient goes.
@@ -333,6 +338,7 @@ pub fn lower(graph: &Graph, recipe: &Recipe) -> Result<Trace, LowerError> {
         });
     }
     check_graph(graph)?;
+    dataparallel::check_graph(graph, recipe)?;
     let mut l = Lowering::new(graph, recipe);
     l.run()?;
     Ok(l.finish())
@@ -750,10 +756,17 @@ impl<'g> Lowering<'g> {
                 self.dp_scatter(&inputs);
                 self.dp_replicate();
                 let loss = self.forward()?;
-                self.dp_gather(&inputs);
+                self.dp_gather();
                 self.fsdp_post_forward();
                 if self.r.inference {
                     self.drop_rt(loss);
+                    self.drop_inputs(inputs);
+                    continue;
+                }
+                if self.dp_criterion_elsewhere() {
+                    // DataParallel, the loop's criterion on the output device: `loss` is this
+                    // replica's output, and its backward starts from a chunk of the gradient.
+                    self.dp_replica_backward(loss);
                     self.drop_inputs(inputs);
                     continue;
                 }
