@@ -901,6 +901,17 @@ impl<'g> Lowering<'g> {
         }
         let g = self.g;
         let ranges = checkpointed_ranges(g, self.r.checkpointing);
+        if ranges.is_empty() {
+            return;
+        }
+        // The last op that reads each value (`used_after` below asks whether one at or after a
+        // region's end does: one pass instead of a scan of the later ops per value).
+        let mut last_read: Vec<Option<usize>> = vec![None; g.values.len()];
+        for (i, op) in g.ops.iter().enumerate() {
+            for &v in &op.inputs {
+                last_read[v.0 as usize] = Some(i);
+            }
+        }
         for (start, end) in ranges {
             let id = self.ck_ranges.len() as u32;
             // The region's inputs: values made before it and used in it (parameters and buffers
@@ -936,7 +947,7 @@ impl<'g> Lowering<'g> {
             // loop's kept outputs use.
             let mut outputs = Vec::new();
             let used_after = |v: ValueId| {
-                g.ops[end..].iter().any(|op| op.inputs.contains(&v))
+                last_read[v.0 as usize].is_some_and(|i| i >= end)
                     || g.output == Some(v)
                     || g.kept_outputs.iter().any(|&(k, _)| k == v)
             };
