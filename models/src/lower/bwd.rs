@@ -9,7 +9,8 @@ use crate::graph::ValueId;
 use crate::layout::{elementwise_layout, numel, Layout};
 use crate::ops::{FusedSdpa, OpKind, RecordedDType, RecordedGrad, RecordedOut, RecordedStep};
 use crate::recipe::Fidelity;
-use std::collections::{BinaryHeap, HashMap};
+use rustc_hash::{FxHashMap, FxHashSet};
+use std::collections::BinaryHeap;
 
 fn round_up(x: u64, m: u64) -> u64 {
     x.div_ceil(m) * m
@@ -73,9 +74,9 @@ impl<'g> Lowering<'g> {
     /// on the same device thread) runs its own task to completion before the outer one goes on: the
     /// device thread's ready queue puts deeper reentrant tasks first.
     fn run_engine(&mut self, roots: Vec<(Edge, Rt)>) {
-        let mut deps: HashMap<u32, u32> = HashMap::new();
+        let mut deps: FxHashMap<u32, u32> = FxHashMap::default();
         let mut stack: Vec<u32> = Vec::new();
-        let mut seen = std::collections::HashSet::new();
+        let mut seen = FxHashSet::default();
         for (e, _) in &roots {
             if seen.insert(e.node) {
                 stack.push(e.node);
@@ -90,7 +91,7 @@ impl<'g> Lowering<'g> {
                 }
             }
         }
-        let mut buffers: HashMap<u32, Vec<Option<Rt>>> = HashMap::new();
+        let mut buffers: FxHashMap<u32, Vec<Option<Rt>>> = FxHashMap::default();
         let mut ready: BinaryHeap<(u64, u32)> = BinaryHeap::new();
         for (e, g) in roots {
             self.buffer_add(&mut buffers, e, g);
@@ -284,7 +285,7 @@ impl<'g> Lowering<'g> {
 
     /// `InputBuffer::add`: the first gradient is stored, later ones are summed
     /// (`InputBuffer::accumulate`, in place on CUDA when the engine holds the last reference).
-    fn buffer_add(&mut self, buffers: &mut HashMap<u32, Vec<Option<Rt>>>, e: Edge, g: Rt) {
+    fn buffer_add(&mut self, buffers: &mut FxHashMap<u32, Vec<Option<Rt>>>, e: Edge, g: Rt) {
         let n_in = self.nodes[e.node as usize]
             .outs
             .len()
@@ -429,7 +430,7 @@ impl<'g> Lowering<'g> {
             Some(strides) => self.view(
                 g,
                 Layout {
-                    shape: shape.to_vec(),
+                    shape: shape.into(),
                     strides,
                 },
             ),

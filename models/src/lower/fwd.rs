@@ -8,7 +8,7 @@ use crate::graph::{DTypeSpec, ModuleId, ValueId};
 use crate::layout::{elementwise_layout, Layout};
 use crate::ops::{FusedSdpa, OpKind};
 use crate::recipe::{CheckpointImpl, Fidelity, TorchVersion};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 /// A tensor an autograd node saves: input `j` or output `k` of its op, or a tensor the
 /// autograd wrapper made for the node (`Extra`: the `original_self = self.clone()` of an
@@ -530,8 +530,8 @@ impl<'g> Lowering<'g> {
             inputs,
             pending: 0,
             recomputed: false,
-            saved: HashMap::new(),
-            op_nodes: HashMap::new(),
+            saved: FxHashMap::default(),
+            op_nodes: FxHashMap::default(),
             last_saving_op: None,
         });
         self.active_frame = Some((self.frames.len() - 1) as u32);
@@ -657,7 +657,7 @@ impl<'g> Lowering<'g> {
                 placed.push(*v);
             }
         }
-        self.recompute_saved = Some(HashMap::new());
+        self.recompute_saved = Some(FxHashMap::default());
         self.recompute_ops = Some(std::mem::take(&mut self.frames[f as usize].op_nodes));
         let saved_grad = self.grad_mode;
         self.grad_mode = true;
@@ -712,7 +712,13 @@ impl<'g> Lowering<'g> {
                 let s = shape0();
                 match x[0].layout.view_strides(&s) {
                     Some(strides) => {
-                        let v = self.view(&x[0], Layout { shape: s, strides });
+                        let v = self.view(
+                            &x[0],
+                            Layout {
+                                shape: s.as_slice().into(),
+                                strides,
+                            },
+                        );
                         Fwd::New(vec![v], NodeKind::Op(View), vec![])
                     }
                     None => {
@@ -1140,8 +1146,8 @@ impl<'g> Lowering<'g> {
                         Some(crate::ops::RecordedOut::View(j)) => {
                             let l = match rec.view_strides.get(k).cloned().flatten() {
                                 Some(strides) if strides.len() == shape.len() => Layout {
-                                    shape: shape.clone(),
-                                    strides,
+                                    shape: shape.as_slice().into(),
+                                    strides: strides.into(),
                                 },
                                 _ => Layout::contiguous(shape),
                             };

@@ -49,7 +49,8 @@ use crate::recipe::{
     Checkpointing, CublasWorkspaceMode, Fidelity, Precision, Recipe, RecipeError, TorchVersion,
     ZeroGrad,
 };
-use std::collections::{BTreeMap, HashMap, HashSet};
+use rustc_hash::{FxHashMap, FxHashSet};
+use std::collections::BTreeMap;
 use vramsim_traces::{AllocId, Category, Event, Trace};
 
 /// Why a graph could not be lowered under a recipe.
@@ -204,9 +205,9 @@ struct Frame {
     pending: u32,
     recomputed: bool,
     /// Saved tensors recomputed for each node.
-    saved: HashMap<u32, Vec<Rt>>,
+    saved: FxHashMap<u32, Vec<Rt>>,
     /// Node made by each op of the region in the first forward (ops that save something).
-    op_nodes: HashMap<usize, u32>,
+    op_nodes: FxHashMap<usize, u32>,
     /// The last op of the region that saves a tensor: recomputation stops after it.
     last_saving_op: Option<usize>,
 }
@@ -239,8 +240,8 @@ pub(crate) struct Lowering<'g> {
     /// Region index of each op when its region is checkpointed.
     op_region: Vec<Option<u32>>,
     active_frame: Option<u32>,
-    recompute_saved: Option<HashMap<u32, Vec<Rt>>>,
-    recompute_ops: Option<HashMap<usize, u32>>,
+    recompute_saved: Option<FxHashMap<u32, Vec<Rt>>>,
+    recompute_ops: Option<FxHashMap<usize, u32>>,
     pub(crate) kind_now: Kind,
     /// Values released after each op (Python lifetimes).
     release_after: Vec<Vec<ValueId>>,
@@ -262,7 +263,7 @@ pub(crate) struct Lowering<'g> {
     /// workspace pool cuBLAS allocated for it.
     cublas_own_handles: [bool; 2],
     /// `cudnn.benchmark`: convolution configurations benchmarked already (`benchmark_cache` keys).
-    conv_benchmarked: HashSet<String>,
+    conv_benchmarked: FxHashSet<String>,
     /// `--keep-outputs`: the previous step's outputs the training loop still holds, each with the
     /// op of the forward whose return rebinds its name.
     kept: Vec<(usize, Rt)>,
@@ -275,7 +276,7 @@ pub(crate) struct Lowering<'g> {
     /// `.grad` of the detached inputs of reentrant recomputations, by [`NodeKind::Leaf`] slot.
     leaf_grads: Vec<Option<Rt>>,
     /// The region input values of each `CheckpointFunctionBackward` node, in `saved` order.
-    reentrant_inputs: HashMap<u32, Vec<ValueId>>,
+    reentrant_inputs: FxHashMap<u32, Vec<ValueId>>,
     /// The input embedding's output that `enable_input_require_grads` marks as requiring grad
     /// ([`input_grad_hook`]).
     input_grad_hook: Option<ValueId>,
@@ -465,13 +466,13 @@ impl<'g> Lowering<'g> {
                 .0,
             ws_held: [false; 2],
             cublas_own_handles: [false; 2],
-            conv_benchmarked: HashSet::new(),
+            conv_benchmarked: FxHashSet::default(),
             kept: Vec::new(),
             kept_next: Vec::new(),
             reentrant_fwd: None,
             in_reentrant_recompute: false,
             leaf_grads: Vec::new(),
-            reentrant_inputs: HashMap::new(),
+            reentrant_inputs: FxHashMap::default(),
             input_grad_hook: input_grad_hook(g, r),
             bnb_qmaps: false,
             paged_bytes: 0,
