@@ -316,11 +316,12 @@ impl<'g> Lowering<'g> {
             };
             casted.push(c);
         }
-        let out_specs: Vec<(Vec<u64>, DTypeSpec)> = outs
+        let g = self.g;
+        let out_specs: Vec<(&[u64], DTypeSpec)> = outs
             .iter()
             .map(|v| {
-                let val = &self.g.values[v.0 as usize];
-                (val.shape.clone(), val.dtype)
+                let val = &g.values[v.0 as usize];
+                (val.shape.as_slice(), val.dtype)
             })
             .collect();
         let result = self.fwd_rule(kind, &casted, &out_specs, m);
@@ -696,13 +697,13 @@ impl<'g> Lowering<'g> {
         &mut self,
         kind: &OpKind,
         x: &[Rt],
-        outs: &[(Vec<u64>, DTypeSpec)],
+        outs: &[(&[u64], DTypeSpec)],
         m: ModuleId,
     ) -> Fwd {
         use OpKind::*;
         let name = kind.aten_name();
         let op_kind = NodeKind::Op(kind.clone());
-        let shape0 = || outs.first().map(|o| o.0.clone()).unwrap_or_default();
+        let shape0 = || outs.first().map_or(&[][..], |o| o.0);
         match kind {
             QuantLinear { .. } => self.quant_linear_fwd(kind, x, shape0(), m),
             AutocastLower => Fwd::Alias(self.dup(&x[0])),
@@ -710,12 +711,12 @@ impl<'g> Lowering<'g> {
             // `_unsafe_view(clone(contiguous))`; views save nothing.
             View | UnsafeView | Reshape => {
                 let s = shape0();
-                match x[0].layout.view_strides(&s) {
+                match x[0].layout.view_strides(s) {
                     Some(strides) => {
                         let v = self.view(
                             &x[0],
                             Layout {
-                                shape: s.as_slice().into(),
+                                shape: s.into(),
                                 strides,
                             },
                         );
@@ -723,7 +724,7 @@ impl<'g> Lowering<'g> {
                     }
                     None => {
                         // reshape: `_unsafe_view(self.clone(at::MemoryFormat::Contiguous), shape)`
-                        let c = self.alloc(Layout::contiguous(&s), x[0].dtype, m, "aten.clone");
+                        let c = self.alloc(Layout::contiguous(s), x[0].dtype, m, "aten.clone");
                         Fwd::New(vec![c], NodeKind::ReshapeCopy, vec![])
                     }
                 }
@@ -745,7 +746,7 @@ impl<'g> Lowering<'g> {
                 Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
             }
             Expand => {
-                let l = x[0].layout.expand(&shape0());
+                let l = x[0].layout.expand(shape0());
                 Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
             }
             Unsqueeze(d) => {
@@ -794,7 +795,7 @@ impl<'g> Lowering<'g> {
             Add | Sub | Mul | Div => {
                 let s = shape0();
                 let dt = x[0].dtype.promote(x[1].dtype);
-                let l = elementwise_layout(&s, &[&x[0].layout, &x[1].layout]);
+                let l = elementwise_layout(s, &[&x[0].layout, &x[1].layout]);
                 let o = self.alloc(l, dt, m, name);
                 // derivatives.yaml mul.Tensor saves other if self needs grad and self if other does;
                 // div.Tensor saves other (and self for other's grad); add/sub save nothing.
@@ -853,7 +854,7 @@ impl<'g> Lowering<'g> {
             }
             // derivatives.yaml mean.dim: only sizes are saved.
             MeanDim { .. } => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 Fwd::New(vec![o], op_kind, vec![])
             }
             // derivatives.yaml mm/bmm/addmm: mat2 saved for mat1's grad and mat1 for mat2's.
@@ -864,7 +865,7 @@ impl<'g> Lowering<'g> {
                     (0, 1)
                 };
                 let dt = x[a].dtype.promote(x[b].dtype);
-                let o = self.alloc(Layout::contiguous(&shape0()), dt, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), dt, m, name);
                 // addmm_out_cuda_impl (`native/cuda/Blas.cpp`): the cuBLASLt path
                 // (`isInputCompliesAddmmCudaLt`) takes beta 1 with a contiguous bias that squeezes
                 // to 1-D of mat2's column count, a float/half/bfloat16 problem, and every dimension
@@ -964,7 +965,7 @@ impl<'g> Lowering<'g> {
             }
             // derivatives.yaml embedding: indices saved (and weight's size).
             Embedding => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 Fwd::New(vec![o], op_kind, vec![Save::In(1)])
             }
             // derivatives.yaml cat: only sizes and dtypes saved.
@@ -974,7 +975,7 @@ impl<'g> Lowering<'g> {
                     .map(|t| t.dtype)
                     .reduce(|a, b| a.promote(b))
                     .unwrap_or(DType::F32);
-                let o = self.alloc(Layout::contiguous(&shape0()), dt, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), dt, m, name);
                 Fwd::New(vec![o], op_kind, vec![])
             }
             // derivatives.yaml _scaled_dot_product_{flash,efficient,cudnn}_attention: the node
@@ -1109,7 +1110,7 @@ impl<'g> Lowering<'g> {
             }
             // derivatives.yaml avg_pool2d: self saved; the output a new tensor.
             AvgPool2d { .. } => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 Fwd::New(vec![o], op_kind, vec![Save::In(0)])
             }
             // What the capture recorded (`vramsim.from_module`'s fallback): the new tensors
@@ -1146,7 +1147,7 @@ impl<'g> Lowering<'g> {
                         Some(crate::ops::RecordedOut::View(j)) => {
                             let l = match rec.view_strides.get(k).cloned().flatten() {
                                 Some(strides) if strides.len() == shape.len() => Layout {
-                                    shape: shape.as_slice().into(),
+                                    shape: (*shape).into(),
                                     strides: strides.into(),
                                 },
                                 _ => Layout::contiguous(shape),
@@ -1201,7 +1202,7 @@ impl<'g> Lowering<'g> {
                 // The meta kernel (a dispatch-mode capture) returns a contiguous output whatever
                 // the input's format (observed with torch 2.15 on the meta device).
                 let out_cl = cl && self.r.fidelity == Fidelity::Cuda;
-                let o = self.alloc(conv_layout(&shape0(), out_cl), dt, m, name);
+                let o = self.alloc(conv_layout(shape0(), out_cl), dt, m, name);
                 let key = format!("fwd {kind:?} {:?} {:?} {dt:?}", x[0].shape(), x[1].shape());
                 self.conv_benchmark(key);
                 if let Some(t) = copy {
@@ -1242,18 +1243,18 @@ impl<'g> Lowering<'g> {
             // derivatives.yaml max_pool2d_with_indices: self and the indices (result1) saved.
             MaxPool2d { .. } => {
                 let s = shape0();
-                let o = self.alloc(Layout::contiguous(&s), x[0].dtype, m, name);
-                let idx = self.alloc(Layout::contiguous(&s), DType::I64, m, name);
+                let o = self.alloc(Layout::contiguous(s), x[0].dtype, m, name);
+                let idx = self.alloc(Layout::contiguous(s), DType::I64, m, name);
                 Fwd::New(vec![o, idx], op_kind, vec![Save::In(0), Save::Out(1)])
             }
             // derivatives.yaml mean.dim: only sizes saved.
             MeanDims { .. } => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 Fwd::New(vec![o], op_kind, vec![])
             }
             // derivatives.yaml _adaptive_avg_pool2d: self saved.
             AdaptiveAvgPool2d { .. } => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 Fwd::New(vec![o], op_kind, vec![Save::In(0)])
             }
             // select: a view without the dimension; only sizes saved.
@@ -1266,19 +1267,19 @@ impl<'g> Lowering<'g> {
             // aten.index (advanced indexing): a new tensor; derivatives.yaml index.Tensor saves
             // the indices (and self's sizes).
             Index => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 let saves = (1..x.len()).map(Save::In).collect();
                 Fwd::New(vec![o], op_kind, saves)
             }
             // derivatives.yaml sum.dim_IntList: only sizes are saved.
             SumDim { .. } => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 Fwd::New(vec![o], op_kind, vec![])
             }
             // aten.topk: values and int64 indices (TensorCompare/Sorting: `values`, `indices` out
             // tensors); derivatives.yaml topk saves the indices.
             TopK { .. } => {
-                let l = Layout::contiguous(&shape0());
+                let l = Layout::contiguous(shape0());
                 let v = self.alloc(l.clone(), x[0].dtype, m, name);
                 let i = self.alloc(l, DType::I64, m, name);
                 Fwd::New(vec![v, i], op_kind, vec![Save::Out(1)])
@@ -1286,7 +1287,7 @@ impl<'g> Lowering<'g> {
             // aten._grouped_mm: a new `[M, N]` tensor; derivatives.yaml saves self, mat2 and offs
             // (`_grouped_mm_mat1_backward(grad, mat2, ..., offs, 1)`, `_mat2_backward(grad, self, ..., offs, 1)`).
             GroupedMm => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 Fwd::New(
                     vec![o],
                     op_kind,

@@ -313,6 +313,19 @@ fn input_grad_hook(g: &Graph, r: &Recipe) -> Option<ValueId> {
         .and_then(|op| op.outputs.first().copied())
 }
 
+/// The tag of an allocation made by `name` in module `path`: `path:name`, or `name` at the root
+/// (built at its exact length: the lowering makes one per allocation).
+fn scoped_tag(path: &str, name: &str) -> Box<str> {
+    if path.is_empty() {
+        return name.into();
+    }
+    let mut tag = String::with_capacity(path.len() + 1 + name.len());
+    tag.push_str(path);
+    tag.push(':');
+    tag.push_str(name);
+    tag.into_boxed_str()
+}
+
 /// Lowers a training step (or inference, per the recipe) of `graph` to an allocation trace.
 ///
 /// The trace holds `recipe.iterations` optimizer steps of `recipe.accum` micro-batches each, with
@@ -427,17 +440,24 @@ impl<'g> Lowering<'g> {
                 }
             });
         }
+        // Room for the events, storages and nodes a step usually makes (about six events per op
+        // and micro-batch, eight per parameter and optimizer step), so that the vectors rarely
+        // grow; more is allocated when needed.
+        let micro_batches = r.iterations as usize * r.accum as usize;
+        let events = (g.ops.len() * 6 * micro_batches + g.params.len() * 8 * r.iterations as usize)
+            .min(1 << 24);
+        let storages = events / 2 + g.params.len() + g.buffers.len();
         Lowering {
             g,
             r,
             param_dtype,
             autocast,
             grad_mode: !r.inference,
-            storages: Vec::new(),
-            events: Vec::with_capacity(g.ops.len() * 4),
-            tags: Vec::new(),
+            storages: Vec::with_capacity(storages),
+            events: Vec::with_capacity(events),
+            tags: Vec::with_capacity(storages),
             next_id: 0,
-            nodes: Vec::new(),
+            nodes: Vec::with_capacity(g.ops.len() + g.params.len()),
             seq: 0,
             vals: vec![None; g.values.len()],
             params: Vec::new(),
@@ -531,12 +551,7 @@ impl<'g> Lowering<'g> {
             // CUBLAS_WORKSPACE_CONFIG=:0:0: the allocator hands out nothing for 0 bytes.
             return;
         }
-        let path = &self.g.modules[m.0 as usize];
-        let tag: Box<str> = if path.is_empty() {
-            name.into()
-        } else {
-            format!("{path}:{name}").into()
-        };
+        let tag = scoped_tag(&self.g.modules[m.0 as usize], name);
         let st = self.alloc_raw(size, Kind::Workspace, tag);
         if !persistent {
             self.release(st);
@@ -566,12 +581,7 @@ impl<'g> Lowering<'g> {
     /// Allocates a new storage for a tensor of `layout`/`dtype` (one reference, the caller's).
     pub(crate) fn alloc(&mut self, layout: Layout, dtype: DType, module: ModuleId, op: &str) -> Rt {
         let size = layout.numel() * dtype.size();
-        let m = &self.g.modules[module.0 as usize];
-        let tag: Box<str> = if m.is_empty() {
-            op.into()
-        } else {
-            format!("{m}:{op}").into()
-        };
+        let tag = scoped_tag(&self.g.modules[module.0 as usize], op);
         let st = self.alloc_raw(size, self.kind_now, tag);
         Rt {
             layout,
