@@ -387,9 +387,12 @@ impl<'g> Lowering<'g> {
         }
         // validate_outputs: reduce broadcast gradients (sum_to) and cast to the input's dtype.
         let m = self.nodes[n as usize].module;
+        // The node's input metadata, borrowed while the gradients are conformed (`conform` does
+        // not read nodes) and put back after.
+        let ins = std::mem::take(&mut self.nodes[n as usize].ins);
         for (i, slot) in outs.iter_mut().enumerate() {
             let Some(g) = slot.take() else { continue };
-            let meta = self.nodes[n as usize].ins.get(i).cloned().flatten();
+            let meta = ins.get(i).and_then(Option::as_ref);
             let has_edge = self.nodes[n as usize]
                 .next
                 .get(i)
@@ -397,7 +400,7 @@ impl<'g> Lowering<'g> {
                 .flatten()
                 .is_some();
             let g = match (meta, has_edge) {
-                (Some(meta), true) => self.conform(g, &meta, m),
+                (Some(meta), true) => self.conform(g, meta, m),
                 (_, true) => g,
                 (_, false) => {
                     self.drop_rt(g);
@@ -406,6 +409,7 @@ impl<'g> Lowering<'g> {
             };
             *slot = Some(g);
         }
+        self.nodes[n as usize].ins = ins;
         for t in inputs.into_iter().flatten() {
             self.drop_rt(t);
         }
