@@ -474,14 +474,31 @@ impl<'g> Lowering<'g> {
 
     /// One node's gradient formula. Returns one gradient per forward input (owned handles).
     fn apply(&mut self, n: u32, grads: &[Option<Rt>]) -> Vec<Option<Rt>> {
+        // The node's input metadata and edges, lent to the formula (which reads no node's: a
+        // reentrant region's backward runs a graph of newer nodes) and put back.
+        let ins = std::mem::take(&mut self.nodes[n as usize].ins);
+        let next = std::mem::take(&mut self.nodes[n as usize].next);
+        let out = self.apply_formula(n, grads, &ins, &next);
+        let node = &mut self.nodes[n as usize];
+        node.ins = ins;
+        node.next = next;
+        out
+    }
+
+    /// [`Self::apply`] with the node's `ins` and `next` borrowed.
+    fn apply_formula(
+        &mut self,
+        n: u32,
+        grads: &[Option<Rt>],
+        ins: &[Option<Meta>],
+        next: &[Option<Edge>],
+    ) -> Vec<Option<Rt>> {
         let node = &self.nodes[n as usize];
         let m = node.module;
-        let ins: Vec<Option<Meta>> = node.ins.clone();
-        let needs: Vec<bool> = node.next.iter().map(|e| e.is_some()).collect();
         let kind = node.kind.clone();
         let k = ins.len();
         let mut out: Vec<Option<Rt>> = vec![None; k];
-        let need = |i: usize| needs.get(i).copied().unwrap_or(false);
+        let need = |i: usize| next.get(i).is_some_and(Option::is_some);
         let meta = |i: usize| ins[i].clone().expect("float input");
         match kind {
             NodeKind::Accumulate(_) => return vec![],

@@ -370,13 +370,13 @@ impl<'g> Lowering<'g> {
         gop: Option<usize>,
         dtype_only_arg1: bool,
     ) {
-        let pick = |s: &Save, outs: &[Rt]| -> Rt {
+        fn pick<'a>(s: &'a Save, ins: &'a [Rt], outs: &'a [Rt]) -> &'a Rt {
             match s {
-                Save::In(j) => ins[*j].clone(),
-                Save::Out(k) => outs[*k].clone(),
-                Save::Extra(t) => t.clone(),
+                Save::In(j) => &ins[*j],
+                Save::Out(k) => &outs[*k],
+                Save::Extra(t) => t,
             }
-        };
+        }
         if let Some(map) = self.recompute_saved.as_mut() {
             // Recomputation: the node itself is thrown away; what it saves is kept for the
             // original node (`frame.recomputed`).
@@ -386,8 +386,7 @@ impl<'g> Lowering<'g> {
             if let Some(node) = orig {
                 let mut kept = Vec::new();
                 for s in saves {
-                    let t = pick(s, outs);
-                    kept.push(self.dup(&t));
+                    kept.push(self.dup(pick(s, ins, outs)));
                 }
                 self.recompute_saved
                     .as_mut()
@@ -459,8 +458,7 @@ impl<'g> Lowering<'g> {
         }
         let mut saved = Vec::with_capacity(saves.len());
         for s in saves {
-            let t = pick(s, outs);
-            saved.push(self.dup(&t));
+            saved.push(self.dup(pick(s, ins, outs)));
         }
         self.nodes[node as usize].saved = saved;
     }
