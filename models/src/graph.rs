@@ -665,26 +665,37 @@ impl GraphBuilder {
     /// Append an op with explicit output shapes and dtypes (the general entry point the typed
     /// helpers use).
     pub fn op(&mut self, kind: OpKind, inputs: &[T], outs: &[(Vec<u64>, DTypeSpec)]) -> Vec<T> {
-        let module = self.current_module();
-        let op = OpId(self.g.ops.len() as u32);
-        let outputs: Vec<T> = outs
-            .iter()
-            .enumerate()
-            .map(|(i, (s, d))| self.new_value(s.clone(), *d, Source::Op { op, index: i }))
-            .collect();
-        self.g.ops.push(Op {
-            kind,
-            inputs: inputs.to_vec(),
-            outputs: outputs.clone(),
-            module,
-            autocast: !self.no_autocast,
-        });
-        outputs
+        let op = self.push_op(kind, inputs, outs.iter().cloned());
+        self.g.ops[op.0 as usize].outputs.clone()
     }
 
     /// Append a one-output op.
     pub fn op1(&mut self, kind: OpKind, inputs: &[T], shape: Vec<u64>, dtype: DTypeSpec) -> T {
-        self.op(kind, inputs, &[(shape, dtype)])[0]
+        let op = self.push_op(kind, inputs, std::iter::once((shape, dtype)));
+        self.g.ops[op.0 as usize].outputs[0]
+    }
+
+    /// Appends an op making one value per entry of `outs` (shapes taken as they are).
+    fn push_op(
+        &mut self,
+        kind: OpKind,
+        inputs: &[T],
+        outs: impl ExactSizeIterator<Item = (Vec<u64>, DTypeSpec)>,
+    ) -> OpId {
+        let module = self.current_module();
+        let op = OpId(self.g.ops.len() as u32);
+        let mut outputs = Vec::with_capacity(outs.len());
+        for (i, (s, d)) in outs.enumerate() {
+            outputs.push(self.new_value(s, d, Source::Op { op, index: i }));
+        }
+        self.g.ops.push(Op {
+            kind,
+            inputs: inputs.to_vec(),
+            outputs,
+            module,
+            autocast: !self.no_autocast,
+        });
+        op
     }
 
     /// The dtype class of an elementwise result over `inputs` (floats promote; the model dtype

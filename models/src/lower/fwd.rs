@@ -161,16 +161,16 @@ impl<'g> Lowering<'g> {
     pub(super) fn exec_graph_op(&mut self, i: usize) {
         let g = self.g;
         let op = &g.ops[i];
-        let ins: Vec<Rt> = op
-            .inputs
-            .iter()
-            .map(|v| {
-                self.vals[v.0 as usize].clone().unwrap_or_else(|| {
-                    panic!("value {} of op {i} ({:?}) is not alive", v.0, op.kind)
-                })
-            })
-            .collect();
+        // The inputs' handles, in a buffer reused from op to op (ops do not nest).
+        let mut ins = std::mem::take(&mut self.scratch_ins);
+        ins.extend(op.inputs.iter().map(|v| {
+            self.vals[v.0 as usize]
+                .clone()
+                .unwrap_or_else(|| panic!("value {} of op {i} ({:?}) is not alive", v.0, op.kind))
+        }));
         let outs = self.exec(&op.kind, &ins, &op.outputs, op.module, Some(i));
+        ins.clear();
+        self.scratch_ins = ins;
         let mut it = outs.into_iter();
         for &v in &op.outputs {
             if let Some(rt) = it.next() {
@@ -300,7 +300,8 @@ impl<'g> Lowering<'g> {
         } else {
             None
         };
-        let mut casted: Vec<Rt> = Vec::with_capacity(ins.len());
+        // A buffer reused from op to op (a nested `exec`, an autocast cast, makes its own).
+        let mut casted = std::mem::take(&mut self.scratch_casted);
         for x in ins {
             let target = match pol {
                 Policy::Lower => autocast.filter(|&d| x.dtype.is_float() && x.dtype != d),
@@ -317,14 +318,14 @@ impl<'g> Lowering<'g> {
             casted.push(c);
         }
         let g = self.g;
-        let out_specs: Vec<(&[u64], DTypeSpec)> = outs
-            .iter()
-            .map(|v| {
-                let val = &g.values[v.0 as usize];
-                (val.shape.as_slice(), val.dtype)
-            })
-            .collect();
+        let mut out_specs = std::mem::take(&mut self.scratch_specs);
+        out_specs.extend(outs.iter().map(|v| {
+            let val = &g.values[v.0 as usize];
+            (val.shape.as_slice(), val.dtype)
+        }));
         let result = self.fwd_rule(kind, &casted, &out_specs, m);
+        out_specs.clear();
+        self.scratch_specs = out_specs;
         let outs = match result {
             Fwd::Alias(rt) => vec![rt],
             Fwd::New(mut outs, nk, saves) => {
@@ -353,9 +354,10 @@ impl<'g> Lowering<'g> {
                 outs
             }
         };
-        for c in casted {
+        for c in casted.drain(..) {
             self.drop_rt(c);
         }
+        self.scratch_casted = casted;
         outs
     }
 

@@ -284,6 +284,11 @@ pub(crate) struct Lowering<'g> {
     bnb_qmaps: bool,
     /// Bytes of paged optimizer state (CUDA managed memory, outside the caching allocator).
     paged_bytes: u64,
+    /// Buffers lent to each op's execution (`exec_graph_op`'s inputs, `exec`'s cast inputs and
+    /// output shapes), kept empty between ops so that an op allocates no vectors for them.
+    scratch_ins: Vec<Rt>,
+    scratch_casted: Vec<Rt>,
+    scratch_specs: Vec<(&'g [u64], crate::graph::DTypeSpec)>,
     /// The data-parallel mechanisms' state (`parallel.rs`).
     par: parallel::ParState,
     /// FSDP2's state (`fsdp.rs`).
@@ -496,6 +501,9 @@ impl<'g> Lowering<'g> {
             input_grad_hook: input_grad_hook(g, r),
             bnb_qmaps: false,
             paged_bytes: 0,
+            scratch_ins: Vec::new(),
+            scratch_casted: Vec::new(),
+            scratch_specs: Vec::new(),
             par: parallel::ParState::default(),
             fsdp: fsdp::FsdpState::default(),
             dp: dataparallel::DpState::default(),
