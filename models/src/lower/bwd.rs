@@ -46,7 +46,13 @@ impl<'g> Lowering<'g> {
                 self.drop_rt(t);
             }
         }
-        self.nodes.truncate(keep);
+        // Their vectors serve the next forward's nodes (`new_node`).
+        for mut node in self.nodes.drain(keep..) {
+            node.ins.clear();
+            node.outs.clear();
+            node.next.clear();
+            self.spare_nodes.push(node);
+        }
         self.seq = 0;
         // `.grad` of leaves made by `enable_input_require_grads` dies with their AccumulateGrad.
         for t in std::mem::take(&mut self.leaf_grads).into_iter().flatten() {

@@ -413,32 +413,26 @@ impl<'g> Lowering<'g> {
         let n = &mut self.nodes[node as usize];
         // `x.to(other.dtype)` takes a dtype, not a tensor: no edge to `other`.
         let diff = |j: usize| !(dtype_only_arg1 && j == 1);
-        n.ins = ins
-            .iter()
-            .enumerate()
-            .map(|(j, x)| {
-                if x.dtype.is_float() && diff(j) {
-                    Some(Meta {
-                        layout: x.layout.clone(),
-                        dtype: x.dtype,
-                    })
-                } else {
-                    None
-                }
-            })
-            .collect();
-        n.next = ins
-            .iter()
-            .enumerate()
-            .map(|(j, x)| if diff(j) { x.edge } else { None })
-            .collect();
-        n.outs = outs
-            .iter()
-            .map(|o| Meta {
-                layout: o.layout.clone(),
-                dtype: o.dtype,
-            })
-            .collect();
+        // (The node's vectors are empty, perhaps with room from a node of an earlier backward.)
+        n.ins.extend(ins.iter().enumerate().map(|(j, x)| {
+            if x.dtype.is_float() && diff(j) {
+                Some(Meta {
+                    layout: x.layout.clone(),
+                    dtype: x.dtype,
+                })
+            } else {
+                None
+            }
+        }));
+        n.next.extend(
+            ins.iter()
+                .enumerate()
+                .map(|(j, x)| if diff(j) { x.edge } else { None }),
+        );
+        n.outs.extend(outs.iter().map(|o| Meta {
+            layout: o.layout.clone(),
+            dtype: o.dtype,
+        }));
         for (k, o) in outs.iter_mut().enumerate() {
             if o.dtype.is_float() {
                 o.edge = Some(Edge { node, nr: k as u32 });
@@ -458,11 +452,10 @@ impl<'g> Lowering<'g> {
             }
             return;
         }
-        let mut saved = Vec::with_capacity(saves.len());
         for s in saves {
-            saved.push(self.dup(pick(s, ins, outs)));
+            let t = self.dup(pick(s, ins, outs));
+            self.nodes[node as usize].saved.push(t);
         }
-        self.nodes[node as usize].saved = saved;
     }
 
     /// Autocast's `cached_cast`: a cast of a leaf that requires grad (a parameter) is cached
@@ -616,7 +609,7 @@ impl<'g> Lowering<'g> {
             }
         }
         let n = &mut self.nodes[node as usize];
-        n.outs = out_meta;
+        n.outs.extend(out_meta);
         for (_, rt) in &rf.inputs {
             let g = rt.dtype.is_float() && rt.requires_grad();
             n.ins.push(g.then(|| Meta {
@@ -627,7 +620,9 @@ impl<'g> Lowering<'g> {
         }
         self.reentrant_inputs
             .insert(node, rf.inputs.iter().map(|(v, _)| *v).collect());
-        self.nodes[node as usize].saved = rf.inputs.into_iter().map(|(_, rt)| rt).collect();
+        self.nodes[node as usize]
+            .saved
+            .extend(rf.inputs.into_iter().map(|(_, rt)| rt));
     }
 
     /// Reruns a checkpointed region's forward (non-reentrant `torch.utils.checkpoint`), keeping what
