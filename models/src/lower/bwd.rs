@@ -127,8 +127,8 @@ impl<'g> Lowering<'g> {
                 .and_then(Option::take)
                 .unwrap_or_default();
             self.fsdp_backward_node(n);
-            let mut outputs = self.evaluate(n, inputs);
-            for (i, out) in outputs.drain(..).enumerate() {
+            let outputs = self.evaluate(n, inputs);
+            for (i, out) in outputs.into_iter().enumerate() {
                 let Some(out) = out else { continue };
                 match self.nodes[n as usize].next.get(i).copied().flatten() {
                     Some(e) => {
@@ -142,29 +142,12 @@ impl<'g> Lowering<'g> {
                     None => self.drop_rt(out),
                 }
             }
-            self.spare_grads(outputs);
         }
         // Anything left in buffers (nodes never made ready) dies with the graph task.
         for b in buffers.into_iter().flatten() {
             for t in b.into_iter().flatten() {
                 self.drop_rt(t);
             }
-        }
-    }
-
-    /// `len` empty gradient slots (`vec![None; len]`), in a vector the engine used before when one
-    /// is spare.
-    fn grads_vec(&mut self, len: usize) -> Vec<Option<Rt>> {
-        let mut v = self.spare_grads.pop().unwrap_or_default();
-        v.resize(len, None);
-        v
-    }
-
-    /// Keeps the emptied vector `v` for [`Self::grads_vec`].
-    fn spare_grads(&mut self, v: Vec<Option<Rt>>) {
-        debug_assert!(v.is_empty());
-        if v.capacity() > 0 {
-            self.spare_grads.push(v);
         }
     }
 
@@ -334,10 +317,7 @@ impl<'g> Lowering<'g> {
         if i >= buffers.len() {
             buffers.resize_with(i + 1, || None);
         }
-        if buffers[i].is_none() {
-            buffers[i] = Some(self.grads_vec(n_in));
-        }
-        let buf = buffers[i].as_mut().expect("just made");
+        let buf = buffers[i].get_or_insert_with(|| vec![None; n_in]);
         if buf.len() <= e.nr as usize {
             buf.resize(e.nr as usize + 1, None);
         }
@@ -436,11 +416,9 @@ impl<'g> Lowering<'g> {
             *slot = Some(g);
         }
         self.nodes[n as usize].ins = ins;
-        let mut inputs = inputs;
-        for t in inputs.drain(..).flatten() {
+        for t in inputs.into_iter().flatten() {
             self.drop_rt(t);
         }
-        self.spare_grads(inputs);
         let saved = std::mem::take(&mut self.nodes[n as usize].saved);
         for t in saved {
             self.drop_rt(t);
@@ -525,7 +503,7 @@ impl<'g> Lowering<'g> {
         let m = node.module;
         let kind = node.kind.clone();
         let k = ins.len();
-        let mut out = self.grads_vec(k);
+        let mut out: Vec<Option<Rt>> = vec![None; k];
         let need = |i: usize| next.get(i).is_some_and(Option::is_some);
         let meta = |i: usize| ins[i].clone().expect("float input");
         match kind {

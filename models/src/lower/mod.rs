@@ -291,8 +291,6 @@ pub(crate) struct Lowering<'g> {
     scratch_specs: Vec<(&'g [u64], crate::graph::DTypeSpec)>,
     /// Nodes of earlier backwards, emptied, whose vectors [`Self::new_node`] reuses.
     spare_nodes: Vec<Node>,
-    /// Emptied gradient vectors of the autograd engine (input buffers, formula results), reused.
-    spare_grads: Vec<Vec<Option<Rt>>>,
     /// The data-parallel mechanisms' state (`parallel.rs`).
     par: parallel::ParState,
     /// FSDP2's state (`fsdp.rs`).
@@ -509,7 +507,6 @@ impl<'g> Lowering<'g> {
             scratch_casted: Vec::new(),
             scratch_specs: Vec::new(),
             spare_nodes: Vec::new(),
-            spare_grads: Vec::new(),
             par: parallel::ParState::default(),
             fsdp: fsdp::FsdpState::default(),
             dp: dataparallel::DpState::default(),
