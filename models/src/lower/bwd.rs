@@ -46,13 +46,7 @@ impl<'g> Lowering<'g> {
                 self.drop_rt(t);
             }
         }
-        // Their vectors serve the next forward's nodes (`new_node`).
-        for mut node in self.nodes.drain(keep..) {
-            node.ins.clear();
-            node.outs.clear();
-            node.next.clear();
-            self.spare_nodes.push(node);
-        }
+        self.nodes.truncate(keep);
         self.seq = 0;
         // `.grad` of leaves made by `enable_input_require_grads` dies with their AccumulateGrad.
         for t in std::mem::take(&mut self.leaf_grads).into_iter().flatten() {

@@ -413,26 +413,32 @@ impl<'g> Lowering<'g> {
         let n = &mut self.nodes[node as usize];
         // `x.to(other.dtype)` takes a dtype, not a tensor: no edge to `other`.
         let diff = |j: usize| !(dtype_only_arg1 && j == 1);
-        // (The node's vectors are empty, perhaps with room from a node of an earlier backward.)
-        n.ins.extend(ins.iter().enumerate().map(|(j, x)| {
-            if x.dtype.is_float() && diff(j) {
-                Some(Meta {
-                    layout: x.layout.clone(),
-                    dtype: x.dtype,
-                })
-            } else {
-                None
-            }
-        }));
-        n.next.extend(
-            ins.iter()
-                .enumerate()
-                .map(|(j, x)| if diff(j) { x.edge } else { None }),
-        );
-        n.outs.extend(outs.iter().map(|o| Meta {
-            layout: o.layout.clone(),
-            dtype: o.dtype,
-        }));
+        n.ins = ins
+            .iter()
+            .enumerate()
+            .map(|(j, x)| {
+                if x.dtype.is_float() && diff(j) {
+                    Some(Meta {
+                        layout: x.layout.clone(),
+                        dtype: x.dtype,
+                    })
+                } else {
+                    None
+                }
+            })
+            .collect();
+        n.next = ins
+            .iter()
+            .enumerate()
+            .map(|(j, x)| if diff(j) { x.edge } else { None })
+            .collect();
+        n.outs = outs
+            .iter()
+            .map(|o| Meta {
+                layout: o.layout.clone(),
+                dtype: o.dtype,
+            })
+            .collect();
         for (k, o) in outs.iter_mut().enumerate() {
             if o.dtype.is_float() {
                 o.edge = Some(Edge { node, nr: k as u32 });
@@ -452,10 +458,11 @@ impl<'g> Lowering<'g> {
             }
             return;
         }
+        let mut saved = Vec::with_capacity(saves.len());
         for s in saves {
-            let t = self.dup(pick(s, ins, outs));
-            self.nodes[node as usize].saved.push(t);
+            saved.push(self.dup(pick(s, ins, outs)));
         }
+        self.nodes[node as usize].saved = saved;
     }
 
     /// Autocast's `cached_cast`: a cast of a leaf that requires grad (a parameter) is cached
@@ -609,7 +616,7 @@ impl<'g> Lowering<'g> {
             }
         }
         let n = &mut self.nodes[node as usize];
-        n.outs.extend(out_meta);
+        n.outs = out_meta;
         for (_, rt) in &rf.inputs {
             let g = rt.dtype.is_float() && rt.requires_grad();
             n.ins.push(g.then(|| Meta {
@@ -620,9 +627,7 @@ impl<'g> Lowering<'g> {
         }
         self.reentrant_inputs
             .insert(node, rf.inputs.iter().map(|(v, _)| *v).collect());
-        self.nodes[node as usize]
-            .saved
-            .extend(rf.inputs.into_iter().map(|(_, rt)| rt));
+        self.nodes[node as usize].saved = rf.inputs.into_iter().map(|(_, rt)| rt).collect();
     }
 
     /// Reruns a checkpointed region's forward (non-reentrant `torch.utils.checkpoint`), keeping what

@@ -289,8 +289,6 @@ pub(crate) struct Lowering<'g> {
     scratch_ins: Vec<Rt>,
     scratch_casted: Vec<Rt>,
     scratch_specs: Vec<(&'g [u64], crate::graph::DTypeSpec)>,
-    /// Nodes of earlier backwards, emptied, whose vectors [`Self::new_node`] reuses.
-    spare_nodes: Vec<Node>,
     /// The data-parallel mechanisms' state (`parallel.rs`).
     par: parallel::ParState,
     /// FSDP2's state (`fsdp.rs`).
@@ -506,7 +504,6 @@ impl<'g> Lowering<'g> {
             scratch_ins: Vec::new(),
             scratch_casted: Vec::new(),
             scratch_specs: Vec::new(),
-            spare_nodes: Vec::new(),
             par: parallel::ParState::default(),
             fsdp: fsdp::FsdpState::default(),
             dp: dataparallel::DpState::default(),
@@ -742,35 +739,17 @@ impl<'g> Lowering<'g> {
         self.storages[t.st as usize].kind = Kind::OptimState;
     }
 
-    /// A new node with empty `ins`, `outs`, `next` and `saved` (vectors of a node of an earlier
-    /// backward when one is spare, so that they need no allocation).
     pub(crate) fn new_node(&mut self, kind: NodeKind, seq: u64, module: ModuleId) -> u32 {
-        let node = match self.spare_nodes.pop() {
-            Some(mut n) => {
-                debug_assert!(
-                    n.ins.is_empty()
-                        && n.outs.is_empty()
-                        && n.next.is_empty()
-                        && n.saved.is_empty()
-                );
-                n.seq = seq;
-                n.kind = kind;
-                n.ckpt = None;
-                n.module = module;
-                n
-            }
-            None => Node {
-                seq,
-                kind,
-                ins: Vec::new(),
-                outs: Vec::new(),
-                next: Vec::new(),
-                saved: Vec::new(),
-                ckpt: None,
-                module,
-            },
-        };
-        self.nodes.push(node);
+        self.nodes.push(Node {
+            seq,
+            kind,
+            ins: Vec::new(),
+            outs: Vec::new(),
+            next: Vec::new(),
+            saved: Vec::new(),
+            ckpt: None,
+            module,
+        });
         (self.nodes.len() - 1) as u32
     }
 
