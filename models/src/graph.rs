@@ -276,6 +276,8 @@ pub enum GraphError {
 pub struct GraphBuilder {
     g: Graph,
     stack: Vec<String>,
+    /// The id of `stack`'s path, once asked for (cleared whenever `stack` changes).
+    module_now: Option<ModuleId>,
     module_ids: std::collections::HashMap<String, ModuleId>,
     hold_stack: Vec<Vec<ValueId>>,
     /// [`GraphBuilder::region_arg`]s of the regions being built, innermost last.
@@ -323,6 +325,7 @@ impl GraphBuilder {
                 kept_outputs: Vec::new(),
             },
             stack: Vec::new(),
+            module_now: None,
             module_ids: Default::default(),
             hold_stack: vec![Vec::new()],
             region_args: Vec::new(),
@@ -360,8 +363,13 @@ impl GraphBuilder {
     }
 
     fn current_module(&mut self) -> ModuleId {
+        if let Some(id) = self.module_now {
+            return id;
+        }
         let p = self.path();
-        self.intern(p)
+        let id = self.intern(p);
+        self.module_now = Some(id);
+        id
     }
 
     /// Enter submodule `name` (a relative path: `"h.0"`, `"attn"`).
@@ -369,6 +377,7 @@ impl GraphBuilder {
         for part in name.split('.').filter(|s| !s.is_empty()) {
             self.stack.push(part.to_string());
         }
+        self.module_now = None;
         self.hold_stack.push(Vec::new());
     }
 
@@ -379,6 +388,7 @@ impl GraphBuilder {
         for _ in 0..n {
             self.stack.pop();
         }
+        self.module_now = None;
         let held = self.hold_stack.pop().unwrap_or_default();
         if let Some(last) = self.g.ops.len().checked_sub(1) {
             for v in held {
@@ -582,6 +592,7 @@ impl GraphBuilder {
             .filter(|s| !s.is_empty())
             .map(str::to_string)
             .collect();
+        self.module_now = None;
     }
 
     /// [`GraphBuilder::param_with`] of a given dtype class (PEFT's fp32 adapters on a bf16 model).
@@ -654,26 +665,37 @@ impl GraphBuilder {
     /// Append an op with explicit output shapes and dtypes (the general entry point the typed
     /// helpers use).
     pub fn op(&mut self, kind: OpKind, inputs: &[T], outs: &[(Vec<u64>, DTypeSpec)]) -> Vec<T> {
-        let module = self.current_module();
-        let op = OpId(self.g.ops.len() as u32);
-        let outputs: Vec<T> = outs
-            .iter()
-            .enumerate()
-            .map(|(i, (s, d))| self.new_value(s.clone(), *d, Source::Op { op, index: i }))
-            .collect();
-        self.g.ops.push(Op {
-            kind,
-            inputs: inputs.to_vec(),
-            outputs: outputs.clone(),
-            module,
-            autocast: !self.no_autocast,
-        });
-        outputs
+        let op = self.push_op(kind, inputs, outs.iter().cloned());
+        self.g.ops[op.0 as usize].outputs.clone()
     }
 
     /// Append a one-output op.
     pub fn op1(&mut self, kind: OpKind, inputs: &[T], shape: Vec<u64>, dtype: DTypeSpec) -> T {
-        self.op(kind, inputs, &[(shape, dtype)])[0]
+        let op = self.push_op(kind, inputs, std::iter::once((shape, dtype)));
+        self.g.ops[op.0 as usize].outputs[0]
+    }
+
+    /// Appends an op making one value per entry of `outs` (shapes taken as they are).
+    fn push_op(
+        &mut self,
+        kind: OpKind,
+        inputs: &[T],
+        outs: impl ExactSizeIterator<Item = (Vec<u64>, DTypeSpec)>,
+    ) -> OpId {
+        let module = self.current_module();
+        let op = OpId(self.g.ops.len() as u32);
+        let mut outputs = Vec::with_capacity(outs.len());
+        for (i, (s, d)) in outs.enumerate() {
+            outputs.push(self.new_value(s, d, Source::Op { op, index: i }));
+        }
+        self.g.ops.push(Op {
+            kind,
+            inputs: inputs.to_vec(),
+            outputs,
+            module,
+            autocast: !self.no_autocast,
+        });
+        op
     }
 
     /// The dtype class of an elementwise result over `inputs` (floats promote; the model dtype

@@ -5,18 +5,229 @@
 //! `reorder_dimensions`). Both decide whether bytes are allocated, so the lowering tracks strides
 //! exactly as PyTorch does; storage offsets never change a size and are not tracked.
 
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+
+/// Dimensions a [`Dims`] holds without a heap allocation (a tensor of more goes to the heap). Four
+/// covers the weights, activations and attention scores of the zoo's models, and keeps a layout
+/// small enough that copying one is cheap (six measured slower: the lowering copies layouts often).
+const INLINE_DIMS: usize = 4;
+
+/// One number per dimension of a tensor (its sizes or its strides): a slice of `u64` stored inline
+/// up to four dimensions, so that the lowering's many layouts (every tensor handle, every autograd
+/// node's input metadata) cost no allocation. It dereferences to `[u64]` and compares, prints and
+/// converts as the `Vec<u64>` it stands for.
+#[derive(Clone)]
+pub struct Dims(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    Inline { len: u8, d: [u64; INLINE_DIMS] },
+    Heap(Vec<u64>),
+}
+
+impl Dims {
+    /// No dimensions (a scalar's shape).
+    pub const fn new() -> Dims {
+        Dims(Repr::Inline {
+            len: 0,
+            d: [0; INLINE_DIMS],
+        })
+    }
+
+    /// `n` dimensions, each `value` (`vec![value; n]`).
+    pub fn filled(value: u64, n: usize) -> Dims {
+        if n <= INLINE_DIMS {
+            Dims(Repr::Inline {
+                len: n as u8,
+                d: [value; INLINE_DIMS],
+            })
+        } else {
+            Dims(Repr::Heap(vec![value; n]))
+        }
+    }
+
+    /// A copy of `s`.
+    pub fn from_slice(s: &[u64]) -> Dims {
+        if s.len() <= INLINE_DIMS {
+            let mut d = [0; INLINE_DIMS];
+            d[..s.len()].copy_from_slice(s);
+            Dims(Repr::Inline {
+                len: s.len() as u8,
+                d,
+            })
+        } else {
+            Dims(Repr::Heap(s.to_vec()))
+        }
+    }
+
+    /// Appends a dimension (`Vec::push`).
+    pub fn push(&mut self, value: u64) {
+        let n = self.len();
+        self.insert(n, value);
+    }
+
+    /// Inserts a dimension at `index`, shifting the later ones (`Vec::insert`; panics past the end).
+    pub fn insert(&mut self, index: usize, value: u64) {
+        match &mut self.0 {
+            Repr::Inline { len, d } if (*len as usize) < INLINE_DIMS => {
+                let n = *len as usize;
+                assert!(index <= n, "insertion index {index} past {n} dimensions");
+                d.copy_within(index..n, index + 1);
+                d[index] = value;
+                *len += 1;
+            }
+            Repr::Inline { .. } => {
+                let mut v = self.to_vec();
+                v.insert(index, value);
+                self.0 = Repr::Heap(v);
+            }
+            Repr::Heap(v) => v.insert(index, value),
+        }
+    }
+
+    /// Removes and returns the dimension at `index`, shifting the later ones (`Vec::remove`).
+    pub fn remove(&mut self, index: usize) -> u64 {
+        match &mut self.0 {
+            Repr::Inline { len, d } => {
+                let n = *len as usize;
+                assert!(index < n, "removal index {index} past {n} dimensions");
+                let out = d[index];
+                d.copy_within(index + 1..n, index);
+                *len -= 1;
+                out
+            }
+            Repr::Heap(v) => v.remove(index),
+        }
+    }
+
+    /// Keeps the first `n` dimensions (`Vec::truncate`).
+    pub fn truncate(&mut self, n: usize) {
+        match &mut self.0 {
+            Repr::Inline { len, .. } => *len = (*len).min(n as u8),
+            Repr::Heap(v) => v.truncate(n),
+        }
+    }
+}
+
+impl Default for Dims {
+    fn default() -> Dims {
+        Dims::new()
+    }
+}
+
+impl Deref for Dims {
+    type Target = [u64];
+    fn deref(&self) -> &[u64] {
+        match &self.0 {
+            Repr::Inline { len, d } => &d[..*len as usize],
+            Repr::Heap(v) => v,
+        }
+    }
+}
+
+impl DerefMut for Dims {
+    fn deref_mut(&mut self) -> &mut [u64] {
+        match &mut self.0 {
+            Repr::Inline { len, d } => &mut d[..*len as usize],
+            Repr::Heap(v) => v,
+        }
+    }
+}
+
+impl fmt::Debug for Dims {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&**self, f)
+    }
+}
+
+impl PartialEq for Dims {
+    fn eq(&self, other: &Dims) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for Dims {}
+
+impl PartialEq<[u64]> for Dims {
+    fn eq(&self, other: &[u64]) -> bool {
+        **self == *other
+    }
+}
+
+impl PartialEq<Vec<u64>> for Dims {
+    fn eq(&self, other: &Vec<u64>) -> bool {
+        **self == **other
+    }
+}
+
+impl<const N: usize> PartialEq<[u64; N]> for Dims {
+    fn eq(&self, other: &[u64; N]) -> bool {
+        **self == *other
+    }
+}
+
+impl From<&[u64]> for Dims {
+    fn from(s: &[u64]) -> Dims {
+        Dims::from_slice(s)
+    }
+}
+
+impl From<Vec<u64>> for Dims {
+    fn from(v: Vec<u64>) -> Dims {
+        if v.len() <= INLINE_DIMS {
+            Dims::from_slice(&v)
+        } else {
+            Dims(Repr::Heap(v))
+        }
+    }
+}
+
+impl<const N: usize> From<[u64; N]> for Dims {
+    fn from(a: [u64; N]) -> Dims {
+        Dims::from_slice(&a)
+    }
+}
+
+impl From<Dims> for Vec<u64> {
+    fn from(d: Dims) -> Vec<u64> {
+        match d.0 {
+            Repr::Inline { len, d } => d[..len as usize].to_vec(),
+            Repr::Heap(v) => v,
+        }
+    }
+}
+
+impl FromIterator<u64> for Dims {
+    fn from_iter<I: IntoIterator<Item = u64>>(iter: I) -> Dims {
+        let mut out = Dims::new();
+        for x in iter {
+            out.push(x);
+        }
+        out
+    }
+}
+
+impl<'a> IntoIterator for &'a Dims {
+    type Item = &'a u64;
+    type IntoIter = std::slice::Iter<'a, u64>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
 /// The sizes and element strides of a tensor (no storage offset: it never changes a byte count).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Layout {
     /// Sizes, outermost first.
-    pub shape: Vec<u64>,
+    pub shape: Dims,
     /// Strides in elements, one per dimension.
-    pub strides: Vec<u64>,
+    pub strides: Dims,
 }
 
 /// The row-major strides of `shape` (`c10::contiguous_strides`).
-pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
-    let mut strides = vec![1u64; shape.len()];
+pub fn contiguous_strides(shape: &[u64]) -> Dims {
+    let mut strides = Dims::filled(1, shape.len());
     let mut acc = 1u64;
     for d in (0..shape.len()).rev() {
         strides[d] = acc;
@@ -34,7 +245,7 @@ impl Layout {
     /// A contiguous (row-major) layout of `shape`.
     pub fn contiguous(shape: &[u64]) -> Layout {
         Layout {
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             strides: contiguous_strides(shape),
         }
     }
@@ -69,35 +280,36 @@ impl Layout {
 
     /// `is_non_overlapping_and_dense`: some permutation of the dimensions is contiguous.
     pub fn is_non_overlapping_and_dense(&self) -> bool {
-        let mut perm: Vec<usize> = (0..self.dim()).collect();
-        perm.sort_by(|&a, &b| {
-            // size-1 dims sort last (they never matter)
-            (self.shape[a] == 1)
-                .cmp(&(self.shape[b] == 1))
-                .then(self.strides[a].cmp(&self.strides[b]))
-        });
-        let mut expected = 1u64;
-        for &d in &perm {
-            let s = self.shape[d];
-            if s == 1 {
-                continue;
+        with_iota(self.dim(), |perm| {
+            perm.sort_by(|&a, &b| {
+                // size-1 dims sort last (they never matter)
+                (self.shape[a] == 1)
+                    .cmp(&(self.shape[b] == 1))
+                    .then(self.strides[a].cmp(&self.strides[b]))
+            });
+            let mut expected = 1u64;
+            for &d in perm.iter() {
+                let s = self.shape[d];
+                if s == 1 {
+                    continue;
+                }
+                if self.strides[d] != expected {
+                    return false;
+                }
+                expected *= s;
             }
-            if self.strides[d] != expected {
-                return false;
-            }
-            expected *= s;
-        }
-        true
+            true
+        })
     }
 
     /// `view(shape)`: the strides of the aliasing view, or `None` when the memory cannot be viewed
     /// that way (ATen `computeStride`; `reshape` then copies).
-    pub fn view_strides(&self, new_shape: &[u64]) -> Option<Vec<u64>> {
+    pub fn view_strides(&self, new_shape: &[u64]) -> Option<Dims> {
         let old_shape = &self.shape;
         let old_stride = &self.strides;
-        let mut new_stride = vec![0u64; new_shape.len()];
+        let mut new_stride = Dims::filled(0, new_shape.len());
         if old_shape.is_empty() {
-            return Some(vec![1; new_shape.len()]);
+            return Some(Dims::filled(1, new_shape.len()));
         }
         if self.numel() == 0 {
             return Some(contiguous_strides(new_shape));
@@ -153,7 +365,7 @@ impl Layout {
     /// `expand(shape)` (a view: broadcast dimensions get stride 0).
     pub fn expand(&self, shape: &[u64]) -> Layout {
         let extra = shape.len() - self.dim();
-        let mut strides = vec![0u64; shape.len()];
+        let mut strides = Dims::filled(0, shape.len());
         for (d, &s) in shape.iter().enumerate() {
             if d >= extra {
                 let od = d - extra;
@@ -165,7 +377,7 @@ impl Layout {
             }
         }
         Layout {
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             strides,
         }
     }
@@ -248,9 +460,10 @@ impl Layout {
     /// the tensor is non-overlapping and dense, else contiguous.
     pub fn empty_like(&self) -> Layout {
         if self.is_non_overlapping_and_dense() {
-            let mut perm: Vec<usize> = (0..self.dim()).collect();
-            perm.sort_by(|&a, &b| self.strides[b].cmp(&self.strides[a]));
-            dense_in_order(&self.shape, &perm)
+            with_iota(self.dim(), |perm| {
+                perm.sort_by(|&a, &b| self.strides[b].cmp(&self.strides[a]));
+                dense_in_order(&self.shape, perm)
+            })
         } else {
             Layout::contiguous(&self.shape)
         }
@@ -259,15 +472,45 @@ impl Layout {
 
 /// A dense layout of `shape` whose dimensions, from outermost to innermost, are `order`.
 pub fn dense_in_order(shape: &[u64], order: &[usize]) -> Layout {
-    let mut strides = vec![0u64; shape.len()];
+    let mut strides = Dims::filled(0, shape.len());
     let mut acc = 1u64;
     for &d in order.iter().rev() {
         strides[d] = acc;
         acc *= shape[d].max(1);
     }
     Layout {
-        shape: shape.to_vec(),
+        shape: Dims::from_slice(shape),
         strides,
+    }
+}
+
+/// Calls `f` with `[0, 1, .., n)` in a scratch buffer (on the stack for up to eight dimensions).
+fn with_iota<R>(n: usize, f: impl FnOnce(&mut [usize]) -> R) -> R {
+    const STACK: usize = 8;
+    if n <= STACK {
+        let mut a = [0usize; STACK];
+        for (i, x) in a.iter_mut().enumerate() {
+            *x = i;
+        }
+        f(&mut a[..n])
+    } else {
+        let mut v: Vec<usize> = (0..n).collect();
+        f(&mut v)
+    }
+}
+
+/// The stride of `l` broadcast to `shape` at dimension `d` (what `l.expand(shape).strides[d]` is,
+/// without building the expanded layout).
+fn expanded_stride(l: &Layout, shape: &[u64], d: usize) -> u64 {
+    let extra = shape.len() - l.dim();
+    if d < extra {
+        return 0;
+    }
+    let od = d - extra;
+    if l.shape[od] == shape[d] {
+        l.strides[od]
+    } else {
+        0
     }
 }
 
@@ -276,21 +519,14 @@ pub fn dense_in_order(shape: &[u64], order: &[usize]) -> Layout {
 /// order), then dense strides in that order.
 pub fn elementwise_layout(shape: &[u64], inputs: &[&Layout]) -> Layout {
     let n = shape.len();
-    let ops: Vec<Layout> = inputs
-        .iter()
-        .map(|l| {
-            if l.shape.as_slice() == shape {
-                (*l).clone()
-            } else {
-                l.expand(shape)
-            }
-        })
-        .collect();
-    // perm[0] is the innermost (fastest) dimension, as in TensorIterator.
-    let mut perm: Vec<usize> = (0..n).rev().collect();
+    // The operands broadcast to `shape` (`expand`, whose strides equal the input's where the shapes
+    // agree).
     let should_swap = |d0: usize, d1: usize| -> i32 {
-        for op in &ops {
-            let (s0, s1) = (op.strides[d0], op.strides[d1]);
+        for op in inputs {
+            let (s0, s1) = (
+                expanded_stride(op, shape, d0),
+                expanded_stride(op, shape, d1),
+            );
             if s0 == 0 || s1 == 0 {
                 continue;
             }
@@ -306,20 +542,25 @@ pub fn elementwise_layout(shape: &[u64], inputs: &[&Layout]) -> Layout {
         }
         0
     };
-    for i in 1..n {
-        let mut dim1 = i;
-        for dim0 in (0..i).rev() {
-            let c = should_swap(perm[dim0], perm[dim1]);
-            if c > 0 {
-                perm.swap(dim0, dim1);
-                dim1 = dim0;
-            } else if c < 0 {
-                break;
+    with_iota(n, |perm| {
+        // perm[0] is the innermost (fastest) dimension, as in TensorIterator.
+        perm.reverse();
+        for i in 1..n {
+            let mut dim1 = i;
+            for dim0 in (0..i).rev() {
+                let c = should_swap(perm[dim0], perm[dim1]);
+                if c > 0 {
+                    perm.swap(dim0, dim1);
+                    dim1 = dim0;
+                } else if c < 0 {
+                    break;
+                }
             }
         }
-    }
-    let order: Vec<usize> = perm.into_iter().rev().collect();
-    dense_in_order(shape, &order)
+        // outermost first
+        perm.reverse();
+        dense_in_order(shape, perm)
+    })
 }
 
 /// Broadcast two shapes (`infer_size`), or `None` when they do not broadcast.
@@ -353,6 +594,37 @@ pub fn broadcast(a: &[u64], b: &[u64]) -> Option<Vec<u64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dims_behave_as_the_vec_they_stand_for_inline_and_on_the_heap() {
+        // Every operation, on both sides of the inline capacity, against Vec<u64>'s own.
+        let mut d = Dims::new();
+        let mut v: Vec<u64> = Vec::new();
+        for x in 1..=7u64 {
+            d.insert(d.len() / 2, x * 10);
+            v.insert(v.len() / 2, x * 10);
+            assert_eq!(d, v);
+            assert_eq!(format!("{d:?}"), format!("{v:?}"));
+        }
+        while !v.is_empty() {
+            assert_eq!(d.remove(v.len() - 1), v.remove(v.len() - 1));
+            assert_eq!(d, v);
+        }
+        let big: Vec<u64> = (0..9).collect();
+        let mut h = Dims::from(big.clone());
+        assert_eq!(Vec::from(h.clone()), big);
+        h.truncate(3);
+        assert_eq!(h, [0, 1, 2]);
+        assert_eq!(Dims::filled(7, 5), vec![7u64; 5]);
+        assert_eq!(
+            (0..6u64).collect::<Dims>(),
+            Dims::from_slice(&[0, 1, 2, 3, 4, 5])
+        );
+        // A 5-D layout (ViT's qkv reshape) works as a 4-D one does.
+        let l = Layout::contiguous(&[2, 197, 3, 12, 64]).permute(&[2, 0, 3, 1, 4]);
+        assert_eq!(l.strides, [768, 453888, 64, 2304, 1]);
+        assert!(!l.is_contiguous());
+    }
 
     #[test]
     fn view_of_transposed_heads_needs_a_copy() {

@@ -9,7 +9,7 @@ use crate::graph::ValueId;
 use crate::layout::{elementwise_layout, numel, Layout};
 use crate::ops::{FusedSdpa, OpKind, RecordedDType, RecordedGrad, RecordedOut, RecordedStep};
 use crate::recipe::Fidelity;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 
 fn round_up(x: u64, m: u64) -> u64 {
     x.div_ceil(m) * m
@@ -50,12 +50,12 @@ impl<'g> Lowering<'g> {
             .map(|&n| n + 1)
             .max()
             .unwrap_or(0) as usize;
-        let rest: Vec<_> = self.nodes.drain(keep..).collect();
-        for mut node in rest {
-            for t in std::mem::take(&mut node.saved) {
+        for n in keep..self.nodes.len() {
+            for t in std::mem::take(&mut self.nodes[n].saved) {
                 self.drop_rt(t);
             }
         }
+        self.nodes.truncate(keep);
         self.seq = 0;
         // `.grad` of leaves made by `enable_input_require_grads` dies with their AccumulateGrad.
         for t in std::mem::take(&mut self.leaf_grads).into_iter().flatten() {
@@ -82,45 +82,62 @@ impl<'g> Lowering<'g> {
     /// on the same device thread) runs its own task to completion before the outer one goes on: the
     /// device thread's ready queue puts deeper reentrant tasks first.
     fn run_engine(&mut self, roots: Vec<(Edge, Rt)>) {
-        let mut deps: HashMap<u32, u32> = HashMap::new();
+        // Per-node state indexed by node number (nodes are numbered densely; a node made while the
+        // task runs, by a reentrant task, gets its slot when first touched).
+        let n_nodes = self.nodes.len();
+        let mut deps: Vec<u32> = vec![0; n_nodes];
+        let mut seen: Vec<bool> = vec![false; n_nodes];
         let mut stack: Vec<u32> = Vec::new();
-        let mut seen = std::collections::HashSet::new();
+        let mark = |seen: &mut Vec<bool>, n: u32| -> bool {
+            let i = n as usize;
+            if i >= seen.len() {
+                seen.resize(i + 1, false);
+            }
+            !std::mem::replace(&mut seen[i], true)
+        };
         for (e, _) in &roots {
-            if seen.insert(e.node) {
+            if mark(&mut seen, e.node) {
                 stack.push(e.node);
             }
         }
         let root_nodes = stack.clone();
         while let Some(n) = stack.pop() {
             for e in self.nodes[n as usize].next.iter().flatten() {
-                *deps.entry(e.node).or_insert(0) += 1;
-                if seen.insert(e.node) {
+                let i = e.node as usize;
+                if i >= deps.len() {
+                    deps.resize(i + 1, 0);
+                }
+                deps[i] += 1;
+                if mark(&mut seen, e.node) {
                     stack.push(e.node);
                 }
             }
         }
-        let mut buffers: HashMap<u32, Vec<Option<Rt>>> = HashMap::new();
+        let mut buffers: Vec<Option<Vec<Option<Rt>>>> = Vec::new();
+        buffers.resize_with(n_nodes, || None);
         let mut ready: BinaryHeap<(u64, u32)> = BinaryHeap::new();
         for (e, g) in roots {
             self.buffer_add(&mut buffers, e, g);
         }
         for n in root_nodes {
-            if deps.get(&n).copied().unwrap_or(0) == 0 {
+            if deps.get(n as usize).copied().unwrap_or(0) == 0 {
                 ready.push((self.nodes[n as usize].seq, n));
             }
         }
         while let Some((_, n)) = ready.pop() {
-            let inputs = buffers.remove(&n).unwrap_or_default();
+            let inputs = buffers
+                .get_mut(n as usize)
+                .and_then(Option::take)
+                .unwrap_or_default();
             self.fsdp_backward_node(n);
             let outputs = self.evaluate(n, inputs);
-            let next = self.nodes[n as usize].next.clone();
             for (i, out) in outputs.into_iter().enumerate() {
                 let Some(out) = out else { continue };
-                match next.get(i).copied().flatten() {
+                match self.nodes[n as usize].next.get(i).copied().flatten() {
                     Some(e) => {
                         self.buffer_add(&mut buffers, e, out);
-                        let d = deps.get_mut(&e.node).expect("dependency counted");
-                        *d -= 1;
+                        let d = &mut deps[e.node as usize];
+                        *d = d.checked_sub(1).expect("dependency counted");
                         if *d == 0 {
                             ready.push((self.nodes[e.node as usize].seq, e.node));
                         }
@@ -130,7 +147,7 @@ impl<'g> Lowering<'g> {
             }
         }
         // Anything left in buffers (nodes never made ready) dies with the graph task.
-        for (_, b) in buffers {
+        for b in buffers.into_iter().flatten() {
             for t in b.into_iter().flatten() {
                 self.drop_rt(t);
             }
@@ -293,13 +310,17 @@ impl<'g> Lowering<'g> {
 
     /// `InputBuffer::add`: the first gradient is stored, later ones are summed
     /// (`InputBuffer::accumulate`, in place on CUDA when the engine holds the last reference).
-    fn buffer_add(&mut self, buffers: &mut HashMap<u32, Vec<Option<Rt>>>, e: Edge, g: Rt) {
+    fn buffer_add(&mut self, buffers: &mut Vec<Option<Vec<Option<Rt>>>>, e: Edge, g: Rt) {
         let n_in = self.nodes[e.node as usize]
             .outs
             .len()
             .max(self.nodes[e.node as usize].ins.len())
             .max(e.nr as usize + 1);
-        let buf = buffers.entry(e.node).or_insert_with(|| vec![None; n_in]);
+        let i = e.node as usize;
+        if i >= buffers.len() {
+            buffers.resize_with(i + 1, || None);
+        }
+        let buf = buffers[i].get_or_insert_with(|| vec![None; n_in]);
         if buf.len() <= e.nr as usize {
             buf.resize(e.nr as usize + 1, None);
         }
@@ -308,7 +329,7 @@ impl<'g> Lowering<'g> {
             None => g,
             Some(old) => self.accumulate(old, g, self.nodes[e.node as usize].module),
         };
-        buffers.get_mut(&e.node).expect("inserted")[e.nr as usize] = Some(new);
+        buffers[i].as_mut().expect("inserted")[e.nr as usize] = Some(new);
     }
 
     fn accumulate(&mut self, old: Rt, new: Rt, m: ModuleId) -> Rt {
@@ -375,9 +396,12 @@ impl<'g> Lowering<'g> {
         }
         // validate_outputs: reduce broadcast gradients (sum_to) and cast to the input's dtype.
         let m = self.nodes[n as usize].module;
+        // The node's input metadata, borrowed while the gradients are conformed (`conform` does
+        // not read nodes) and put back after.
+        let ins = std::mem::take(&mut self.nodes[n as usize].ins);
         for (i, slot) in outs.iter_mut().enumerate() {
             let Some(g) = slot.take() else { continue };
-            let meta = self.nodes[n as usize].ins.get(i).cloned().flatten();
+            let meta = ins.get(i).and_then(Option::as_ref);
             let has_edge = self.nodes[n as usize]
                 .next
                 .get(i)
@@ -385,7 +409,7 @@ impl<'g> Lowering<'g> {
                 .flatten()
                 .is_some();
             let g = match (meta, has_edge) {
-                (Some(meta), true) => self.conform(g, &meta, m),
+                (Some(meta), true) => self.conform(g, meta, m),
                 (_, true) => g,
                 (_, false) => {
                     self.drop_rt(g);
@@ -394,6 +418,7 @@ impl<'g> Lowering<'g> {
             };
             *slot = Some(g);
         }
+        self.nodes[n as usize].ins = ins;
         for t in inputs.into_iter().flatten() {
             self.drop_rt(t);
         }
@@ -438,7 +463,7 @@ impl<'g> Lowering<'g> {
             Some(strides) => self.view(
                 g,
                 Layout {
-                    shape: shape.to_vec(),
+                    shape: shape.into(),
                     strides,
                 },
             ),
@@ -458,14 +483,31 @@ impl<'g> Lowering<'g> {
 
     /// One node's gradient formula. Returns one gradient per forward input (owned handles).
     fn apply(&mut self, n: u32, grads: &[Option<Rt>]) -> Vec<Option<Rt>> {
+        // The node's input metadata and edges, lent to the formula (which reads no node's: a
+        // reentrant region's backward runs a graph of newer nodes) and put back.
+        let ins = std::mem::take(&mut self.nodes[n as usize].ins);
+        let next = std::mem::take(&mut self.nodes[n as usize].next);
+        let out = self.apply_formula(n, grads, &ins, &next);
+        let node = &mut self.nodes[n as usize];
+        node.ins = ins;
+        node.next = next;
+        out
+    }
+
+    /// [`Self::apply`] with the node's `ins` and `next` borrowed.
+    fn apply_formula(
+        &mut self,
+        n: u32,
+        grads: &[Option<Rt>],
+        ins: &[Option<Meta>],
+        next: &[Option<Edge>],
+    ) -> Vec<Option<Rt>> {
         let node = &self.nodes[n as usize];
         let m = node.module;
-        let ins: Vec<Option<Meta>> = node.ins.clone();
-        let needs: Vec<bool> = node.next.iter().map(|e| e.is_some()).collect();
         let kind = node.kind.clone();
         let k = ins.len();
         let mut out: Vec<Option<Rt>> = vec![None; k];
-        let need = |i: usize| needs.get(i).copied().unwrap_or(false);
+        let need = |i: usize| next.get(i).is_some_and(Option::is_some);
         let meta = |i: usize| ins[i].clone().expect("float input");
         match kind {
             NodeKind::Accumulate(_) => return vec![],

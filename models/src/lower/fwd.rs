@@ -8,7 +8,7 @@ use crate::graph::{DTypeSpec, ModuleId, ValueId};
 use crate::layout::{elementwise_layout, Layout};
 use crate::ops::{FusedSdpa, OpKind};
 use crate::recipe::{CheckpointImpl, Fidelity, TorchVersion};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 /// A tensor an autograd node saves: input `j` or output `k` of its op, or a tensor the
 /// autograd wrapper made for the node (`Extra`: the `original_self = self.clone()` of an
@@ -162,16 +162,16 @@ impl<'g> Lowering<'g> {
     pub(super) fn exec_graph_op(&mut self, i: usize) {
         let g = self.g;
         let op = &g.ops[i];
-        let ins: Vec<Rt> = op
-            .inputs
-            .iter()
-            .map(|v| {
-                self.vals[v.0 as usize].clone().unwrap_or_else(|| {
-                    panic!("value {} of op {i} ({:?}) is not alive", v.0, op.kind)
-                })
-            })
-            .collect();
+        // The inputs' handles, in a buffer reused from op to op (ops do not nest).
+        let mut ins = std::mem::take(&mut self.scratch_ins);
+        ins.extend(op.inputs.iter().map(|v| {
+            self.vals[v.0 as usize]
+                .clone()
+                .unwrap_or_else(|| panic!("value {} of op {i} ({:?}) is not alive", v.0, op.kind))
+        }));
         let outs = self.exec(&op.kind, &ins, &op.outputs, op.module, Some(i));
+        ins.clear();
+        self.scratch_ins = ins;
         let mut it = outs.into_iter();
         for &v in &op.outputs {
             if let Some(rt) = it.next() {
@@ -301,7 +301,8 @@ impl<'g> Lowering<'g> {
         } else {
             None
         };
-        let mut casted: Vec<Rt> = Vec::with_capacity(ins.len());
+        // A buffer reused from op to op (a nested `exec`, an autocast cast, makes its own).
+        let mut casted = std::mem::take(&mut self.scratch_casted);
         for x in ins {
             let target = match pol {
                 Policy::Lower => autocast.filter(|&d| x.dtype.is_float() && x.dtype != d),
@@ -317,14 +318,15 @@ impl<'g> Lowering<'g> {
             };
             casted.push(c);
         }
-        let out_specs: Vec<(Vec<u64>, DTypeSpec)> = outs
-            .iter()
-            .map(|v| {
-                let val = &self.g.values[v.0 as usize];
-                (val.shape.clone(), val.dtype)
-            })
-            .collect();
+        let g = self.g;
+        let mut out_specs = std::mem::take(&mut self.scratch_specs);
+        out_specs.extend(outs.iter().map(|v| {
+            let val = &g.values[v.0 as usize];
+            (val.shape.as_slice(), val.dtype)
+        }));
         let result = self.fwd_rule(kind, &casted, &out_specs, m);
+        out_specs.clear();
+        self.scratch_specs = out_specs;
         let outs = match result {
             Fwd::Alias(rt) => vec![rt],
             Fwd::New(mut outs, nk, saves) => {
@@ -353,9 +355,10 @@ impl<'g> Lowering<'g> {
                 outs
             }
         };
-        for c in casted {
+        for c in casted.drain(..) {
             self.drop_rt(c);
         }
+        self.scratch_casted = casted;
         outs
     }
 
@@ -370,13 +373,13 @@ impl<'g> Lowering<'g> {
         gop: Option<usize>,
         dtype_only_arg1: bool,
     ) {
-        let pick = |s: &Save, outs: &[Rt]| -> Rt {
+        fn pick<'a>(s: &'a Save, ins: &'a [Rt], outs: &'a [Rt]) -> &'a Rt {
             match s {
-                Save::In(j) => ins[*j].clone(),
-                Save::Out(k) => outs[*k].clone(),
-                Save::Extra(t) => t.clone(),
+                Save::In(j) => &ins[*j],
+                Save::Out(k) => &outs[*k],
+                Save::Extra(t) => t,
             }
-        };
+        }
         if let Some(map) = self.recompute_saved.as_mut() {
             // Recomputation: the node itself is thrown away; what it saves is kept for the
             // original node (`frame.recomputed`).
@@ -386,8 +389,7 @@ impl<'g> Lowering<'g> {
             if let Some(node) = orig {
                 let mut kept = Vec::new();
                 for s in saves {
-                    let t = pick(s, outs);
-                    kept.push(self.dup(&t));
+                    kept.push(self.dup(pick(s, ins, outs)));
                 }
                 self.recompute_saved
                     .as_mut()
@@ -459,8 +461,7 @@ impl<'g> Lowering<'g> {
         }
         let mut saved = Vec::with_capacity(saves.len());
         for s in saves {
-            let t = pick(s, outs);
-            saved.push(self.dup(&t));
+            saved.push(self.dup(pick(s, ins, outs)));
         }
         self.nodes[node as usize].saved = saved;
     }
@@ -531,8 +532,8 @@ impl<'g> Lowering<'g> {
             inputs,
             pending: 0,
             recomputed: false,
-            saved: HashMap::new(),
-            op_nodes: HashMap::new(),
+            saved: FxHashMap::default(),
+            op_nodes: FxHashMap::default(),
             last_saving_op: None,
         });
         self.active_frame = Some((self.frames.len() - 1) as u32);
@@ -658,7 +659,7 @@ impl<'g> Lowering<'g> {
                 placed.push(*v);
             }
         }
-        self.recompute_saved = Some(HashMap::new());
+        self.recompute_saved = Some(FxHashMap::default());
         self.recompute_ops = Some(std::mem::take(&mut self.frames[f as usize].op_nodes));
         let saved_grad = self.grad_mode;
         self.grad_mode = true;
@@ -697,13 +698,13 @@ impl<'g> Lowering<'g> {
         &mut self,
         kind: &OpKind,
         x: &[Rt],
-        outs: &[(Vec<u64>, DTypeSpec)],
+        outs: &[(&[u64], DTypeSpec)],
         m: ModuleId,
     ) -> Fwd {
         use OpKind::*;
         let name = kind.aten_name();
         let op_kind = NodeKind::Op(kind.clone());
-        let shape0 = || outs.first().map(|o| o.0.clone()).unwrap_or_default();
+        let shape0 = || outs.first().map_or(&[][..], |o| o.0);
         match kind {
             QuantLinear { .. } => self.quant_linear_fwd(kind, x, shape0(), m),
             AutocastLower => Fwd::Alias(self.dup(&x[0])),
@@ -711,14 +712,20 @@ impl<'g> Lowering<'g> {
             // `_unsafe_view(clone(contiguous))`; views save nothing.
             View | UnsafeView | Reshape => {
                 let s = shape0();
-                match x[0].layout.view_strides(&s) {
+                match x[0].layout.view_strides(s) {
                     Some(strides) => {
-                        let v = self.view(&x[0], Layout { shape: s, strides });
+                        let v = self.view(
+                            &x[0],
+                            Layout {
+                                shape: s.into(),
+                                strides,
+                            },
+                        );
                         Fwd::New(vec![v], NodeKind::Op(View), vec![])
                     }
                     None => {
                         // reshape: `_unsafe_view(self.clone(at::MemoryFormat::Contiguous), shape)`
-                        let c = self.alloc(Layout::contiguous(&s), x[0].dtype, m, "aten.clone");
+                        let c = self.alloc(Layout::contiguous(s), x[0].dtype, m, "aten.clone");
                         Fwd::New(vec![c], NodeKind::ReshapeCopy, vec![])
                     }
                 }
@@ -740,7 +747,7 @@ impl<'g> Lowering<'g> {
                 Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
             }
             Expand => {
-                let l = x[0].layout.expand(&shape0());
+                let l = x[0].layout.expand(shape0());
                 Fwd::New(vec![self.view(&x[0], l)], op_kind, vec![])
             }
             Unsqueeze(d) => {
@@ -789,7 +796,7 @@ impl<'g> Lowering<'g> {
             Add | Sub | Mul | Div => {
                 let s = shape0();
                 let dt = x[0].dtype.promote(x[1].dtype);
-                let l = elementwise_layout(&s, &[&x[0].layout, &x[1].layout]);
+                let l = elementwise_layout(s, &[&x[0].layout, &x[1].layout]);
                 let o = self.alloc(l, dt, m, name);
                 // derivatives.yaml mul.Tensor saves other if self needs grad and self if other does;
                 // div.Tensor saves other (and self for other's grad); add/sub save nothing.
@@ -848,7 +855,7 @@ impl<'g> Lowering<'g> {
             }
             // derivatives.yaml mean.dim: only sizes are saved.
             MeanDim { .. } => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 Fwd::New(vec![o], op_kind, vec![])
             }
             // derivatives.yaml mm/bmm/addmm: mat2 saved for mat1's grad and mat1 for mat2's.
@@ -859,7 +866,7 @@ impl<'g> Lowering<'g> {
                     (0, 1)
                 };
                 let dt = x[a].dtype.promote(x[b].dtype);
-                let o = self.alloc(Layout::contiguous(&shape0()), dt, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), dt, m, name);
                 // addmm_out_cuda_impl (`native/cuda/Blas.cpp`): the cuBLASLt path
                 // (`isInputCompliesAddmmCudaLt`) takes beta 1 with a contiguous bias that squeezes
                 // to 1-D of mat2's column count, a float/half/bfloat16 problem, and every dimension
@@ -959,7 +966,7 @@ impl<'g> Lowering<'g> {
             }
             // derivatives.yaml embedding: indices saved (and weight's size).
             Embedding => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 Fwd::New(vec![o], op_kind, vec![Save::In(1)])
             }
             // derivatives.yaml cat: only sizes and dtypes saved.
@@ -969,7 +976,7 @@ impl<'g> Lowering<'g> {
                     .map(|t| t.dtype)
                     .reduce(|a, b| a.promote(b))
                     .unwrap_or(DType::F32);
-                let o = self.alloc(Layout::contiguous(&shape0()), dt, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), dt, m, name);
                 Fwd::New(vec![o], op_kind, vec![])
             }
             // derivatives.yaml _scaled_dot_product_{flash,efficient,cudnn}_attention: the node
@@ -1104,7 +1111,7 @@ impl<'g> Lowering<'g> {
             }
             // derivatives.yaml avg_pool2d: self saved; the output a new tensor.
             AvgPool2d { .. } => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 Fwd::New(vec![o], op_kind, vec![Save::In(0)])
             }
             // What the capture recorded (`vramsim.from_module`'s fallback): the new tensors
@@ -1141,8 +1148,8 @@ impl<'g> Lowering<'g> {
                         Some(crate::ops::RecordedOut::View(j)) => {
                             let l = match rec.view_strides.get(k).cloned().flatten() {
                                 Some(strides) if strides.len() == shape.len() => Layout {
-                                    shape: shape.clone(),
-                                    strides,
+                                    shape: (*shape).into(),
+                                    strides: strides.into(),
                                 },
                                 _ => Layout::contiguous(shape),
                             };
@@ -1196,7 +1203,7 @@ impl<'g> Lowering<'g> {
                 // The meta kernel (a dispatch-mode capture) returns a contiguous output whatever
                 // the input's format (observed with torch 2.15 on the meta device).
                 let out_cl = cl && self.r.fidelity == Fidelity::Cuda;
-                let o = self.alloc(conv_layout(&shape0(), out_cl), dt, m, name);
+                let o = self.alloc(conv_layout(shape0(), out_cl), dt, m, name);
                 let key = format!("fwd {kind:?} {:?} {:?} {dt:?}", x[0].shape(), x[1].shape());
                 self.conv_benchmark(key);
                 if let Some(t) = copy {
@@ -1237,18 +1244,18 @@ impl<'g> Lowering<'g> {
             // derivatives.yaml max_pool2d_with_indices: self and the indices (result1) saved.
             MaxPool2d { .. } => {
                 let s = shape0();
-                let o = self.alloc(Layout::contiguous(&s), x[0].dtype, m, name);
-                let idx = self.alloc(Layout::contiguous(&s), DType::I64, m, name);
+                let o = self.alloc(Layout::contiguous(s), x[0].dtype, m, name);
+                let idx = self.alloc(Layout::contiguous(s), DType::I64, m, name);
                 Fwd::New(vec![o, idx], op_kind, vec![Save::In(0), Save::Out(1)])
             }
             // derivatives.yaml mean.dim: only sizes saved.
             MeanDims { .. } => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 Fwd::New(vec![o], op_kind, vec![])
             }
             // derivatives.yaml _adaptive_avg_pool2d: self saved.
             AdaptiveAvgPool2d { .. } => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 Fwd::New(vec![o], op_kind, vec![Save::In(0)])
             }
             // select: a view without the dimension; only sizes saved.
@@ -1261,19 +1268,19 @@ impl<'g> Lowering<'g> {
             // aten.index (advanced indexing): a new tensor; derivatives.yaml index.Tensor saves
             // the indices (and self's sizes).
             Index => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 let saves = (1..x.len()).map(Save::In).collect();
                 Fwd::New(vec![o], op_kind, saves)
             }
             // derivatives.yaml sum.dim_IntList: only sizes are saved.
             SumDim { .. } => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 Fwd::New(vec![o], op_kind, vec![])
             }
             // aten.topk: values and int64 indices (TensorCompare/Sorting: `values`, `indices` out
             // tensors); derivatives.yaml topk saves the indices.
             TopK { .. } => {
-                let l = Layout::contiguous(&shape0());
+                let l = Layout::contiguous(shape0());
                 let v = self.alloc(l.clone(), x[0].dtype, m, name);
                 let i = self.alloc(l, DType::I64, m, name);
                 Fwd::New(vec![v, i], op_kind, vec![Save::Out(1)])
@@ -1281,7 +1288,7 @@ impl<'g> Lowering<'g> {
             // aten._grouped_mm: a new `[M, N]` tensor; derivatives.yaml saves self, mat2 and offs
             // (`_grouped_mm_mat1_backward(grad, mat2, ..., offs, 1)`, `_mat2_backward(grad, self, ..., offs, 1)`).
             GroupedMm => {
-                let o = self.alloc(Layout::contiguous(&shape0()), x[0].dtype, m, name);
+                let o = self.alloc(Layout::contiguous(shape0()), x[0].dtype, m, name);
                 Fwd::New(
                     vec![o],
                     op_kind,

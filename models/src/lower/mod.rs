@@ -49,7 +49,8 @@ use crate::recipe::{
     Checkpointing, CublasWorkspaceMode, Fidelity, Precision, Recipe, RecipeError, TorchVersion,
     ZeroGrad,
 };
-use std::collections::{BTreeMap, HashMap, HashSet};
+use rustc_hash::{FxHashMap, FxHashSet};
+use std::collections::BTreeMap;
 use vramsim_traces::{AllocId, Category, Event, Trace};
 
 /// Why a graph could not be lowered under a recipe.
@@ -209,9 +210,9 @@ struct Frame {
     pending: u32,
     recomputed: bool,
     /// Saved tensors recomputed for each node.
-    saved: HashMap<u32, Vec<Rt>>,
+    saved: FxHashMap<u32, Vec<Rt>>,
     /// Node made by each op of the region in the first forward (ops that save something).
-    op_nodes: HashMap<usize, u32>,
+    op_nodes: FxHashMap<usize, u32>,
     /// The last op of the region that saves a tensor: recomputation stops after it.
     last_saving_op: Option<usize>,
 }
@@ -244,8 +245,8 @@ pub(crate) struct Lowering<'g> {
     /// Region index of each op when its region is checkpointed.
     op_region: Vec<Option<u32>>,
     active_frame: Option<u32>,
-    recompute_saved: Option<HashMap<u32, Vec<Rt>>>,
-    recompute_ops: Option<HashMap<usize, u32>>,
+    recompute_saved: Option<FxHashMap<u32, Vec<Rt>>>,
+    recompute_ops: Option<FxHashMap<usize, u32>>,
     pub(crate) kind_now: Kind,
     /// Values released after each op (Python lifetimes).
     release_after: Vec<Vec<ValueId>>,
@@ -267,7 +268,7 @@ pub(crate) struct Lowering<'g> {
     /// workspace pool cuBLAS allocated for it.
     cublas_own_handles: [bool; 2],
     /// `cudnn.benchmark`: convolution configurations benchmarked already (`benchmark_cache` keys).
-    conv_benchmarked: HashSet<String>,
+    conv_benchmarked: FxHashSet<String>,
     /// `--keep-outputs`: the previous step's outputs the training loop still holds, each with the
     /// op of the forward whose return rebinds its name.
     kept: Vec<(usize, Rt)>,
@@ -280,7 +281,7 @@ pub(crate) struct Lowering<'g> {
     /// `.grad` of the detached inputs of reentrant recomputations, by [`NodeKind::Leaf`] slot.
     leaf_grads: Vec<Option<Rt>>,
     /// The region input values of each `CheckpointFunctionBackward` node, in `saved` order.
-    reentrant_inputs: HashMap<u32, Vec<ValueId>>,
+    reentrant_inputs: FxHashMap<u32, Vec<ValueId>>,
     /// The input embedding's output that `enable_input_require_grads` marks as requiring grad
     /// ([`input_grad_hook`]).
     input_grad_hook: Option<ValueId>,
@@ -288,6 +289,11 @@ pub(crate) struct Lowering<'g> {
     bnb_qmaps: bool,
     /// Bytes of paged optimizer state (CUDA managed memory, outside the caching allocator).
     paged_bytes: u64,
+    /// Buffers lent to each op's execution (`exec_graph_op`'s inputs, `exec`'s cast inputs and
+    /// output shapes), kept empty between ops so that an op allocates no vectors for them.
+    scratch_ins: Vec<Rt>,
+    scratch_casted: Vec<Rt>,
+    scratch_specs: Vec<(&'g [u64], crate::graph::DTypeSpec)>,
     /// The data-parallel mechanisms' state (`parallel.rs`).
     par: parallel::ParState,
     /// FSDP2's state (`fsdp.rs`).
@@ -315,6 +321,19 @@ fn input_grad_hook(g: &Graph, r: &Recipe) -> Option<ValueId> {
         .iter()
         .find(|op| op.kind == OpKind::Embedding && op.inputs.contains(&ids))
         .and_then(|op| op.outputs.first().copied())
+}
+
+/// The tag of an allocation made by `name` in module `path`: `path:name`, or `name` at the root
+/// (built at its exact length: the lowering makes one per allocation).
+fn scoped_tag(path: &str, name: &str) -> Box<str> {
+    if path.is_empty() {
+        return name.into();
+    }
+    let mut tag = String::with_capacity(path.len() + 1 + name.len());
+    tag.push_str(path);
+    tag.push(':');
+    tag.push_str(name);
+    tag.into_boxed_str()
 }
 
 /// Lowers a training step (or inference, per the recipe) of `graph` to an allocation trace.
@@ -432,17 +451,24 @@ impl<'g> Lowering<'g> {
                 }
             });
         }
+        // Room for the events, storages and nodes a step usually makes (about six events per op
+        // and micro-batch, eight per parameter and optimizer step), so that the vectors rarely
+        // grow; more is allocated when needed.
+        let micro_batches = r.iterations as usize * r.accum as usize;
+        let events = (g.ops.len() * 6 * micro_batches + g.params.len() * 8 * r.iterations as usize)
+            .min(1 << 24);
+        let storages = events / 2 + g.params.len() + g.buffers.len();
         Lowering {
             g,
             r,
             param_dtype,
             autocast,
             grad_mode: !r.inference,
-            storages: Vec::new(),
-            events: Vec::with_capacity(g.ops.len() * 4),
-            tags: Vec::new(),
+            storages: Vec::with_capacity(storages),
+            events: Vec::with_capacity(events),
+            tags: Vec::with_capacity(storages),
             next_id: 0,
-            nodes: Vec::new(),
+            nodes: Vec::with_capacity(g.ops.len() + g.params.len()),
             seq: 0,
             vals: vec![None; g.values.len()],
             params: Vec::new(),
@@ -471,16 +497,19 @@ impl<'g> Lowering<'g> {
                 .0,
             ws_held: [false; 2],
             cublas_own_handles: [false; 2],
-            conv_benchmarked: HashSet::new(),
+            conv_benchmarked: FxHashSet::default(),
             kept: Vec::new(),
             kept_next: Vec::new(),
             reentrant_fwd: None,
             in_reentrant_recompute: false,
             leaf_grads: Vec::new(),
-            reentrant_inputs: HashMap::new(),
+            reentrant_inputs: FxHashMap::default(),
             input_grad_hook: input_grad_hook(g, r),
             bnb_qmaps: false,
             paged_bytes: 0,
+            scratch_ins: Vec::new(),
+            scratch_casted: Vec::new(),
+            scratch_specs: Vec::new(),
             par: parallel::ParState::default(),
             fsdp: fsdp::FsdpState::default(),
             dp: dataparallel::DpState::default(),
@@ -536,12 +565,7 @@ impl<'g> Lowering<'g> {
             // CUBLAS_WORKSPACE_CONFIG=:0:0: the allocator hands out nothing for 0 bytes.
             return;
         }
-        let path = &self.g.modules[m.0 as usize];
-        let tag: Box<str> = if path.is_empty() {
-            name.into()
-        } else {
-            format!("{path}:{name}").into()
-        };
+        let tag = scoped_tag(&self.g.modules[m.0 as usize], name);
         let st = self.alloc_raw(size, Kind::Workspace, tag);
         if !persistent {
             self.release(st);
@@ -571,12 +595,7 @@ impl<'g> Lowering<'g> {
     /// Allocates a new storage for a tensor of `layout`/`dtype` (one reference, the caller's).
     pub(crate) fn alloc(&mut self, layout: Layout, dtype: DType, module: ModuleId, op: &str) -> Rt {
         let size = layout.numel() * dtype.size();
-        let m = &self.g.modules[module.0 as usize];
-        let tag: Box<str> = if m.is_empty() {
-            op.into()
-        } else {
-            format!("{m}:{op}").into()
-        };
+        let tag = scoped_tag(&self.g.modules[module.0 as usize], op);
         let st = self.alloc_raw(size, self.kind_now, tag);
         Rt {
             layout,
@@ -914,6 +933,17 @@ impl<'g> Lowering<'g> {
         }
         let g = self.g;
         let ranges = checkpointed_ranges(g, self.r.checkpointing);
+        if ranges.is_empty() {
+            return;
+        }
+        // The last op that reads each value (`used_after` below asks whether one at or after a
+        // region's end does: one pass instead of a scan of the later ops per value).
+        let mut last_read: Vec<Option<usize>> = vec![None; g.values.len()];
+        for (i, op) in g.ops.iter().enumerate() {
+            for &v in &op.inputs {
+                last_read[v.0 as usize] = Some(i);
+            }
+        }
         for (start, end) in ranges {
             let id = self.ck_ranges.len() as u32;
             // The region's inputs: values made before it and used in it (parameters and buffers
@@ -949,7 +979,7 @@ impl<'g> Lowering<'g> {
             // loop's kept outputs use.
             let mut outputs = Vec::new();
             let used_after = |v: ValueId| {
-                g.ops[end..].iter().any(|op| op.inputs.contains(&v))
+                last_read[v.0 as usize].is_some_and(|i| i >= end)
                     || g.output == Some(v)
                     || g.kept_outputs.iter().any(|&(k, _)| k == v)
             };

@@ -61,7 +61,7 @@ impl<'g> Lowering<'g> {
         &mut self,
         kind: &OpKind,
         x: &[Rt],
-        out_shape: Vec<u64>,
+        out_shape: &[u64],
         m: ModuleId,
     ) -> Fwd {
         let OpKind::QuantLinear {
@@ -115,7 +115,7 @@ impl<'g> Lowering<'g> {
                 "bitsandbytes.int8_linear_matmul",
             );
             let o16 = self.alloc(
-                Layout::contiguous(&out_shape),
+                Layout::contiguous(out_shape),
                 DType::F16,
                 m,
                 "bitsandbytes.int8_mm_dequant",
@@ -123,7 +123,7 @@ impl<'g> Lowering<'g> {
             let o = if a.dtype == DType::F16 {
                 o16
             } else {
-                let o = self.alloc(Layout::contiguous(&out_shape), a.dtype, m, "aten._to_copy");
+                let o = self.alloc(Layout::contiguous(out_shape), a.dtype, m, "aten._to_copy");
                 self.drop_rt(o16);
                 o
             };
@@ -140,7 +140,7 @@ impl<'g> Lowering<'g> {
         }
         let w = self.dequantize_4bit(quant, out_features, in_features, a.dtype, m);
         let o = self.alloc(
-            Layout::contiguous(&out_shape),
+            Layout::contiguous(out_shape),
             a.dtype,
             m,
             if bias { "aten.addmm" } else { "aten.mm" },
