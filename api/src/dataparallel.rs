@@ -123,7 +123,7 @@ pub fn device_roles(
             continue;
         }
         let lowered = lower_step_device(args, d)?;
-        let (report, _) = replay_step(&lowered, &args.machine, 0)?;
+        let (report, _) = replay_step(&lowered, &args.machine, 0, false)?;
         roles.push(role_of(&report, what, ds));
     }
     Ok(roles)

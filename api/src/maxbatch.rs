@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
+use rayon::prelude::*;
 use serde_json::{json, Value};
 use vramsim_sim::format::format_size;
 use vramsim_sim::plot::{
@@ -112,8 +113,8 @@ pub struct Search {
 
 /// Evaluates sizes of one search: `fixed` with `key` set to each size (and `extra`). A batch search
 /// lowers once per structure: the lowerings of the first two batches of at least 2 it tries fit a
-/// [`BatchTemplate`], trusted once it reproduces the next fresh lowering byte for byte; later batches
-/// are written by it (`predict::lower_step_instance`) instead of being lowered.
+/// [`BatchTemplate`], trusted once it reproduces the next fresh lowering byte for byte (the search
+/// tries next the bound the candidate gives, [`Prober::bound`]); later batches are written by it (`predict::lower_step_instance`) instead of being lowered.
 struct Prober<'a> {
     fixed: &'a FixedOptions,
     key: &'a str,
@@ -121,6 +122,8 @@ struct Prober<'a> {
     headroom: Option<Headroom>,
     /// Fresh lowerings of batches of at least 2, by batch, until the template is trusted.
     fresh: Vec<(u64, CompactTrace)>,
+    /// A template fitted through the last two fresh lowerings, not yet checked.
+    candidate: Option<BatchTemplate>,
     template: Option<BatchTemplate>,
     /// Lowerings made (fresh ones), for the report.
     lowerings: usize,
@@ -139,6 +142,7 @@ impl<'a> Prober<'a> {
             extra,
             headroom,
             fresh: Vec::new(),
+            candidate: None,
             template: None,
             lowerings: 0,
         }
@@ -146,17 +150,41 @@ impl<'a> Prober<'a> {
 
     /// Evaluates the search's configuration at `size`, keeping `timeline_points` timeline points.
     fn probe(&mut self, size: u64, timeline_points: usize) -> Result<Probe> {
+        let (probe, fresh) = self.attempt(size, timeline_points)?;
+        if let Some(lowered) = fresh {
+            self.lowerings += 1;
+            self.learn(size, lowered);
+        }
+        Ok(probe)
+    }
+
+    /// [`Prober::probe`] of several sizes at once, in parallel (each a lowering and a replay of its
+    /// own), learning from the fresh lowerings in the order of `sizes`.
+    fn probe_many(&mut self, sizes: &[u64]) -> Result<Vec<Probe>> {
+        let attempts: Vec<Result<(Probe, Option<Lowered>)>> = sizes
+            .par_iter()
+            .map(|&size| self.attempt(size, 0))
+            .collect();
+        let mut probes = Vec::with_capacity(sizes.len());
+        for attempt in attempts {
+            let (probe, fresh) = attempt?;
+            if let Some(lowered) = fresh {
+                self.lowerings += 1;
+                self.learn(probe.size, lowered);
+            }
+            probes.push(probe);
+        }
+        Ok(probes)
+    }
+
+    /// The probe at `size`, with the lowering when it was fresh (not from the template).
+    fn attempt(&self, size: u64, timeline_points: usize) -> Result<(Probe, Option<Lowered>)> {
         let mut settings = self.extra.to_vec();
         settings.push((self.key.to_string(), size.to_string()));
         let args = OptionSet::predict().parse(&self.fixed.args(&settings))?;
-        let lowered = match &self.template {
-            Some(t) if size >= 2 => predict::lower_step_instance(&args, t)?,
-            _ => {
-                let lowered = predict::lower_step(&args)?;
-                self.lowerings += 1;
-                self.learn(size, &lowered);
-                lowered
-            }
+        let (lowered, fresh) = match &self.template {
+            Some(t) if size >= 2 => (predict::lower_step_instance(&args, t)?, false),
+            _ => (predict::lower_step(&args)?, true),
         };
         let wants = Wants {
             json: false,
@@ -164,42 +192,54 @@ impl<'a> Prober<'a> {
         };
         let evaluated = sweep::evaluate_lowered(&lowered, &args, wants).map_err(|e| anyhow!(e))?;
         let reason = misfit(&evaluated, self.headroom);
-        Ok(Probe {
+        let probe = Probe {
             size,
             fits: reason.is_none(),
             reason,
             evaluated,
-        })
+        };
+        Ok((probe, fresh.then_some(lowered)))
     }
 
-    /// Once the template is trusted, the largest batch that can fit at all: above it the step holds
+    /// Once two batches are lowered, the largest batch that can fit at all: above it the step holds
     /// more requested bytes at once than the device has (less the headroom), which no allocator
     /// serves ([`BatchTemplate::largest_batch_within`]). `fitted` is a probe that fits (its device).
+    /// From a candidate not yet checked, the bound only chooses the next size to try, which is then
+    /// lowered afresh (and checks the candidate).
     fn bound(&self, fitted: &Probe) -> Option<u64> {
         let total = fitted.evaluated.report.device.total_memory;
         let room = total.saturating_sub(self.headroom.map_or(0, |h| h.bytes(total)));
-        self.template.as_ref()?.largest_batch_within(room)
+        self.template
+            .as_ref()
+            .or(self.candidate.as_ref())?
+            .largest_batch_within(room)
     }
 
-    /// Takes a fresh lowering at `size` into the template: two fit it, the third checks it.
-    fn learn(&mut self, size: u64, lowered: &Lowered) {
+    /// Takes a fresh lowering at `size` into the template: the last two fit a candidate, the next
+    /// one checks it (the candidate is trusted when it writes that lowering byte for byte).
+    fn learn(&mut self, size: u64, lowered: Lowered) {
         // batch 1 is a structure of its own (dimensions of 1 change kernels and copies), and
         // DataParallel's devices take chunks of the batch
         if self.key != "batch" || size < 2 || crate::dataparallel::is_multi(&lowered.recipe) {
             return;
         }
-        if let [(b0, t0), (b1, t1)] = &self.fresh[..] {
-            self.template = BatchTemplate::fit(t0, *b0, t1, *b1).filter(|t| {
-                t.instantiate(size)
-                    .is_some_and(|made| made.same_as(&lowered.compact))
-            });
-            // a structure that changed: fit again from the last two
+        if let Some(candidate) = self.candidate.take() {
+            if candidate
+                .instantiate(size)
+                .is_some_and(|made| made.same_as(&lowered.compact))
+            {
+                self.template = Some(candidate);
+                self.fresh.clear();
+                return;
+            }
+        }
+        // no candidate yet, or a structure that changed: fit again from the last two
+        self.fresh.push((size, lowered.compact));
+        if self.fresh.len() > 2 {
             self.fresh.remove(0);
         }
-        if self.template.is_none() {
-            self.fresh.push((size, lowered.compact.clone()));
-        } else {
-            self.fresh.clear();
+        if let [(b0, t0), (b1, t1)] = &self.fresh[..] {
+            self.candidate = BatchTemplate::fit(t0, *b0, t1, *b1);
         }
     }
 }
@@ -207,7 +247,7 @@ impl<'a> Prober<'a> {
 /// Finds the largest `key` (batch or seq) that fits: 1, 2, 4, ... until one does not fit or `limit`,
 /// then bisection between the last that fit and the first that did not. A batch search starts at 2
 /// (1 only when 2 does not fit: batch 1 is a structure of its own, whose lowering a template of the
-/// larger batches cannot use) and, once its template is trusted, bisects below the bound of the
+/// larger batches cannot use) and, once two batches fit a template, bisects below the bound of the
 /// requested bytes ([`Prober::bound`]) instead of doubling on.
 pub fn search(
     fixed: &FixedOptions,
@@ -220,16 +260,25 @@ pub fn search(
     let mut prober = Prober::new(fixed, key, extra, headroom);
     let mut tried = Vec::new();
     let mut failure: Option<Probe> = None;
-    let mut first = None;
+    let mut fitted: Option<Probe> = None;
     if key == "batch" && limit.is_none_or(|l| l >= 2) {
-        let two = prober.probe(2, 0)?;
-        tried.push((2, two.evaluated.report.peak_device_used(), two.fits));
-        match two.fits {
-            true => first = Some(two),
-            false => failure = Some(two),
+        // 2 and 4 at once: the two lowerings that fit the template
+        let sizes: &[u64] = if limit.is_none_or(|l| l >= 4) {
+            &[2, 4]
+        } else {
+            &[2]
+        };
+        for p in prober.probe_many(sizes)? {
+            tried.push((p.size, p.evaluated.report.peak_device_used(), p.fits));
+            match (&failure, p.fits) {
+                // a size above a failure says nothing more
+                (Some(_), _) => {}
+                (None, true) => fitted = Some(p),
+                (None, false) => failure = Some(p),
+            }
         }
     }
-    let first = match first {
+    let first = match fitted {
         Some(p) => p,
         None => {
             let p = prober.probe(1, 0)?;
@@ -290,18 +339,28 @@ pub fn search(
             break;
         }
     }
-    // bisection: `largest` fits, `failure` does not
+    // bisection: `largest` fits, `failure` does not; with two threads, two sizes at once (thirds)
     while let Some(f) = &failure {
-        if f.size - largest.size <= 1 {
+        let gap = f.size - largest.size;
+        if gap <= 1 {
             break;
         }
-        let size = largest.size + (f.size - largest.size) / 2;
-        let p = prober.probe(size, 0)?;
-        tried.push((size, p.evaluated.report.peak_device_used(), p.fits));
-        if p.fits {
-            largest = p;
+        let sizes: Vec<u64> = if gap >= 3 && rayon::current_num_threads() > 1 {
+            vec![largest.size + gap / 3, largest.size + 2 * gap / 3]
         } else {
-            failure = Some(p);
+            vec![largest.size + gap / 2]
+        };
+        let mut failed = false;
+        for p in prober.probe_many(&sizes)? {
+            tried.push((p.size, p.evaluated.report.peak_device_used(), p.fits));
+            match (failed, p.fits) {
+                (true, _) => {}
+                (false, true) => largest = p,
+                (false, false) => {
+                    failed = true;
+                    failure = Some(p);
+                }
+            }
         }
     }
     Ok(Search {

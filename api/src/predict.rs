@@ -492,7 +492,7 @@ pub fn predict(args: &PredictArgs) -> Result<Predicted> {
             .map_err(|e| anyhow::anyhow!("cannot write the trace: {e}"))?;
     }
     let points = crate::replay::timeline_points(&args.plot);
-    let (report, prediction) = replay_step(&lowered, &args.machine, points)?;
+    let (report, prediction) = replay_step(&lowered, &args.machine, points, true)?;
     if let Some(path) = &args.plot {
         draw(&report, &prediction, path)?;
     }
@@ -736,11 +736,13 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
 }
 
 /// Replays a lowered step on the machine `machine` describes (keeping a timeline of
-/// `timeline_points` points for plots) and breaks it down at its peak, or at the out-of-memory error.
+/// `timeline_points` points for plots) and, with `breakdown`, breaks it down at its peak, or at the
+/// out-of-memory error (without, the breakdown is empty: searches that only ask whether a step fits).
 pub fn replay_step(
     lowered: &Lowered,
     machine: &MachineArgs,
     timeline_points: usize,
+    breakdown: bool,
 ) -> Result<(Report, Prediction)> {
     // cuBLAS's own workspace pools (PyTorch 1.10) are device memory outside the allocator.
     let mut machine = machine.clone();
@@ -778,6 +780,7 @@ pub fn replay_step(
     let outcome = replay.finish();
     // What is live at the step's peak, or, when it runs out of memory, when the error is raised.
     let (breakdown, oom_tag) = match oom_at {
+        _ if !breakdown => (peak_breakdown_until(&lowered.compact.trace, 0), None),
         None => (
             lowered
                 .peak

@@ -277,6 +277,14 @@ pub struct Wants {
     pub timeline_points: usize,
 }
 
+impl Wants {
+    /// Whether the breakdown at the peak (or at the out-of-memory error) is wanted: only
+    /// `predict --json`'s document shows it.
+    pub fn breakdown(&self) -> bool {
+        self.json
+    }
+}
+
 /// One configuration, evaluated by `predict`'s code.
 pub struct Evaluated {
     /// The replay's report.
@@ -422,7 +430,7 @@ pub fn evaluate(
                     (a, l)
                 })
                 .collect();
-            let prepare = |l: &Result<Lowered, String>| Some(prepare(l.as_ref().ok()?, wants));
+            let prepare = |l: &Result<Lowered, String>| Some(prepare(l.as_ref().ok()?));
             let work = prepare(&lowered);
             let variant_work: Vec<Option<StepWork>> =
                 variants.iter().map(|(_, l)| prepare(l)).collect();
@@ -457,18 +465,8 @@ pub fn evaluate(
     results.into_iter().map(|(_, r)| r).collect()
 }
 
-/// What every replay of `lowered` shares: the step-time model's work, and, where `wants` has no
-/// JSON, an empty breakdown at the peak in place of the real one.
-fn prepare(lowered: &Lowered, wants: Wants) -> StepWork {
-    if !wants.json {
-        // Only `predict --json` shows the breakdown at the peak, the slowest part of a replay after
-        // the lowering: without JSON, prime the lowering's shared breakdown with an empty one (an
-        // out-of-memory configuration still gets its own).
-        let _ = lowered.peak.set(vramsim_models::peak_breakdown_until(
-            &lowered.compact.trace,
-            0,
-        ));
-    }
+/// What every replay of `lowered` shares: the step-time model's work.
+fn prepare(lowered: &Lowered) -> StepWork {
     StepWork::of(&lowered.graph, &lowered.recipe)
 }
 
@@ -479,7 +477,7 @@ pub fn evaluate_lowered(
     args: &PredictArgs,
     wants: Wants,
 ) -> Result<Evaluated, String> {
-    replay_one(lowered, &prepare(lowered, wants), args, wants)
+    replay_one(lowered, &prepare(lowered), args, wants)
 }
 
 /// Batches of one family (configurations that differ only in the batch) from which on its lowering is
@@ -587,9 +585,13 @@ fn replay_one(
     args: &PredictArgs,
     wants: Wants,
 ) -> Result<Evaluated, String> {
-    let (report, mut prediction) =
-        predict::replay_step(lowered, &args.machine, wants.timeline_points)
-            .map_err(|e| format!("{e:#}"))?;
+    let (report, mut prediction) = predict::replay_step(
+        lowered,
+        &args.machine,
+        wants.timeline_points,
+        wants.breakdown(),
+    )
+    .map_err(|e| format!("{e:#}"))?;
     // The shared lowering was made for the group's first GPU: this configuration's own GPU gets the
     // same kernels, but its own reasons (its compute capability).
     let target = predict::target(&args.machine).map_err(|e| format!("{e:#}"))?;

@@ -38,7 +38,7 @@ fn the_optimised_replay_equals_the_plain_one() {
                         ]);
                         let parsed = OptionSet::predict().parse(&a).unwrap();
                         let lowered = lower_step(&parsed).unwrap();
-                        let (report, prediction) = replay_step(&lowered, &parsed.machine, 0).unwrap();
+                        let (report, prediction) = replay_step(&lowered, &parsed.machine, 0, true).unwrap();
                         // the plain path: a fresh lowering of every micro-batch, every event replayed
                         let graph = zoo::build(model, &lowered.recipe).unwrap();
                         let full = lower(&graph, &lowered.recipe).unwrap();

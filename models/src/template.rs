@@ -174,9 +174,10 @@ impl BatchTemplate {
     /// compact step's repeated micro-batch leaves the live set as it found it (it frees what it
     /// allocates, the check of [`crate::compact`]), so its repetitions add no new peak.
     pub fn largest_batch_within(&self, bytes: u64) -> Option<u64> {
-        let slopes: std::collections::HashMap<usize, i128> = self.sizes.iter().copied().collect();
-        let mut live: std::collections::HashMap<&vramsim_traces::AllocId, (i128, i128)> =
-            std::collections::HashMap::new();
+        // `sizes` is in event order: walk it beside the events
+        let mut slopes = self.sizes.iter().peekable();
+        let mut live: rustc_hash::FxHashMap<&vramsim_traces::AllocId, (i128, i128)> =
+            rustc_hash::FxHashMap::default();
         let (mut base, mut slope) = (0i128, 0i128);
         let mut best: Option<u64> = None;
         let b0 = i128::from(self.batch);
@@ -184,7 +185,13 @@ impl BatchTemplate {
         for (i, e) in self.base.trace.events.iter().enumerate() {
             match e {
                 Event::Alloc { id, size, .. } => {
-                    let c = slopes.get(&i).copied().unwrap_or(0);
+                    let c = match slopes.peek() {
+                        Some(&&(at, c)) if at == i => {
+                            slopes.next();
+                            c
+                        }
+                        _ => 0,
+                    };
                     // the size's polynomial as a + c · batch
                     let a = i128::from(*size) - c * b0;
                     base += a;
