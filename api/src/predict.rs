@@ -367,6 +367,9 @@ pub struct Lowered {
     pieces: std::sync::OnceLock<Vec<ReplayPiece>>,
     /// Time to build and lower, in milliseconds.
     pub lower_ms: f64,
+    /// Whether the step was written by a template of its structure ([`lower_step_instance`]) rather
+    /// than lowered.
+    pub from_template: bool,
     /// Notes for the user (ignored options, unknown config fields, the config's dtype).
     pub warnings: Vec<String>,
     /// The attention kernel and why (`None` for models without attention).
@@ -403,6 +406,7 @@ impl Lowered {
             expanded: std::sync::OnceLock::new(),
             pieces: std::sync::OnceLock::new(),
             lower_ms: self.lower_ms,
+            from_template: self.from_template,
             warnings: self.warnings.clone(),
             attention: self.attention.clone(),
             peak: std::sync::OnceLock::new(),
@@ -431,6 +435,8 @@ pub struct Prediction {
     pub events: usize,
     /// Time to build and lower, in milliseconds.
     pub lower_ms: f64,
+    /// Whether the step was written by a template of its structure rather than lowered.
+    pub from_template: bool,
     /// Time to replay and break down, in milliseconds.
     pub replay_ms: f64,
     /// What is live at the peak (or at the out-of-memory error).
@@ -546,11 +552,13 @@ pub fn lower_step_device(args: &PredictArgs, device: u32) -> Result<Lowered> {
 /// (lowering once per structure, [`BatchTemplate`]). The caller checked that the template is this
 /// configuration's structure (the same options but the batch, and a fresh lowering it reproduced).
 pub fn lower_step_instance(args: &PredictArgs, template: &BatchTemplate) -> Result<Lowered> {
-    assemble(args, 0, |_, recipe| {
+    let mut lowered = assemble(args, 0, |_, recipe| {
         template
             .instantiate(recipe.batch)
             .with_context(|| format!("batch {} leaves the range of sizes", recipe.batch))
-    })
+    })?;
+    lowered.from_template = true;
+    Ok(lowered)
 }
 
 /// Builds the graph of `args`' step (for `device` of a DataParallel layout) and its lowering by
@@ -583,6 +591,7 @@ fn assemble(
         expanded: std::sync::OnceLock::new(),
         pieces: std::sync::OnceLock::new(),
         lower_ms,
+        from_template: false,
         warnings,
         attention,
         peak: std::sync::OnceLock::new(),
@@ -814,6 +823,7 @@ pub fn replay_step(
         seq_given: lowered.seq_given,
         events: lowered.compact.events,
         lower_ms: lowered.lower_ms,
+        from_template: lowered.from_template,
         replay_ms,
         breakdown,
         oom_tag,
@@ -1228,6 +1238,7 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
     j["timing"] = json!({
         "events": p.events,
         "lower_ms": p.lower_ms,
+        "from_template": p.from_template,
         "replay_ms": p.replay_ms,
     });
     j["warnings"] = json!(p.warnings);

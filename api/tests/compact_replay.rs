@@ -102,3 +102,60 @@ fn accumulation_counts_sharing_a_lowering_get_their_own_reports() {
         assert_eq!(swept.last_iteration_start, alone.last_iteration_start);
     }
 }
+
+/// `predict --json`'s document without its timings (which differ from run to run).
+fn without_timing(mut doc: serde_json::Value) -> serde_json::Value {
+    if let Some(map) = doc.as_object_mut() {
+        map.remove("timing");
+    }
+    doc
+}
+
+/// A sweep over batches lowers each family once per structure (two lowerings fit a template, the
+/// largest batch checks it, the others are instances): every point's document equals `predict`'s own
+/// (a fresh lowering and replay of that configuration), out-of-memory points included.
+#[test]
+fn templated_sweeps_equal_fresh_predictions() {
+    use vramsim_api::sweep::{evaluate, Progress, Wants};
+    let mut configs = Vec::new();
+    // capacities that the larger batches of the language models exceed
+    for (model, extra, capacity) in [
+        ("gpt2", "--accum=5", "--capacity=3GiB"),
+        ("resnet18", "--precision=amp-fp16", "--capacity=4GiB"),
+        ("gpt2", "--checkpoint=full", "--capacity=2900MiB"),
+    ] {
+        for batch in 1..=7 {
+            configs.push(args(&[
+                &format!("--model={model}"),
+                if model == "gpt2" {
+                    "--seq=128"
+                } else {
+                    "--image-size=64"
+                },
+                extra,
+                capacity,
+                &format!("--batch={batch}"),
+            ]));
+        }
+    }
+    let wants = Wants {
+        json: true,
+        timeline_points: 0,
+    };
+    let swept = evaluate(&configs, wants, &Progress::hidden());
+    let (mut ooms, mut instances) = (0, 0);
+    for (a, point) in configs.iter().zip(swept) {
+        let point = point.unwrap_or_else(|e| panic!("{a:?}: {e}"));
+        ooms += usize::from(!point.fits());
+        instances += usize::from(point.prediction.from_template);
+        let fresh = vramsim_api::predict::predict(&OptionSet::predict().parse(a).unwrap()).unwrap();
+        assert_eq!(
+            without_timing(point.json.expect("asked for")),
+            without_timing(fresh.to_json()),
+            "{a:?}"
+        );
+    }
+    assert!(ooms > 0, "the grid should reach the capacity");
+    // batches 4, 5 and 6 of each family are instances (2 and 3 fit the template, 7 checks it)
+    assert_eq!(instances, 9);
+}
