@@ -125,8 +125,6 @@ struct Prober<'a> {
     /// A template fitted through the last two fresh lowerings, not yet checked.
     candidate: Option<BatchTemplate>,
     template: Option<BatchTemplate>,
-    /// Lowerings made (fresh ones), for the report.
-    lowerings: usize,
 }
 
 impl<'a> Prober<'a> {
@@ -144,7 +142,6 @@ impl<'a> Prober<'a> {
             fresh: Vec::new(),
             candidate: None,
             template: None,
-            lowerings: 0,
         }
     }
 
@@ -152,7 +149,6 @@ impl<'a> Prober<'a> {
     fn probe(&mut self, size: u64, timeline_points: usize) -> Result<Probe> {
         let (probe, fresh) = self.attempt(size, timeline_points)?;
         if let Some(lowered) = fresh {
-            self.lowerings += 1;
             self.learn(size, lowered);
         }
         Ok(probe)
@@ -169,7 +165,6 @@ impl<'a> Prober<'a> {
         for attempt in attempts {
             let (probe, fresh) = attempt?;
             if let Some(lowered) = fresh {
-                self.lowerings += 1;
                 self.learn(probe.size, lowered);
             }
             probes.push(probe);

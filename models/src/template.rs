@@ -18,7 +18,7 @@
 //! of batch sizes and sequence lengths.
 
 use serde_json::Value;
-use vramsim_traces::{Event, Meta, Trace};
+use vramsim_traces::Event;
 
 use crate::compact::CompactTrace;
 
@@ -115,7 +115,10 @@ impl BatchTemplate {
             }
         }
         let mut meta = Vec::new();
-        let (ma, mb) = (meta_value(&a.trace.meta), meta_value(&b.trace.meta));
+        let (ma, mb) = (
+            Value::Object(a.trace.meta.clone()),
+            Value::Object(b.trace.meta.clone()),
+        );
         if !numbers_apart(&ma, &mb, &mut Vec::new(), &mut |path, x, y| {
             meta.push(MetaSlope {
                 path,
@@ -153,7 +156,8 @@ impl BatchTemplate {
             }
         }
         if !self.meta.is_empty() {
-            let mut meta = meta_value(&out.trace.meta);
+            // the copy's own meta, patched in place (no second copy)
+            let mut meta = Value::Object(std::mem::take(&mut out.trace.meta));
             for m in &self.meta {
                 *slot(&mut meta, &m.path)? = Value::from(at(m.base, m.per_sample)?);
             }
@@ -227,16 +231,8 @@ impl CompactTrace {
         self.repeats == other.repeats
             && self.events == other.events
             && self.lowered_phases() == other.lowered_phases()
-            && traces_equal(&self.trace, &other.trace)
+            && self.trace == other.trace
     }
-}
-
-fn traces_equal(a: &Trace, b: &Trace) -> bool {
-    a.events == b.events && meta_value(&a.meta) == meta_value(&b.meta)
-}
-
-fn meta_value(meta: &Meta) -> Value {
-    Value::Object(meta.clone())
 }
 
 /// Walks `a` and `b` together: `true` when they are equal but for unsigned integers, each such pair

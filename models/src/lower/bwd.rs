@@ -195,14 +195,7 @@ impl<'g> Lowering<'g> {
             d.edge = None;
             let mut slot = None;
             if rt.dtype.is_float() && rt.requires_grad() {
-                let sl = self.leaf_grads.len() as u32;
-                self.leaf_grads.push(None);
-                let leaf = self.new_node(NodeKind::Leaf(sl), u64::MAX, ModuleId(0));
-                self.nodes[leaf as usize].ins.push(Some(Meta {
-                    layout: rt.layout.clone(),
-                    dtype: rt.dtype,
-                }));
-                self.nodes[leaf as usize].next.push(None);
+                let (leaf, sl) = self.new_leaf(rt);
                 d.edge = Some(Edge { node: leaf, nr: 0 });
                 slot = Some(sl);
             }

@@ -144,14 +144,7 @@ impl<'g> Lowering<'g> {
         if rt.requires_grad() || !rt.dtype.is_float() {
             return;
         }
-        let sl = self.leaf_grads.len() as u32;
-        self.leaf_grads.push(None);
-        let leaf = self.new_node(NodeKind::Leaf(sl), u64::MAX, ModuleId(0));
-        self.nodes[leaf as usize].ins.push(Some(Meta {
-            layout: rt.layout.clone(),
-            dtype: rt.dtype,
-        }));
-        self.nodes[leaf as usize].next.push(None);
+        let (leaf, _) = self.new_leaf(&rt);
         let held = self.dup(&rt);
         self.nodes[leaf as usize].saved.push(held);
         if let Some(x) = self.vals[v.0 as usize].as_mut() {

@@ -759,6 +759,20 @@ impl<'g> Lowering<'g> {
         (self.nodes.len() - 1) as u32
     }
 
+    /// A leaf node for a tensor of `rt`'s layout and dtype that autograd treats as a leaf (its
+    /// gradient lands in a slot of `leaf_grads`, not on a parameter): (node, slot).
+    pub(crate) fn new_leaf(&mut self, rt: &Rt) -> (u32, u32) {
+        let slot = self.leaf_grads.len() as u32;
+        self.leaf_grads.push(None);
+        let leaf = self.new_node(NodeKind::Leaf(slot), u64::MAX, ModuleId(0));
+        self.nodes[leaf as usize].ins.push(Some(Meta {
+            layout: rt.layout.clone(),
+            dtype: rt.dtype,
+        }));
+        self.nodes[leaf as usize].next.push(None);
+        (leaf, slot)
+    }
+
     // ------------------------------------------------------------------ the step
 
     fn run(&mut self) -> Result<(), LowerError> {
