@@ -22,7 +22,7 @@ use vramsim_models::{
 use vramsim_models::{
     CheckpointImpl, CublasWorkspaceMode, TorchVersion, TransformersVersion, Workspaces,
 };
-use vramsim_models::{DType, Parallel, Shard};
+use vramsim_models::{DType, Offload, Parallel, PpSchedule, Shard};
 use vramsim_sim::device::{find_preset, ContextChoice, UnknownGpu, DEFAULT_GPU};
 use vramsim_sim::engine::{Flow, Repeat, Replay, ReplayOptions};
 use vramsim_sim::format::format_size;
@@ -244,6 +244,26 @@ pub struct PredictArgs {
     /// dataparallel; default 0).
     #[arg(long, default_value_t = 0)]
     pub output_device: u32,
+    /// Tensor-parallel ranks (Megatron-style column/row-parallel linear layers). The world size
+    /// is dp × tp × pp.
+    #[arg(long, default_value_t = 1, value_parser = count32("tp"), allow_negative_numbers = true)]
+    pub tp: u32,
+    /// Sequence parallelism over the tensor-parallel group (with --tp 2 or more).
+    #[arg(long)]
+    pub sp: bool,
+    /// Pipeline stages: each stage is its own role, replayed once.
+    #[arg(long, default_value_t = 1, value_parser = count32("pp"), allow_negative_numbers = true)]
+    pub pp: u32,
+    /// The pipeline schedule: gpipe, 1f1b or interleaved:V (V model chunks per rank).
+    #[arg(long, default_value = "1f1b", value_parser = named::<PpSchedule>)]
+    pub pp_schedule: PpSchedule,
+    /// Micro-batches per pipeline step (default: the schedule's).
+    #[arg(long, value_name = "M", value_parser = count32("microbatches"), allow_negative_numbers = true)]
+    pub microbatches: Option<u32>,
+    /// CPU offload: none, optimizer (DeepSpeed ZeRO's offload_optimizer) or params (ZeRO-3's
+    /// offload_param, FSDP2's CPUOffloadPolicy).
+    #[arg(long, default_value = "none", value_parser = named::<Offload>)]
+    pub offload: Offload,
 }
 
 /// `--quant`'s value: a bitsandbytes format, or `none` (what no `--quant` gives; for `--vary
@@ -713,6 +733,13 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
             gradient_as_bucket_view: args.ddp_bucket_view,
             output_device: args.output_device,
             device: 0,
+            tp: args.tp,
+            sp: args.sp,
+            pp: args.pp,
+            pp_schedule: args.pp_schedule,
+            microbatches: args.microbatches,
+            stage: 0,
+            offload: args.offload,
         },
         ..Recipe::default()
     };
@@ -1255,6 +1282,12 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
         // The top-level peaks are the worst rank's (one role for data parallelism).
         j["layout"] = json!({
             "dp": par.dp,
+            "tp": par.tp,
+            "sp": par.sp,
+            "pp": par.pp,
+            "pp_schedule": par.pp_schedule.to_string(),
+            "microbatches": par.microbatches,
+            "offload": par.offload.to_string(),
             "shard": par.shard.to_string(),
             "world_size": par.world_size(),
             "fsdp_param_dtype": par.fsdp_param_dtype.map(|d| d.name()),

@@ -160,6 +160,39 @@ fn bad_layouts_fail_with_the_reason() {
         &["valid values are none, ddp, zero1, zero2"],
     );
     fails(&["--dp", "0", "--shard", "ddp"], &["dp must be"]);
+    // nn.DataParallel is one process: it cannot be split by TP or PP (issue 18).
+    fails(
+        &["--dp", "2", "--shard", "dataparallel", "--tp", "2"],
+        &["nn.DataParallel", "tensor (--tp 2)", "--shard ddp or fsdp2"],
+    );
+    fails(
+        &["--dp", "2", "--shard", "dataparallel", "--pp", "2"],
+        &["nn.DataParallel", "pipeline (--pp 2)"],
+    );
+    fails(
+        &["--dp", "2", "--shard", "ddp", "--world-size", "2", "--pp", "2"],
+        &["2 does not match", "dp 2 × tp 1 × pp 2 = 4 ranks"],
+    );
+    fails(&["--sp"], &["--tp 2 or more"]);
+    fails(&["--pp-schedule", "gpipe"], &["--pp 2 or more"]);
+    fails(
+        &["--pp", "2", "--pp-schedule", "interleaved:1"],
+        &["gpipe, 1f1b, interleaved:V"],
+    );
+    fails(&["--tp", "0"], &["tp must be"]);
+    fails(
+        &["--dp", "65536", "--tp", "65536", "--pp", "2", "--shard", "ddp"],
+        &["8589934592 ranks"],
+    );
+    fails(
+        &["--offload", "params", "--dp", "2", "--shard", "ddp"],
+        &["--offload params", "not ddp"],
+    );
+    fails(
+        &["--offload", "optimizer", "--dp", "2", "--shard", "fsdp2"],
+        &["CPUOffloadPolicy", "--offload params"],
+    );
+    fails(&["--offload", "cpu"], &["none, optimizer, params"]);
     fails(
         &["--dp", "2", "--shard", "fsdp2", "--ddp-bucket-view"],
         &["gradient_as_bucket_view", "--shard ddp"],

@@ -11,8 +11,9 @@
 //! * `fsdp2`: `fully_shard` on every block and the root, default `reshard_after_forward`, with an
 //!   optional `MixedPrecisionPolicy(param_dtype, reduce_dtype)` (`lower/fsdp.rs`).
 //!
-//! Not modelled yet (refused rather than approximated): ZeRO-3, tensor,
-//! sequence, pipeline and context parallelism, CPU offload, NCCL's own device memory.
+//! The layout's other dimensions and options are parsed and checked here (`--tp`, `--sp`, `--pp`,
+//! `--pp-schedule`, `--microbatches`, `--offload`); a combination whose mechanism is not modelled
+//! yet is refused with the reason rather than approximated.
 
 use std::fmt;
 use std::str::FromStr;
@@ -102,6 +103,99 @@ pub struct Parallel {
     /// DataParallel: the device whose trace the lowering writes (each device plays its own role;
     /// the graph is built for that device's chunk of the batch).
     pub device: u32,
+    /// Tensor-parallel ranks (`--tp`): Megatron-style column/row-parallel linear layers.
+    pub tp: u32,
+    /// Sequence parallelism over the tensor-parallel group (`--sp`).
+    pub sp: bool,
+    /// Pipeline stages (`--pp`).
+    pub pp: u32,
+    /// The pipeline schedule (`--pp-schedule`).
+    pub pp_schedule: PpSchedule,
+    /// Micro-batches per step of a pipeline (`--microbatches`); `None`: the schedule's default.
+    pub microbatches: Option<u32>,
+    /// The pipeline stage whose trace the lowering writes (each stage plays its own role).
+    pub stage: u32,
+    /// What is kept in host memory instead of on the GPU (`--offload`).
+    pub offload: Offload,
+}
+
+/// A pipeline schedule (`--pp-schedule`), as `torch.distributed.pipelining.schedules` names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PpSchedule {
+    /// `ScheduleGPipe`: every micro-batch's forward, then every backward.
+    GPipe,
+    /// `Schedule1F1B`: warm-up forwards, then one forward and one backward alternately.
+    #[default]
+    OneFOneB,
+    /// `ScheduleInterleaved1F1B` with this many model chunks (virtual stages) per rank.
+    Interleaved(u32),
+}
+
+impl fmt::Display for PpSchedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PpSchedule::GPipe => f.write_str("gpipe"),
+            PpSchedule::OneFOneB => f.write_str("1f1b"),
+            PpSchedule::Interleaved(v) => write!(f, "interleaved:{v}"),
+        }
+    }
+}
+
+impl FromStr for PpSchedule {
+    type Err = RecipeError;
+    fn from_str(s: &str) -> Result<Self, RecipeError> {
+        let unknown = || RecipeError::Unknown {
+            field: "pp-schedule",
+            value: s.to_string(),
+            valid: "gpipe, 1f1b, interleaved:V (V model chunks per rank, 2 or more)",
+        };
+        match s {
+            "gpipe" => Ok(PpSchedule::GPipe),
+            "1f1b" => Ok(PpSchedule::OneFOneB),
+            _ => match s.strip_prefix("interleaved:").map(str::parse::<u32>) {
+                Some(Ok(v)) if v >= 2 => Ok(PpSchedule::Interleaved(v)),
+                _ => Err(unknown()),
+            },
+        }
+    }
+}
+
+/// What CPU offload keeps in host memory (`--offload`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Offload {
+    /// Nothing: every model state on the GPU.
+    #[default]
+    None,
+    /// The optimizer state and the fp32 master weights (DeepSpeed's `offload_optimizer`).
+    Optimizer,
+    /// The parameters too (DeepSpeed ZeRO-3's `offload_param`, FSDP2's `CPUOffloadPolicy`).
+    Params,
+}
+
+impl fmt::Display for Offload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Offload::None => "none",
+            Offload::Optimizer => "optimizer",
+            Offload::Params => "params",
+        })
+    }
+}
+
+impl FromStr for Offload {
+    type Err = RecipeError;
+    fn from_str(s: &str) -> Result<Self, RecipeError> {
+        match s {
+            "none" => Ok(Offload::None),
+            "optimizer" => Ok(Offload::Optimizer),
+            "params" => Ok(Offload::Params),
+            _ => Err(RecipeError::Unknown {
+                field: "offload",
+                value: s.to_string(),
+                valid: "none, optimizer, params",
+            }),
+        }
+    }
 }
 
 /// Reads a floating dtype of `MixedPrecisionPolicy` (`fp32`, `bf16`, `fp16`).
@@ -130,6 +224,13 @@ impl Default for Parallel {
             gradient_as_bucket_view: false,
             output_device: 0,
             device: 0,
+            tp: 1,
+            sp: false,
+            pp: 1,
+            pp_schedule: PpSchedule::default(),
+            microbatches: None,
+            stage: 0,
+            offload: Offload::None,
         }
     }
 }
@@ -147,14 +248,19 @@ pub const DDP_BUCKET_CAP_BYTES: u64 = 25 * 1024 * 1024;
 pub const DS_REDUCE_BUCKET_ELEMENTS: u64 = 500_000_000;
 
 impl Parallel {
-    /// The number of ranks the layout needs (data-parallel degree; no other dimension yet).
+    /// The number of ranks the layout needs: dp × tp × pp (saturating; `validate` refuses a
+    /// product above `u32::MAX`).
     pub fn world_size(&self) -> u32 {
-        self.dp
+        self.dp.saturating_mul(self.tp).saturating_mul(self.pp)
     }
 
     /// Whether this is the single-GPU step (no parallel mechanism at all).
     pub fn is_single(&self) -> bool {
-        self.shard == Shard::None && self.dp == 1
+        self.shard == Shard::None
+            && self.dp == 1
+            && self.tp == 1
+            && self.pp == 1
+            && self.offload == Offload::None
     }
 
     /// Checks the layout against the rest of the recipe; the message says why and what is valid.
@@ -163,10 +269,25 @@ impl Parallel {
             field: "shard",
             msg,
         };
-        if self.dp == 0 {
+        for (field, n) in [("dp", self.dp), ("tp", self.tp), ("pp", self.pp)] {
+            if n == 0 {
+                return Err(RecipeError::Invalid {
+                    field,
+                    msg: "must be 1 or more".into(),
+                });
+            }
+        }
+        let ranks = u64::from(self.dp) * u64::from(self.tp) * u64::from(self.pp);
+        if ranks > u64::from(u32::MAX) {
             return Err(RecipeError::Invalid {
                 field: "dp",
-                msg: "must be 1 or more".into(),
+                msg: format!(
+                    "dp {} × tp {} × pp {} = {ranks} ranks, more than {}",
+                    self.dp,
+                    self.tp,
+                    self.pp,
+                    u32::MAX
+                ),
             });
         }
         if let Some(w) = self.world_size {
@@ -174,13 +295,17 @@ impl Parallel {
                 return Err(RecipeError::Invalid {
                     field: "world-size",
                     msg: format!(
-                        "{w} does not match the layout: dp {} = {} ranks",
+                        "{w} does not match the layout: dp {} × tp {} × pp {} = {} ranks",
                         self.dp,
+                        self.tp,
+                        self.pp,
                         self.world_size()
                     ),
                 });
             }
         }
+        self.validate_model_parallel()?;
+        self.validate_offload()?;
         if self.shard == Shard::None && self.dp > 1 {
             return Err(bad(format!(
                 "--dp {} needs a data-parallel mode: --shard ddp, zero1, zero2 or fsdp2",
@@ -290,6 +415,77 @@ impl Parallel {
             1
         } else {
             self.world_size()
+        }
+    }
+
+    /// `--tp`, `--sp`, `--pp`, `--pp-schedule`, `--microbatches`: the options each needs, and
+    /// what is not modelled yet.
+    fn validate_model_parallel(&self) -> Result<(), RecipeError> {
+        if self.shard == Shard::DataParallel && (self.tp > 1 || self.pp > 1) {
+            return Err(RecipeError::Invalid {
+                field: "shard",
+                msg: format!(
+                    "--shard dataparallel is nn.DataParallel: one process replicates the whole model on every device each forward, so it cannot be split by tensor (--tp {}) or pipeline (--pp {}) parallelism, which run one process per rank; use --shard ddp or fsdp2 with --tp/--pp",
+                    self.tp, self.pp
+                ),
+            });
+        }
+        if self.sp && self.tp < 2 {
+            return Err(RecipeError::Invalid {
+                field: "sp",
+                msg: "sequence parallelism shards the sequence over the tensor-parallel group: give --tp 2 or more".into(),
+            });
+        }
+        if self.pp < 2 && (self.pp_schedule != PpSchedule::default() || self.microbatches.is_some())
+        {
+            return Err(RecipeError::Invalid {
+                field: "pp-schedule",
+                msg: "--pp-schedule and --microbatches schedule a pipeline: give --pp 2 or more"
+                    .into(),
+            });
+        }
+        if self.tp > 1 {
+            return Err(RecipeError::Invalid {
+                field: "tp",
+                msg: "tensor parallelism is not modelled yet: give --tp 1".into(),
+            });
+        }
+        if self.pp > 1 {
+            return Err(RecipeError::Invalid {
+                field: "pp",
+                msg: "pipeline parallelism is not modelled yet: give --pp 1".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// `--offload`: which sharding modes offload what.
+    fn validate_offload(&self) -> Result<(), RecipeError> {
+        let bad = |msg: String| RecipeError::Invalid {
+            field: "offload",
+            msg,
+        };
+        match self.offload {
+            Offload::None => Ok(()),
+            // DeepSpeed's `offload_param` is a ZeRO-3 option (`DeepSpeedZeroOffloadParamConfig`
+            // is read only by stage 3); FSDP2's `CPUOffloadPolicy` offloads the sharded parameters.
+            Offload::Params if self.shard != Shard::Fsdp2 => Err(bad(format!(
+                "--offload params keeps sharded parameters in host memory, which ZeRO-3 and FSDP2 do; give --shard fsdp2 (zero3 is not modelled yet), not {}",
+                self.shard
+            ))),
+            // FSDP2 has no optimizer-only offload: `CPUOffloadPolicy` moves the sharded
+            // parameters and gradients to the host, and the optimizer steps them there.
+            Offload::Optimizer if self.shard == Shard::Fsdp2 => Err(bad(
+                "FSDP2's CPUOffloadPolicy offloads the sharded parameters, their gradients and the optimizer step together: give --offload params".into(),
+            )),
+            Offload::Optimizer if !self.shard.is_zero() => Err(bad(format!(
+                "--offload optimizer is DeepSpeed ZeRO's offload_optimizer (fp32 master weights and optimizer state in host memory): give --shard zero1 or zero2, not {}",
+                self.shard
+            ))),
+            _ => Err(bad(format!(
+                "--offload {} is not modelled yet: give --offload none",
+                self.offload
+            ))),
         }
     }
 
