@@ -97,6 +97,11 @@ pub struct MachineArgs {
     /// `cublas_own_bytes`).
     #[arg(skip)]
     pub library_bytes: u64,
+    /// NCCL's own device memory per rank of a parallel layout, outside the caching allocator
+    /// (default: 12 MiB per channel × the GPU's NCCL channels × one communicator per parallel
+    /// dimension above 1; see `vramsim_api::nccl`), e.g. 1GiB or 0.
+    #[arg(long, value_name = "SIZE")]
+    pub nccl_memory: Option<String>,
     /// --allocator tf-bfc|jax: grow the allocator's regions on demand instead of preallocating
     /// (TF's set_memory_growth, JAX's XLA_PYTHON_CLIENT_PREALLOCATE=false).
     #[arg(long)]
@@ -133,6 +138,17 @@ pub struct Machine {
 }
 
 impl MachineArgs {
+    /// NCCL's device memory on one rank of `parallel` on this machine's GPU: `--nccl-memory`, or
+    /// the estimate from the layout's communicators and the preset's links ([`crate::nccl`]).
+    pub fn nccl(&self, parallel: &vramsim_models::Parallel) -> Result<crate::nccl::NcclMemory> {
+        let given = match &self.nccl_memory {
+            Some(s) => Some(parse_size(s).context("invalid --nccl-memory")?),
+            None => None,
+        };
+        let links = crate::links::links(self.gpu.as_deref());
+        Ok(crate::nccl::nccl_memory(parallel, links, given))
+    }
+
     /// The calibration file named by --calibration, read and checked.
     pub fn calibration(&self) -> Result<Option<Calibration>> {
         match &self.calibration {

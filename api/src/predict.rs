@@ -471,6 +471,8 @@ pub struct Prediction {
     pub attention: Option<KernelChoice>,
     /// Trainable parameters (`requires_grad`); [`Prediction::params`] counts every parameter.
     pub trainable_params: u64,
+    /// NCCL's own device memory on the rank (none on one GPU), counted with the context.
+    pub nccl: crate::nccl::NcclMemory,
 }
 
 /// A finished `predict`: the lowered step, the replay's report and what `predict` adds to it.
@@ -789,6 +791,9 @@ pub fn replay_step(
         .get("cublas_own_bytes")
         .and_then(|v| v.as_u64())
         .unwrap_or(0);
+    // NCCL's buffers are device memory outside the allocator too.
+    let nccl = machine.nccl(&lowered.recipe.parallel)?;
+    machine.library_bytes = machine.library_bytes.saturating_add(nccl.bytes);
     let built = machine.build()?;
     let t1 = Instant::now();
     let device = built.allocator.device().clone();
@@ -857,6 +862,7 @@ pub fn replay_step(
         warnings: lowered.warnings.clone(),
         context: machine.context_choice(),
         attention: lowered.attention.clone(),
+        nccl,
     };
     Ok((report, prediction))
 }
@@ -1051,10 +1057,18 @@ pub fn to_table(report: &Report, p: &Prediction) -> String {
     let _ = writeln!(out, "kernels    {}", workspace_line(&p.recipe));
     let _ = writeln!(
         out,
-        "context    {}, CUDA {}: {}",
+        "context    {}, CUDA {}: {}{}",
         format_size(report.device.context_bytes),
         p.context.cuda,
-        p.context.source
+        p.context.source,
+        if p.nccl.bytes > 0 {
+            format!(
+                " (with NCCL's {}: see the nccl line)",
+                format_size(p.nccl.bytes)
+            )
+        } else {
+            String::new()
+        }
     );
     if let Some(k) = &p.attention {
         let _ = writeln!(out, "attention  {}", k.reason);
@@ -1070,6 +1084,7 @@ pub fn to_table(report: &Report, p: &Prediction) -> String {
     if !p.recipe.parallel.is_single() && !crate::dataparallel::is_multi(&p.recipe) {
         let roles = crate::ranks::roles(&p.recipe.parallel, report);
         out.push_str(&crate::ranks::to_table(&p.recipe.parallel, &roles));
+        out.push_str(&crate::ranks::nccl_line(&p.nccl));
     }
     let b = &p.breakdown;
     out.push('\n');
@@ -1293,6 +1308,12 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
             "fsdp_param_dtype": par.fsdp_param_dtype.map(|d| d.name()),
             "fsdp_reduce_dtype": par.fsdp_reduce_dtype.map(|d| d.name()),
             "gradient_as_bucket_view": par.gradient_as_bucket_view,
+            "nccl": {
+                "bytes": p.nccl.bytes,
+                "given": p.nccl.given,
+                "channels": p.nccl.channels,
+                "communicators": p.nccl.communicators.iter().map(|(d, n)| json!({"group": d, "ranks": n})).collect::<Vec<_>>(),
+            },
         });
         if !crate::dataparallel::is_multi(&p.recipe) {
             j["ranks"] = crate::ranks::to_json(&crate::ranks::roles(par, report));

@@ -115,6 +115,33 @@ pub fn to_table(parallel: &Parallel, roles: &[RankRole]) -> String {
     out
 }
 
+/// The line that says what NCCL holds on each rank (nothing on one GPU).
+pub fn nccl_line(nccl: &crate::nccl::NcclMemory) -> String {
+    if nccl.communicators.is_empty() {
+        return String::new();
+    }
+    let groups = nccl
+        .communicators
+        .iter()
+        .map(|(d, n)| format!("{d} ({n} ranks)"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if nccl.given {
+        format!(
+            "nccl       {} per rank outside the caching allocator (--nccl-memory); communicators: {groups}\n",
+            format_size(nccl.bytes)
+        )
+    } else {
+        format!(
+            "nccl       {} per rank outside the caching allocator, in device used: {} communicator{} × {} channels × 12 MiB (estimate; --nccl-memory overrides): {groups}\n",
+            format_size(nccl.bytes),
+            nccl.communicators.len(),
+            if nccl.communicators.len() == 1 { "" } else { "s" },
+            nccl.channels
+        )
+    }
+}
+
 /// One line per role: its ranks, peaks, verdict and categories at the peak allocated.
 pub fn to_table_lines(roles: &[RankRole]) -> String {
     let mut out = String::new();

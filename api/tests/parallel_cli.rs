@@ -170,7 +170,16 @@ fn bad_layouts_fail_with_the_reason() {
         &["nn.DataParallel", "pipeline (--pp 2)"],
     );
     fails(
-        &["--dp", "2", "--shard", "ddp", "--world-size", "2", "--pp", "2"],
+        &[
+            "--dp",
+            "2",
+            "--shard",
+            "ddp",
+            "--world-size",
+            "2",
+            "--pp",
+            "2",
+        ],
         &["2 does not match", "dp 2 × tp 1 × pp 2 = 4 ranks"],
     );
     fails(&["--sp"], &["--tp 2 or more"]);
@@ -181,7 +190,9 @@ fn bad_layouts_fail_with_the_reason() {
     );
     fails(&["--tp", "0"], &["tp must be"]);
     fails(
-        &["--dp", "65536", "--tp", "65536", "--pp", "2", "--shard", "ddp"],
+        &[
+            "--dp", "65536", "--tp", "65536", "--pp", "2", "--shard", "ddp",
+        ],
         &["8589934592 ranks"],
     );
     fails(
@@ -293,4 +304,40 @@ fn max_batch_and_whatif_take_the_layout() {
         assert_eq!(r["effective_batch"], 8, "{r}");
         assert_eq!(r["ranks"][0]["ranks"], serde_json::json!([0, 1, 2, 3]));
     }
+}
+
+/// NCCL's buffers sit outside the caching allocator: a DDP rank's device used exceeds the same
+/// step's with `--nccl-memory 0` by 32 channels × (10 MiB receiver + 2 MiB sender) on an H100
+/// (NVIDIA/nccl `p2pRecvSetup`/`p2pSendSetup`: sizeof(ncclRecvMem) 4 KiB + LL 512 KiB + LL128
+/// 4,915,200 B + Simple 4 MiB rounded up to CUDA_IPC_MIN 2 MiB; sizeof(ncclSendMem) 4 KiB rounded
+/// up to 2 MiB), and leaves reserved alone; 4 channels over PCIe; one GPU has none.
+#[test]
+fn nccl_buffers_count_in_device_used_only() {
+    let run = |extra: &[&str]| {
+        let mut a = vec!["predict", "--model", "gpt2", "--batch", "2", "--seq", "128"];
+        a.extend_from_slice(extra);
+        json(&a)
+    };
+    let used = |d: &Value| d["peak_device_used_bytes"].as_u64().unwrap();
+    let reserved = |d: &Value| d["peak_reserved_bytes"].as_u64().unwrap();
+    let channel = 10 * 1024 * 1024 + 2 * 1024 * 1024;
+    for (gpu, channels) in [("h100-80gb", 32), ("rtx4090", 4)] {
+        let ddp = run(&["--dp", "2", "--shard", "ddp", "--gpu", gpu]);
+        let none = run(&[
+            "--dp",
+            "2",
+            "--shard",
+            "ddp",
+            "--gpu",
+            gpu,
+            "--nccl-memory",
+            "0",
+        ]);
+        assert_eq!(used(&ddp) - used(&none), channels * channel, "{gpu}");
+        assert_eq!(reserved(&ddp), reserved(&none), "{gpu}");
+        assert_eq!(ddp["layout"]["nccl"]["bytes"], channels * channel);
+    }
+    let single = run(&[]);
+    let single0 = run(&["--nccl-memory", "1GiB"]);
+    assert_eq!(used(&single), used(&single0));
 }
