@@ -521,14 +521,14 @@ pub fn predict(args: &PredictArgs) -> Result<Predicted> {
     }
     let points = crate::replay::timeline_points(&args.plot);
     let (report, prediction) = replay_step(&lowered, &args.machine, points, true)?;
-    if let Some(path) = &args.plot {
-        draw(&report, &prediction, path)?;
-    }
     let devices = if crate::dataparallel::is_multi(&lowered.recipe) {
         crate::dataparallel::device_roles(args, &lowered.recipe, &report)?
     } else {
         Vec::new()
     };
+    if let Some(path) = &args.plot {
+        draw_layout(args, &report, &prediction, &devices, path)?;
+    }
     Ok(Predicted {
         lowered,
         report,
@@ -549,6 +549,12 @@ pub fn run(args: PredictArgs) -> Result<()> {
         print!("{}", predicted.to_table());
         if let Some(path) = &args.plot {
             println!("plot       {}", path.display());
+            if !predicted.lowered.recipe.parallel.is_single() {
+                println!(
+                    "plot       {} (a bar per role)",
+                    crate::ranks::roles_plot_path(path).display()
+                );
+            }
         }
         if let Some(path) = &args.trace_out {
             println!("trace out  {}", path.display());
@@ -1327,4 +1333,53 @@ fn draw(report: &Report, p: &Prediction, path: &Path) -> Result<()> {
     report
         .plot_timeline(&title, path)
         .with_context(|| format!("cannot draw {}", path.display()))
+}
+
+/// `--plot`: the step's timeline at `path`; for a parallel layout, the worst role's step there
+/// (the highest device use; DataParallel's other devices are replayed again with a timeline), and
+/// a bar per role at `NAME-roles.EXT` beside it.
+fn draw_layout(
+    args: &PredictArgs,
+    report: &Report,
+    p: &Prediction,
+    devices: &[crate::ranks::RankRole],
+    path: &Path,
+) -> Result<()> {
+    let par = &p.recipe.parallel;
+    if par.is_single() {
+        return draw(report, p, path);
+    }
+    let roles = if devices.is_empty() {
+        crate::ranks::roles(par, report)
+    } else {
+        devices.to_vec()
+    };
+    let worst = roles
+        .iter()
+        .max_by_key(|r| (!r.fits, r.peak_device_used))
+        .map(|r| r.ranks[0])
+        .unwrap_or(0);
+    if worst == 0 {
+        draw(report, p, path)?;
+    } else {
+        let lowered = lower_step_device(args, worst)?;
+        let points = crate::replay::timeline_points(&args.plot);
+        let (r, mut q) = replay_step(&lowered, &args.machine, points, false)?;
+        q.recipe.parallel.device = worst;
+        let title = format!(
+            "{} · {} · device {worst}, the worst",
+            q.arch.name(),
+            recipe_line(&q)
+        );
+        r.plot_timeline(&title, path)
+            .with_context(|| format!("cannot draw {}", path.display()))?;
+    }
+    let bars_path = crate::ranks::roles_plot_path(path);
+    crate::ranks::plot_roles(
+        &format!("{} · {} · peak per role", p.arch.name(), recipe_line(p)),
+        &roles,
+        report.device.total_memory,
+        &bars_path,
+    )
+    .with_context(|| format!("cannot draw {}", bars_path.display()))
 }

@@ -14,6 +14,7 @@ use vramsim_sim::report::Report;
 use vramsim_traces::Category;
 
 /// One role of a layout: the ranks that play it and what its replay measured.
+#[derive(Clone, Debug)]
 pub struct RankRole {
     /// What the role is (`data-parallel rank`).
     pub role: String,
@@ -165,4 +166,46 @@ pub fn to_table_lines(roles: &[RankRole]) -> String {
         );
     }
     out
+}
+
+/// Where `--plot PATH` puts the bars per role: `NAME-roles.EXT` beside `PATH`.
+pub fn roles_plot_path(path: &std::path::Path) -> std::path::PathBuf {
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}-roles.{}", ext.to_string_lossy()),
+        None => format!("{stem}-roles"),
+    };
+    path.with_file_name(name)
+}
+
+/// Draws a bar per role (its peak device use, with allocated and reserved) against the device's
+/// `total` memory, to `path` (PNG or SVG by extension).
+pub fn plot_roles(
+    title: &str,
+    roles: &[RankRole],
+    total: u64,
+    path: &std::path::Path,
+) -> Result<(), vramsim_sim::plot::PlotError> {
+    let bars: Vec<vramsim_sim::plot::Bar> = roles
+        .iter()
+        .map(|r| vramsim_sim::plot::Bar {
+            label: format!("ranks {} · {}", rank_list(&r.ranks), r.role),
+            allocated: r.peak_allocated,
+            reserved: r.peak_reserved,
+            device_used: r.peak_device_used,
+            fits: r.fits,
+        })
+        .collect();
+    vramsim_sim::plot::plot_bars(
+        &vramsim_sim::plot::BarPlot {
+            title,
+            bars: &bars,
+            capacity: Some(total),
+            note: Some("each role is replayed once and stands for the ranks it lists; the layout fits only if every role fits"),
+        },
+        path,
+    )
 }

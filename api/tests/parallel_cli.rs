@@ -341,3 +341,34 @@ fn nccl_buffers_count_in_device_used_only() {
     let single0 = run(&["--nccl-memory", "1GiB"]);
     assert_eq!(used(&single), used(&single0));
 }
+
+/// `--plot` on a layout draws the worst role's step and, beside it, a bar per role; DataParallel's
+/// device 0 (module, gradients, optimizer, gathered outputs) is the worst.
+#[test]
+fn plot_draws_a_bar_per_role() {
+    let dir = std::env::temp_dir().join(format!("vramsim-roles-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("step.svg");
+    let p = path.to_str().unwrap();
+    succeeds(&[
+        "predict",
+        "--model",
+        "gpt2",
+        "--batch",
+        "4",
+        "--seq",
+        "128",
+        "--dp",
+        "2",
+        "--shard",
+        "dataparallel",
+        "--plot",
+        p,
+    ]);
+    let bars = std::fs::read_to_string(dir.join("step-roles.svg")).unwrap();
+    assert!(bars.contains("device 0 (module"), "{bars}");
+    assert!(bars.contains("replica (parameter and buffer copies"));
+    let timeline = std::fs::read_to_string(&path).unwrap();
+    assert!(timeline.contains("gpt2"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
