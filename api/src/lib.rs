@@ -14,6 +14,7 @@
 //! itself knows no model internals.
 
 pub mod check;
+pub mod commtime;
 pub mod dataparallel;
 pub mod diagnose;
 pub mod explain;

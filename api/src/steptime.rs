@@ -54,7 +54,10 @@
 //! 1.33, accumulation over K micro-batches near K (the step also processes K times the samples, which
 //! `samples_per_s` accounts for).
 //!
-//! Not modelled: communication, data loading, CPU-bound Python overhead beyond the per-op floor, kernel
+//! A parallel layout adds its communication and its pipeline bubble ([`crate::commtime`]):
+//! `step = max(compute × bubble, overlapped communication) + exposed communication`.
+//!
+//! Not modelled: data loading, CPU-bound Python overhead beyond the per-op floor, kernel
 //! fusion (`torch.compile`), cuDNN algorithm choice, clocks under power limits.
 //!
 //! # The GPU figures
@@ -64,6 +67,7 @@
 //! are listed at their rate with FP32 accumulation, which is what PyTorch's matrix products use (half
 //! the "FP16 accumulate" figure on those boards).
 
+use crate::commtime::CommWork;
 use std::fmt::Write as _;
 
 use vramsim_models::{
@@ -346,6 +350,8 @@ pub struct StepWork {
     inference: bool,
     grad_scaler: bool,
     clip_grad_norm: bool,
+    /// The layout's communication ([`crate::commtime`]).
+    comm: CommWork,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -376,6 +382,9 @@ pub struct StepTime {
     pub factor: f64,
     /// Matrix-product FLOPs of the whole step (recomputation included).
     pub flops: f64,
+    /// Communication the step waits for (a parallel layout's exposed collectives, and what
+    /// overlapped traffic takes beyond the compute it hides behind), ms.
+    pub comm_ms: f64,
 }
 
 impl StepWork {
@@ -545,6 +554,7 @@ impl StepWork {
             inference: recipe.inference,
             grad_scaler: recipe.uses_grad_scaler(),
             clip_grad_norm: recipe.clip_grad_norm.is_some(),
+            comm: CommWork::of(graph, recipe),
         }
     }
 
@@ -576,6 +586,7 @@ impl StepWork {
                 step_ms: forward * 1e3,
                 factor: 1.0,
                 flops: forward_flops,
+                comm_ms: 0.0,
             };
         }
         let recompute: f64 = self
@@ -651,7 +662,9 @@ impl StepWork {
         // after the first micro-batch, AccumulateGrad adds into .grad in place (read two, write one)
         let accumulate = (accum - 1.0) * 3.0 * params * width / bandwidth;
         let micro = forward + backward + recompute;
-        let step = accum * micro + accumulate + optimizer;
+        let compute = accum * micro * self.comm.bubble + accumulate + optimizer;
+        let comm = self.comm.time(crate::links::links(Some(gpu.preset)));
+        let step = compute.max(comm.overlapped_s) + comm.exposed_s;
         let plain = forward + backward + optimizer;
         StepTime {
             forward_ms: forward * 1e3,
@@ -661,6 +674,7 @@ impl StepWork {
             step_ms: step * 1e3,
             factor: if plain > 0.0 { step / plain } else { 1.0 },
             flops: accum * (3.0 * forward_flops + recompute_flops),
+            comm_ms: (step - compute) * 1e3,
         }
     }
 }

@@ -347,6 +347,7 @@ pub fn step_json(e: &Evaluated) -> Value {
         "recompute_ms": e.step.recompute_ms,
         "optimizer_ms": e.step.optimizer_ms,
         "flops": e.step.flops,
+        "comm_ms": e.step.comm_ms,
         "gpu_figures": e.perf_preset,
         "gpu_figures_are_the_devices": e.perf_own,
     })

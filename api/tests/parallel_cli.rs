@@ -372,3 +372,41 @@ fn plot_draws_a_bar_per_role() {
     assert!(timeline.contains("gpt2"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The step-time model's communication term, by hand from ring collectives (nccl-tests'
+/// bus-bandwidth convention): ZeRO-2 reduce-scatters the gradients every micro-batch and all-gathers
+/// the bf16 parameters after the step, `(accum + 1) · (n−1)/n · 2Ψ` bytes, none of it overlapped;
+/// 8 ranks fit in one H100 node (NVLink 900 GB/s both ways: 450 GB/s per direction), 64 do not
+/// (one 400 Gb/s NIC per GPU: 50 GB/s).
+#[test]
+fn zero2_communication_is_priced_at_the_links() {
+    for (dp, accum, gbs) in [(8u32, 1u32, 450.0), (8, 3, 450.0), (64, 1, 50.0)] {
+        let rows = json(&[
+            "whatif",
+            "--model",
+            "gpt2",
+            "--batch",
+            "2",
+            "--seq",
+            "128",
+            "--precision",
+            "bf16",
+            "--shard",
+            "zero2",
+            "--dp",
+            &dp.to_string(),
+            "--vary",
+            &format!("accum={accum}"),
+        ]);
+        let row = &rows[0];
+        let psi = row["trainable_params"].as_u64().unwrap() as f64;
+        let n = f64::from(dp);
+        let bytes = f64::from(accum + 1) * (n - 1.0) / n * 2.0 * psi;
+        let expected_ms = bytes / (gbs * 1e9) * 1e3;
+        let got = row["step_time"]["comm_ms"].as_f64().unwrap();
+        assert!(
+            (got - expected_ms).abs() < 1e-9 * expected_ms.max(1.0),
+            "dp {dp} accum {accum}: {got} ms, by hand {expected_ms} ms"
+        );
+    }
+}

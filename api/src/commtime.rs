@@ -1,0 +1,176 @@
+//! The communication term of the step-time estimate ([`crate::steptime`]) for a parallel layout:
+//! the bytes one rank sends per optimizer step in each process group, priced at the bandwidth of the
+//! links that group spans ([`crate::links`]), and the pipeline's bubble. Like the rest of the
+//! step-time model it ranks layouts; it does not time them.
+//!
+//! # Volumes (bytes one rank sends; ring algorithms)
+//!
+//! An all-reduce of `B` bytes over `n` ranks sends `2(n−1)/n·B`; an all-gather or reduce-scatter whose
+//! full tensor is `B` bytes sends `(n−1)/n·B` (NCCL's ring algorithms, the bus-bandwidth convention
+//! of nccl-tests' `PERFORMANCE.md`). `Ψ` is the rank's trainable parameters (already divided by
+//! tensor and pipeline parallelism: the rank's graph holds its shard or stage), `w` their width.
+//!
+//! | layout | per micro-batch | per step | overlaps compute |
+//! |---|---|---|---|
+//! | DDP | all-reduce of the gradients, `2(n−1)/n·Ψw` (no `no_sync`: every backward syncs) | — | yes (buckets during backward) |
+//! | ZeRO-1 | — | reduce-scatter of the gradients at the boundary, all-gather of the bf16 parameters: `2(n−1)/n·Ψw` | no |
+//! | ZeRO-2 | reduce-scatter of the gradients, `(n−1)/n·Ψw` | all-gather of the parameters, `(n−1)/n·Ψw` | no (`overlap_comm` is off below stage 3) |
+//! | ZeRO-3, FSDP2 | all-gather in forward and in backward, reduce-scatter of the gradients: `3(n−1)/n·Ψw` | — | yes (prefetch) |
+//! | TP (Megatron) | per layer two all-reduces in forward, two in backward of the `b·s·h` activations: `4·2(t−1)/t·bshw` (sequence parallelism trades each for an all-gather and a reduce-scatter: the same bytes) | — | no |
+//! | PP | each stage boundary sends the activation forward and its gradient back: `2·bshw` | — | no |
+//!
+//! **Bandwidth.** Ranks are laid out tensor-parallel innermost, then data-parallel, then pipeline
+//! (torchtitan's device mesh order `pp, dp, tp`), `gpus_per_node` (8) to a node: a group whose span
+//! (its size times the sizes of the dimensions inside it) fits in a node runs at the node's link
+//! bandwidth, else at the network's.
+//!
+//! **Step.** `step = max(compute, overlapped) + exposed`; a pipeline of `p` stages over `m`
+//! micro-batches spends `(m + p − 1)/m` of its compute time per useful micro-batch (1F1B and GPipe;
+//! `(m + (p − 1)/v)/m` interleaved over `v` chunks: the bubble of the Megatron paper, Narayanan et al.
+//! 2021, §2.2).
+
+use vramsim_models::{Graph, PpSchedule, Precision, Recipe, RegionKind, Shard};
+
+use crate::links::Links;
+
+/// GPUs per node (DGX/HGX systems have 8).
+pub const GPUS_PER_NODE: u32 = 8;
+
+/// Bytes one rank sends per optimizer step, by process group.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CommWork {
+    /// Data-parallel traffic that overlaps compute (DDP buckets, ZeRO-3/FSDP2 prefetch).
+    pub dp_overlapped: f64,
+    /// Data-parallel traffic that does not (ZeRO-1/2).
+    pub dp_exposed: f64,
+    /// Tensor-parallel traffic.
+    pub tp: f64,
+    /// Pipeline send/recv traffic.
+    pub pp: f64,
+    /// Compute time multiplier of the pipeline's bubble (1 without a pipeline).
+    pub bubble: f64,
+    /// The layout's degrees (dp, tp, pp).
+    pub dims: (u32, u32, u32),
+}
+
+/// Seconds of each kind for one step on given links.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CommTime {
+    /// Communication hidden behind compute when compute is longer, s.
+    pub overlapped_s: f64,
+    /// Communication that adds to the step, s.
+    pub exposed_s: f64,
+}
+
+impl CommWork {
+    /// The traffic of one rank of `recipe`'s layout, whose graph (its shard or stage) is `graph`.
+    pub fn of(graph: &Graph, recipe: &Recipe) -> CommWork {
+        let par = &recipe.parallel;
+        let mut work = CommWork {
+            bubble: 1.0,
+            dims: (par.dp, par.tp, par.pp),
+            ..CommWork::default()
+        };
+        if par.is_single() || par.shard == Shard::DataParallel {
+            return work;
+        }
+        let psi: f64 = graph
+            .params
+            .iter()
+            .filter(|p| p.trainable)
+            .map(|p| p.shape.iter().product::<u64>() as f64)
+            .sum();
+        let width = match recipe.precision {
+            Precision::Bf16 => 2.0,
+            _ => 4.0,
+        };
+        let reduce_width = match (par.shard, par.fsdp_reduce_dtype, par.fsdp_param_dtype) {
+            (Shard::Fsdp2, Some(d), _) | (Shard::Fsdp2, None, Some(d)) => d.size() as f64,
+            _ => width,
+        };
+        let gather_width = match (par.shard, par.fsdp_param_dtype) {
+            (Shard::Fsdp2, Some(d)) => d.size() as f64,
+            _ => width,
+        };
+        let accum = f64::from(recipe.accum.max(1));
+        let n = f64::from(par.dp);
+        let share = (n - 1.0) / n;
+        match par.shard {
+            Shard::Ddp => work.dp_overlapped = accum * 2.0 * share * psi * reduce_width,
+            Shard::Zero1 => work.dp_exposed = 2.0 * share * psi * width,
+            Shard::Zero2 => work.dp_exposed = (accum + 1.0) * share * psi * width,
+            Shard::Fsdp2 => {
+                work.dp_overlapped = accum * share * psi * (2.0 * gather_width + reduce_width);
+            }
+            _ => {
+                // ZeRO-3 and the modes added later: parameters gathered twice, gradients
+                // reduce-scattered, every micro-batch
+                work.dp_overlapped = accum * 3.0 * share * psi * width
+            }
+        }
+        let micro_batches = f64::from(par.microbatches.unwrap_or(1).max(1));
+        let activation = residual_bytes(graph, recipe);
+        if par.tp > 1 {
+            let t = f64::from(par.tp);
+            let layers = graph
+                .regions
+                .iter()
+                .filter(|r| r.kind == RegionKind::Block)
+                .count() as f64;
+            work.tp = accum * layers * 4.0 * 2.0 * (t - 1.0) / t * activation;
+        }
+        if par.pp > 1 {
+            let p = f64::from(par.pp);
+            // the graph is one micro-batch's stage; a step runs `m` of them
+            work.pp = accum * micro_batches * 2.0 * activation;
+            work.bubble = match par.pp_schedule {
+                PpSchedule::Interleaved(v) => {
+                    (micro_batches + (p - 1.0) / f64::from(v)) / micro_batches
+                }
+                _ => (micro_batches + p - 1.0) / micro_batches,
+            };
+        }
+        work
+    }
+
+    /// Prices the traffic on `links`.
+    pub fn time(&self, links: &Links) -> CommTime {
+        let (dp, tp, pp) = self.dims;
+        let node = GPUS_PER_NODE;
+        let gbs = |span: u32| -> f64 {
+            if span <= node {
+                links.intra_gbs
+            } else {
+                links.inter_gbs
+            }
+        };
+        let seconds = |bytes: f64, span: u32| bytes / (gbs(span) * 1e9);
+        let dp_span = dp.saturating_mul(tp);
+        let pp_span = dp_span.saturating_mul(pp);
+        CommTime {
+            overlapped_s: seconds(self.dp_overlapped, dp_span),
+            exposed_s: seconds(self.dp_exposed, dp_span)
+                + seconds(self.tp, tp)
+                + seconds(self.pp, pp_span),
+        }
+    }
+}
+
+/// Bytes of one micro-batch's residual stream (`b·s·h` elements at the activations' width): the
+/// input of the first transformer block, or 0 for a model without blocks.
+fn residual_bytes(graph: &Graph, recipe: &Recipe) -> f64 {
+    let width = match recipe.precision {
+        Precision::Fp32 => 4.0,
+        _ => 2.0,
+    };
+    let Some(first) = graph.regions.iter().find(|r| r.kind == RegionKind::Block) else {
+        return 0.0;
+    };
+    graph.ops[first.start]
+        .inputs
+        .iter()
+        .map(|v| graph.values[v.0 as usize].shape.iter().product::<u64>())
+        .max()
+        .unwrap_or(0) as f64
+        * width
+}
