@@ -17,8 +17,10 @@
 //! * **Unshard** of a group: the flat all-gather output (Σ padded unsharded numel, on the
 //!   all-gather copy-in stream), then the copy-out on the current stream: each parameter's
 //!   unsharded storage re-allocated (`resize_` to its padded numel) and filled. In forward the flat
-//!   output is parked (`all_gather_state`) and freed at the next group's copy-out, the root's
-//!   post-forward dropping the last; in backward it is freed right after its own copy-out.
+//!   output is parked (`all_gather_state`) and freed when the next group's copy-out begins (2.15's
+//!   `wait_for_unshard` calls `release_all_gather_state_for_comm_reuse` before
+//!   `foreach_all_gather_copy_out`), the root's post-forward dropping the last; in backward it is
+//!   freed right after its own copy-out.
 //! * **Reshard** (`resize_(0)` of the unsharded storages): after a block's forward (not the root's),
 //!   and after each group's backward. `reshard_after_forward=False` keeps a block unsharded from
 //!   its forward to its backward (its pre-backward unshard and the prefetch of it are no-ops). An
@@ -301,13 +303,19 @@ impl<'g> Lowering<'g> {
         )
     }
 
-    /// The copy-out of group `gi`: each parameter's unsharded storage, then the flat output freed
-    /// (backward) or parked until the next copy-out (forward), which frees the parked one.
+    /// The copy-out of group `gi` (`FSDPParamGroup.wait_for_unshard`): in forward the parked
+    /// output of the previous group freed first (`release_all_gather_state_for_comm_reuse`), each
+    /// parameter's unsharded storage, then the flat output freed (backward) or parked (forward).
     fn fsdp_copy_out(&mut self, gi: usize, forward: bool) {
         self.fsdp_all_gather(gi);
         let Some(flat) = self.fsdp.groups[gi].flat.take() else {
             return;
         };
+        if forward {
+            if let Some(old) = self.fsdp.parked.take() {
+                self.drop_rt(old);
+            }
+        }
         let params = self.fsdp.groups[gi].params.clone();
         for p in params {
             let bytes = self.padded_numel(p) * self.params[p].dtype.size();
@@ -318,9 +326,6 @@ impl<'g> Lowering<'g> {
         // `to_unsharded`: the post-forward slices die once copied out.
         for t in std::mem::take(&mut self.fsdp.groups[gi].post_forward) {
             self.drop_rt(t);
-        }
-        if let Some(old) = self.fsdp.parked.take() {
-            self.drop_rt(old);
         }
         if forward {
             self.fsdp.parked = Some(flat);
