@@ -342,6 +342,19 @@ fn tagged(t: &Trace, prefix: &str) -> (usize, usize) {
     (max, made)
 }
 
+/// The bytes of every allocation tagged `tag`, summed over the trace.
+fn tagged_bytes(t: &Trace, tag: &str) -> u64 {
+    t.events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Alloc {
+                size, tag: Some(x), ..
+            } if &**x == tag => Some(*size),
+            _ => None,
+        })
+        .sum()
+}
+
 /// `⌈dim0/N⌉` rows × the other dimensions (`FSDPParam._init_sharded_param`'s padded shard).
 fn padded_shard(shape: &[u64], n: u64) -> u64 {
     match shape.split_first() {
@@ -362,7 +375,10 @@ fn padded_shard(shape: &[u64], n: u64) -> u64 {
 ///   largest parameter, with the IPG buffer (5e8 bf16 elements) on top during a backward;
 /// * `norm_for_param_grads`: one 0-d fp64 norm (8 B) per parameter in the rank's partition
 ///   (rank 0: the parameters starting in the first Ψ'/N elements), from the boundary to the step's
-///   `reset_cpu_buffers`.
+///   `reset_cpu_buffers`;
+/// * per step and parameter in the partition, at the boundary: its owned slice in fp64 for the norm
+///   and in fp32 for the host copy (8 and 4 B × Ψ'/N over the partition), and the overflow check
+///   over its whole gradient (`isnan`: 1 B per element of each such parameter).
 #[test]
 fn zero_offload_keeps_only_the_bf16_parameters_of_the_model_states() {
     for shard in [Shard::Zero1, Shard::Zero2] {
@@ -382,10 +398,11 @@ fn zero_offload_keeps_only_the_bf16_parameters_of_the_model_states() {
             let numels: Vec<u64> = g.params.iter().map(|p| p.shape.iter().product()).collect();
             let largest = *numels.iter().max().unwrap();
             let mut start = 0;
-            let mut in_partition = 0;
+            let (mut in_partition, mut in_partition_numel) = (0, 0);
             for numel in &numels {
                 if start < padded / n {
                     in_partition += 1;
+                    in_partition_numel += numel;
                 }
                 start += numel;
             }
@@ -422,6 +439,16 @@ fn zero_offload_keeps_only_the_bf16_parameters_of_the_model_states() {
                 0,
                 "{at}"
             );
+            // Two steps of boundary work.
+            let double = tagged_bytes(&t, "set_norm_for_param_grad_in_gpu:double");
+            assert_eq!(double, 2 * 8 * padded / n, "{at}");
+            let fp32 = tagged_bytes(
+                &t,
+                "async_inplace_copy_grad_to_fp32_buffer_from_gpu:src_tensor",
+            );
+            assert_eq!(fp32, 2 * 4 * padded / n, "{at}");
+            let nan = tagged_bytes(&t, "_has_inf_or_nan:nan");
+            assert_eq!(nan, 2 * in_partition_numel, "{at}");
         }
     }
 }

@@ -39,8 +39,11 @@ impl<'g> Lowering<'g> {
         self.r.parallel.offload == Offload::Optimizer && self.r.parallel.shard.is_zero()
     }
 
-    fn offload_temp(&mut self, elems: &[u64], dtype: DType, op: &str) -> super::Rt {
-        self.alloc(Layout::contiguous(elems), dtype, ModuleId(0), op)
+    /// A tensor of `elems` made by `op`, tagged with the DeepSpeed function and variable it is.
+    fn offload_temp(&mut self, elems: &[u64], dtype: DType, op: &str, tag: &str) -> super::Rt {
+        let t = self.alloc(Layout::contiguous(elems), dtype, ModuleId(0), op);
+        self.retag(&t, tag.into());
+        t
     }
 
     /// `DeepSpeedZeroOptimizer.__init__` with `cpu_offload`, after the flat bf16 parameters:
@@ -52,7 +55,12 @@ impl<'g> Lowering<'g> {
         let part = self.par.partition;
         let prev = self.kind_now;
         self.kind_now = Kind::Temporary;
-        let clone = self.offload_temp(&[part], self.param_dtype, "aten.clone");
+        let clone = self.offload_temp(
+            &[part],
+            self.param_dtype,
+            "aten.clone",
+            "weights_partition:clone",
+        );
         self.drop_rt(clone);
         let largest = ps
             .iter()
@@ -60,8 +68,12 @@ impl<'g> Lowering<'g> {
             .max()
             .unwrap_or(0);
         self.kind_now = Kind::Comm;
-        let staging = self.offload_temp(&[largest], self.param_dtype, "aten.zeros");
-        self.retag(&staging, "temp_grad_buffer_for_gpu_offload".into());
+        let staging = self.offload_temp(
+            &[largest],
+            self.param_dtype,
+            "aten.zeros",
+            "temp_grad_buffer_for_gpu_offload",
+        );
         self.par.staging = Some(staging);
         self.kind_now = prev;
         let mut owned = vec![0; self.params.len()];
@@ -88,28 +100,44 @@ impl<'g> Lowering<'g> {
         self.kind_now = Kind::Temporary;
         // `set_norm_for_param_grad_in_gpu`: `accumulated_grad.view(-1).narrow(0, start,
         // num_elements).data.double().norm(2)`; the fp64 copy dies, the 0-d norm is kept.
-        let double = self.offload_temp(&[owned], DType::F64, "aten._to_copy");
-        let norm = self.offload_temp(&[], DType::F64, "aten.linalg_vector_norm");
+        let norm_of = "set_norm_for_param_grad_in_gpu:double";
+        let double = self.offload_temp(&[owned], DType::F64, "aten._to_copy", norm_of);
+        let norm = self.offload_temp(
+            &[],
+            DType::F64,
+            "aten.linalg_vector_norm",
+            "norm_for_param_grads",
+        );
         self.drop_rt(double);
-        self.retag(&norm, "norm_for_param_grads".into());
         self.par.norms.push(norm);
         // `_has_inf_or_nan(grad)`: `float_x = x.float()`, `nan = float_x.isnan()`,
         // `inf = float_x.isinf()`, `inf_or_nan = nan.logical_or(inf)`,
         // `return inf_or_nan.float().max()`: the `.float()` temporary dies after `max`, the locals
         // at the return, the result once the caller has tested it.
-        let float_x = self.offload_temp(&[numel], DType::F32, "aten._to_copy");
-        let nan = self.offload_temp(&[numel], DType::Bool, "aten.isnan");
-        let inf = self.offload_temp(&[numel], DType::Bool, "aten.isinf");
-        let inf_or_nan = self.offload_temp(&[numel], DType::Bool, "aten.logical_or");
-        let as_float = self.offload_temp(&[numel], DType::F32, "aten._to_copy");
-        let max = self.offload_temp(&[], DType::F32, "aten.max");
+        let n = [numel];
+        let float_x = self.offload_temp(&n, DType::F32, "aten._to_copy", "_has_inf_or_nan:float_x");
+        let nan = self.offload_temp(&n, DType::Bool, "aten.isnan", "_has_inf_or_nan:nan");
+        let inf = self.offload_temp(&n, DType::Bool, "aten.isinf", "_has_inf_or_nan:inf");
+        let inf_or_nan = self.offload_temp(
+            &n,
+            DType::Bool,
+            "aten.logical_or",
+            "_has_inf_or_nan:inf_or_nan",
+        );
+        let as_float = self.offload_temp(&n, DType::F32, "aten._to_copy", "_has_inf_or_nan:float");
+        let max = self.offload_temp(&[], DType::F32, "aten.max", "_has_inf_or_nan:max");
         self.drop_rt(as_float);
         for t in [float_x, nan, inf, inf_or_nan, max] {
             self.drop_rt(t);
         }
         // `async_inplace_copy_grad_to_fp32_buffer_from_gpu`: the owned slice
         // `.to(master_weights_and_grads_dtype)` (fp32), copied into the host fp32 gradient.
-        let fp32 = self.offload_temp(&[owned], DType::F32, "aten._to_copy");
+        let fp32 = self.offload_temp(
+            &[owned],
+            DType::F32,
+            "aten._to_copy",
+            "async_inplace_copy_grad_to_fp32_buffer_from_gpu:src_tensor",
+        );
         self.drop_rt(fp32);
         self.kind_now = prev;
     }
@@ -119,12 +147,18 @@ impl<'g> Lowering<'g> {
         let prev = self.kind_now;
         self.kind_now = Kind::Temporary;
         // `has_overflow`: `get_accelerator().ByteTensor([overflow])`, all-reduced, `.item()`.
-        let overflow = self.offload_temp(&[1], DType::U8, "aten.empty");
+        let overflow =
+            self.offload_temp(&[1], DType::U8, "aten.empty", "has_overflow:overflow_gpu");
         self.collective_uses(&overflow);
         self.drop_rt(overflow);
         // `complete_grad_norm_calculation_for_cpu_offload`: `FloatTensor([float(total_norm)])`,
         // all-reduced, `.item()`.
-        let total = self.offload_temp(&[1], DType::F32, "aten.empty");
+        let total = self.offload_temp(
+            &[1],
+            DType::F32,
+            "aten.empty",
+            "complete_grad_norm_calculation_for_cpu_offload:total_dev_norm",
+        );
         self.collective_uses(&total);
         self.drop_rt(total);
         self.kind_now = prev;
