@@ -31,12 +31,13 @@ use super::{Kind, Lowering};
 use crate::dtype::DType;
 use crate::graph::ModuleId;
 use crate::layout::Layout;
-use crate::parallel::Offload;
+use crate::parallel::{Offload, Shard};
 
 impl<'g> Lowering<'g> {
-    /// Whether the ZeRO optimizer runs with `offload_optimizer` (device cpu).
+    /// Whether the ZeRO-1/2 optimizer runs with `offload_optimizer` (device cpu).
     pub(super) fn zero_offloads(&self) -> bool {
-        self.r.parallel.offload == Offload::Optimizer && self.r.parallel.shard.is_zero()
+        self.r.parallel.offload == Offload::Optimizer
+            && matches!(self.r.parallel.shard, Shard::Zero1 | Shard::Zero2)
     }
 
     /// A tensor of `elems` made by `op`, tagged with the DeepSpeed function and variable it is.
