@@ -260,8 +260,10 @@ pub struct PredictArgs {
     /// Micro-batches per pipeline step (default: the schedule's).
     #[arg(long, value_name = "M", value_parser = count32("microbatches"), allow_negative_numbers = true)]
     pub microbatches: Option<u32>,
-    /// CPU offload: none, optimizer (DeepSpeed ZeRO's offload_optimizer) or params (ZeRO-3's
-    /// offload_param, FSDP2's CPUOffloadPolicy).
+    /// CPU offload: none, optimizer (DeepSpeed ZeRO-Offload, offload_optimizer: with --shard zero1
+    /// or zero2 and adamw/adam, the fp32 master, optimizer state and gradient partition in host
+    /// memory) or params (with --shard fsdp2: CPUOffloadPolicy, shards, sharded gradients and the
+    /// optimizer on the host).
     #[arg(long, default_value = "none", value_parser = named::<Offload>)]
     pub offload: Offload,
     /// FSDP2's reshard_after_forward for the blocks (with --shard fsdp2): true (the default),
