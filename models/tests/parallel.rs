@@ -453,6 +453,37 @@ fn zero_offload_keeps_only_the_bf16_parameters_of_the_model_states() {
     }
 }
 
+/// ZeRO-Offload under gradient accumulation (2 micro-batches, stage 2): `copy_grads_in_partition`
+/// adds a non-boundary micro-batch's gradients into host buffers through the staging buffer, in
+/// place, and only `is_gradient_accumulation_boundary()` runs the norm, the overflow check and the
+/// fp32 copy on the GPU: once per step, as without accumulation.
+#[test]
+fn zero_offload_works_on_the_gpu_only_at_the_boundary() {
+    let n = 8u64;
+    let mut r = recipe(1, 128, n as u32, Shard::Zero2);
+    r.precision = Precision::Bf16;
+    r.optimizer = OptimizerKind::AdamW;
+    r.parallel.offload = Offload::Optimizer;
+    r.accum = 2;
+    let g = zoo::build("gpt2", &r).unwrap();
+    let padded = g.param_count().div_ceil(2 * n) * 2 * n;
+    let t = lower(&g, &r).unwrap();
+    assert_eq!(
+        tagged_bytes(&t, "set_norm_for_param_grad_in_gpu:double"),
+        2 * 8 * padded / n
+    );
+    assert_eq!(
+        tagged_bytes(
+            &t,
+            "async_inplace_copy_grad_to_fp32_buffer_from_gpu:src_tensor"
+        ),
+        2 * 4 * padded / n
+    );
+    // Between the micro-batches (the second forward of each step) no gradient is left on the GPU.
+    let live = live_at_phase(&t, "forward", 1);
+    assert_eq!(live.get(&Category::Gradient).copied().unwrap_or(0), 0);
+}
+
 /// FSDP2 with `CPUOffloadPolicy` (fp32 LLaMA-2 7B, 8 ranks): the padded shards, the sharded
 /// gradients and the optimizer live on the host, so between steps the GPU holds no parameter,
 /// gradient, optimizer or collective bytes; during the step only what the unshard rules allow:
