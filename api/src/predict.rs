@@ -22,7 +22,7 @@ use vramsim_models::{
 use vramsim_models::{
     CheckpointImpl, CublasWorkspaceMode, TorchVersion, TransformersVersion, Workspaces,
 };
-use vramsim_models::{DType, Offload, Parallel, PpSchedule, Shard};
+use vramsim_models::{DType, Offload, Parallel, PpSchedule, ReshardAfterForward, Shard};
 use vramsim_sim::device::{find_preset, ContextChoice, UnknownGpu, DEFAULT_GPU};
 use vramsim_sim::engine::{Flow, Repeat, Replay, ReplayOptions};
 use vramsim_sim::format::format_size;
@@ -222,7 +222,7 @@ pub struct PredictArgs {
     /// (DistributedDataParallel: gradient buckets), zero1 / zero2 (DeepSpeed ZeRO stages 1 and 2,
     /// bf16 with an fp32 master partition), fsdp2 (fully_shard on every block and the root),
     /// dataparallel (nn.DataParallel over devices 0..dp-1: a report per device).
-    /// ZeRO-3, TP, PP and offload are not modelled yet.
+    /// ZeRO-3, TP and PP are not modelled yet.
     #[arg(long, default_value = "none", value_parser = named::<Shard>)]
     pub shard: Shard,
     /// The world size the job is launched with: an error unless it equals the layout's ranks (dp).
@@ -260,10 +260,18 @@ pub struct PredictArgs {
     /// Micro-batches per pipeline step (default: the schedule's).
     #[arg(long, value_name = "M", value_parser = count32("microbatches"), allow_negative_numbers = true)]
     pub microbatches: Option<u32>,
-    /// CPU offload: none, optimizer (DeepSpeed ZeRO's offload_optimizer) or params (ZeRO-3's
-    /// offload_param, FSDP2's CPUOffloadPolicy).
+    /// CPU offload: none, optimizer (DeepSpeed ZeRO-Offload, offload_optimizer: with --shard zero1
+    /// or zero2 and adamw/adam, the fp32 master, optimizer state and gradient partition in host
+    /// memory) or params (with --shard fsdp2: CPUOffloadPolicy, shards, sharded gradients and the
+    /// optimizer on the host).
     #[arg(long, default_value = "none", value_parser = named::<Offload>)]
     pub offload: Offload,
+    /// FSDP2's reshard_after_forward for the blocks (with --shard fsdp2): true (the default),
+    /// false (every block stays unsharded from its forward to its backward) or N (after forward
+    /// each rank keeps 1/N of a block's parameters: N divides --dp and is below it). The root
+    /// module's stays False.
+    #[arg(long, default_value = "true", value_parser = named::<ReshardAfterForward>)]
+    pub reshard_after_forward: ReshardAfterForward,
 }
 
 /// `--quant`'s value: a bitsandbytes format, or `none` (what no `--quant` gives; for `--vary
@@ -748,6 +756,7 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
             microbatches: args.microbatches,
             stage: 0,
             offload: args.offload,
+            reshard_after_forward: args.reshard_after_forward,
         },
         ..Recipe::default()
     };
@@ -1320,6 +1329,7 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
                 "channels": p.nccl.channels,
                 "communicators": p.nccl.communicators.iter().map(|(d, n)| json!({"group": d, "ranks": n})).collect::<Vec<_>>(),
             },
+            "reshard_after_forward": par.reshard_after_forward.to_string(),
         });
         if !crate::dataparallel::is_multi(&p.recipe) {
             j["ranks"] = crate::ranks::to_json(&crate::ranks::roles(par, report));

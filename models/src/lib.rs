@@ -55,7 +55,7 @@ pub use dtype::DType;
 pub use graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, ValueId, T};
 pub use lower::{checkpointed_ranges, lower, LowerError};
 pub use ops::{FusedSdpa, OpKind};
-pub use parallel::{Offload, Parallel, PpSchedule, Shard};
+pub use parallel::{Offload, Parallel, PpSchedule, ReshardAfterForward, Shard};
 pub use recipe::{parse_image_size, Head, Loss};
 pub use recipe::{
     Attention, Checkpointing, Fidelity, OptimizerImpl, OptimizerKind, Precision, Recipe,

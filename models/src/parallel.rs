@@ -8,12 +8,15 @@
 //!   `static_graph=False`): the `Reducer`'s gradient buckets.
 //! * `zero1`, `zero2`: DeepSpeed ZeRO stages 1 and 2 (`deepspeed/runtime/zero/stage_1_and_2.py`)
 //!   with bf16 parameters and an fp32 master partition, at DeepSpeed's defaults.
-//! * `fsdp2`: `fully_shard` on every block and the root, default `reshard_after_forward`, with an
-//!   optional `MixedPrecisionPolicy(param_dtype, reduce_dtype)` (`lower/fsdp.rs`).
+//! * `fsdp2`: `fully_shard` on every block and the root, the blocks' `reshard_after_forward`
+//!   (`--reshard-after-forward`, True by default; the root's stays False), with an optional
+//!   `MixedPrecisionPolicy(param_dtype, reduce_dtype)` (`lower/fsdp.rs`).
+//! * `--offload optimizer` with `zero1`/`zero2`: DeepSpeed's ZeRO-Offload (`offload_optimizer`,
+//!   `lower/offload.rs`); `--offload params` with `fsdp2`: `CPUOffloadPolicy` (`lower/fsdp.rs`).
 //!
 //! The layout's other dimensions and options are parsed and checked here (`--tp`, `--sp`, `--pp`,
-//! `--pp-schedule`, `--microbatches`, `--offload`); a combination whose mechanism is not modelled
-//! yet is refused with the reason rather than approximated.
+//! `--pp-schedule`, `--microbatches`); a combination whose mechanism is not modelled yet is
+//! refused with the reason rather than approximated.
 
 use std::fmt;
 use std::str::FromStr;
@@ -117,6 +120,65 @@ pub struct Parallel {
     pub stage: u32,
     /// What is kept in host memory instead of on the GPU (`--offload`).
     pub offload: Offload,
+    /// FSDP2's `reshard_after_forward` of the blocks (`--reshard-after-forward`).
+    pub reshard_after_forward: ReshardAfterForward,
+}
+
+/// FSDP2's `fully_shard(block, reshard_after_forward=...)` (`--reshard-after-forward`), passed to
+/// every block; the root's stays `None`, which lazy init turns into False (`_fsdp_state.py`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ReshardAfterForward {
+    /// `True`: a block's unsharded parameters are freed after its forward and all-gathered
+    /// again in backward.
+    #[default]
+    True,
+    /// `False`: a block keeps its unsharded parameters from its forward to its backward.
+    False,
+    /// An int N: after forward each rank keeps a clone of its 1/N slice of every unsharded
+    /// parameter (the post-forward mesh of N ranks, `FSDPParam.to_sharded_post_forward`), and
+    /// the backward all-gathers over those N ranks.
+    To(u32),
+}
+
+impl fmt::Display for ReshardAfterForward {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReshardAfterForward::True => f.write_str("true"),
+            ReshardAfterForward::False => f.write_str("false"),
+            ReshardAfterForward::To(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl FromStr for ReshardAfterForward {
+    type Err = RecipeError;
+    fn from_str(s: &str) -> Result<Self, RecipeError> {
+        match s {
+            "true" => Ok(ReshardAfterForward::True),
+            "false" => Ok(ReshardAfterForward::False),
+            _ => s
+                .parse::<u32>()
+                .map(ReshardAfterForward::To)
+                .map_err(|_| RecipeError::Unknown {
+                    field: "reshard-after-forward",
+                    value: s.to_string(),
+                    valid: "true, false, N (the world size to reshard to after forward: a divisor of --dp below it)",
+                }),
+        }
+    }
+}
+
+impl ReshardAfterForward {
+    /// The post-forward world size of `_get_post_forward_mesh_info` (`_fsdp_init.py`): `None`
+    /// when the unsharded parameters are kept (False, or the int 1, which PyTorch turns into
+    /// False with a warning), `dp` when they are resharded (True), N for an int N.
+    pub fn post_forward_world(self, dp: u32) -> Option<u32> {
+        match self {
+            ReshardAfterForward::True => Some(dp),
+            ReshardAfterForward::False | ReshardAfterForward::To(1) => None,
+            ReshardAfterForward::To(n) => Some(n),
+        }
+    }
 }
 
 /// A pipeline schedule (`--pp-schedule`), as `torch.distributed.pipelining.schedules` names them.
@@ -231,6 +293,7 @@ impl Default for Parallel {
             microbatches: None,
             stage: 0,
             offload: Offload::None,
+            reshard_after_forward: ReshardAfterForward::True,
         }
     }
 }
@@ -306,6 +369,7 @@ impl Parallel {
         }
         self.validate_model_parallel()?;
         self.validate_offload()?;
+        self.validate_reshard()?;
         if self.shard == Shard::None && self.dp > 1 {
             return Err(bad(format!(
                 "--dp {} needs a data-parallel mode: --shard ddp, zero1, zero2 or fsdp2",
@@ -357,6 +421,14 @@ impl Parallel {
                 ),
             });
         }
+        // CPUOffloadPolicy's sharded gradients are on the host: GradScaler's unscale_ of CPU
+        // gradients against its CUDA scale is not modelled.
+        if self.offload == Offload::Params && r.uses_grad_scaler() {
+            return Err(RecipeError::Invalid {
+                field: "offload",
+                msg: "--offload params with a GradScaler (--grad-scaler, or --precision amp-fp16) is not modelled: give --precision bf16, fp32 or amp-bf16".into(),
+            });
+        }
         if self.shard.is_zero() {
             // ZeRO partitions optimizer state (and the fp32 master weights of mixed precision).
             let stateful = match r.optimizer {
@@ -383,6 +455,20 @@ impl Parallel {
                     "--shard {} is modelled as DeepSpeed's bf16 mode (bf16 parameters, fp32 master partition): give --precision bf16, not {}",
                     self.shard, r.precision
                 )));
+            }
+            // ZeRO-Offload steps with DeepSpeedCPUAdam: the engine raises for another client
+            // optimizer unless `zero_force_ds_cpu_optimizer` is false (`engine.py`,
+            // `_configure_basic_optimizer`).
+            if self.offload == Offload::Optimizer
+                && !matches!(r.optimizer, OptimizerKind::Adam | OptimizerKind::AdamW)
+            {
+                return Err(RecipeError::Invalid {
+                    field: "offload",
+                    msg: format!(
+                        "--offload optimizer steps with DeepSpeedCPUAdam: give --optimizer adamw or adam, not {}",
+                        r.optimizer
+                    ),
+                });
             }
             if r.clip_grad_norm.is_some() || r.uses_grad_scaler() || r.zero_grad == ZeroGrad::Zero {
                 return Err(bad(format!(
@@ -483,11 +569,36 @@ impl Parallel {
                 "--offload optimizer is DeepSpeed ZeRO's offload_optimizer (fp32 master weights and optimizer state in host memory): give --shard zero1 or zero2, not {}",
                 self.shard
             ))),
-            _ => Err(bad(format!(
-                "--offload {} is not modelled yet: give --offload none",
-                self.offload
-            ))),
+            _ => Ok(()),
         }
+    }
+
+    /// `--reshard-after-forward`: FSDP2's, and an int must be a post-forward world size
+    /// (`_fsdp_init.py` `_get_post_forward_mesh_info`: a factor of the shard mesh size; N = dp
+    /// is True, so it is asked for as `true`).
+    fn validate_reshard(&self) -> Result<(), RecipeError> {
+        let bad = |msg: String| RecipeError::Invalid {
+            field: "reshard-after-forward",
+            msg,
+        };
+        if self.reshard_after_forward == ReshardAfterForward::default() {
+            return Ok(());
+        }
+        if self.shard != Shard::Fsdp2 {
+            return Err(bad(format!(
+                "is FSDP2's fully_shard(reshard_after_forward=...): give --shard fsdp2, not {}",
+                self.shard
+            )));
+        }
+        if let ReshardAfterForward::To(n) = self.reshard_after_forward {
+            if n == 0 || !self.dp.is_multiple_of(n) || n >= self.dp {
+                return Err(bad(format!(
+                    "{n} is not a world size to reshard to: N must divide --dp {} and be below it (--reshard-after-forward true reshards over all {} ranks)",
+                    self.dp, self.dp
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn validate_dataparallel(&self, r: &Recipe) -> Result<(), RecipeError> {

@@ -1,7 +1,9 @@
 //! FSDP2 (`torch.distributed.fsdp.fully_shard`) on one rank: `fully_shard` on every block (the
 //! graph's `Block` regions: transformer layers, ResNet stages' blocks) and on the root module, as
-//! torchtitan and the FSDP2 tutorial apply it, with the default `reshard_after_forward` (True for the
-//! blocks, False for the root) and the `MixedPrecisionPolicy` of the recipe (`param_dtype`: the
+//! torchtitan and the FSDP2 tutorial apply it, with the blocks' `reshard_after_forward` of the
+//! recipe (True by default; the root's is None, which lazy init turns into False), the
+//! `offload_policy` of the recipe (`CPUOffloadPolicy` with `--offload params`) and the
+//! `MixedPrecisionPolicy` of the recipe (`param_dtype`: the
 //! unsharded parameters and the compute; `reduce_dtype`: the reduce-scatter; either `None` by
 //! default: the model's dtype). Sources: `torch/distributed/fsdp/_fully_shard/`
 //! (`_fsdp_param.py`, `_fsdp_param_group.py`, `_fsdp_collectives.py`, `_fsdp_state.py`), as
@@ -15,10 +17,18 @@
 //! * **Unshard** of a group: the flat all-gather output (Σ padded unsharded numel, on the
 //!   all-gather copy-in stream), then the copy-out on the current stream: each parameter's
 //!   unsharded storage re-allocated (`resize_` to its padded numel) and filled. In forward the flat
-//!   output is parked (`all_gather_state`) and freed at the next group's copy-out, the root's
-//!   post-forward dropping the last; in backward it is freed right after its own copy-out.
+//!   output is parked (`all_gather_state`) and freed when the next group's copy-out begins (2.15's
+//!   `wait_for_unshard` calls `release_all_gather_state_for_comm_reuse` before
+//!   `foreach_all_gather_copy_out`), the root's post-forward dropping the last; in backward it is
+//!   freed right after its own copy-out.
 //! * **Reshard** (`resize_(0)` of the unsharded storages): after a block's forward (not the root's),
-//!   and after each group's backward.
+//!   and after each group's backward. `reshard_after_forward=False` keeps a block unsharded from
+//!   its forward to its backward (its pre-backward unshard and the prefetch of it are no-ops). An
+//!   int N (`FSDPParam.to_sharded_post_forward`, parameter by parameter): a clone of the rank's
+//!   1/N slice of the unsharded parameter (padded numel / N, param dtype, current stream), then
+//!   the unsharded storage freed; the backward all-gathers those slices over the N ranks (with a
+//!   `param_dtype`, through the foreach-copy flat temporary of their size) and frees each slice
+//!   after the copy-out (`to_unsharded`).
 //! * **Backward prefetch**: a group's pre-backward unshards it, then issues the all-gather of the
 //!   group that ran before it in forward; its copy-out waits for that group's own pre-backward.
 //! * **Reduce-scatter** in a group's post-backward: the previous group's reduce-scatter input is
@@ -36,6 +46,15 @@
 //!   Module buffers are left in the model's dtype by FSDP2 but follow the compute dtype here.
 //! * **Optimizer**: the torch optimizer steps the sharded parameters (state of the shards' sizes
 //!   and the model's dtype).
+//! * **CPU offload** (`CPUOffloadPolicy(pin_memory=True)`): the padded shards live in pinned host
+//!   memory (`_init_sharded_param`), so the GPU holds no shard, no sharded gradient and no
+//!   optimizer state: the optimizer steps on the CPU. Each all-gather's copy-in moves every shard
+//!   to the GPU (`FSDPParam.all_gather_inputs`: `.to(device, non_blocking=True)`, one temporary per
+//!   parameter in the model's dtype, then its cast to the param dtype, which replaces it; the
+//!   foreach-copy fast path is off with offload), all alive until the flat all-gather output exists
+//!   and freed when `foreach_all_gather` returns. The reduce-scatter output (or its cast) is copied
+//!   to the host (`foreach_reduce`: `new_sharded_grad.to("cpu")`) and freed on the GPU when
+//!   `foreach_reduce` returns. Shards resharded to a post-forward mesh stay on the GPU.
 
 use super::{Kind, Lowering, Rt};
 use crate::dtype::DType;
@@ -56,6 +75,9 @@ struct Group {
     flat: Option<Rt>,
     /// The unsharded parameter storages while unsharded.
     unsharded: Vec<u32>,
+    /// The post-forward slices (`_sharded_post_forward_param_data`) of an int
+    /// `reshard_after_forward`, while resharded to the post-forward mesh.
+    post_forward: Vec<Rt>,
 }
 
 /// FSDP2 state of the lowering.
@@ -85,6 +107,11 @@ pub(crate) struct FsdpState {
 impl<'g> Lowering<'g> {
     fn fsdp_on(&self) -> bool {
         self.r.parallel.shard == crate::parallel::Shard::Fsdp2
+    }
+
+    /// FSDP2 with `CPUOffloadPolicy`: shards, sharded gradients and the optimizer on the host.
+    pub(super) fn fsdp_offloaded(&self) -> bool {
+        self.fsdp_on() && self.r.parallel.offload == crate::parallel::Offload::Params
     }
 
     /// The model's own dtype: the shards', the optimizer's and the sharded gradients'.
@@ -168,6 +195,10 @@ impl<'g> Lowering<'g> {
         self.fsdp.shards = vec![None; g.params.len()];
         self.fsdp.sharded_grads = vec![None; g.params.len()];
         self.fsdp.unsharded_handles = vec![None; g.params.len()];
+        if self.fsdp_offloaded() {
+            // The padded shards are made on the CPU and pinned (`_init_sharded_param`).
+            return;
+        }
         for p in 0..g.params.len() {
             let shape = self.shard_shape(&self.params[p].layout.shape);
             let dtype = self.fsdp_orig_dtype();
@@ -186,29 +217,64 @@ impl<'g> Lowering<'g> {
     }
 
     /// The all-gather of group `gi` (the flat output on the copy-in stream), unless unsharded or
-    /// already gathered.
+    /// already gathered. Its inputs (`_get_param_all_gather_inputs`): the GPU shards themselves,
+    /// or with a `param_dtype` one flat foreach-copy temporary of the param dtype; with offload one
+    /// H2D copy per parameter (cast per parameter with a `param_dtype`); resharded to a
+    /// post-forward mesh, the post-forward slices (already in the param dtype).
     fn fsdp_all_gather(&mut self, gi: usize) {
         let grp = &self.fsdp.groups[gi];
         if grp.flat.is_some() || !grp.unsharded.is_empty() || grp.params.is_empty() {
             return;
         }
         let params = grp.params.clone();
+        let post_forward = !grp.post_forward.is_empty();
         let numel: u64 = params.iter().map(|&p| self.padded_numel(p)).sum();
         let dtype = self.params[params[0]].dtype;
+        let orig = self.fsdp_orig_dtype();
         let prev = self.kind_now;
-        let n = u64::from(self.r.parallel.dp);
-        // The shards cast to the param dtype first (a temporary on the copy-in stream).
-        let cast = (dtype != self.fsdp_orig_dtype()).then(|| {
-            self.kind_now = Kind::Temporary;
+        self.kind_now = Kind::Temporary;
+        let mut inputs = Vec::new();
+        if self.fsdp_offloaded() && !post_forward {
+            for &p in &params {
+                let shard = self.padded_numel(p) / u64::from(self.r.parallel.dp);
+                let h2d = self.alloc(
+                    Layout::contiguous(&[shard]),
+                    orig,
+                    ModuleId(0),
+                    "aten._to_copy",
+                );
+                self.set_stream(&h2d, ALL_GATHER_STREAM);
+                let input = if dtype != orig {
+                    let c = self.alloc(
+                        Layout::contiguous(&[shard]),
+                        dtype,
+                        ModuleId(0),
+                        "aten._to_copy",
+                    );
+                    self.set_stream(&c, ALL_GATHER_STREAM);
+                    self.drop_rt(h2d);
+                    c
+                } else {
+                    h2d
+                };
+                inputs.push(input);
+            }
+        } else if dtype != orig && !(self.fsdp_offloaded() && post_forward) {
+            // The foreach-copy fast path: one flat temporary of the inputs, in the param dtype.
+            let world = if post_forward {
+                self.post_forward_world()
+            } else {
+                u64::from(self.r.parallel.dp)
+            };
             let c = self.alloc(
-                Layout::contiguous(&[numel / n]),
+                Layout::contiguous(&[numel / world]),
                 dtype,
                 ModuleId(0),
                 "aten._to_copy",
             );
             self.set_stream(&c, ALL_GATHER_STREAM);
-            c
-        });
+            inputs.push(c);
+        }
         self.kind_now = Kind::Comm;
         let t = self.alloc(
             Layout::contiguous(&[numel]),
@@ -219,19 +285,37 @@ impl<'g> Lowering<'g> {
         self.kind_now = prev;
         self.retag(&t, format!("fsdp_all_gather_output:group{gi}"));
         self.set_stream(&t, ALL_GATHER_STREAM);
-        if let Some(c) = cast {
+        for c in inputs {
             self.drop_rt(c);
         }
         self.fsdp.groups[gi].flat = Some(t);
     }
 
-    /// The copy-out of group `gi`: each parameter's unsharded storage, then the flat output freed
-    /// (backward) or parked until the next copy-out (forward), which frees the parked one.
+    /// The world size of the post-forward mesh of an int `reshard_after_forward`.
+    fn post_forward_world(&self) -> u64 {
+        let dp = self.r.parallel.dp;
+        u64::from(
+            self.r
+                .parallel
+                .reshard_after_forward
+                .post_forward_world(dp)
+                .unwrap_or(dp),
+        )
+    }
+
+    /// The copy-out of group `gi` (`FSDPParamGroup.wait_for_unshard`): in forward the parked
+    /// output of the previous group freed first (`release_all_gather_state_for_comm_reuse`), each
+    /// parameter's unsharded storage, then the flat output freed (backward) or parked (forward).
     fn fsdp_copy_out(&mut self, gi: usize, forward: bool) {
         self.fsdp_all_gather(gi);
         let Some(flat) = self.fsdp.groups[gi].flat.take() else {
             return;
         };
+        if forward {
+            if let Some(old) = self.fsdp.parked.take() {
+                self.drop_rt(old);
+            }
+        }
         let params = self.fsdp.groups[gi].params.clone();
         for p in params {
             let bytes = self.padded_numel(p) * self.params[p].dtype.size();
@@ -239,8 +323,9 @@ impl<'g> Lowering<'g> {
             let st = self.alloc_raw(bytes, Kind::Param, format!("{name}:unsharded").into());
             self.fsdp.groups[gi].unsharded.push(st);
         }
-        if let Some(old) = self.fsdp.parked.take() {
-            self.drop_rt(old);
+        // `to_unsharded`: the post-forward slices die once copied out.
+        for t in std::mem::take(&mut self.fsdp.groups[gi].post_forward) {
+            self.drop_rt(t);
         }
         if forward {
             self.fsdp.parked = Some(flat);
@@ -253,6 +338,38 @@ impl<'g> Lowering<'g> {
     fn fsdp_reshard(&mut self, gi: usize) {
         for st in std::mem::take(&mut self.fsdp.groups[gi].unsharded) {
             self.release(st);
+        }
+    }
+
+    /// A block's post-forward `reshard()` (`FSDPParamGroup.reshard` in forward): nothing with
+    /// `reshard_after_forward=False`, the full reshard with True, with an int N each parameter's
+    /// 1/N slice cloned before its unsharded storage is freed (`to_sharded_post_forward`).
+    fn fsdp_reshard_after_forward(&mut self, gi: usize) {
+        let dp = self.r.parallel.dp;
+        match self.r.parallel.reshard_after_forward.post_forward_world(dp) {
+            None => {}
+            Some(n) if n == dp => self.fsdp_reshard(gi),
+            Some(n) => {
+                let params = self.fsdp.groups[gi].params.clone();
+                let unsharded = std::mem::take(&mut self.fsdp.groups[gi].unsharded);
+                let prev = self.kind_now;
+                self.kind_now = Kind::Param;
+                for (p, st) in params.into_iter().zip(unsharded) {
+                    let numel = self.padded_numel(p) / u64::from(n);
+                    let dtype = self.params[p].dtype;
+                    let t = self.alloc(
+                        Layout::contiguous(&[numel]),
+                        dtype,
+                        ModuleId(0),
+                        "aten.clone",
+                    );
+                    let name = &self.g.params[p].name;
+                    self.retag(&t, format!("{name}:sharded_post_forward"));
+                    self.fsdp.groups[gi].post_forward.push(t);
+                    self.release(st);
+                }
+                self.kind_now = prev;
+            }
         }
     }
 
@@ -269,7 +386,7 @@ impl<'g> Lowering<'g> {
         let g = self.fsdp.op_group[i];
         if g != self.fsdp.current {
             if let Some(c) = self.fsdp.current {
-                self.fsdp_reshard(c);
+                self.fsdp_reshard_after_forward(c);
             }
             if let Some(b) = g {
                 self.fsdp_copy_out(b, true);
@@ -285,7 +402,7 @@ impl<'g> Lowering<'g> {
             return;
         }
         if let Some(c) = self.fsdp.current.take() {
-            self.fsdp_reshard(c);
+            self.fsdp_reshard_after_forward(c);
         }
         if let Some(old) = self.fsdp.parked.take() {
             self.drop_rt(old);
@@ -380,9 +497,17 @@ impl<'g> Lowering<'g> {
             let bf = std::mem::replace(&mut out, c);
             self.drop_rt(bf);
         }
+        self.kind_now = prev;
+        if self.fsdp_offloaded() {
+            // CPUOffloadPolicy: the sharded gradients are copied to the host; the GPU output
+            // dies when `foreach_reduce` returns.
+            self.retag(&out, format!("fsdp_reduce_scatter_output:group{gi}"));
+            self.drop_rt(out);
+            self.fsdp.rs_input = Some(input);
+            return;
+        }
         self.mark_grad(&out);
         self.retag(&out, format!("fsdp_sharded_grads:group{gi}"));
-        self.kind_now = prev;
         if params.iter().all(|&p| self.fsdp.sharded_grads[p].is_none()) {
             for &p in &params {
                 let shape = self.shard_shape(&self.params[p].layout.shape);

@@ -37,6 +37,7 @@ mod bwd;
 mod dataparallel;
 mod fsdp;
 mod fwd;
+mod offload;
 mod optim;
 mod parallel;
 mod quant;
@@ -828,6 +829,8 @@ impl<'g> Lowering<'g> {
                 // DataParallel: the optimizer holds device 0's parameters only.
             } else if self.r.parallel.shard.is_zero() {
                 self.zero_step();
+            } else if self.fsdp_offloaded() {
+                // CPUOffloadPolicy: the optimizer steps the host shards (`fsdp.rs`).
             } else {
                 self.optimizer_step();
             }

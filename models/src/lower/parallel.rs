@@ -42,9 +42,9 @@ pub(crate) struct ParState {
     /// DDP: the buckets were rebuilt (`has_rebuilt_bucket_`).
     rebuilt: bool,
     /// ZeRO: `bit16_groups_flat`, the flat padded bf16 parameters.
-    flat: Option<Rt>,
+    pub(super) flat: Option<Rt>,
     /// ZeRO: elements of one partition (`partition_size`).
-    partition: u64,
+    pub(super) partition: u64,
     /// ZeRO: `single_partition_of_fp32_groups`.
     master: Option<Rt>,
     /// ZeRO: the optimizer state of the partition.
@@ -54,6 +54,14 @@ pub(crate) struct ParState {
     ipg_used: u64,
     /// ZeRO: `grads_in_partition`.
     grads_partition: Option<Rt>,
+    /// ZeRO: the parameters whose gradients the running IPG bucket holds (`bucket.params`).
+    ipg_params: Vec<usize>,
+    /// ZeRO-Offload: the elements of each parameter in this rank's partition (0: not in it).
+    pub(super) owned: Vec<u64>,
+    /// ZeRO-Offload: `temp_grad_buffer_for_gpu_offload`.
+    pub(super) staging: Option<Rt>,
+    /// ZeRO-Offload: `norm_for_param_grads`, one 0-d fp64 norm per parameter in the partition.
+    pub(super) norms: Vec<Rt>,
 }
 
 impl<'g> Lowering<'g> {
@@ -83,7 +91,7 @@ impl<'g> Lowering<'g> {
     }
 
     /// `tensor.record_stream(nccl_stream)` in the record-stream era of `ProcessGroupNCCL`.
-    fn collective_uses(&mut self, t: &Rt) {
+    pub(super) fn collective_uses(&mut self, t: &Rt) {
         if self.r.torch_version != TorchVersion::V1_10 {
             return;
         }
@@ -309,6 +317,11 @@ impl<'g> Lowering<'g> {
             self.drop_rt(old);
         }
         self.par.flat = Some(flat);
+        if self.zero_offloads() {
+            self.zero_offload_setup(&ps);
+            self.kind_now = prev;
+            return;
+        }
         let part = self.par.partition;
         self.kind_now = Kind::Temporary;
         let clone = self.alloc(
@@ -467,7 +480,11 @@ impl<'g> Lowering<'g> {
         let numel = g.layout.numel();
         if numel > DS_REDUCE_BUCKET_ELEMENTS {
             // An extra-large parameter bypasses the bucket (`extra_large_param_to_reduce`).
-            self.zero_reduce_owned(numel);
+            if self.zero_offloads() {
+                self.zero_offload_copy_grad(p);
+            } else {
+                self.zero_reduce_owned(numel);
+            }
             self.drop_rt(g);
             return;
         }
@@ -476,6 +493,7 @@ impl<'g> Lowering<'g> {
             self.zero_ipg_reduce();
         }
         self.par.ipg_used += numel;
+        self.par.ipg_params.push(p);
         self.drop_rt(g);
     }
 
@@ -491,7 +509,15 @@ impl<'g> Lowering<'g> {
             self.collective_uses(&ipg);
         }
         let used = self.par.ipg_used;
-        self.zero_reduce_owned(used);
+        let params = std::mem::take(&mut self.par.ipg_params);
+        if self.zero_offloads() {
+            // `copy_grads_in_partition` per parameter of the bucket, in bucket order.
+            for p in params {
+                self.zero_offload_copy_grad(p);
+            }
+        } else {
+            self.zero_reduce_owned(used);
+        }
         self.par.ipg_used = 0;
     }
 
@@ -519,14 +545,19 @@ impl<'g> Lowering<'g> {
             self.drop_rt(t);
         }
         self.par.ipg_used = 0;
+        self.par.ipg_params.clear();
     }
 
-    /// `DeepSpeedZeroOptimizer.step` (bf16, no offload): the partition's gradient flattened
+    /// `DeepSpeedZeroOptimizer.step` (bf16; with `offload_optimizer`, `offload.rs`): the partition's gradient flattened
     /// (`flatten_dense_tensors_aligned` of the averaged gradients: a new bf16 tensor of the
     /// partition), converted `.to(fp32)` and set as the master's `.grad` (the bf16 copy and
     /// `grads_in_partition` go), the wrapped optimizer's step, the fp32 gradient dropped, the master
     /// copied into the bf16 partition and all-gathered in place into `bit16_groups_flat`.
     pub(super) fn zero_step(&mut self) {
+        if self.zero_offloads() {
+            self.zero_offload_step();
+            return;
+        }
         self.kind_now = Kind::Temporary;
         let part = self.par.partition;
         let flat = self.alloc(
