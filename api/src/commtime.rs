@@ -15,7 +15,7 @@
 //! | DDP | all-reduce of the gradients, `2(n−1)/n·Ψw` (no `no_sync`: every backward syncs) | — | yes (buckets during backward) |
 //! | ZeRO-1 | — | reduce-scatter of the gradients at the boundary, all-gather of the bf16 parameters: `2(n−1)/n·Ψw` | no |
 //! | ZeRO-2 | reduce-scatter of the gradients, `(n−1)/n·Ψw` | all-gather of the parameters, `(n−1)/n·Ψw` | no (`overlap_comm` is off below stage 3) |
-//! | ZeRO-3, FSDP2 | all-gather in forward and in backward, reduce-scatter of the gradients: `3(n−1)/n·Ψw` | — | yes (prefetch) |
+//! | ZeRO-3, FSDP2 | all-gather in forward and in backward, reduce-scatter of the gradients: `3(n−1)/n·Ψw` (FSDP2 without the backward's all-gather under `reshard_after_forward=False`, over `k` ranks under `=k`) | — | yes (prefetch) |
 //! | TP (Megatron) | per layer two all-reduces in forward, two in backward of the `b·s·h` activations: `4·2(t−1)/t·bshw` (sequence parallelism trades each for an all-gather and a reduce-scatter: the same bytes) | — | no |
 //! | PP | each stage boundary sends the activation forward and its gradient back: `2·bshw` | — | no |
 //!
@@ -29,7 +29,9 @@
 //! `(m + (p − 1)/v)/m` interleaved over `v` chunks: the bubble of the Megatron paper, Narayanan et al.
 //! 2021, §2.2).
 
-use vramsim_models::{Graph, PpSchedule, Precision, Recipe, RegionKind, Shard};
+use vramsim_models::{
+    Graph, PpSchedule, Precision, Recipe, RegionKind, ReshardAfterForward, Shard,
+};
 
 use crate::links::Links;
 
@@ -100,7 +102,15 @@ impl CommWork {
             Shard::Zero1 => work.dp_exposed = 2.0 * share * psi * width,
             Shard::Zero2 => work.dp_exposed = (accum + 1.0) * share * psi * width,
             Shard::Fsdp2 => {
-                work.dp_overlapped = accum * share * psi * (2.0 * gather_width + reduce_width);
+                // the backward's all-gather: none when the blocks stay unsharded, over the
+                // post-forward mesh of N ranks with `reshard_after_forward=N`
+                let backward_gather = match par.reshard_after_forward {
+                    ReshardAfterForward::True => share,
+                    ReshardAfterForward::False => 0.0,
+                    ReshardAfterForward::To(k) => (f64::from(k) - 1.0) / f64::from(k),
+                };
+                work.dp_overlapped =
+                    accum * psi * ((share + backward_gather) * gather_width + share * reduce_width);
             }
             _ => {
                 // ZeRO-3 and the modes added later: parameters gathered twice, gradients
