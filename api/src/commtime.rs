@@ -24,19 +24,30 @@
 //! (its size times the sizes of the dimensions inside it) fits in a node runs at the node's link
 //! bandwidth, else at the network's.
 //!
+//! **CPU offload** sends the rank's partition over its PCIe link to the host ([`Links::host_gbs`]):
+//! ZeRO-Offload the fp32 gradient slice out and the bf16 partition back at the step (exposed);
+//! FSDP2's `CPUOffloadPolicy` and ZeRO-3's `offload_param` the shards in for every all-gather and
+//! the gradients out (on side streams: overlapped); the offloaded optimizer then streams its fp32
+//! state through host memory (7 passes of 4 B per element, exposed).
+//!
 //! **Step.** `step = max(compute, overlapped) + exposed`; a pipeline of `p` stages over `m`
 //! micro-batches spends `(m + p − 1)/m` of its compute time per useful micro-batch (1F1B and GPipe;
 //! `(m + (p − 1)/v)/m` interleaved over `v` chunks: the bubble of the Megatron paper, Narayanan et al.
 //! 2021, §2.2).
 
 use vramsim_models::{
-    Graph, PpSchedule, Precision, Recipe, RegionKind, ReshardAfterForward, Shard,
+    Graph, Offload, PpSchedule, Precision, Recipe, RegionKind, ReshardAfterForward, Shard,
 };
 
 use crate::links::Links;
 
 /// GPUs per node (DGX/HGX systems have 8).
 pub const GPUS_PER_NODE: u32 = 8;
+
+/// Host memory bandwidth one GPU's offloaded optimizer gets, GB/s: a two-socket host with eight
+/// DDR5-4800 channels per socket (2 × 8 × 38.4 = 614 GB/s) shared by 8 GPUs, at the same 75%
+/// streaming efficiency the step-time model gives HBM ([`crate::steptime::BANDWIDTH_EFFICIENCY`]).
+pub const HOST_MEMORY_GBS_PER_GPU: f64 = 614.4 / 8.0 * 0.75;
 
 /// Bytes one rank sends per optimizer step, by process group.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -49,6 +60,14 @@ pub struct CommWork {
     pub tp: f64,
     /// Pipeline send/recv traffic.
     pub pp: f64,
+    /// Host-link traffic of CPU offload that overlaps compute (FSDP2's copy-in of offloaded
+    /// shards on the all-gather stream).
+    pub host_overlapped: f64,
+    /// Host-link traffic of CPU offload that does not (gradient partitions to the host, updated
+    /// parameters back, at the step).
+    pub host_exposed: f64,
+    /// Bytes the offloaded optimizer reads and writes in host memory.
+    pub cpu_optimizer: f64,
     /// Compute time multiplier of the pipeline's bubble (1 without a pipeline).
     pub bubble: f64,
     /// The layout's degrees (dp, tp, pp).
@@ -118,6 +137,32 @@ impl CommWork {
                 work.dp_overlapped = accum * 3.0 * share * psi * width
             }
         }
+        // CPU offload: the rank's partition crosses the host link, and the optimizer (fp32
+        // master and Adam moments: reads parameter, gradient and two moments, writes three,
+        // 4 B each) runs in host memory
+        let partition = psi / n;
+        let offloaded_step = 7.0 * 4.0 * partition;
+        match (par.offload, par.shard) {
+            (Offload::None, _) => {}
+            (Offload::Optimizer, _) => {
+                // the fp32 gradient slice to the host, the updated bf16 partition back
+                work.host_exposed = (4.0 + 2.0) * partition;
+                work.cpu_optimizer = offloaded_step;
+            }
+            (Offload::Params, Shard::Fsdp2) => {
+                // every micro-batch: the shards copied in for the forward's and the backward's
+                // all-gathers, the reduce-scatter output copied out
+                work.host_overlapped = accum * 3.0 * partition * width;
+                work.cpu_optimizer = offloaded_step;
+            }
+            (Offload::Params, _) => {
+                // ZeRO-3 offload_param: the partitions copied in for each gather, the gradient
+                // chunk out, the updated partition back
+                work.host_overlapped = accum * 3.0 * partition * width;
+                work.host_exposed = 2.0 * partition;
+                work.cpu_optimizer = offloaded_step;
+            }
+        }
         let micro_batches = f64::from(par.microbatches.unwrap_or(1).max(1));
         let activation = residual_bytes(graph, recipe);
         if par.tp > 1 {
@@ -157,11 +202,14 @@ impl CommWork {
         let seconds = |bytes: f64, span: u32| bytes / (gbs(span) * 1e9);
         let dp_span = dp.saturating_mul(tp);
         let pp_span = dp_span.saturating_mul(pp);
+        let host = |bytes: f64| bytes / (links.host_gbs * 1e9);
         CommTime {
-            overlapped_s: seconds(self.dp_overlapped, dp_span),
+            overlapped_s: seconds(self.dp_overlapped, dp_span) + host(self.host_overlapped),
             exposed_s: seconds(self.dp_exposed, dp_span)
                 + seconds(self.tp, tp)
-                + seconds(self.pp, pp_span),
+                + seconds(self.pp, pp_span)
+                + host(self.host_exposed)
+                + self.cpu_optimizer / (HOST_MEMORY_GBS_PER_GPU * 1e9),
         }
     }
 }

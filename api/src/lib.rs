@@ -20,6 +20,7 @@ pub mod diagnose;
 pub mod explain;
 pub mod framework;
 pub mod import;
+pub mod layouts;
 pub mod links;
 pub mod machine;
 pub mod maxbatch;

@@ -4,8 +4,8 @@
 //! datasheets (their NVLink and PCIe figures are bidirectional totals, halved here). The network
 //! between nodes is the reference system's (DGX H100/H200/B200: one 400 Gb/s ConnectX-7 per GPU;
 //! DGX A100: one 200 Gb/s HDR per GPU; DGX-1 V100: four 100 Gb/s EDR for eight GPUs); PCIe cards,
-//! which ship in no reference system, get 100 Gb/s Ethernet per GPU. `--intra-node-gbs` and
-//! `--inter-node-gbs` override them.
+//! which ship in no reference system, get 100 Gb/s Ethernet per GPU. The host link is the GPU's own
+//! PCIe generation at x16 (Gen5 64, Gen4 32, Gen3 16 GB/s per direction): what CPU offload copies over.
 //!
 //! NCCL's channel count (what its device buffers scale with, [`crate::nccl`]) is chosen by its
 //! topology search at runtime; the figure here is what NCCL logs on such systems: 32 channels on
@@ -50,6 +50,8 @@ pub struct Links {
     pub intra_gbs: f64,
     /// Network bandwidth between nodes, per GPU and direction (GB/s).
     pub inter_gbs: f64,
+    /// The GPU's PCIe link to the host, per direction (GB/s): what CPU offload copies over.
+    pub host_gbs: f64,
     /// NCCL channels of one communicator on such a node.
     pub nccl_channels: u32,
     /// Where the figures come from.
@@ -68,6 +70,7 @@ const fn link(
     intra: LinkKind,
     intra_gbs: f64,
     inter_gbs: f64,
+    host_gbs: f64,
     source: &'static str,
 ) -> Links {
     let nccl_channels = match intra {
@@ -79,6 +82,7 @@ const fn link(
         intra,
         intra_gbs,
         inter_gbs,
+        host_gbs,
         nccl_channels,
         source,
     }
@@ -91,6 +95,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::NvSwitch,
         450.0,
         NDR_400,
+        64.0,
         "H100 SXM5 datasheet: NVLink 900 GB/s; DGX H100: 8× ConnectX-7 400 Gb/s",
     ),
     link(
@@ -98,6 +103,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::Pcie,
         64.0,
         ETH_100,
+        64.0,
         "H100 PCIe datasheet: PCIe Gen5 128 GB/s (its NVLink bridge joins pairs only)",
     ),
     link(
@@ -105,6 +111,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::Pcie,
         64.0,
         ETH_100,
+        64.0,
         "H100 NVL datasheet: PCIe Gen5 128 GB/s (its NVLink bridge joins pairs only)",
     ),
     link(
@@ -112,6 +119,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::NvSwitch,
         450.0,
         NDR_400,
+        64.0,
         "H200 SXM datasheet: NVLink 900 GB/s; DGX H200: 8× ConnectX-7 400 Gb/s",
     ),
     link(
@@ -119,6 +127,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::NvSwitch,
         900.0,
         NDR_400,
+        64.0,
         "DGX B200 datasheet: NVLink 5 1.8 TB/s per GPU, 8× ConnectX-7 400 Gb/s",
     ),
     link(
@@ -126,6 +135,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::NvSwitch,
         300.0,
         HDR_200,
+        32.0,
         "A100 SXM4 datasheet: NVLink 600 GB/s; DGX A100: 8× ConnectX-6 200 Gb/s",
     ),
     link(
@@ -133,6 +143,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::NvSwitch,
         300.0,
         HDR_200,
+        32.0,
         "A100 SXM4 datasheet: NVLink 600 GB/s; DGX A100: 8× ConnectX-6 200 Gb/s",
     ),
     link(
@@ -140,6 +151,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::NvLinkMesh,
         150.0,
         6.25,
+        16.0,
         "V100 SXM2 datasheet: NVLink 300 GB/s; DGX-1: 4× EDR 100 Gb/s for 8 GPUs",
     ),
     link(
@@ -147,6 +159,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::NvLinkMesh,
         150.0,
         6.25,
+        16.0,
         "V100 SXM2 datasheet: NVLink 300 GB/s; DGX-1: 4× EDR 100 Gb/s for 8 GPUs",
     ),
     link(
@@ -154,6 +167,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::Pcie,
         32.0,
         ETH_100,
+        32.0,
         "PCIe Gen4 x16: 64 GB/s",
     ),
     link(
@@ -161,6 +175,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::Pcie,
         32.0,
         ETH_100,
+        32.0,
         "A10 datasheet: PCIe Gen4 64 GB/s",
     ),
     link(
@@ -168,6 +183,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::Pcie,
         32.0,
         ETH_100,
+        32.0,
         "L4 datasheet: PCIe Gen4 x16 64 GB/s",
     ),
     link(
@@ -175,6 +191,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::Pcie,
         32.0,
         ETH_100,
+        32.0,
         "L40S datasheet: PCIe Gen4 x16 64 GB/s",
     ),
     link(
@@ -182,6 +199,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::Pcie,
         32.0,
         ETH_100,
+        32.0,
         "A40 datasheet: PCIe Gen4 64 GB/s (its NVLink bridge joins pairs only)",
     ),
     link(
@@ -189,6 +207,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::Pcie,
         32.0,
         ETH_100,
+        32.0,
         "RTX A6000 datasheet: PCIe Gen4 x16 (its NVLink bridge joins pairs only)",
     ),
     link(
@@ -196,6 +215,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::Pcie,
         32.0,
         ETH_100,
+        32.0,
         "RTX 6000 Ada datasheet: PCIe Gen4 x16 64 GB/s",
     ),
     link(
@@ -203,6 +223,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::Pcie,
         16.0,
         ETH_100,
+        16.0,
         "T4 datasheet: PCIe Gen3 x16 32 GB/s",
     ),
     link(
@@ -210,6 +231,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::Pcie,
         32.0,
         ETH_100,
+        32.0,
         "PCIe Gen4 x16: 64 GB/s",
     ),
     link(
@@ -217,6 +239,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::Pcie,
         32.0,
         ETH_100,
+        32.0,
         "PCIe Gen4 x16: 64 GB/s",
     ),
     link(
@@ -224,6 +247,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::Pcie,
         64.0,
         ETH_100,
+        64.0,
         "PCIe Gen5 x16: 128 GB/s",
     ),
     link(
@@ -231,6 +255,7 @@ pub const LINKS: &[Links] = &[
         LinkKind::InfinityFabric,
         448.0,
         NDR_400,
+        64.0,
         "MI300X datasheet: 7 Infinity Fabric links, 896 GB/s peer-to-peer; 400 Gb/s per GPU",
     ),
 ];

@@ -59,6 +59,11 @@ pub struct RecommendArgs {
     /// (not with --lora, --quant or --recipe given: those fix the method).
     #[arg(long)]
     pub finetune: bool,
+    /// Search the parallel layouts of N GPUs instead (dp × tp × pp, data-parallel modes and
+    /// offloads, precision, checkpointing, micro-batch), ranked by a step time with
+    /// communication (`vramsim_api::layouts`).
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<u32>,
 }
 
 /// A recipe that reaches the global batch.
@@ -70,11 +75,15 @@ pub struct Recipe {
 }
 
 /// The best that did not fit, for the error when nothing does.
-struct Miss {
-    settings: Vec<Setting>,
-    reason: String,
-    frugality: usize,
-    device_used: u64,
+pub(crate) struct Miss {
+    /// Its settings.
+    pub settings: Vec<Setting>,
+    /// Why it does not fit.
+    pub reason: String,
+    /// How little memory its options need, in the usual order (higher is less).
+    pub frugality: usize,
+    /// Its peak device use.
+    pub device_used: u64,
 }
 
 /// The answer of `vramsim recommend`: the recipes that reach the global batch, fastest first.
@@ -140,6 +149,18 @@ pub fn run(args: RecommendArgs) -> Result<()> {
         }
         return Ok(());
     }
+    if let Some(gpus) = args.gpus {
+        if args.finetune {
+            bail!("--finetune searches one GPU's fine-tuning methods; --gpus searches layouts of full training: give one of them");
+        }
+        let found = crate::layouts::search(&args, gpus)?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&found.to_json())?);
+        } else {
+            print!("{}", found.to_table());
+        }
+        return Ok(());
+    }
     let answer = recommend(&args)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&answer.to_json())?);
@@ -168,8 +189,7 @@ pub fn recommend(args: &RecommendArgs) -> Result<Recommendation> {
     if fixed.has("inference") {
         bail!("recommend plans training steps; --inference has no global batch to reach");
     }
-    // The search is over one GPU's recipe: layouts (and a global batch over ranks) are not
-    // searched yet (issue 12's `recommend --gpus`).
+    // The search is over one GPU's recipe: `--gpus N` searches layouts (`crate::layouts`).
     let layout = value("dp").is_some_and(|d| d.trim() != "1")
         || value("shard").is_some_and(|s| s.trim() != "none")
         || [
@@ -181,7 +201,7 @@ pub fn recommend(args: &RecommendArgs) -> Result<Recommendation> {
         .iter()
         .any(|k| fixed.has(k));
     if layout {
-        bail!("recommend searches one GPU's recipe; parallel layouts (--dp, --shard, ...) are not searched yet: evaluate them with predict or whatif (--shard dataparallel compares DataParallel with DDP)");
+        bail!("recommend searches one GPU's recipe; give --gpus N to search parallel layouts (--dp, --shard, ... are then searched), or evaluate one with predict or whatif (--shard dataparallel compares DataParallel with DDP)");
     }
     let divisors: Vec<u64> = match (value("batch"), value("accum")) {
         (Some(_), Some(_)) => {
@@ -344,6 +364,7 @@ fn describe(settings: &[Setting]) -> String {
 /// The largest divisor micro-batch that fits with this precision and checkpointing, by bisection over
 /// the divisors from the largest down (the small micro-batches, with many accumulation steps, are the
 /// longest to lower), or the smallest's failure when none fits.
+#[allow(clippy::too_many_arguments)]
 fn best_for(
     base: &FixedOptions,
     precision: &str,
@@ -353,9 +374,27 @@ fn best_for(
     n: u64,
     headroom: Option<Headroom>,
 ) -> Result<Result<Recipe, Miss>, String> {
+    let settings_for = |batch: u64| candidate(precision, checkpoint, method, batch, n);
+    let frugal = frugality(
+        precision,
+        checkpoint,
+        method_name(&candidate(precision, checkpoint, method, 1, 1)),
+    );
+    largest_that_fits(base, &settings_for, divisors, headroom, frugal)
+}
+
+/// The largest micro-batch among `divisors` (ascending) whose settings (`settings_for(batch)`) fit,
+/// by bisection from the largest down, or the smallest's failure (with `frugality`) when none fits.
+pub(crate) fn largest_that_fits(
+    base: &FixedOptions,
+    settings_for: &(dyn Fn(u64) -> Vec<Setting> + Sync),
+    divisors: &[u64],
+    headroom: Option<Headroom>,
+    frugality: usize,
+) -> Result<Result<Recipe, Miss>, String> {
     type Probe = (Vec<Setting>, Evaluated, Option<String>);
     let eval = |i: usize| -> Result<Probe, String> {
-        let settings = candidate(precision, checkpoint, method, divisors[i], n);
+        let settings = settings_for(divisors[i]);
         let evaluated = sweep::evaluate_one(&base.args(&settings), Wants::default())
             .map_err(|e| format!("{e:#}"))?;
         let reason = misfit(&evaluated, headroom);
@@ -392,11 +431,7 @@ fn best_for(
         (None, Some((settings, evaluated, reason))) => Ok(Err(Miss {
             settings,
             reason: reason.unwrap_or_default(),
-            frugality: frugality(
-                precision,
-                checkpoint,
-                method_name(&candidate(precision, checkpoint, method, 1, 1)),
-            ),
+            frugality,
             device_used: evaluated.report.peak_device_used(),
         })),
         (None, None) => Err("no micro-batch was tried".to_string()),
