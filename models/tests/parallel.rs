@@ -468,7 +468,7 @@ fn zero3_forward_parameters_follow_the_prefetch_rules() {
     let gathered = |tag: &Option<String>| tag.as_deref().is_some_and(|t| t.ends_with(":gathered"));
     let flat_tag = |tag: &Option<String>| tag.as_deref() == Some("allgather_coalesced_flat");
     // (peak gathered, peak coalesced flat) per forward.
-    let mut peaks = vec![(0u64, 0u64); 2];
+    let mut peaks = [(0u64, 0u64); 2];
     let mut live: HashMap<String, (u64, bool, bool)> = HashMap::new();
     let (mut cur_g, mut cur_f) = (0u64, 0u64);
     let mut fwd: Option<usize> = None;
