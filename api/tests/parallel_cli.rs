@@ -239,6 +239,10 @@ fn bad_layouts_fail_with_the_reason() {
     );
     fails(&["--offload", "cpu"], &["none, optimizer, params"]);
     fails(
+        &["--offload", "params", "--dp", "2", "--shard", "zero2"],
+        &["--offload params", "--shard zero3 or fsdp2", "not zero2"],
+    );
+    fails(
         &["--dp", "2", "--shard", "fsdp2", "--ddp-bucket-view"],
         &["gradient_as_bucket_view", "--shard ddp"],
     );
@@ -369,6 +373,33 @@ fn zero3_and_zero_redundancy_run_with_one_rank() {
         assert!(ranks[0]["role"].as_str().unwrap().contains(role), "{doc}");
         assert_eq!(ranks[0]["fits"], true, "{doc}");
     }
+    // ZeRO-3's CPU offload: the optimizer's states, then the partitions too, leave the GPU.
+    let peak = |offload: &str| {
+        json(&[
+            "predict",
+            "--model",
+            "gpt2",
+            "--batch",
+            "1",
+            "--seq",
+            "64",
+            "--precision",
+            "bf16",
+            "--dp",
+            "4",
+            "--shard",
+            "zero3",
+            "--offload",
+            offload,
+        ])["peak_allocated_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    let (none, optimizer, params) = (peak("none"), peak("optimizer"), peak("params"));
+    assert!(
+        params < optimizer && optimizer < none,
+        "{none} {optimizer} {params}"
+    );
     // And over 8 ranks, as whatif varies them.
     let rows = json(&[
         "whatif",

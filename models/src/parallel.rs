@@ -512,10 +512,12 @@ impl Parallel {
         };
         match self.offload {
             Offload::None => Ok(()),
+            // ZeRO-3's `offload_optimizer` and `offload_param` (`lower/zero3.rs`).
+            Offload::Optimizer | Offload::Params if self.shard == Shard::Zero3 => Ok(()),
             // DeepSpeed's `offload_param` is a ZeRO-3 option (`DeepSpeedZeroOffloadParamConfig`
             // is read only by stage 3); FSDP2's `CPUOffloadPolicy` offloads the sharded parameters.
             Offload::Params if self.shard != Shard::Fsdp2 => Err(bad(format!(
-                "--offload params keeps sharded parameters in host memory, which ZeRO-3 and FSDP2 do; give --shard fsdp2 (zero3 is not modelled yet), not {}",
+                "--offload params keeps sharded parameters in host memory, which ZeRO-3 and FSDP2 do; give --shard zero3 or fsdp2, not {}",
                 self.shard
             ))),
             // FSDP2 has no optimizer-only offload: `CPUOffloadPolicy` moves the sharded
@@ -524,7 +526,7 @@ impl Parallel {
                 "FSDP2's CPUOffloadPolicy offloads the sharded parameters, their gradients and the optimizer step together: give --offload params".into(),
             )),
             Offload::Optimizer if !self.shard.is_zero() => Err(bad(format!(
-                "--offload optimizer is DeepSpeed ZeRO's offload_optimizer (fp32 master weights and optimizer state in host memory): give --shard zero1 or zero2, not {}",
+                "--offload optimizer is DeepSpeed ZeRO's offload_optimizer (fp32 master weights and optimizer state in host memory): give --shard zero1, zero2 or zero3, not {}",
                 self.shard
             ))),
             _ => Err(bad(format!(

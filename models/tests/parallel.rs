@@ -561,3 +561,48 @@ fn zero_redundancy_state_is_the_greedy_partition() {
         );
     }
 }
+
+/// ZeRO-3 with CPU offload (`offload_optimizer`, and `offload_param` with it), after the second
+/// backward: DeepSpeed's estimator (`estimate_zero3_model_states_mem_needs`) keeps 2Ψ/N on the GPU
+/// with the optimizer offloaded and no model states with the parameters offloaded too; by the
+/// mechanism the GPU holds the bf16 partitions 2Ψ' (none with `offload_param`: they move into the
+/// host flat buffer), the persistent parameters whole, the IPG buffer (always on the GPU), and no
+/// fp32 master, optimizer state or `grad_partitions_flat_buffer` (on `self.device`, the host).
+#[test]
+fn zero3_offload_keeps_only_partitions_or_nothing_on_the_gpu() {
+    let n = 8u64;
+    for offload in [
+        vramsim_models::Offload::Optimizer,
+        vramsim_models::Offload::Params,
+    ] {
+        for name in ["gpt2", "tinyllama-1.1b"] {
+            let mut r = zero3_recipe(1, 128, n as u32);
+            r.parallel.offload = offload;
+            let g = zoo::build(name, &r).unwrap();
+            let part = zero3_partition(&g, n);
+            let psi_p: u64 = part.iter().sum();
+            let persistent: u64 = g
+                .params
+                .iter()
+                .zip(&part)
+                .filter(|(p, _)| p.shape.iter().product::<u64>() <= 100_000)
+                .map(|(_, k)| k * n)
+                .sum();
+            let t = lower(&g, &r).unwrap();
+            let live = live_at_phase(&t, "optimizer", 1);
+            let get = |c| live.get(&c).copied().unwrap_or(0);
+            let partitions = match offload {
+                vramsim_models::Offload::Params => 0,
+                _ => 2 * psi_p,
+            };
+            assert_eq!(
+                get(Category::Parameter),
+                partitions + 2 * persistent,
+                "{name} {offload}"
+            );
+            assert_eq!(get(Category::Gradient), 0, "{name} {offload}");
+            assert_eq!(get(Category::OptimizerState), 0, "{name} {offload}");
+            assert_eq!(get(Category::Communication), 1_000_000_000, "{name}");
+        }
+    }
+}

@@ -75,7 +75,7 @@ use crate::dtype::DType;
 use crate::graph::ModuleId;
 use crate::layout::Layout;
 use crate::parallel::{
-    Shard, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE, DS_PARAM_PERSISTENCE_THRESHOLD,
+    Offload, Shard, DS_MAX_LIVE_PARAMETERS, DS_MAX_REUSE_DISTANCE, DS_PARAM_PERSISTENCE_THRESHOLD,
     DS_PREFETCH_BUCKET_ELEMENTS, DS_REDUCE_BUCKET_ELEMENTS, DS_SUB_GROUP_SIZE,
 };
 use vramsim_traces::Event;
@@ -113,6 +113,8 @@ enum Ctx {
 
 /// An all-gather handle in the in-flight registry.
 struct Handle {
+    /// A sequential all-gather's input copied from host memory (`offload_param`).
+    input: Option<Rt>,
     /// The coalesced flat buffer (`None` for a sequential all-gather).
     flat: Option<Rt>,
     params: Vec<usize>,
@@ -169,6 +171,28 @@ impl<'g> Lowering<'g> {
     /// Whether the layout is ZeRO-3.
     pub(super) fn zero3_on(&self) -> bool {
         self.r.parallel.shard == Shard::Zero3
+    }
+
+    /// `offload_optimizer`: the fp32 master, its gradient, the optimizer state and
+    /// `grad_partitions_flat_buffer` live in host memory (`self.device = cpu`).
+    fn z3_offload_optimizer(&self) -> bool {
+        self.r.parallel.offload != Offload::None
+    }
+
+    /// `offload_param`: the partitions live in host memory (persistent ones too, once the
+    /// optimizer moves them into its host flat buffer).
+    fn z3_offload_params(&self) -> bool {
+        self.r.parallel.offload == Offload::Params
+    }
+
+    /// A GPU temporary of `elems` elements of `dtype` on `stream` (a host tensor's `.to(device)`).
+    fn z3_temp(&mut self, elems: u64, dtype: DType, stream: u64, op: &str) -> Rt {
+        let prev = self.kind_now;
+        self.kind_now = Kind::Temporary;
+        let t = self.alloc(Layout::contiguous(&[elems]), dtype, ModuleId(0), op);
+        self.kind_now = prev;
+        self.set_stream(&t, stream);
+        t
     }
 
     fn z3_numel(&self, p: usize) -> u64 {
@@ -249,6 +273,9 @@ impl<'g> Lowering<'g> {
         // `torch.empty(partition_size)`, the own slice copied), and freed (`free_param`).
         let prev = self.kind_now;
         self.kind_now = Kind::Param;
+        // With `offload_param` the partition is made on the host, a persistent one on the GPU
+        // (`_partition_param`: `device = self.local_device if param.ds_persist`).
+        let off_param = self.z3_offload_params();
         let mut parts = Vec::new();
         for &p in &ps {
             let name = self.g.params[p].name.clone();
@@ -259,31 +286,36 @@ impl<'g> Lowering<'g> {
                 "aten.empty",
             );
             self.retag(&whole, format!("{name}:zero.Init"));
-            let part = self.alloc(
-                Layout::contiguous(&[self.zero3.partition[p]]),
-                dtype,
-                ModuleId(0),
-                "aten.empty",
-            );
-            self.retag(&part, format!("{name}:ds_tensor"));
+            if !off_param || self.zero3.persist[p] {
+                let part = self.alloc(
+                    Layout::contiguous(&[self.zero3.partition[p]]),
+                    dtype,
+                    ModuleId(0),
+                    "aten.empty",
+                );
+                self.retag(&part, format!("{name}:ds_tensor"));
+                parts.push(part);
+            }
             self.drop_rt(whole);
-            parts.push(part);
         }
         // `_create_fp16_partitions_with_defragmentation` → `defragment`: the partitions go to
-        // host memory and are freed, `empty_cache()`, then come back as one flat buffer.
+        // host memory and are freed, `empty_cache()`, then come back as one flat buffer. With
+        // `offload_param` they move into the host flat buffer (`_move_to_flat_buffer`) instead.
         for t in parts {
             self.drop_rt(t);
         }
-        self.events.push(Event::EmptyCache);
         let total: u64 = ps.iter().map(|&p| self.zero3.partition[p]).sum();
-        let flat = self.alloc(
-            Layout::contiguous(&[total]),
-            dtype,
-            ModuleId(0),
-            "aten._to_copy",
-        );
-        self.retag(&flat, "lp_param_buffer".into());
-        self.zero3.flat = Some(flat);
+        if !off_param {
+            self.events.push(Event::EmptyCache);
+            let flat = self.alloc(
+                Layout::contiguous(&[total]),
+                dtype,
+                ModuleId(0),
+                "aten._to_copy",
+            );
+            self.retag(&flat, "lp_param_buffer".into());
+            self.zero3.flat = Some(flat);
+        }
         // `_create_fp16_sub_groups`: a sub-group closes once it reaches `sub_group_size`.
         let mut groups = Vec::new();
         let mut open = 0u64;
@@ -301,8 +333,9 @@ impl<'g> Lowering<'g> {
         // `_create_fp32_partitions`: `converted = fp16_flat.to(fp32)`, kept by the local until
         // the next sub-group's, then `converted.clone().detach()` is the master.
         self.kind_now = Kind::OptimState;
+        let off_opt = self.z3_offload_optimizer();
         let mut converted: Option<Rt> = None;
-        for (i, &elems) in groups.iter().enumerate() {
+        for (i, &elems) in groups.iter().enumerate().filter(|_| !off_opt) {
             let c = self.alloc(
                 Layout::contiguous(&[elems]),
                 DType::F32,
@@ -330,27 +363,32 @@ impl<'g> Lowering<'g> {
         // dropped when the function returns.
         self.kind_now = Kind::Temporary;
         let largest = groups.iter().copied().max().unwrap_or(0);
-        let gb = self.alloc(
-            Layout::contiguous(&[largest]),
-            DType::F32,
-            ModuleId(0),
-            "aten.zeros",
-        );
-        self.drop_rt(gb);
+        if !off_opt {
+            let gb = self.alloc(
+                Layout::contiguous(&[largest]),
+                DType::F32,
+                ModuleId(0),
+                "aten.zeros",
+            );
+            self.drop_rt(gb);
+        }
         self.zero3.sub_groups = groups;
         // The IPG buffer (`contiguous_gradients`), one per communication dtype, kept.
         let ipg = self.comm_alloc(DS_REDUCE_BUCKET_ELEMENTS, dtype, "ipg_buffer".into());
         self.zero3.ipg = Some(ipg);
-        // `grad_partitions_flat_buffer`, zero-filled, kept.
-        let gf = self.alloc(
-            Layout::contiguous(&[total]),
-            dtype,
-            ModuleId(0),
-            "aten.zeros",
-        );
-        self.mark_grad(&gf);
-        self.retag(&gf, "grad_partitions_flat_buffer".into());
-        self.zero3.grad_flat = Some(gf);
+        // `grad_partitions_flat_buffer`, zero-filled, kept (on `self.device`: the host with
+        // `offload_optimizer`).
+        if !off_opt {
+            let gf = self.alloc(
+                Layout::contiguous(&[total]),
+                dtype,
+                ModuleId(0),
+                "aten.zeros",
+            );
+            self.mark_grad(&gf);
+            self.retag(&gf, "grad_partitions_flat_buffer".into());
+            self.zero3.grad_flat = Some(gf);
+        }
         // `create_reduce_and_remove_grad_hooks`: `param.all_gather()` (one parameter:
         // `_allgather_params_sequential`, an aligned buffer) then `param.partition()`.
         self.kind_now = Kind::Param;
@@ -361,6 +399,11 @@ impl<'g> Lowering<'g> {
                 ModuleId(0),
                 "aten.empty",
             );
+            if off_param {
+                // `param.ds_tensor.to(device)`, the all-gather's input.
+                let i = self.z3_temp(self.zero3.partition[p], dtype, 0, "aten._to_copy");
+                self.drop_rt(i);
+            }
             self.drop_rt(t);
         }
         self.kind_now = prev;
@@ -573,9 +616,19 @@ impl<'g> Lowering<'g> {
             self.zero3.status[p] = Status::Inflight;
         }
         let h = self.zero3.handles.len();
+        let off_param = self.z3_offload_params();
+        let mut input = None;
         let flat = if n == 1 {
             // `_no_gather_coalesced`: one rank's partition is the parameter (`param.data =
-            // ds_tensor.data.view(ds_shape)`): nothing allocated.
+            // ds_tensor.data.to(device).view(ds_shape)`): nothing allocated, unless the partition
+            // is in host memory.
+            if off_param {
+                for &p in ps {
+                    let t = self.z3_temp(self.zero3.partition[p], dtype, 0, "aten._to_copy");
+                    self.retag(&t, format!("{}:gathered", self.g.params[p].name));
+                    self.zero3.data[p] = Some(t);
+                }
+            }
             None
         } else if ps.len() == 1 {
             // `_all_gather_sequential`: `param.data` is a view of the aligned buffer.
@@ -590,6 +643,15 @@ impl<'g> Lowering<'g> {
             self.set_stream(&t, ALL_GATHER_STREAM);
             self.retag(&t, format!("{}:gathered", self.g.params[p].name));
             self.zero3.data[p] = Some(t);
+            if off_param {
+                // The input `ds_tensor.to(device)`, held by the process group until `wait()`.
+                input = Some(self.z3_temp(
+                    self.zero3.partition[p],
+                    dtype,
+                    ALL_GATHER_STREAM,
+                    "aten._to_copy",
+                ));
+            }
             None
         } else {
             // `_all_gather_dtype`: one flat buffer of Σ partition × N elements.
@@ -603,11 +665,30 @@ impl<'g> Lowering<'g> {
             );
             self.set_stream(&t, ALL_GATHER_STREAM);
             self.retag(&t, "allgather_coalesced_flat".into());
+            if off_param {
+                // `torch.cat([p.ds_tensor.to(device) ...], out=own slice)`: the copies die after
+                // the cat.
+                let ins: Vec<Rt> = ps
+                    .iter()
+                    .map(|&p| {
+                        self.z3_temp(
+                            self.zero3.partition[p],
+                            dtype,
+                            ALL_GATHER_STREAM,
+                            "aten._to_copy",
+                        )
+                    })
+                    .collect();
+                for i in ins {
+                    self.drop_rt(i);
+                }
+            }
             Some(t)
         };
         self.kind_now = prev;
         let coalesced = flat.is_some();
         self.zero3.handles.push(Handle {
+            input,
             flat,
             params: ps.to_vec(),
             registered: ps.len(),
@@ -625,6 +706,9 @@ impl<'g> Lowering<'g> {
         let Some(h) = self.zero3.inflight[p].take() else {
             return;
         };
+        if let Some(i) = self.zero3.handles[h].input.take() {
+            self.drop_rt(i);
+        }
         if !self.zero3.handles[h].complete {
             self.zero3.handles[h].complete = true;
             let prev = self.kind_now;
@@ -786,13 +870,48 @@ impl<'g> Lowering<'g> {
             for t in pads {
                 self.drop_rt(t);
             }
+            self.z3_partition_grads(&ps);
             self.drop_rt(cat);
+        } else {
+            self.z3_partition_grads(&ps);
         }
         self.kind_now = prev;
         for g in std::mem::take(&mut self.zero3.ipg_own) {
             self.drop_rt(g);
         }
         self.zero3.ipg_elements = 0;
+    }
+
+    /// `partition_grads` with `offload_optimizer`: the gradient partition buffer is in host
+    /// memory, so each parameter's chunk is copied there and back (`grad_buffer.to(device)`: a GPU
+    /// copy that the next parameter's rebinding frees); at the accumulation boundary
+    /// `_offload_grad_partition_at_boundary` takes its norm (`_constant_buffered_norm2`:
+    /// `.double()`) and copies `.to(fp32)` into the host fp32 gradient. On the GPU (no offload)
+    /// the chunks are copied into `grad_partitions_flat_buffer` in place.
+    fn z3_partition_grads(&mut self, ps: &[usize]) {
+        if !self.z3_offload_optimizer() {
+            return;
+        }
+        let boundary = self.micro + 1 == self.r.accum;
+        let dtype = self.param_dtype;
+        let mut copy: Option<Rt> = None;
+        for &p in ps {
+            if let Some(c) = copy.take() {
+                self.drop_rt(c);
+            }
+            let elems = self.zero3.partition[p];
+            let c = self.z3_temp(elems, dtype, REDUCE_STREAM, "aten._to_copy");
+            if boundary {
+                let d = self.z3_temp(elems, DType::F64, REDUCE_STREAM, "aten._to_copy");
+                self.drop_rt(d);
+                let f = self.z3_temp(elems, DType::F32, REDUCE_STREAM, "aten._to_copy");
+                self.drop_rt(f);
+            }
+            copy = Some(c);
+        }
+        if let Some(c) = copy {
+            self.drop_rt(c);
+        }
     }
 
     // ------------------------------------------------------------------ the step
@@ -808,7 +927,15 @@ impl<'g> Lowering<'g> {
             self.z3_release_param(p);
         }
         self.kind_now = Kind::Temporary;
-        for i in 0..self.zero3.sub_groups.len() {
+        // With `offload_optimizer` the step runs on the host (`_prepare_sub_group` does nothing,
+        // the fp32 gradients are already there) and the master is copied into the bf16
+        // partitions (converted on the host, then copied).
+        let groups = if self.z3_offload_optimizer() {
+            0
+        } else {
+            self.zero3.sub_groups.len()
+        };
+        for i in 0..groups {
             let elems = self.zero3.sub_groups[i];
             // `_prepare_fp32_grad_for_sub_group`: `self.flatten(averaged_gradients).to(fp32)`.
             let flat = self.alloc(
@@ -845,6 +972,26 @@ impl<'g> Lowering<'g> {
         // One rank: `_allgather_params_coalesced` takes `_no_gather_coalesced` (a view of the
         // partition); `_allgather_params_sequential` (a single parameter) allocates anyway.
         let no_gather = n == 1 && persistent.len() > 1;
+        let off_param = self.z3_offload_params();
+        // With `offload_param`, `local_tensors` holds each partition's `.to(device)` (or
+        // `_no_gather_coalesced` makes it the parameter) until the function returns.
+        let mut inputs = Vec::new();
+        if off_param && persistent.len() > 1 {
+            for &p in &persistent {
+                let t = self.z3_temp(
+                    self.zero3.partition[p],
+                    self.param_dtype,
+                    0,
+                    "aten._to_copy",
+                );
+                if no_gather {
+                    self.retag(&t, format!("{}:gathered", self.g.params[p].name));
+                    self.zero3.data[p] = Some(t);
+                } else {
+                    inputs.push(t);
+                }
+            }
+        }
         for p in persistent {
             if no_gather {
                 self.zero3.status[p] = Status::Available;
@@ -859,6 +1006,9 @@ impl<'g> Lowering<'g> {
             self.retag(&t, format!("{}:gathered", self.g.params[p].name));
             self.zero3.data[p] = Some(t);
             self.zero3.status[p] = Status::Available;
+        }
+        for t in inputs {
+            self.drop_rt(t);
         }
         self.kind_now = prev;
     }
