@@ -606,3 +606,27 @@ fn zero3_offload_keeps_only_partitions_or_nothing_on_the_gpu() {
         }
     }
 }
+
+/// Accumulation over many micro-batches is lowered compactly (`compact.rs`: three micro-batches,
+/// the third standing for the rest when it repeats the second). ZeRO-3's first micro-batch records
+/// the trace and the later ones prefetch from it, so the second and third are alike: the compact
+/// form expands to the full lowering, byte for byte, with and without offload, and for
+/// `zero1-torch`.
+#[test]
+fn zero3_and_zero_redundancy_lower_compactly() {
+    use vramsim_models::Offload;
+    for (shard, offload) in [
+        (Shard::Zero3, Offload::None),
+        (Shard::Zero3, Offload::Params),
+        (Shard::ZeroRedundancy, Offload::None),
+    ] {
+        let mut r = zero3_recipe(2, 64, 4);
+        r.parallel.shard = shard;
+        r.parallel.offload = offload;
+        r.accum = 6;
+        let g = zoo::build("gpt2", &r).unwrap();
+        let full = lower(&g, &r).unwrap();
+        let compact = vramsim_models::compact::lower_compact(&g, &r).unwrap();
+        assert!(compact.expand() == full, "{shard} {offload}");
+    }
+}
