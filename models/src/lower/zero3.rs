@@ -25,10 +25,11 @@
 //!   `engine.get_data_types`), kept too. `create_reduce_and_remove_grad_hooks` all-gathers each
 //!   parameter (one aligned buffer) and partitions it again, one at a time.
 //! * **Submodules**: DeepSpeed hooks every module and fetches its direct parameters
-//!   (`iter_params(module, recurse=False)`) before it runs and releases them after. Here a
-//!   submodule is a module path whose ops take parameters as inputs, with those parameters
-//!   (a tied head fetches the embedding's weight, as `lm_head.weight` is the same `Parameter`); it
-//!   is entered at the first op of its subtree and left at the first op outside it. In backward the
+//!   (`iter_params(module, recurse=False)`) before it runs and releases them after; every fetch,
+//!   with parameters or not, is a step of the trace and an occasion to prefetch. Here a module's
+//!   parameters are those its own ops take as inputs (a tied head fetches the embedding's weight,
+//!   as `lm_head.weight` is the same `Parameter`); a module is entered at the first op of its
+//!   subtree (ancestors first) and left at the first op outside it. In backward the
 //!   autograd nodes' modules play the part of the pre- and post-backward hooks; a checkpointed
 //!   region's recomputation enters and leaves its submodules as a forward does.
 //! * **Fetch** (`fetch_sub_module`): the parameters not available are all-gathered on the
@@ -203,50 +204,51 @@ impl<'g> Lowering<'g> {
     pub(super) fn zero3_setup(&mut self) {
         let g = self.g;
         let n = u64::from(self.r.parallel.dp);
-        // Submodules: the modules whose ops take parameters.
+        // Submodules: every module (DeepSpeed hooks them all: each one's fetch is a step of the
+        // trace and an occasion to prefetch, with or without parameters of its own); a module's
+        // parameters are those its own ops take.
         let mut param_of_value = vec![None; g.values.len()];
         for (p, param) in g.params.iter().enumerate() {
             param_of_value[param.value.0 as usize] = Some(p);
         }
-        let mut unit_of_module: Vec<Option<usize>> = vec![None; g.modules.len()];
-        let mut unit_params: Vec<Vec<usize>> = Vec::new();
-        let mut unit_module: Vec<usize> = Vec::new();
+        let mut unit_params: Vec<Vec<usize>> = vec![Vec::new(); g.modules.len()];
         for op in &g.ops {
             for v in &op.inputs {
                 let Some(p) = param_of_value[v.0 as usize] else {
                     continue;
                 };
-                if !g.params[p].trainable {
-                    continue;
-                }
-                let m = op.module.0 as usize;
-                let u = *unit_of_module[m].get_or_insert_with(|| {
-                    unit_params.push(Vec::new());
-                    unit_module.push(m);
-                    unit_params.len() - 1
-                });
-                if !unit_params[u].contains(&p) {
-                    unit_params[u].push(p);
+                let ps = &mut unit_params[op.module.0 as usize];
+                if g.params[p].trainable && !ps.contains(&p) {
+                    ps.push(p);
                 }
             }
         }
         for ps in &mut unit_params {
             ps.sort_unstable();
         }
+        // Each module's ancestors and itself, outermost (the root) first.
+        let id_of_path: rustc_hash::FxHashMap<&str, usize> = g
+            .modules
+            .iter()
+            .enumerate()
+            .map(|(m, path)| (path.as_str(), m))
+            .collect();
         let module_units = g
             .modules
             .iter()
             .map(|path| {
-                let mut us: Vec<usize> = (0..unit_params.len())
-                    .filter(|&u| {
-                        let up = &g.modules[unit_module[u]];
-                        up.is_empty()
-                            || path == up
-                            || (path.starts_with(up.as_str())
-                                && path.as_bytes().get(up.len()) == Some(&b'.'))
-                    })
-                    .collect();
-                us.sort_by_key(|&u| g.modules[unit_module[u]].len());
+                let mut us = Vec::new();
+                let mut at = path.as_str();
+                loop {
+                    if let Some(&m) = id_of_path.get(at) {
+                        us.push(m);
+                    }
+                    if at.is_empty() {
+                        break;
+                    }
+                    at = at.rsplit_once('.').map_or("", |(parent, _)| parent);
+                }
+                us.reverse();
                 us
             })
             .collect();
