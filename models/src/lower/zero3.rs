@@ -56,7 +56,8 @@
 //!   chunks copied into `grad_partitions_flat_buffer` (`partition_grads`); the epilogue at the end
 //!   of backward reduces the rest.
 //! * **Step** (`step`): `_partition_all_parameters` releases everything gathered (persistent
-//!   parameters too); per sub-group the gradient partitions are flattened (bf16), converted
+//!   parameters too); the gradient norm takes an fp64 copy of each gradient partition in turn
+//!   (`get_grad_norm_direct`); per sub-group the gradient partitions are flattened (bf16), converted
 //!   `.to(fp32)` as the master's `.grad` (the bf16 copy dies), the torch optimizer steps (its state
 //!   at the first step), the fp32 gradient dies and the master is copied into the bf16 partitions;
 //!   `_post_step` all-gathers the persistent parameters back (`_allgather_params_coalesced`, one
@@ -66,8 +67,8 @@
 //! boundaries of the op sequence (two back-to-back calls of one module are one); a submodule
 //! active in the backward keeps its parameters through a recomputation of it (DeepSpeed's
 //! `ds_active_sub_modules` is a set of module ids, shared by both); the event-count throttles
-//! (`__max_ongoing_fetch_events`, `max_param_reduce_events`) and gradient-norm temporaries are
-//! not modelled; the whole-parameter transient of `zero.Init` is per parameter, not per module.
+//! (`__max_ongoing_fetch_events`, `max_param_reduce_events`) and the scalar bookkeeping of the
+//! gradient norm are not modelled; the whole-parameter transient of `zero.Init` is per parameter, not per module.
 
 use std::collections::VecDeque;
 
@@ -918,6 +919,32 @@ impl<'g> Lowering<'g> {
 
     // ------------------------------------------------------------------ the step
 
+    /// `_get_norm_groups` → `get_grad_norm_direct` (before the sub-groups are stepped): per
+    /// parameter `g.double().norm(2)` (an fp64 copy of its gradient partition, dying with the
+    /// expression, and a 0-dim fp64 norm kept in `grad_norms`), then
+    /// `torch.sum(torch.pow(torch.stack(grad_norms), 2))`; the list dies when the function returns.
+    /// The scalar bookkeeping after it (`isinf`, `isnan`, `where`, `vector_norm` of the groups) is
+    /// left out.
+    fn z3_grad_norm(&mut self) {
+        let mut norms = Vec::new();
+        for p in self.trainable() {
+            let elems = self.zero3.partition[p];
+            let d = self.z3_temp(elems, DType::F64, 0, "aten._to_copy");
+            norms.push(self.z3_temp(1, DType::F64, 0, "aten.linalg_vector_norm"));
+            self.drop_rt(d);
+        }
+        let k = norms.len() as u64;
+        let stack = self.z3_temp(k, DType::F64, 0, "aten.stack");
+        let pow = self.z3_temp(k, DType::F64, 0, "aten.pow");
+        self.drop_rt(stack);
+        let sum = self.z3_temp(1, DType::F64, 0, "aten.sum");
+        self.drop_rt(pow);
+        self.drop_rt(sum);
+        for t in norms {
+            self.drop_rt(t);
+        }
+    }
+
     /// `DeepSpeedZeroOptimizer_Stage3.step` (bf16, no offload).
     pub(super) fn zero3_step(&mut self) {
         // `_partition_all_parameters` → `release_and_reset_all`.
@@ -929,6 +956,9 @@ impl<'g> Lowering<'g> {
             self.z3_release_param(p);
         }
         self.kind_now = Kind::Temporary;
+        if !self.z3_offload_optimizer() {
+            self.z3_grad_norm();
+        }
         // With `offload_optimizer` the step runs on the host (`_prepare_sub_group` does nothing,
         // the fp32 gradients are already there) and the master is copied into the bf16
         // partitions (converted on the host, then copied).
