@@ -224,7 +224,7 @@ pub struct PredictArgs {
     /// zero1-torch (torch's ZeroRedundancyOptimizer over DDP: whole parameters' optimizer state
     /// partitioned greedily; the rank with the most is reported), fsdp2 (fully_shard on every
     /// block and the root), dataparallel (nn.DataParallel over devices 0..dp-1: a report per
-    /// device). TP, PP and offload are not modelled yet.
+    /// device). TP and PP are not modelled yet; --offload with zero3 only.
     #[arg(long, default_value = "none", value_parser = named::<Shard>)]
     pub shard: Shard,
     /// The world size the job is launched with: an error unless it equals the layout's ranks (dp).
