@@ -62,13 +62,20 @@
 //!   at the first step), the fp32 gradient dies and the master is copied into the bf16 partitions;
 //!   `_post_step` all-gathers the persistent parameters back (`_allgather_params_coalesced`, one
 //!   aligned buffer each, on the current stream), where they stay until the next step.
+//! * **Offload** (`_configure_offloading`): `--offload optimizer` (`offload_optimizer`, device cpu)
+//!   keeps the fp32 master, its gradient, the optimizer state and `grad_partitions_flat_buffer` in
+//!   host memory (`self.device`), so `partition_grads` copies each chunk through a GPU copy and, at
+//!   the accumulation boundary, its fp64 norm and fp32 conversion; `--offload params`
+//!   (`offload_param` too) keeps the partitions in host memory, so every all-gather first copies
+//!   its inputs to the GPU (`ds_tensor.to(device)`). The IPG buffer stays on the GPU.
 //!
 //! Simplified (documented in `models/README.md`): module hooks are placed at module-path
 //! boundaries of the op sequence (two back-to-back calls of one module are one); a submodule
 //! active in the backward keeps its parameters through a recomputation of it (DeepSpeed's
 //! `ds_active_sub_modules` is a set of module ids, shared by both); the event-count throttles
 //! (`__max_ongoing_fetch_events`, `max_param_reduce_events`) and the scalar bookkeeping of the
-//! gradient norm are not modelled; the whole-parameter transient of `zero.Init` is per parameter, not per module.
+//! gradient norm are not modelled; the whole-parameter transient of `zero.Init` is per
+//! parameter, not per module.
 
 use std::collections::VecDeque;
 
