@@ -239,7 +239,7 @@ pub struct PredictArgs {
     #[arg(long, value_name = "DTYPE", value_parser = float_dtype("fsdp-reduce-dtype"))]
     pub fsdp_reduce_dtype: Option<DType>,
     /// DistributedDataParallel(gradient_as_bucket_view=True): gradients become views of the
-    /// buckets instead of a second copy (with --shard ddp).
+    /// buckets instead of a second copy (with --shard ddp or zero1-torch).
     #[arg(long)]
     pub ddp_bucket_view: bool,
     /// DataParallel(output_device=...): the device the outputs are gathered on (with --shard

@@ -380,9 +380,9 @@ impl Parallel {
                 self.shard
             )));
         }
-        if self.gradient_as_bucket_view && self.shard != Shard::Ddp {
+        if self.gradient_as_bucket_view && !self.shard.uses_ddp() {
             return Err(bad(format!(
-                "--ddp-bucket-view is DistributedDataParallel's gradient_as_bucket_view: give --shard ddp, not {}",
+                "--ddp-bucket-view is DistributedDataParallel's gradient_as_bucket_view: give --shard ddp (or zero1-torch, over DDP), not {}",
                 self.shard
             )));
         }
