@@ -10,7 +10,7 @@
 //!   with bf16 parameters and an fp32 master partition, at DeepSpeed's defaults.
 //! * `zero3`: DeepSpeed ZeRO stage 3 (`deepspeed/runtime/zero/stage3.py`,
 //!   `partition_parameters.py`, `partitioned_param_coordinator.py`), bf16, at DeepSpeed's defaults
-//!   (`lower/zero3.rs`).
+//!   (`lower/zero3/`).
 //! * `zero1-torch`: `torch.distributed.optim.ZeroRedundancyOptimizer` over DDP: whole parameters
 //!   partitioned greedily, each rank keeping the optimizer state of its own
 //!   ([`zero_redundancy_partition`]).
@@ -512,7 +512,7 @@ impl Parallel {
         };
         match self.offload {
             Offload::None => Ok(()),
-            // ZeRO-3's `offload_optimizer` and `offload_param` (`lower/zero3.rs`).
+            // ZeRO-3's `offload_optimizer` and `offload_param` (`lower/zero3/`).
             Offload::Optimizer | Offload::Params if self.shard == Shard::Zero3 => Ok(()),
             // DeepSpeed's `offload_param` is a ZeRO-3 option (`DeepSpeedZeroOffloadParamConfig`
             // is read only by stage 3); FSDP2's `CPUOffloadPolicy` offloads the sharded parameters.

@@ -301,7 +301,7 @@ pub(crate) struct Lowering<'g> {
     fsdp: fsdp::FsdpState,
     /// DataParallel's state on this device (`dataparallel.rs`).
     dp: dataparallel::DpState,
-    /// DeepSpeed ZeRO-3's state (`zero3.rs`).
+    /// DeepSpeed ZeRO-3's state (`zero3/`).
     zero3: zero3::Zero3State,
 }
 
@@ -860,7 +860,7 @@ impl<'g> Lowering<'g> {
             // The model dtype, or the parameter's own (PEFT's fp32 LoRA adapters).
             let dtype = self.resolve(g.values[p.value.0 as usize].dtype);
             // FSDP2 materialises only the shards (`fsdp.rs`): the handle has no storage of its own.
-            // ZeRO-3 under `zero.Init` materialises only the partitions (`zero3.rs`).
+            // ZeRO-3 under `zero.Init` materialises only the partitions (`zero3/`).
             let size = if self.fsdp_shards(i) || self.zero3_on() || self.dp_copy() {
                 0
             } else {
