@@ -215,14 +215,16 @@ pub struct PredictArgs {
     #[arg(long, value_name = "R", value_parser = lora_rank)]
     pub lora_r: Option<u64>,
     /// Data-parallel ranks: the step is lowered and replayed per rank (ranks that play the same
-    /// role once). Needs --shard ddp, zero1, zero2 or fsdp2 above 1.
+    /// role once). Needs --shard ddp, zero1, zero2, zero3, zero1-torch or fsdp2 above 1.
     #[arg(long, default_value_t = 1, value_parser = count32("dp"), allow_negative_numbers = true)]
     pub dp: u32,
     /// How the data-parallel ranks share the model states: none (one GPU), ddp
-    /// (DistributedDataParallel: gradient buckets), zero1 / zero2 (DeepSpeed ZeRO stages 1 and 2,
-    /// bf16 with an fp32 master partition), fsdp2 (fully_shard on every block and the root),
-    /// dataparallel (nn.DataParallel over devices 0..dp-1: a report per device).
-    /// ZeRO-3, TP and PP are not modelled yet.
+    /// (DistributedDataParallel: gradient buckets), zero1 / zero2 / zero3 (DeepSpeed ZeRO stages
+    /// 1, 2 and 3, bf16 with an fp32 master partition; zero3 gathers parameters per submodule),
+    /// zero1-torch (torch's ZeroRedundancyOptimizer over DDP: whole parameters' optimizer state
+    /// partitioned greedily; the rank with the most is reported), fsdp2 (fully_shard on every
+    /// block and the root), dataparallel (nn.DataParallel over devices 0..dp-1: a report per
+    /// device). TP and PP are not modelled yet.
     #[arg(long, default_value = "none", value_parser = named::<Shard>)]
     pub shard: Shard,
     /// The world size the job is launched with: an error unless it equals the layout's ranks (dp).
@@ -237,7 +239,7 @@ pub struct PredictArgs {
     #[arg(long, value_name = "DTYPE", value_parser = float_dtype("fsdp-reduce-dtype"))]
     pub fsdp_reduce_dtype: Option<DType>,
     /// DistributedDataParallel(gradient_as_bucket_view=True): gradients become views of the
-    /// buckets instead of a second copy (with --shard ddp).
+    /// buckets instead of a second copy (with --shard ddp or zero1-torch).
     #[arg(long)]
     pub ddp_bucket_view: bool,
     /// DataParallel(output_device=...): the device the outputs are gathered on (with --shard

@@ -3,7 +3,9 @@
 //! same trace, so each role is replayed once; the layout fits only if every role fits.
 //!
 //! Data parallelism alone has one role: every data-parallel rank holds the same shapes (DDP:
-//! everything; ZeRO-1/2: equal padded partitions), so rank 0's replay stands for all of them.
+//! everything; ZeRO-1/2/3: equal padded partitions), so rank 0's replay stands for all of them;
+//! `ZeroRedundancyOptimizer` (`zero1-torch`) gives whole parameters to ranks, and the rank with
+//! the most optimizer state (the worst) stands for all.
 
 use std::fmt::Write as _;
 
@@ -42,6 +44,11 @@ pub fn roles(parallel: &Parallel, report: &Report) -> Vec<RankRole> {
         Shard::Ddp => "data-parallel rank (DDP replica)",
         Shard::Zero1 => "data-parallel rank (ZeRO-1 partition)",
         Shard::Zero2 => "data-parallel rank (ZeRO-2 partition)",
+        Shard::Zero3 => "data-parallel rank (ZeRO-3 partition, parameters gathered per submodule)",
+        // The greedy partition gives ranks unequal state: the lowered rank holds the most.
+        Shard::ZeroRedundancy => {
+            "data-parallel rank (ZeroRedundancyOptimizer; the rank with the most optimizer state)"
+        }
         // torch.chunk gives rank 0 the largest shards: its trace is the worst rank's.
         Shard::Fsdp2 => "data-parallel rank (FSDP2 shard; rank 0, the largest shards)",
         // One device: DataParallel calls the module itself (`crate::dataparallel` for more).

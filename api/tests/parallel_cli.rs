@@ -125,7 +125,10 @@ fn bad_layouts_fail_with_the_reason() {
         all.extend_from_slice(extra);
         common::assert_fails(&all, fragments);
     };
-    fails(&["--dp", "4"], &["--shard ddp, zero1, zero2 or fsdp2"]);
+    fails(
+        &["--dp", "4"],
+        &["--shard ddp, zero1, zero2, zero3, zero1-torch or fsdp2"],
+    );
     fails(
         &[
             "--dp",
@@ -156,8 +159,39 @@ fn bad_layouts_fail_with_the_reason() {
     );
     fails(&["--dp", "4", "--shard", "zero1"], &["--precision bf16"]);
     fails(
-        &["--dp", "4", "--shard", "zero3"],
-        &["valid values are none, ddp, zero1, zero2"],
+        &["--dp", "4", "--shard", "zero4"],
+        &["valid values are none, ddp, zero1, zero2, zero3, zero1-torch"],
+    );
+    fails(
+        &[
+            "--precision",
+            "bf16",
+            "--dp",
+            "4",
+            "--shard",
+            "zero3",
+            "--optimizer",
+            "sgd",
+        ],
+        &["--shard zero3", "sgd (no momentum) keeps none"],
+    );
+    fails(&["--dp", "4", "--shard", "zero3"], &["--precision bf16"]);
+    fails(
+        &["--dp", "4", "--shard", "zero1-torch", "--optimizer", "sgd"],
+        &["ZeroRedundancyOptimizer", "sgd (no momentum) keeps none"],
+    );
+    fails(
+        &[
+            "--precision",
+            "bf16",
+            "--dp",
+            "4",
+            "--shard",
+            "zero3",
+            "--clip-grad-norm",
+            "1.0",
+        ],
+        &["DeepSpeed clips"],
     );
     fails(&["--dp", "0", "--shard", "ddp"], &["dp must be"]);
     // nn.DataParallel is one process: it cannot be split by TP or PP (issue 18).
@@ -288,6 +322,10 @@ fn bad_layouts_fail_with_the_reason() {
         &["true, false, N"],
     );
     fails(
+        &["--offload", "params", "--dp", "2", "--shard", "zero2"],
+        &["--offload params", "--shard zero3 or fsdp2", "not zero2"],
+    );
+    fails(
         &["--dp", "2", "--shard", "fsdp2", "--ddp-bucket-view"],
         &["gradient_as_bucket_view", "--shard ddp"],
     );
@@ -335,7 +373,7 @@ fn bad_layouts_fail_with_the_reason() {
             "--shard",
             "ddp",
         ],
-        &["parallel layouts", "not searched yet"],
+        &["give --gpus N to search parallel layouts"],
     );
 }
 
@@ -537,4 +575,83 @@ fn offload_and_reshard_after_forward_change_the_rank() {
     assert_eq!(half["layout"]["reshard_after_forward"], "4");
     assert!(half["peak_allocated_bytes"].as_u64() > fsdp["peak_allocated_bytes"].as_u64());
     assert!(half["peak_allocated_bytes"].as_u64() < kept["peak_allocated_bytes"].as_u64());
+}
+
+/// The new sharding modes run with one rank (and report it), as every layout must.
+#[test]
+fn zero3_and_zero_redundancy_run_with_one_rank() {
+    for (shard, role) in [
+        ("zero3", "ZeRO-3"),
+        ("zero1-torch", "ZeroRedundancyOptimizer"),
+    ] {
+        let doc = json(&[
+            "predict",
+            "--model",
+            "gpt2",
+            "--batch",
+            "1",
+            "--seq",
+            "64",
+            "--precision",
+            "bf16",
+            "--dp",
+            "1",
+            "--shard",
+            shard,
+        ]);
+        assert_eq!(doc["layout"]["shard"], shard, "{doc}");
+        assert_eq!(doc["layout"]["world_size"], 1, "{doc}");
+        let ranks = doc["ranks"].as_array().expect("ranks");
+        assert_eq!(ranks.len(), 1);
+        assert!(ranks[0]["role"].as_str().unwrap().contains(role), "{doc}");
+        assert_eq!(ranks[0]["fits"], true, "{doc}");
+    }
+    // ZeRO-3's CPU offload: the optimizer's states, then the partitions too, leave the GPU.
+    let peak = |offload: &str| {
+        json(&[
+            "predict",
+            "--model",
+            "gpt2",
+            "--batch",
+            "1",
+            "--seq",
+            "64",
+            "--precision",
+            "bf16",
+            "--dp",
+            "4",
+            "--shard",
+            "zero3",
+            "--offload",
+            offload,
+        ])["peak_allocated_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    let (none, optimizer, params) = (peak("none"), peak("optimizer"), peak("params"));
+    assert!(
+        params < optimizer && optimizer < none,
+        "{none} {optimizer} {params}"
+    );
+    // And over 8 ranks, as whatif varies them.
+    let rows = json(&[
+        "whatif",
+        "--model",
+        "gpt2",
+        "--batch",
+        "2",
+        "--seq",
+        "128",
+        "--precision",
+        "bf16",
+        "--dp",
+        "8",
+        "--vary",
+        "shard=zero3,zero1-torch",
+    ]);
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in rows {
+        assert_eq!(r["ranks"][0]["ranks"].as_array().unwrap().len(), 8, "{r}");
+    }
 }

@@ -8,6 +8,12 @@
 //!   `static_graph=False`): the `Reducer`'s gradient buckets.
 //! * `zero1`, `zero2`: DeepSpeed ZeRO stages 1 and 2 (`deepspeed/runtime/zero/stage_1_and_2.py`)
 //!   with bf16 parameters and an fp32 master partition, at DeepSpeed's defaults.
+//! * `zero3`: DeepSpeed ZeRO stage 3 (`deepspeed/runtime/zero/stage3.py`,
+//!   `partition_parameters.py`, `partitioned_param_coordinator.py`), bf16, at DeepSpeed's defaults
+//!   (`lower/zero3/`).
+//! * `zero1-torch`: `torch.distributed.optim.ZeroRedundancyOptimizer` over DDP: whole parameters
+//!   partitioned greedily, each rank keeping the optimizer state of its own
+//!   ([`zero_redundancy_partition`]).
 //! * `fsdp2`: `fully_shard` on every block and the root, the blocks' `reshard_after_forward`
 //!   (`--reshard-after-forward`, True by default; the root's stays False), with an optional
 //!   `MixedPrecisionPolicy(param_dtype, reduce_dtype)` (`lower/fsdp.rs`).
@@ -36,6 +42,11 @@ pub enum Shard {
     Zero1,
     /// DeepSpeed ZeRO stage 2: gradients partitioned too.
     Zero2,
+    /// DeepSpeed ZeRO stage 3: parameters partitioned too, gathered per submodule.
+    Zero3,
+    /// `torch.distributed.optim.ZeroRedundancyOptimizer` with DDP: optimizer state of whole
+    /// parameters partitioned (`zero1-torch`).
+    ZeroRedundancy,
     /// FSDP2 (`fully_shard` on every block and the root): parameters, gradients and optimizer
     /// state sharded; parameters all-gathered per block.
     Fsdp2,
@@ -51,6 +62,8 @@ impl fmt::Display for Shard {
             Shard::Ddp => "ddp",
             Shard::Zero1 => "zero1",
             Shard::Zero2 => "zero2",
+            Shard::Zero3 => "zero3",
+            Shard::ZeroRedundancy => "zero1-torch",
             Shard::Fsdp2 => "fsdp2",
             Shard::DataParallel => "dataparallel",
         })
@@ -65,21 +78,29 @@ impl FromStr for Shard {
             "ddp" => Ok(Shard::Ddp),
             "zero1" => Ok(Shard::Zero1),
             "zero2" => Ok(Shard::Zero2),
+            "zero3" => Ok(Shard::Zero3),
+            "zero1-torch" => Ok(Shard::ZeroRedundancy),
             "fsdp2" => Ok(Shard::Fsdp2),
             "dataparallel" => Ok(Shard::DataParallel),
             _ => Err(RecipeError::Unknown {
                 field: "shard",
                 value: s.to_string(),
-                valid: "none, ddp, zero1, zero2, fsdp2, dataparallel (zero3 is not modelled yet)",
+                valid: "none, ddp, zero1, zero2, zero3, zero1-torch, fsdp2, dataparallel",
             }),
         }
     }
 }
 
 impl Shard {
-    /// Whether this is a DeepSpeed ZeRO stage.
+    /// Whether this is a DeepSpeed ZeRO stage (1, 2 or 3).
     pub fn is_zero(self) -> bool {
-        matches!(self, Shard::Zero1 | Shard::Zero2)
+        matches!(self, Shard::Zero1 | Shard::Zero2 | Shard::Zero3)
+    }
+
+    /// Whether DDP's `Reducer` reduces the gradients (`ddp`, and `zero1-torch`, whose
+    /// `ZeroRedundancyOptimizer` wraps a DDP model).
+    pub fn uses_ddp(self) -> bool {
+        matches!(self, Shard::Ddp | Shard::ZeroRedundancy)
     }
 }
 
@@ -310,6 +331,25 @@ pub const DDP_BUCKET_CAP_BYTES: u64 = 25 * 1024 * 1024;
 /// `reduce_bucket_size: int = Field(pp_int(5e8), ge=0)`).
 pub const DS_REDUCE_BUCKET_ELEMENTS: u64 = 500_000_000;
 
+/// ZeRO-3's `stage3_prefetch_bucket_size` default, in elements (`deepspeed/runtime/zero/config.py`:
+/// `prefetch_bucket_size: int = Field(pp_int(5e7), ge=0, alias="stage3_prefetch_bucket_size")`).
+pub const DS_PREFETCH_BUCKET_ELEMENTS: u64 = 50_000_000;
+
+/// ZeRO-3's `stage3_param_persistence_threshold` default, in elements (`config.py`:
+/// `Field(pp_int(1e5), ...)`): a parameter of at most this many elements stays whole on every rank
+/// (`parameter_offload.py` `mark_persistent_parameters`: `param.ds_numel <= param_threshold`).
+pub const DS_PARAM_PERSISTENCE_THRESHOLD: u64 = 100_000;
+
+/// ZeRO-3's `stage3_max_live_parameters` default, in elements (`config.py`: `Field(pp_int(1e9))`).
+pub const DS_MAX_LIVE_PARAMETERS: u64 = 1_000_000_000;
+
+/// ZeRO-3's `stage3_max_reuse_distance` default, in elements (`config.py`: `Field(pp_int(1e9))`).
+pub const DS_MAX_REUSE_DISTANCE: u64 = 1_000_000_000;
+
+/// ZeRO-3's `sub_group_size` default, in elements (`config.py`: `sub_group_size: int =
+/// Field(pp_int(1e9), ge=0)`).
+pub const DS_SUB_GROUP_SIZE: u64 = 1_000_000_000;
+
 impl Parallel {
     /// The number of ranks the layout needs: dp × tp × pp (saturating; `validate` refuses a
     /// product above `u32::MAX`).
@@ -372,7 +412,7 @@ impl Parallel {
         self.validate_reshard()?;
         if self.shard == Shard::None && self.dp > 1 {
             return Err(bad(format!(
-                "--dp {} needs a data-parallel mode: --shard ddp, zero1, zero2 or fsdp2",
+                "--dp {} needs a data-parallel mode: --shard ddp, zero1, zero2, zero3, zero1-torch or fsdp2",
                 self.dp
             )));
         }
@@ -404,9 +444,9 @@ impl Parallel {
                 self.shard
             )));
         }
-        if self.gradient_as_bucket_view && self.shard != Shard::Ddp {
+        if self.gradient_as_bucket_view && !self.shard.uses_ddp() {
             return Err(bad(format!(
-                "--ddp-bucket-view is DistributedDataParallel's gradient_as_bucket_view: give --shard ddp, not {}",
+                "--ddp-bucket-view is DistributedDataParallel's gradient_as_bucket_view: give --shard ddp (or zero1-torch, over DDP), not {}",
                 self.shard
             )));
         }
@@ -428,6 +468,11 @@ impl Parallel {
                 field: "offload",
                 msg: "--offload params with a GradScaler (--grad-scaler, or --precision amp-fp16) is not modelled: give --precision bf16, fp32 or amp-bf16".into(),
             });
+        }
+        if self.shard == Shard::ZeroRedundancy && r.optimizer == OptimizerKind::Sgd {
+            return Err(bad(
+                "--shard zero1-torch (ZeroRedundancyOptimizer) partitions optimizer state, and sgd (no momentum) keeps none: use --shard ddp, or an optimizer with state (adamw, adam, sgd-momentum, sgd-nesterov)".into(),
+            ));
         }
         if self.shard.is_zero() {
             // ZeRO partitions optimizer state (and the fp32 master weights of mixed precision).
@@ -554,10 +599,12 @@ impl Parallel {
         };
         match self.offload {
             Offload::None => Ok(()),
+            // ZeRO-3's `offload_optimizer` and `offload_param` (`lower/zero3/`).
+            Offload::Optimizer | Offload::Params if self.shard == Shard::Zero3 => Ok(()),
             // DeepSpeed's `offload_param` is a ZeRO-3 option (`DeepSpeedZeroOffloadParamConfig`
             // is read only by stage 3); FSDP2's `CPUOffloadPolicy` offloads the sharded parameters.
             Offload::Params if self.shard != Shard::Fsdp2 => Err(bad(format!(
-                "--offload params keeps sharded parameters in host memory, which ZeRO-3 and FSDP2 do; give --shard fsdp2 (zero3 is not modelled yet), not {}",
+                "--offload params keeps sharded parameters in host memory, which ZeRO-3 and FSDP2 do; give --shard zero3 or fsdp2, not {}",
                 self.shard
             ))),
             // FSDP2 has no optimizer-only offload: `CPUOffloadPolicy` moves the sharded
@@ -566,7 +613,7 @@ impl Parallel {
                 "FSDP2's CPUOffloadPolicy offloads the sharded parameters, their gradients and the optimizer step together: give --offload params".into(),
             )),
             Offload::Optimizer if !self.shard.is_zero() => Err(bad(format!(
-                "--offload optimizer is DeepSpeed ZeRO's offload_optimizer (fp32 master weights and optimizer state in host memory): give --shard zero1 or zero2, not {}",
+                "--offload optimizer is DeepSpeed ZeRO's offload_optimizer (fp32 master weights and optimizer state in host memory): give --shard zero1, zero2 or zero3, not {}",
                 self.shard
             ))),
             _ => Ok(()),
@@ -692,6 +739,36 @@ pub fn bucket_assignment(
         result.sort_by_key(|b| b.iter().copied().min().unwrap_or(usize::MAX));
     }
     result
+}
+
+/// `ZeroRedundancyOptimizer._partition_parameters` (`torch/distributed/optim/
+/// zero_redundancy_optimizer.py`): the parameters sorted by `numel()`, largest first (Python's
+/// stable sort keeps registration order among equals), each given to the rank with the smallest
+/// running total (`_get_min_index`: the first such rank). Returns the rank of each parameter.
+pub fn zero_redundancy_partition(numels: &[u64], world: u32) -> Vec<u32> {
+    let mut order: Vec<usize> = (0..numels.len()).collect();
+    order.sort_by(|&a, &b| numels[b].cmp(&numels[a]));
+    let mut sizes = vec![0u64; world.max(1) as usize];
+    let mut rank = vec![0u32; numels.len()];
+    for i in order {
+        let r = (0..sizes.len()).min_by_key(|&r| (sizes[r], r)).unwrap_or(0);
+        rank[i] = r as u32;
+        sizes[r] += numels[i];
+    }
+    rank
+}
+
+/// The rank whose trace a `zero1-torch` layout lowers: the one owning the most parameter elements
+/// (so the most optimizer state; the lowest such rank on a tie).
+pub fn zero_redundancy_worst_rank(numels: &[u64], world: u32) -> u32 {
+    let ranks = zero_redundancy_partition(numels, world);
+    let mut sizes = vec![0u64; world.max(1) as usize];
+    for (i, &r) in ranks.iter().enumerate() {
+        sizes[r as usize] += numels[i];
+    }
+    (0..sizes.len())
+        .max_by_key(|&r| (sizes[r], std::cmp::Reverse(r)))
+        .unwrap_or(0) as u32
 }
 
 #[cfg(test)]

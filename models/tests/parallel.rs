@@ -613,3 +613,394 @@ fn fsdp2_reshard_after_forward_to_a_smaller_world_keeps_a_slice() {
     let live = live_at_phase(&t, "optimizer", 1);
     assert_eq!(live.get(&Category::Parameter).copied(), Some(4 * shards));
 }
+
+/// ⌈numel/N⌉ elements of each parameter: its ZeRO-3 partition (`ds_tensor`), every parameter
+/// padded to a multiple of N (`partition_parameters.py` `_aligned_size`, `_partition_param`).
+fn zero3_partition(g: &vramsim_models::Graph, n: u64) -> Vec<u64> {
+    g.params
+        .iter()
+        .map(|p| p.shape.iter().product::<u64>().div_ceil(n))
+        .collect()
+}
+
+fn zero3_recipe(batch: u64, seq: u64, n: u32) -> Recipe {
+    let mut r = recipe(batch, seq, n, Shard::Zero3);
+    r.precision = Precision::Bf16;
+    r.optimizer = OptimizerKind::AdamW;
+    r
+}
+
+/// ZeRO-3 model states per rank, bf16 with AdamW, after the second backward (before the step):
+///
+/// * the paper (Rajbhandari et al., SC'20, Figure 1): 16Ψ/N, i.e. 2Ψ/N bf16 parameters + 2Ψ/N bf16
+///   gradients + 12Ψ/N optimizer states (4 fp32 master + 8 Adam moments);
+/// * DeepSpeed's mechanism, by hand from its buffers: with Ψ' = Σ⌈numel/N⌉ (each parameter's
+///   padded partition), `lp_param_buffer` 2Ψ' + `grad_partitions_flat_buffer` 2Ψ' (bf16, the
+///   gradient-accumulation dtype defaults to the model's) + `fp32_partitioned_groups_flat` 4Ψ' +
+///   `exp_avg`/`exp_avg_sq` 8Ψ' = 16Ψ'; plus what the paper does not count: the persistent
+///   parameters (numel ≤ `stage3_param_persistence_threshold` = 1e5) held whole, 2 bytes × their
+///   aligned numel, gathered again after every step (`_post_step`), and the IPG buffer of
+///   `reduce_bucket_size` = 5e8 bf16 elements (1 GB), allocated at optimizer setup and kept. The
+///   non-persistent parameters are all released by the end of the backward (the trace is
+///   complete, and none is used again within `stage3_max_reuse_distance` of the trace's end).
+///
+/// 16Ψ' equals the paper's 16Ψ/N when N divides every parameter, and exceeds it by less than 16
+/// bytes per parameter tensor otherwise (pitfall 15 of the fact sheet: ZeRO-3 pads per parameter);
+/// the persistent parameters and the IPG buffer are why DeepSpeed's per-rank model states differ
+/// from the paper's figure (pitfall 10: name the formula a test compares against).
+#[test]
+fn zero3_model_states_per_rank_match_the_paper() {
+    for (name, n) in [
+        ("gpt2", 8u64),
+        ("gpt2", 64),
+        ("bert-base", 16),
+        ("tinyllama-1.1b", 4),
+    ] {
+        let r = zero3_recipe(1, 128, n as u32);
+        let g = zoo::build(name, &r).unwrap();
+        let psi = g.param_count();
+        let part = zero3_partition(&g, n);
+        let psi_p: u64 = part.iter().sum();
+        let persistent: u64 = g
+            .params
+            .iter()
+            .zip(&part)
+            .filter(|(p, _)| p.shape.iter().product::<u64>() <= 100_000)
+            .map(|(_, k)| k * n)
+            .sum();
+        let t = lower(&g, &r).unwrap();
+        let live = live_at_phase(&t, "optimizer", 1);
+        let get = |c| live.get(&c).copied().unwrap_or(0);
+        assert_eq!(
+            get(Category::Parameter),
+            2 * psi_p + 2 * persistent,
+            "{name} N={n}"
+        );
+        assert_eq!(get(Category::Gradient), 2 * psi_p, "{name} N={n}");
+        assert_eq!(get(Category::OptimizerState), 12 * psi_p, "{name} N={n}");
+        assert_eq!(
+            get(Category::Communication),
+            1_000_000_000,
+            "{name} N={n}: IPG buffer"
+        );
+        // The partitioned model states against the paper's 16Ψ/N.
+        let partitioned = get(Category::Parameter) - 2 * persistent
+            + get(Category::Gradient)
+            + get(Category::OptimizerState);
+        assert_eq!(partitioned, 16 * psi_p, "{name} N={n}");
+        assert!(16 * psi_p >= 16 * psi / n, "{name} N={n}");
+        assert!(
+            16 * psi_p - 16 * psi / n < 16 * g.params.len() as u64,
+            "{name} N={n}"
+        );
+        if g.params
+            .iter()
+            .all(|p| p.shape.iter().product::<u64>() % n == 0)
+        {
+            assert_eq!(partitioned, 16 * psi / n, "{name} N={n}");
+        }
+    }
+}
+
+/// Live bytes of each tagged allocation just before the `nth` marker of `phase`.
+fn live_tags_at_phase(t: &Trace, phase: &str, nth: usize) -> HashMap<String, u64> {
+    let mut live: HashMap<String, (String, u64)> = HashMap::new();
+    let mut seen = 0;
+    for e in &t.events {
+        match e {
+            Event::Alloc { id, size, tag, .. } => {
+                live.insert(
+                    id.to_string(),
+                    (tag.as_deref().unwrap_or("").to_string(), *size),
+                );
+            }
+            Event::Free { id } => {
+                live.remove(&id.to_string());
+            }
+            Event::Phase { name } if &**name == phase => {
+                if seen == nth {
+                    return live.into_values().collect();
+                }
+                seen += 1;
+            }
+            _ => {}
+        }
+    }
+    panic!("no phase {phase} #{nth}");
+}
+
+/// `stage3_param_persistence_threshold` (1e5 elements, `ds_numel <= threshold`): between two
+/// steps exactly the parameters at or below it are whole on the rank (2 bytes × their numel
+/// padded to a multiple of N), the others only as partitions.
+#[test]
+fn zero3_keeps_small_parameters_whole() {
+    let n = 8u64;
+    for name in ["gpt2", "bert-base"] {
+        let r = zero3_recipe(1, 128, n as u32);
+        let g = zoo::build(name, &r).unwrap();
+        let t = lower(&g, &r).unwrap();
+        // Before the second forward: after the first step's `_post_step`.
+        let live = live_tags_at_phase(&t, "forward", 1);
+        let whole: HashMap<String, u64> = live
+            .into_iter()
+            .filter_map(|(tag, size)| tag.strip_suffix(":gathered").map(|p| (p.to_string(), size)))
+            .collect();
+        let expected: HashMap<String, u64> = g
+            .params
+            .iter()
+            .filter(|p| p.shape.iter().product::<u64>() <= 100_000)
+            .map(|p| {
+                (
+                    p.name.clone(),
+                    2 * p.shape.iter().product::<u64>().div_ceil(n) * n,
+                )
+            })
+            .collect();
+        assert!(!expected.is_empty(), "{name}");
+        assert_eq!(whole, expected, "{name}");
+    }
+}
+
+/// The peak of gathered (whole) parameters during a forward, against the coordinator's rules, for
+/// Llama-2-7B over 8 ranks (every submodule holds one parameter: its Linear's or RMSNorm's weight,
+/// the embedding, the head):
+///
+/// * forward 1 (no trace yet: no prefetch, every parameter released after its submodule): one
+///   submodule at a time, each a single all-gathered buffer (`_all_gather_sequential`: ⌈numel/N⌉·N
+///   elements, the parameter a view of it): the peak is the largest, the 32000 × 4096 embedding or
+///   head, 2 × 131,072,000 bytes; no coalesced flat buffer exists;
+/// * forward 2 (trace complete): after each fetch the coordinator prefetches the next parameters
+///   of the trace while fewer than `stage3_max_live_parameters` = 1e9 elements are gathered or in
+///   flight, at most min(`stage3_prefetch_bucket_size` = 5e7, 1e9 − available) elements plus the
+///   parameter that crosses the limit; a submodule's own fetch is not limited (one parameter
+///   here), and parameters used again within `stage3_max_reuse_distance` count as available until
+///   released. So at most 1e9 + 2 × the largest parameter elements are available or in flight,
+///   each held by a whole copy (2 bytes) and, until its bucket's last parameter is consumed, a
+///   slot of its coalesced flat buffer (2 bytes): both peaks are at most 2 × (1e9 + 2 × 131,072,000)
+///   bytes, and the parameters' peak is above forward 1's (prefetching and reuse keep more).
+#[test]
+fn zero3_forward_parameters_follow_the_prefetch_rules() {
+    let n = 8u64;
+    let r = zero3_recipe(1, 128, n as u32);
+    let g = zoo::build("llama2-7b", &r).unwrap();
+    let largest = g
+        .params
+        .iter()
+        .map(|p| p.shape.iter().product::<u64>().div_ceil(n) * n)
+        .max()
+        .unwrap();
+    assert_eq!(largest, 32000 * 4096);
+    let t = lower(&g, &r).unwrap();
+    let gathered = |tag: &Option<String>| tag.as_deref().is_some_and(|t| t.ends_with(":gathered"));
+    let flat_tag = |tag: &Option<String>| tag.as_deref() == Some("allgather_coalesced_flat");
+    // (peak gathered, peak coalesced flat) per forward.
+    let mut peaks = [(0u64, 0u64); 2];
+    let mut live: HashMap<String, (u64, bool, bool)> = HashMap::new();
+    let (mut cur_g, mut cur_f) = (0u64, 0u64);
+    let mut fwd: Option<usize> = None;
+    let mut forwards = 0;
+    for e in &t.events {
+        match e {
+            Event::Alloc { id, size, tag, .. } => {
+                let tag = tag.as_ref().map(|t| t.to_string());
+                let (is_g, is_f) = (gathered(&tag), flat_tag(&tag));
+                live.insert(id.to_string(), (*size, is_g, is_f));
+                cur_g += if is_g { size } else { &0 };
+                cur_f += if is_f { size } else { &0 };
+            }
+            Event::Free { id } => {
+                if let Some((s, is_g, is_f)) = live.remove(&id.to_string()) {
+                    cur_g -= if is_g { s } else { 0 };
+                    cur_f -= if is_f { s } else { 0 };
+                }
+            }
+            Event::Phase { name } => {
+                fwd = (&**name == "forward").then(|| {
+                    forwards += 1;
+                    forwards - 1
+                });
+            }
+            _ => {}
+        }
+        if let Some(i) = fwd.filter(|&i| i < 2) {
+            peaks[i].0 = peaks[i].0.max(cur_g);
+            peaks[i].1 = peaks[i].1.max(cur_f);
+        }
+    }
+    assert_eq!(peaks[0], (2 * largest, 0), "forward 1");
+    let bound = 2 * (1_000_000_000 + 2 * largest);
+    assert!(peaks[1].0 <= bound, "forward 2: {:?} > {bound}", peaks[1]);
+    assert!(peaks[1].1 <= bound, "forward 2: {:?} > {bound}", peaks[1]);
+    assert!(peaks[1].0 > peaks[0].0, "forward 2: {:?}", peaks[1]);
+}
+
+/// `ZeroRedundancyOptimizer` (`zero1-torch`) over DDP, fp32 AdamW: DDP's buckets and gradients
+/// stay whole (4Ψ each), and the lowered rank (the one owning the most elements) keeps Adam's two
+/// moments (8 bytes per element) of its parameters only. GPT-2 over 4 ranks by hand: the greedy
+/// partition (largest first, to the least-loaded rank) gives rank 0 the 50257 × 768 token
+/// embedding first; the other 85,842,432 elements fill ranks 1-3 to about 28.6M each, never above
+/// rank 0's 38,597,376, so rank 0 owns the embedding alone: 8 × 38,597,376 bytes of state.
+#[test]
+fn zero_redundancy_state_is_the_greedy_partition() {
+    let r = {
+        let mut r = recipe(2, 128, 4, Shard::ZeroRedundancy);
+        r.optimizer = OptimizerKind::AdamW;
+        r
+    };
+    let g = zoo::build("gpt2", &r).unwrap();
+    let psi = g.param_count();
+    let t = lower(&g, &r).unwrap();
+    let live = live_at_phase(&t, "optimizer", 1);
+    assert_eq!(
+        live.get(&Category::OptimizerState).copied(),
+        Some(8 * 38_597_376)
+    );
+    assert_eq!(live.get(&Category::Communication).copied(), Some(4 * psi));
+    assert_eq!(live.get(&Category::Gradient).copied(), Some(4 * psi));
+    // BERT-base over 3 and 8 ranks and ResNet-50 over 8: the same greedy rule written out here
+    // (Python's stable sort, `_get_min_index`: the first least-loaded rank), the lowered rank the
+    // fullest.
+    for (name, n) in [("bert-base", 3usize), ("bert-base", 8), ("resnet50", 8)] {
+        let seq = if name == "resnet50" { 0 } else { 128 };
+        let mut r = recipe(2, seq, n as u32, Shard::ZeroRedundancy);
+        r.optimizer = OptimizerKind::AdamW;
+        let g = zoo::build(name, &r).unwrap();
+        let numels: Vec<u64> = g.params.iter().map(|p| p.shape.iter().product()).collect();
+        let mut idx: Vec<usize> = (0..numels.len()).collect();
+        idx.sort_by(|a, b| numels[*b].cmp(&numels[*a]));
+        let mut sizes = vec![0u64; n];
+        for i in idx {
+            let mut best = 0;
+            for k in 1..n {
+                if sizes[k] < sizes[best] {
+                    best = k;
+                }
+            }
+            sizes[best] += numels[i];
+        }
+        let worst = *sizes.iter().max().unwrap();
+        // PyTorch 2.15's own `ZeroRedundancyOptimizer._partition_parameters`, run on
+        // `BertForMaskedLM(BertConfig())` built on the meta device (transformers 5.23): the fullest
+        // rank holds 36,569,088 elements over 3 ranks (rank 1), 23,440,896 over 8 (rank 0).
+        match (name, n) {
+            ("bert-base", 3) => assert_eq!(worst, 36_569_088),
+            ("bert-base", 8) => assert_eq!(worst, 23_440_896),
+            _ => {}
+        }
+        let t = lower(&g, &r).unwrap();
+        let live = live_at_phase(&t, "optimizer", 1);
+        assert_eq!(
+            live.get(&Category::OptimizerState).copied(),
+            Some(8 * worst),
+            "{name} N={n}: {sizes:?}"
+        );
+    }
+}
+
+/// ZeRO-3 with CPU offload (`offload_optimizer`, and `offload_param` with it), after the second
+/// backward: DeepSpeed's estimator (`estimate_zero3_model_states_mem_needs`) keeps 2Ψ/N on the GPU
+/// with the optimizer offloaded and no model states with the parameters offloaded too; by the
+/// mechanism the GPU holds the bf16 partitions 2Ψ' (none with `offload_param`: they move into the
+/// host flat buffer), the persistent parameters whole, the IPG buffer (always on the GPU), and no
+/// fp32 master, optimizer state or `grad_partitions_flat_buffer` (on `self.device`, the host).
+#[test]
+fn zero3_offload_keeps_only_partitions_or_nothing_on_the_gpu() {
+    let n = 8u64;
+    for offload in [
+        vramsim_models::Offload::Optimizer,
+        vramsim_models::Offload::Params,
+    ] {
+        for name in ["gpt2", "tinyllama-1.1b"] {
+            let mut r = zero3_recipe(1, 128, n as u32);
+            r.parallel.offload = offload;
+            let g = zoo::build(name, &r).unwrap();
+            let part = zero3_partition(&g, n);
+            let psi_p: u64 = part.iter().sum();
+            let persistent: u64 = g
+                .params
+                .iter()
+                .zip(&part)
+                .filter(|(p, _)| p.shape.iter().product::<u64>() <= 100_000)
+                .map(|(_, k)| k * n)
+                .sum();
+            let t = lower(&g, &r).unwrap();
+            let live = live_at_phase(&t, "optimizer", 1);
+            let get = |c| live.get(&c).copied().unwrap_or(0);
+            let partitions = match offload {
+                vramsim_models::Offload::Params => 0,
+                _ => 2 * psi_p,
+            };
+            assert_eq!(
+                get(Category::Parameter),
+                partitions + 2 * persistent,
+                "{name} {offload}"
+            );
+            assert_eq!(get(Category::Gradient), 0, "{name} {offload}");
+            assert_eq!(get(Category::OptimizerState), 0, "{name} {offload}");
+            assert_eq!(get(Category::Communication), 1_000_000_000, "{name}");
+        }
+    }
+}
+
+/// Accumulation over many micro-batches is lowered compactly (`compact.rs`: three micro-batches,
+/// the third standing for the rest when it repeats the second). ZeRO-3's first micro-batch records
+/// the trace and the later ones prefetch from it, so the second and third are alike: the compact
+/// form expands to the full lowering, byte for byte, with and without offload, and for
+/// `zero1-torch`.
+#[test]
+fn zero3_and_zero_redundancy_lower_compactly() {
+    use vramsim_models::Offload;
+    for (shard, offload) in [
+        (Shard::Zero3, Offload::None),
+        (Shard::Zero3, Offload::Params),
+        (Shard::ZeroRedundancy, Offload::None),
+    ] {
+        let mut r = zero3_recipe(2, 64, 4);
+        r.parallel.shard = shard;
+        r.parallel.offload = offload;
+        r.accum = 6;
+        let g = zoo::build("gpt2", &r).unwrap();
+        let full = lower(&g, &r).unwrap();
+        let compact = vramsim_models::compact::lower_compact(&g, &r).unwrap();
+        assert!(compact.expand() == full, "{shard} {offload}");
+    }
+}
+
+/// ZeRO-3's coalesced all-gather holds a fetched submodule twice for a moment: the flat buffer of
+/// Σ⌈numel/N⌉·N elements (`_all_gather_dtype`) and, from the handle's `wait()`, one `torch.cat`
+/// copy per parameter, the flat buffer dying with the handle's last registry entry. ResNet-50 over
+/// 8 ranks, first forward (no prefetch, one submodule at a time): the largest submodule is `fc`
+/// (2048 × 1000 weight + 1000 bias, both divisible by 8), coalesced, so the peak of gathered
+/// parameters and flat buffers together is 2 bytes × 2,049,000 × 2 = 8,196,000 bytes, above the
+/// largest single-parameter fetch (`layer4.0.conv2`, 512 × 512 × 3 × 3: one aligned buffer of
+/// 2 × 2,359,296 bytes, no copy).
+#[test]
+fn zero3_coalesced_fetch_holds_the_submodule_twice() {
+    let r = zero3_recipe(2, 0, 8);
+    let g = zoo::build("resnet50", &r).unwrap();
+    let t = lower(&g, &r).unwrap();
+    let mut live: HashMap<String, u64> = HashMap::new();
+    let (mut cur, mut peak) = (0u64, 0u64);
+    let mut forwards = 0;
+    for e in &t.events {
+        match e {
+            Event::Alloc { id, size, tag, .. }
+                if tag.as_deref().is_some_and(|t| {
+                    t.ends_with(":gathered") || t == "allgather_coalesced_flat"
+                }) =>
+            {
+                live.insert(id.to_string(), *size);
+                cur += size;
+            }
+            Event::Free { id } => cur -= live.remove(&id.to_string()).unwrap_or(0),
+            Event::Phase { name } if &**name == "forward" => forwards += 1,
+            Event::Phase { name } if &**name == "backward" && forwards == 1 => break,
+            _ => {}
+        }
+        if forwards == 1 {
+            peak = peak.max(cur);
+        }
+    }
+    assert_eq!(peak, 2 * 2 * 2_049_000);
+    assert!(peak > 2 * 2_359_296);
+}

@@ -130,6 +130,7 @@ impl<'g> Lowering<'g> {
                 .and_then(Option::take)
                 .unwrap_or_default();
             self.fsdp_backward_node(n);
+            self.zero3_backward_node(n);
             let outputs = self.evaluate(n, inputs);
             for (i, out) in outputs.into_iter().enumerate() {
                 let Some(out) = out else { continue };
@@ -213,6 +214,7 @@ impl<'g> Lowering<'g> {
         for i in start..end {
             self.exec_graph_op(i);
         }
+        self.zero3_end_recompute();
         self.in_reentrant_recompute = false;
         self.grad_mode = saved_grad;
         let outs: Vec<Option<Rt>> = outputs

@@ -153,6 +153,7 @@ impl<'g> Lowering<'g> {
     }
 
     pub(super) fn exec_graph_op(&mut self, i: usize) {
+        self.zero3_op(i);
         let g = self.g;
         let op = &g.ops[i];
         // The inputs' handles, in a buffer reused from op to op (ops do not nest).
@@ -659,6 +660,7 @@ impl<'g> Lowering<'g> {
         for i in start..=stop {
             self.exec_graph_op(i);
         }
+        self.zero3_end_recompute();
         self.grad_mode = saved_grad;
         // _StopRecomputationError: the region function's locals die.
         for i in start..=stop {

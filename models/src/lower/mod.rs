@@ -41,6 +41,7 @@ mod offload;
 mod optim;
 mod parallel;
 mod quant;
+mod zero3;
 
 use crate::dtype::DType;
 use crate::graph::{Graph, ModuleId, RegionKind, Source, ValueId};
@@ -301,6 +302,8 @@ pub(crate) struct Lowering<'g> {
     fsdp: fsdp::FsdpState,
     /// DataParallel's state on this device (`dataparallel.rs`).
     dp: dataparallel::DpState,
+    /// DeepSpeed ZeRO-3's state (`zero3/`).
+    zero3: zero3::Zero3State,
 }
 
 /// `PreTrainedModel.enable_input_require_grads`: a forward hook on `get_input_embeddings()` that
@@ -514,6 +517,7 @@ impl<'g> Lowering<'g> {
             par: parallel::ParState::default(),
             fsdp: fsdp::FsdpState::default(),
             dp: dataparallel::DpState::default(),
+            zero3: zero3::Zero3State::default(),
         }
     }
 
@@ -792,6 +796,7 @@ impl<'g> Lowering<'g> {
                 let loss = self.forward()?;
                 self.dp_gather();
                 self.fsdp_post_forward();
+                self.zero3_post_forward();
                 if self.r.inference {
                     self.drop_rt(loss);
                     self.drop_inputs(inputs);
@@ -827,12 +832,15 @@ impl<'g> Lowering<'g> {
             self.fsdp_before_step();
             if self.dp_copy() {
                 // DataParallel: the optimizer holds device 0's parameters only.
+            } else if self.r.parallel.shard == crate::parallel::Shard::Zero3 {
+                self.zero3_step();
             } else if self.r.parallel.shard.is_zero() {
                 self.zero_step();
             } else if self.fsdp_offloaded() {
                 // CPUOffloadPolicy: the optimizer steps the host shards (`fsdp.rs`).
             } else {
                 self.optimizer_step();
+                self.zero_redundancy_sync();
             }
             self.phase("zero_grad");
             self.zero_grad();
@@ -855,7 +863,8 @@ impl<'g> Lowering<'g> {
             // The model dtype, or the parameter's own (PEFT's fp32 LoRA adapters).
             let dtype = self.resolve(g.values[p.value.0 as usize].dtype);
             // FSDP2 materialises only the shards (`fsdp.rs`): the handle has no storage of its own.
-            let size = if self.fsdp_shards(i) || self.dp_copy() {
+            // ZeRO-3 under `zero.Init` materialises only the partitions (`zero3/`).
+            let size = if self.fsdp_shards(i) || self.zero3_on() || self.dp_copy() {
                 0
             } else {
                 layout.numel() * dtype.size()

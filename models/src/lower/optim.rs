@@ -223,7 +223,7 @@ impl<'g> Lowering<'g> {
     fn step_optimizer(&mut self) {
         // Parameters that have a gradient, in order.
         let ps: Vec<usize> = (0..self.param_grads.len())
-            .filter(|&p| self.param_grads[p].is_some())
+            .filter(|&p| self.param_grads[p].is_some() && self.steps_param(p))
             .collect();
         let first = self.optim_steps == 0;
         self.optim_steps += 1;

@@ -62,6 +62,8 @@ pub(crate) struct ParState {
     pub(super) staging: Option<Rt>,
     /// ZeRO-Offload: `norm_for_param_grads`, one 0-d fp64 norm per parameter in the partition.
     pub(super) norms: Vec<Rt>,
+    /// `zero1-torch`: whether this rank's `ZeroRedundancyOptimizer` steps each parameter.
+    pub(super) zr_owned: Vec<bool>,
 }
 
 impl<'g> Lowering<'g> {
@@ -70,13 +72,13 @@ impl<'g> Lowering<'g> {
     }
 
     /// Trainable parameters that take part in the step, in registration order.
-    fn trainable(&self) -> Vec<usize> {
+    pub(super) fn trainable(&self) -> Vec<usize> {
         (0..self.params.len())
             .filter(|&p| self.g.params[p].trainable)
             .collect()
     }
 
-    fn comm_alloc(&mut self, elems: u64, dtype: DType, tag: String) -> Rt {
+    pub(super) fn comm_alloc(&mut self, elems: u64, dtype: DType, tag: String) -> Rt {
         let prev = self.kind_now;
         self.kind_now = Kind::Comm;
         let t = self.alloc(
@@ -108,7 +110,11 @@ impl<'g> Lowering<'g> {
     pub(super) fn par_setup(&mut self) {
         match self.shard() {
             Shard::None | Shard::Fsdp2 | Shard::DataParallel => {}
-            Shard::Ddp => {
+            Shard::Zero3 => self.zero3_setup(),
+            Shard::Ddp | Shard::ZeroRedundancy => {
+                if self.shard() == Shard::ZeroRedundancy {
+                    self.zero_redundancy_setup();
+                }
                 // `_ddp_init_helper`: without find_unused_parameters (and without static_graph)
                 // the limits are `[sys.maxsize]`, one bucket per dtype; the Reducer gets the
                 // buckets reversed ("approximate the order in which their gradients are produced").
@@ -189,7 +195,11 @@ impl<'g> Lowering<'g> {
     /// backward (`_rebuild_buckets` → `Reducer::rebuild_buckets`), over the parameters in
     /// gradient-ready order with limits `[1 MiB, bucket_cap]`, keeping that order.
     pub(super) fn par_pre_forward(&mut self) {
-        if self.shard() != Shard::Ddp || self.par.rebuilt || self.par.ready_order.is_empty() {
+        if self.shard() == Shard::Zero3 {
+            self.zero3_reset_step();
+            return;
+        }
+        if !self.shard().uses_ddp() || self.par.rebuilt || self.par.ready_order.is_empty() {
             return;
         }
         self.par.rebuilt = true;
@@ -216,7 +226,8 @@ impl<'g> Lowering<'g> {
     pub(super) fn par_grad_ready(&mut self, p: usize) {
         match self.shard() {
             Shard::None | Shard::Zero1 | Shard::Fsdp2 | Shard::DataParallel => {}
-            Shard::Ddp => {
+            Shard::Zero3 => self.zero3_grad_ready(p),
+            Shard::Ddp | Shard::ZeroRedundancy => {
                 if !self.par.rebuilt && !self.par.ready_order.contains(&p) {
                     self.par.ready_order.push(p);
                 }
@@ -241,7 +252,7 @@ impl<'g> Lowering<'g> {
     /// Before `loss.backward()`: DeepSpeed's `DeepSpeedZeroOptimizer.backward` makes the IPG buffer
     /// (`contiguous_gradients`, the default, on stages 1 and 2) before running autograd.
     pub(super) fn par_pre_backward(&mut self) {
-        if self.shard().is_zero() {
+        if matches!(self.shard(), Shard::Zero1 | Shard::Zero2) {
             self.zero_ipg();
         }
     }
@@ -252,7 +263,8 @@ impl<'g> Lowering<'g> {
     pub(super) fn par_post_backward(&mut self, boundary: bool) {
         match self.shard() {
             Shard::None | Shard::Fsdp2 | Shard::DataParallel => {}
-            Shard::Ddp => {
+            Shard::Zero3 => self.zero3_post_backward(),
+            Shard::Ddp | Shard::ZeroRedundancy => {
                 for b in &mut self.par.buckets {
                     b.pending = b.params.len();
                 }
@@ -359,8 +371,17 @@ impl<'g> Lowering<'g> {
     /// `optim.rs` does for a parameter of that size.
     fn zero_optimizer_step(&mut self) {
         let part = self.par.partition;
-        let s = [part];
         let first = self.par.state.is_empty();
+        let state = self.ds_optimizer_step(part, first);
+        self.par.state.extend(state);
+    }
+
+    /// The wrapped torch optimizer's step on one flat fp32 tensor of `part` elements (DeepSpeed's
+    /// partition or sub-group): the state it creates at its `first` step (returned), then the
+    /// implementation's temporaries.
+    pub(super) fn ds_optimizer_step(&mut self, part: u64, first: bool) -> Vec<Rt> {
+        let s = [part];
+        let mut state = Vec::new();
         match self.r.optimizer {
             OptimizerKind::Adam | OptimizerKind::AdamW => {
                 if first {
@@ -373,7 +394,7 @@ impl<'g> Lowering<'g> {
                             "aten.zeros",
                         );
                         self.mark_state(&st);
-                        self.par.state.push(st);
+                        state.push(st);
                     }
                     for name in ["exp_avg", "exp_avg_sq"] {
                         let t = self.alloc(
@@ -384,7 +405,7 @@ impl<'g> Lowering<'g> {
                         );
                         self.mark_state(&t);
                         self.retag(&t, format!("{name}:fp32_partition"));
-                        self.par.state.push(t);
+                        state.push(t);
                     }
                     self.kind_now = Kind::Temporary;
                 }
@@ -440,7 +461,7 @@ impl<'g> Lowering<'g> {
                     );
                     self.mark_state(&t);
                     self.retag(&t, "momentum_buffer:fp32_partition".into());
-                    self.par.state.push(t);
+                    state.push(t);
                     self.kind_now = Kind::Temporary;
                 }
                 if self.r.optimizer == OptimizerKind::SgdNesterov
@@ -452,6 +473,39 @@ impl<'g> Lowering<'g> {
             }
             // `Parallel::validate` refuses the others with ZeRO.
             _ => {}
+        }
+        state
+    }
+
+    // ------------------------------------------------------------------ ZeroRedundancyOptimizer
+
+    /// `ZeroRedundancyOptimizer(model.parameters(), optimizer_class)` over a DDP model: the
+    /// parameters this rank's local optimizer holds (`_partition_parameters`, greedy by numel), for
+    /// the rank with the most of them (`zero_redundancy_worst_rank`: the most optimizer state).
+    fn zero_redundancy_setup(&mut self) {
+        let numels: Vec<u64> = self.params.iter().map(|p| p.layout.numel()).collect();
+        let world = self.r.parallel.dp;
+        let rank = crate::parallel::zero_redundancy_worst_rank(&numels, world);
+        let ranks = crate::parallel::zero_redundancy_partition(&numels, world);
+        self.par.zr_owned = ranks.into_iter().map(|r| r == rank).collect();
+    }
+
+    /// Whether this rank's optimizer steps parameter `p` (every parameter but under `zero1-torch`).
+    pub(super) fn steps_param(&self, p: usize) -> bool {
+        self.par.zr_owned.get(p).copied().unwrap_or(true)
+    }
+
+    /// After the local step, `ZeroRedundancyOptimizer._sync_params` broadcasts every parameter
+    /// from its owner, in place (`_broadcast_params_from_rank`, one `dist.broadcast` per parameter
+    /// with `parameters_as_bucket_view=False`): no allocation; the record-stream era marks each on
+    /// the NCCL stream.
+    pub(super) fn zero_redundancy_sync(&mut self) {
+        if self.shard() != Shard::ZeroRedundancy {
+            return;
+        }
+        for p in 0..self.params.len() {
+            let t = self.params[p].clone();
+            self.collective_uses(&t);
         }
     }
 
