@@ -15,6 +15,7 @@
 //! | DDP | all-reduce of the gradients, `2(n−1)/n·Ψw` (no `no_sync`: every backward syncs) | — | yes (buckets during backward) |
 //! | ZeRO-1 | — | reduce-scatter of the gradients at the boundary, all-gather of the bf16 parameters: `2(n−1)/n·Ψw` | no |
 //! | ZeRO-2 | reduce-scatter of the gradients, `(n−1)/n·Ψw` | all-gather of the parameters, `(n−1)/n·Ψw` | no (`overlap_comm` is off below stage 3) |
+//! | `zero1-torch` | DDP's all-reduce | the broadcast of the stepped parameters, `(n−1)/n·Ψw` | the all-reduce only |
 //! | ZeRO-3, FSDP2 | all-gather in forward and in backward, reduce-scatter of the gradients: `3(n−1)/n·Ψw` (FSDP2 without the backward's all-gather under `reshard_after_forward=False`, over `k` ranks under `=k`) | — | yes (prefetch) |
 //! | TP (Megatron) | per layer two all-reduces in forward, two in backward of the `b·s·h` activations: `4·2(t−1)/t·bshw` (sequence parallelism trades each for an all-gather and a reduce-scatter: the same bytes) | — | no |
 //! | PP | each stage boundary sends the activation forward and its gradient back: `2·bshw` | — | no |
@@ -131,11 +132,15 @@ impl CommWork {
                 work.dp_overlapped =
                     accum * psi * ((share + backward_gather) * gather_width + share * reduce_width);
             }
-            _ => {
-                // ZeRO-3 and the modes added later: parameters gathered twice, gradients
-                // reduce-scattered, every micro-batch
-                work.dp_overlapped = accum * 3.0 * share * psi * width
+            // torch's ZeroRedundancyOptimizer: DDP's all-reduce, then every rank broadcasts the
+            // parameters it stepped (each rank receives the others': (n−1)/n of them)
+            Shard::ZeroRedundancy => {
+                work.dp_overlapped = accum * 2.0 * share * psi * width;
+                work.dp_exposed = share * psi * width;
             }
+            // ZeRO-3 (`overlap_comm` on at stage 3): parameters gathered in forward and in
+            // backward, gradients reduce-scattered, every micro-batch
+            _ => work.dp_overlapped = accum * 3.0 * share * psi * width,
         }
         // CPU offload: the rank's partition crosses the host link, and the optimizer (fp32
         // master and Adam moments: reads parameter, gradient and two moments, writes three,
