@@ -100,6 +100,12 @@ const SET: &[&str] = &[
 
 /// Runs the search of `recommend --gpus N`.
 pub fn search(args: &RecommendArgs, gpus: u32) -> Result<LayoutSearch> {
+    search_with(args, gpus, true)
+}
+
+/// [`search`], with `prune` false searching every candidate instead of stopping at the lower bound
+/// (the same answer, slower: for tests and audits of the bound).
+pub fn search_with(args: &RecommendArgs, gpus: u32, prune: bool) -> Result<LayoutSearch> {
     let g = args.global_batch;
     if g == 0 {
         bail!("--global-batch must be 1 or more");
@@ -202,13 +208,14 @@ pub fn search(args: &RecommendArgs, gpus: u32) -> Result<LayoutSearch> {
         }
     }
     candidates.sort_by(|a, b| a.bound_ms.total_cmp(&b.bound_ms));
+
     let top = args.top.max(1);
     let wave = rayon::current_num_threads().max(2);
     let mut found: Vec<Recipe> = Vec::new();
     let mut searched = 0;
     let mut next = 0;
     while next < candidates.len() {
-        let threshold = if found.len() >= top {
+        let threshold = if prune && found.len() >= top {
             found[top - 1].evaluated.step.step_ms
         } else {
             f64::INFINITY
@@ -216,7 +223,8 @@ pub fn search(args: &RecommendArgs, gpus: u32) -> Result<LayoutSearch> {
         let batch: Vec<&Candidate> = candidates[next..]
             .iter()
             .take(wave)
-            .take_while(|c| c.bound_ms < threshold)
+            // a bound equal to the threshold may still tie and win on memory
+            .take_while(|c| c.bound_ms <= threshold)
             .collect();
         if batch.is_empty() {
             break;
@@ -256,6 +264,7 @@ pub fn search(args: &RecommendArgs, gpus: u32) -> Result<LayoutSearch> {
                         .peak_device_used()
                         .cmp(&b.evaluated.report.peak_device_used()),
                 )
+                .then(a.settings.cmp(&b.settings))
         });
         found.truncate(top);
     }
@@ -309,11 +318,15 @@ fn bound_ms(
     let args: PredictArgs =
         crate::parse_args("predict", &base.args(&s)).map_err(|e| format!("{e:#}"))?;
     let (arch, recipe, _) = step_recipe(&args).map_err(|e| format!("{e:#}"))?;
-    // the graph depends on the shapes (batch, tp, pp stage) and the precision's casts, not on
-    // the data-parallel mode or the checkpointing
+    // the graph depends on the shapes (batch, tp, pp stage), the precision's casts and the
+    // checkpointing (a checkpointed model's graph differs), not on the data-parallel mode
     let key = format!(
-        "{}/{}/{}/{}",
-        recipe.batch, recipe.parallel.tp, recipe.parallel.pp, recipe.precision
+        "{}/{}/{}/{}/{}",
+        recipe.batch,
+        recipe.parallel.tp,
+        recipe.parallel.pp,
+        recipe.precision,
+        recipe.checkpointing
     );
     let cached = graphs.lock().ok().and_then(|g| g.get(&key).cloned());
     let graph = match cached {

@@ -1,0 +1,112 @@
+//! `recommend --gpus N`: the layout search lists the fastest layouts that fit, the same as searching
+//! every candidate, and accounts for every candidate (searched, pruned or refused with a reason).
+
+mod common;
+use common::{assert_fails, json};
+
+use vramsim_api::layouts::search_with;
+use vramsim_api::parse_args;
+use vramsim_api::recommend::RecommendArgs;
+
+fn args(extra: &[&str]) -> RecommendArgs {
+    let mut a: Vec<String> = [
+        "--model",
+        "gpt2",
+        "--seq",
+        "256",
+        "--global-batch",
+        "16",
+        "--top",
+        "6",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend(extra.iter().map(|s| s.to_string()));
+    parse_args("recommend", &a).unwrap()
+}
+
+/// Branch and bound gives exactly the list an exhaustive search gives (a step at no accumulation
+/// bounds every micro-batch's step from below).
+#[test]
+fn pruning_keeps_the_fastest_layouts() {
+    for capacity in ["80GiB", "3GiB"] {
+        let a = args(&["--capacity", capacity]);
+        let pruned = search_with(&a, 4, true).unwrap();
+        let full = search_with(&a, 4, false).unwrap();
+        assert_eq!(full.pruned, 0);
+        let key = |s: &vramsim_api::layouts::LayoutSearch| -> Vec<(Vec<(String, String)>, u64)> {
+            s.found
+                .iter()
+                .map(|r| (r.settings.clone(), r.evaluated.step.step_ms.to_bits()))
+                .collect()
+        };
+        assert_eq!(key(&pruned), key(&full), "{capacity}");
+        assert!(pruned.searched <= full.searched);
+        // every candidate is accounted for
+        let refused: usize = pruned.refused.iter().map(|(_, n)| n).sum();
+        assert_eq!(pruned.searched + pruned.pruned + refused, pruned.candidates);
+    }
+}
+
+#[test]
+fn layouts_multiply_to_the_gpus_and_split_the_global_batch() {
+    let doc = json(&[
+        "recommend",
+        "--model",
+        "gpt2",
+        "--seq",
+        "256",
+        "--global-batch",
+        "16",
+        "--gpus",
+        "4",
+        "--top",
+        "20",
+    ]);
+    let layouts = doc["layouts"].as_array().unwrap();
+    assert!(!layouts.is_empty());
+    for l in layouts {
+        let (dp, tp, pp) = (
+            l["dp"].as_u64().unwrap(),
+            l["tp"].as_u64().unwrap(),
+            l["pp"].as_u64().unwrap(),
+        );
+        assert_eq!(dp * tp * pp, 4, "{l}");
+        assert_eq!(
+            l["batch"].as_u64().unwrap() * l["accum"].as_u64().unwrap() * dp,
+            16,
+            "{l}"
+        );
+    }
+    let times: Vec<f64> = layouts
+        .iter()
+        .map(|l| l["step_ms"].as_f64().unwrap())
+        .collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
+}
+
+#[test]
+fn bad_searches_fail_with_the_reason() {
+    let base = [
+        "recommend",
+        "--model",
+        "gpt2",
+        "--seq",
+        "256",
+        "--global-batch",
+        "16",
+    ];
+    let fails = |extra: &[&str], fragments: &[&str]| {
+        let mut all = base.to_vec();
+        all.extend_from_slice(extra);
+        assert_fails(&all, fragments);
+    };
+    fails(&["--gpus", "4", "--dp", "2"], &["searches --dp itself"]);
+    fails(&["--gpus", "0"], &["--gpus must be 1 or more"]);
+    fails(&["--gpus", "4", "--finetune"], &["give one of them"]);
+    fails(
+        &["--gpus", "4", "--capacity", "10MiB"],
+        &["no layout of 4 GPUs reaches global batch 16"],
+    );
+}
