@@ -27,15 +27,15 @@ fn untimed(mut doc: Value) -> Value {
     doc
 }
 
-/// `--dp 1 --shard none` is the single-GPU step: the same trace, table and JSON for every zoo
-/// model.
+/// `--dp 1 --shard none --tp 1` is the single-GPU step: the same trace, table and JSON for every
+/// zoo model.
 #[test]
 fn dp1_shard_none_is_todays_predict_for_every_zoo_model() {
     for name in vramsim_models::zoo::NAMES {
         let base = ["--model", name, "--batch", "1", "--seq", "64"];
         let plain: predict::PredictArgs = parse_args("predict", &strings(&base)).unwrap();
         let mut with = base.to_vec();
-        with.extend(["--dp", "1", "--shard", "none"]);
+        with.extend(["--dp", "1", "--shard", "none", "--tp", "1"]);
         let layout: predict::PredictArgs = parse_args("predict", &strings(&with)).unwrap();
         let a = predict::predict(&plain).unwrap();
         let b = predict::predict(&layout).unwrap();
@@ -170,10 +170,45 @@ fn bad_layouts_fail_with_the_reason() {
         &["nn.DataParallel", "pipeline (--pp 2)"],
     );
     fails(
-        &["--dp", "2", "--shard", "ddp", "--world-size", "2", "--pp", "2"],
+        &[
+            "--dp",
+            "2",
+            "--shard",
+            "ddp",
+            "--world-size",
+            "2",
+            "--pp",
+            "2",
+        ],
         &["2 does not match", "dp 2 × tp 1 × pp 2 = 4 ranks"],
     );
     fails(&["--sp"], &["--tp 2 or more"]);
+    // Tensor parallelism: what --tp must divide, and the models it splits (issue 12).
+    fails(&["--tp", "5"], &["5 does not divide n_head (12)"]);
+    fails(&["--tp", "2", "--head", "none"], &["causal-LM head"]);
+    let model = |name: &str, seq: &str, extra: &[&str], fragments: &[&str]| {
+        let mut all = vec!["predict", "--model", name, "--batch", "1", "--seq", seq];
+        all.extend_from_slice(extra);
+        common::assert_fails(&all, fragments);
+    };
+    model(
+        "gpt2",
+        "66",
+        &["--tp", "4", "--sp"],
+        &["seq 66 does not divide by 4"],
+    );
+    model(
+        "tinyllama-1.1b",
+        "64",
+        &["--tp", "8"],
+        &["8 does not divide num_key_value_heads (4)"],
+    );
+    model(
+        "resnet50",
+        "64",
+        &["--tp", "2"],
+        &["GPT-2 and LLaMA families", "--tp 1"],
+    );
     fails(&["--pp-schedule", "gpipe"], &["--pp 2 or more"]);
     fails(
         &["--pp", "2", "--pp-schedule", "interleaved:1"],
@@ -181,7 +216,9 @@ fn bad_layouts_fail_with_the_reason() {
     );
     fails(&["--tp", "0"], &["tp must be"]);
     fails(
-        &["--dp", "65536", "--tp", "65536", "--pp", "2", "--shard", "ddp"],
+        &[
+            "--dp", "65536", "--tp", "65536", "--pp", "2", "--shard", "ddp",
+        ],
         &["8589934592 ranks"],
     );
     fails(

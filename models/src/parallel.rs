@@ -11,7 +11,11 @@
 //! * `fsdp2`: `fully_shard` on every block and the root, default `reshard_after_forward`, with an
 //!   optional `MixedPrecisionPolicy(param_dtype, reduce_dtype)` (`lower/fsdp.rs`).
 //!
-//! The layout's other dimensions and options are parsed and checked here (`--tp`, `--sp`, `--pp`,
+//! * `--tp`/`--sp`: Megatron-LM's tensor and sequence parallelism on the zoo's GPT-2 and LLaMA
+//!   families, built into the rank's graph (`zoo/tp.rs`) and lowered with Megatron's collectives
+//!   (`lower/tp.rs`); the data-parallel modes above then act on the rank's sharded parameters.
+//!
+//! The layout's other dimensions and options are parsed and checked here (`--pp`,
 //! `--pp-schedule`, `--microbatches`, `--offload`); a combination whose mechanism is not modelled
 //! yet is refused with the reason rather than approximated.
 
@@ -444,12 +448,8 @@ impl Parallel {
                     .into(),
             });
         }
-        if self.tp > 1 {
-            return Err(RecipeError::Invalid {
-                field: "tp",
-                msg: "tensor parallelism is not modelled yet: give --tp 1".into(),
-            });
-        }
+        // --tp is lowered per rank for the zoo's GPT-2 and LLaMA families; the model builder
+        // (`zoo::Arch::tp_plan`) refuses other models and checks what --tp must divide.
         if self.pp > 1 {
             return Err(RecipeError::Invalid {
                 field: "pp",

@@ -40,6 +40,7 @@ mod fwd;
 mod optim;
 mod parallel;
 mod quant;
+mod tp;
 
 use crate::dtype::DType;
 use crate::graph::{Graph, ModuleId, RegionKind, Source, ValueId};
@@ -300,6 +301,8 @@ pub(crate) struct Lowering<'g> {
     fsdp: fsdp::FsdpState,
     /// DataParallel's state on this device (`dataparallel.rs`).
     dp: dataparallel::DpState,
+    /// Tensor/sequence parallelism's state (`tp.rs`).
+    tp: tp::TpState,
 }
 
 /// `PreTrainedModel.enable_input_require_grads`: a forward hook on `get_input_embeddings()` that
@@ -513,6 +516,7 @@ impl<'g> Lowering<'g> {
             par: parallel::ParState::default(),
             fsdp: fsdp::FsdpState::default(),
             dp: dataparallel::DpState::default(),
+            tp: tp::TpState::default(),
         }
     }
 

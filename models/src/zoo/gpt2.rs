@@ -6,6 +6,7 @@
 
 use super::heads;
 use super::nn::{Activation, AttnImpl};
+use super::tp::TpPlan;
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind};
 use crate::recipe::{Head, Loss};
@@ -74,7 +75,16 @@ pub const GPT2_XL: GptConfig = GptConfig::new("gpt2-xl", 1600, 48, 25);
 
 /// Builds `GPT2LMHeadModel(cfg)` at `batch` × `seq` with the loss from `labels`.
 pub fn gpt2(cfg: &GptConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Graph, GraphError> {
-    gpt2_with_head(cfg, batch, seq, attn, Head::Lm, Loss::Hf, false)
+    gpt2_with_head(
+        cfg,
+        batch,
+        seq,
+        attn,
+        Head::Lm,
+        Loss::Hf,
+        false,
+        TpPlan::NONE,
+    )
 }
 
 /// The dropout of `GPT2ForTokenClassification` when the config has neither `classifier_dropout`
@@ -82,7 +92,8 @@ pub fn gpt2(cfg: &GptConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Gra
 pub const CLASSIFIER_DROPOUT: f64 = 0.1;
 
 /// Builds GPT-2 with `head` (see [`super::heads`]) at `batch` × `seq`, its loss computed as
-/// `loss` says.
+/// `loss` says, as one rank of `tp` sees it (see [`super::tp`]; the causal-LM head only).
+#[allow(clippy::too_many_arguments)]
 pub fn gpt2_with_head(
     cfg: &GptConfig,
     batch: u64,
@@ -91,6 +102,7 @@ pub fn gpt2_with_head(
     head: Head,
     loss: Loss,
     use_cache: bool,
+    tp: TpPlan,
 ) -> Result<Graph, GraphError> {
     let (h, nh) = (cfg.hidden, cfg.heads);
     let hd = h / nh;
@@ -117,6 +129,11 @@ pub fn gpt2_with_head(
     };
     let (hidden, wte, cache) = b.module(prefix, |b| {
         let (emb, wte) = b.module("wte", |b| {
+            if tp.on() {
+                // Megatron's LanguageModelEmbedding with learned positions all-reduces the word
+                // embeddings (`reduce_scatter_embeddings` needs no position embedding).
+                return b.vocab_parallel_embedding(tp, ids, tp.local_vocab(cfg.vocab), h, false);
+            }
             let w = b.param("weight", &[cfg.vocab, h]);
             (b.embedding_op(w, ids), w)
         });
@@ -142,6 +159,9 @@ pub fn gpt2_with_head(
             }
             AttnImpl::Sdpa(_) => None,
         };
+        // Sequence parallelism: `scatter_to_sequence_parallel_region` before the embedding
+        // dropout (LanguageModelEmbedding.forward).
+        let x = if tp.sp { b.tp_scatter(tp, x) } else { x };
         let mut x = b.module("drop", |b| b.dropout(x, cfg.embd_dropout));
         let mut cache = Vec::new();
         for l in 0..cfg.layers {
@@ -153,6 +173,9 @@ pub fn gpt2_with_head(
                 let residual = x;
                 let y = b.layer_norm("ln_1", x);
                 let (a, probs) = b.module("attn", |b| {
+                    // Column-parallel c_attn (the rank's heads), row-parallel c_proj.
+                    let y = if tp.on() { b.tp_column_input(tp, y) } else { y };
+                    let h = h / tp.t;
                     let qkv = b.conv1d("c_attn", y, 3 * h);
                     b.hold(qkv);
                     let parts = b.split(qkv, &[h, h, h], 2);
@@ -174,7 +197,11 @@ pub fn gpt2_with_head(
                         b.attention_core_probs(q, k, v, mask, cfg.attn_dropout, false, attn);
                     let o = b.reshape(o, &[batch as i64, seq as i64, -1]);
                     let o = b.contiguous(o);
-                    let o = b.conv1d("c_proj", o, h);
+                    let o = if tp.on() {
+                        b.row_parallel_conv1d(tp, "c_proj", o, cfg.hidden)
+                    } else {
+                        b.conv1d("c_proj", o, cfg.hidden)
+                    };
                     (
                         b.module("resid_dropout", |b| b.dropout(o, cfg.resid_dropout)),
                         probs,
@@ -191,6 +218,13 @@ pub fn gpt2_with_head(
                 let residual = x;
                 let y = b.layer_norm("ln_2", x);
                 let f = b.module("mlp", |b| {
+                    if tp.on() {
+                        let y = b.tp_column_input(tp, y);
+                        let y = b.conv1d("c_fc", y, cfg.inner / tp.t);
+                        let y = b.activation("act", y, cfg.activation);
+                        let y = b.row_parallel_conv1d(tp, "c_proj", y, h);
+                        return b.module("dropout", |b| b.dropout(y, cfg.resid_dropout));
+                    }
                     let y = b.conv1d("c_fc", y, cfg.inner);
                     let y = b.activation("act", y, cfg.activation);
                     let y = b.conv1d("c_proj", y, h);
@@ -206,6 +240,15 @@ pub fn gpt2_with_head(
         (b.layer_norm("ln_f", x), wte, cache)
     });
     let tied = cfg.tie_embeddings.then_some(wte);
+    if let (true, Head::Lm, Some(labels)) = (tp.on(), head, labels) {
+        b.hold(hidden);
+        let (logits, loss) =
+            b.tp_causal_lm_head(tp, hidden, labels, tied, tp.local_vocab(cfg.vocab));
+        b.keep_output(logits);
+        b.keep_output(loss);
+        b.set_output(loss);
+        return b.finish();
+    }
     let out = heads::decoder_head(
         &mut b,
         heads::Decoder::Gpt2,
