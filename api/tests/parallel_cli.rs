@@ -330,4 +330,28 @@ fn max_batch_and_whatif_take_the_layout() {
         assert_eq!(r["effective_batch"], 8, "{r}");
         assert_eq!(r["ranks"][0]["ranks"], serde_json::json!([0, 1, 2, 3]));
     }
+    // The ranks of a tensor-parallel group share their samples: the effective batch counts the
+    // data-parallel ranks only, the ranks list every rank.
+    let rows = json(&[
+        "whatif",
+        "--model",
+        "gpt2",
+        "--batch",
+        "2",
+        "--seq",
+        "128",
+        "--precision",
+        "bf16",
+        "--dp",
+        "2",
+        "--shard",
+        "ddp",
+        "--vary",
+        "tp=1,2,4",
+    ]);
+    for r in rows.as_array().unwrap() {
+        let tp = r["ranks"][0]["ranks"].as_array().unwrap().len() / 2;
+        assert_eq!(r["effective_batch"], 4, "{r}");
+        assert!([1, 2, 4].contains(&tp), "{r}");
+    }
 }

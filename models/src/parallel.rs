@@ -412,13 +412,14 @@ impl Parallel {
             .unwrap_or(0)
     }
 
-    /// How many times `--batch` is taken per micro-step: once per data-parallel rank, but once in
-    /// all for DataParallel (one process scatters its batch over the devices).
+    /// How many times `--batch` is taken per micro-step: once per data-parallel rank (the ranks
+    /// of a tensor-parallel group, or of a pipeline, work on the same samples), but once in all
+    /// for DataParallel (one process scatters its batch over the devices).
     pub fn batch_copies(&self) -> u32 {
         if self.shard == Shard::DataParallel {
             1
         } else {
-            self.world_size()
+            self.dp
         }
     }
 
