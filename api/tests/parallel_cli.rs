@@ -185,7 +185,10 @@ fn bad_layouts_fail_with_the_reason() {
     fails(&["--sp"], &["--tp 2 or more"]);
     // Tensor parallelism: what --tp must divide, and the models it splits (issue 12).
     fails(&["--tp", "5"], &["5 does not divide n_head (12)"]);
-    fails(&["--tp", "2", "--head", "none"], &["causal-LM head"]);
+    fails(
+        &["--tp", "2", "--head", "none"],
+        &["language-model head", "--head lm"],
+    );
     let model = |name: &str, seq: &str, extra: &[&str], fragments: &[&str]| {
         let mut all = vec!["predict", "--model", name, "--batch", "1", "--seq", seq];
         all.extend_from_slice(extra);
@@ -204,10 +207,16 @@ fn bad_layouts_fail_with_the_reason() {
         &["8 does not divide num_key_value_heads (4)"],
     );
     model(
+        "bert-base",
+        "64",
+        &["--tp", "2", "--head", "seq-cls:2"],
+        &["--head masked-lm"],
+    );
+    model(
         "resnet50",
         "64",
         &["--tp", "2"],
-        &["GPT-2 and LLaMA families", "--tp 1"],
+        &["GPT-2, LLaMA and BERT families", "--tp 1"],
     );
     fails(&["--pp-schedule", "gpipe"], &["--pp 2 or more"]);
     fails(

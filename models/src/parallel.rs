@@ -11,8 +11,8 @@
 //! * `fsdp2`: `fully_shard` on every block and the root, default `reshard_after_forward`, with an
 //!   optional `MixedPrecisionPolicy(param_dtype, reduce_dtype)` (`lower/fsdp.rs`).
 //!
-//! * `--tp`/`--sp`: Megatron-LM's tensor and sequence parallelism on the zoo's GPT-2 and LLaMA
-//!   families, built into the rank's graph (`zoo/tp.rs`) and lowered with Megatron's collectives
+//! * `--tp`/`--sp`: Megatron-LM's tensor and sequence parallelism on the zoo's GPT-2, LLaMA and
+//!   BERT families, built into the rank's graph (`zoo/tp.rs`) and lowered with Megatron's collectives
 //!   (`lower/tp.rs`); the data-parallel modes above then act on the rank's sharded parameters.
 //!
 //! The layout's other dimensions and options are parsed and checked here (`--pp`,
@@ -449,7 +449,7 @@ impl Parallel {
                     .into(),
             });
         }
-        // --tp is lowered per rank for the zoo's GPT-2 and LLaMA families; the model builder
+        // --tp is lowered per rank for the zoo's GPT-2, LLaMA and BERT families; the model builder
         // (`zoo::Arch::tp_plan`) refuses other models and checks what --tp must divide.
         if self.pp > 1 {
             return Err(RecipeError::Invalid {

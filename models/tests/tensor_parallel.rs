@@ -156,6 +156,30 @@ fn llama_rank_params(h: u64, i: u64, l: u64, heads: u64, kv: u64, v: u64, t: u64
     2 * (vp / t) * h + l * block + h
 }
 
+/// BertForMaskedLM's parameters on one rank: word embeddings and the decoder's bias over the
+/// padded vocabulary (the decoder tied), q/k/v and `intermediate.dense` column-parallel, the two
+/// output denses row-parallel (whole biases), positions, token types, LayerNorms and the MLM
+/// transform whole.
+fn bert_rank_params(h: u64, l: u64, t: u64) -> u64 {
+    let vp = if t == 1 {
+        30522
+    } else {
+        30522u64.div_ceil(128 * t) * 128 * t
+    };
+    let emb = vp / t * h + 512 * h + 2 * h + 2 * h;
+    let block = 3 * (h * h / t + h / t)
+        + (h / t) * h
+        + h
+        + 2 * h
+        + h * 4 * h / t
+        + 4 * h / t
+        + (4 * h / t) * h
+        + h
+        + 2 * h;
+    let head = vp / t + h * h + h + 2 * h;
+    emb + l * block + head
+}
+
 #[test]
 fn parameter_bytes_per_rank_are_the_sharded_shapes() {
     // Megatron's padding by hand: ⌈50257 / 256⌉ = 197 → 50432 for tp 2; ⌈50257 / 512⌉ = 99 →
@@ -165,7 +189,12 @@ fn parameter_bytes_per_rank_are_the_sharded_shapes() {
     assert_eq!(TpPlan { t: 4, sp: false }.padded_vocab(32000), 32256);
     assert_eq!(TpPlan { t: 2, sp: false }.padded_vocab(32000), 32000);
     assert_eq!(gpt2_rank_params(768, 12, 2), 62_708_736);
-    let cases: [(&str, u64, u64); 6] = [
+    // The single-GPU counts of the published models (closed_forms.rs) at t = 1.
+    assert_eq!(bert_rank_params(768, 12, 1), 109_514_298);
+    assert_eq!(bert_rank_params(1024, 24, 1), 335_174_458);
+    let cases: [(&str, u64, u64); 8] = [
+        ("bert-base", 2, bert_rank_params(768, 12, 2)),
+        ("bert-large", 4, bert_rank_params(1024, 24, 4)),
         ("gpt2", 2, gpt2_rank_params(768, 12, 2)),
         ("gpt2-medium", 4, gpt2_rank_params(1024, 24, 4)),
         (
@@ -209,6 +238,64 @@ fn parameter_bytes_per_rank_are_the_sharded_shapes() {
 }
 
 #[test]
+fn korthikanti_table_2_per_layer_for_bert() {
+    // The same accounting for a post-LayerNorm BERT-large layer (bf16, eager attention with
+    // dropout 0.1, hidden dropout 0.1, exact GeLU saving its input, FFN 4h): the QKV input is the
+    // previous layer's LayerNorm output, the MLP input this layer's first LayerNorm output, the two
+    // LayerNorm inputs the residual sums: the paper's 34sbh + 5as²b, plus LayerNorm's float32
+    // mean and rstd (2 × 2 × 4 × sb, s/t of it under SP).
+    let (s, b) = (128u64, 2u64);
+    let cfg = zoo::bert::BERT_LARGE;
+    let (h, a) = (cfg.hidden, cfg.heads);
+    let sbh = s * b * h;
+    for (t, sp) in [(1u64, false), (2, false), (4, false), (2, true), (4, true)] {
+        let g = zoo::bert::bert_with_head_mask(
+            &cfg,
+            b,
+            s,
+            AttnImpl::Eager,
+            Head::MaskedLm,
+            false,
+            TpPlan { t, sp },
+        )
+        .unwrap();
+        let mut r = Recipe::new(b, s);
+        r.precision = Precision::Bf16;
+        r.iterations = 1;
+        r.parallel.tp = t as u32;
+        r.parallel.sp = sp;
+        let tr = lower(&g, &r).unwrap();
+        let live = live_at(&tr, phase_index(&tr, "backward", 0));
+        let layer = |i: u64| {
+            let (p1, p2) = (
+                format!("bert.encoder.layer.{i}."),
+                format!("bert.encoder.layer.{i}:"),
+            );
+            sum_where(&live, |x| {
+                x.1 == Category::Activation && (x.2.starts_with(&p1) || x.2.starts_with(&p2))
+            })
+        };
+        let table2_times_t = match (t, sp) {
+            (1, _) => 34 * sbh + 5 * a * s * s * b,
+            (_, false) => 10 * sbh * t + 24 * sbh + 5 * a * s * s * b,
+            (_, true) => 34 * sbh + 5 * a * s * s * b,
+        };
+        let ln_stats = if sp {
+            2 * 2 * 4 * s * b / t
+        } else {
+            2 * 2 * 4 * s * b
+        };
+        for i in 1..cfg.layers - 1 {
+            assert_eq!(
+                layer(i),
+                table2_times_t / t + ln_stats,
+                "tp {t} sp {sp} layer {i}"
+            );
+        }
+    }
+}
+
+#[test]
 fn what_tp_must_divide_and_which_models_split() {
     let err = |name: &str, tp: u32, sp: bool, seq: u64| {
         let mut r = Recipe::new(1, seq);
@@ -226,9 +313,9 @@ fn what_tp_must_divide_and_which_models_split() {
     let e = err("gpt2", 4, true, 66).unwrap();
     assert!(e.contains("seq 66"), "{e}");
     // Models without a tensor-parallel split are refused with the reason.
-    for name in ["resnet50", "bert-base", "vit-b-16", "mlp"] {
+    for name in ["resnet50", "vit-b-16", "mlp", "nanogpt"] {
         let e = err(name, 2, false, 64).unwrap();
-        assert!(e.contains("GPT-2 and LLaMA"), "{name}: {e}");
+        assert!(e.contains("GPT-2, LLaMA and BERT"), "{name}: {e}");
     }
     assert_eq!(err("gpt2", 2, true, 64), None);
     assert_eq!(err("llama2-7b", 8, true, 64), None);

@@ -132,7 +132,8 @@ pub fn gpt2_with_head(
             if tp.on() {
                 // Megatron's LanguageModelEmbedding with learned positions all-reduces the word
                 // embeddings (`reduce_scatter_embeddings` needs no position embedding).
-                return b.vocab_parallel_embedding(tp, ids, tp.local_vocab(cfg.vocab), h, false);
+                let w = b.param("weight", &[tp.local_vocab(cfg.vocab), h]);
+                return (b.vocab_parallel_embedding(tp, w, ids, false), w);
             }
             let w = b.param("weight", &[cfg.vocab, h]);
             (b.embedding_op(w, ids), w)

@@ -180,7 +180,8 @@ pub fn llama_with_head(
                 // Without position embeddings Megatron's LanguageModelEmbedding reduce-scatters
                 // the word embeddings straight into the sequence shard under --sp
                 // (`reduce_scatter_embeddings`).
-                return b.vocab_parallel_embedding(tp, ids, tp.local_vocab(cfg.vocab), h, tp.sp);
+                let w = b.param("weight", &[tp.local_vocab(cfg.vocab), h]);
+                return (b.vocab_parallel_embedding(tp, w, ids, tp.sp), w);
             }
             let w = b.param("weight", &[cfg.vocab, h]);
             (b.embedding_op(w, ids), w)

@@ -526,6 +526,7 @@ impl Arch {
                 attn,
                 head,
                 recipe.transformers_version == crate::recipe::TransformersVersion::V4_16,
+                tp,
             )?,
             Arch::Gpt2(c) => gpt2::gpt2_with_head(
                 c,
@@ -570,7 +571,7 @@ impl Arch {
     }
 
     /// The tensor-parallel split of the recipe's layout for this model (`--tp`, `--sp`; see
-    /// [`tp`]): the GPT-2 and LLaMA families with their causal-LM head, whose heads, KV heads and
+    /// [`tp`]): the GPT-2, LLaMA and BERT families with their language-model head, whose heads, KV heads and
     /// FFN width `--tp` divides; any other model, head or loss is refused with the reason.
     pub fn tp_plan(&self, recipe: &Recipe, head: Head) -> Result<tp::TpPlan, ZooError> {
         let plan = tp::TpPlan::of(recipe);
@@ -582,25 +583,37 @@ impl Arch {
             field: "tp",
             msg,
         };
-        let dims: Vec<(&str, u64)> = match self {
-            Arch::Gpt2(c) => vec![("n_head", c.heads), ("n_inner", c.inner)],
-            Arch::Llama(c) => vec![
-                ("num_attention_heads", c.heads),
-                ("num_key_value_heads", c.kv_heads),
-                ("intermediate_size", c.intermediate),
-            ],
+        let (dims, lm): (Vec<(&str, u64)>, Head) = match self {
+            Arch::Gpt2(c) => (vec![("n_head", c.heads), ("n_inner", c.inner)], Head::Lm),
+            Arch::Bert(c) => (
+                vec![
+                    ("num_attention_heads", c.heads),
+                    ("intermediate_size", c.intermediate),
+                ],
+                Head::MaskedLm,
+            ),
+            Arch::Llama(c) => (
+                vec![
+                    ("num_attention_heads", c.heads),
+                    ("num_key_value_heads", c.kv_heads),
+                    ("intermediate_size", c.intermediate),
+                ],
+                Head::Lm,
+            ),
             _ => {
                 return Err(unsupported(format!(
-                    "{}: tensor parallelism is modelled for the GPT-2 and LLaMA families (Megatron-style column/row-parallel attention and MLP, vocabulary-parallel embedding and loss); {} has no such split modelled: give --tp 1",
+                    "{}: tensor parallelism is modelled for the GPT-2, LLaMA and BERT families (Megatron-style column/row-parallel attention and MLP, vocabulary-parallel embedding and loss); {} has no such split modelled: give --tp 1",
                     recipe.parallel.tp,
                     self.name()
                 )))
             }
         };
-        if head != Head::Lm || recipe.loss != crate::recipe::Loss::Hf {
+        let decoder = lm == Head::Lm;
+        if head != lm || (decoder && recipe.loss != crate::recipe::Loss::Hf) {
             return Err(unsupported(format!(
-                "{}: tensor parallelism is modelled with the causal-LM head and its loss (vocab_parallel_cross_entropy): give --head lm and --loss hf",
-                recipe.parallel.tp
+                "{}: tensor parallelism is modelled with the language-model head and its loss (vocab_parallel_cross_entropy): give {}",
+                recipe.parallel.tp,
+                if decoder { "--head lm and --loss hf" } else { "--head masked-lm" }
             )));
         }
         plan.check(&dims, recipe.seq)

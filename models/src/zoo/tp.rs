@@ -196,21 +196,19 @@ impl GraphBuilder {
         })
     }
 
-    /// `VocabParallelEmbedding.forward` (`megatron/core/tensor_parallel/layers.py`) inside the
-    /// current module: `input_mask = (input_ < start) | (input_ >= end)`, `masked_input =
-    /// input_.clone() - start` (masked in place), `F.embedding(masked_input, weight)` with the
-    /// rank's `[V/t, h]` rows, `output_parallel[input_mask, :] = 0.0`, then the all-reduce in place
-    /// — or, with `reduce_scatter`, `output_parallel.transpose(0, 1).contiguous()` and the
-    /// reduce-scatter into the sequence shard. Returns (output, weight).
+    /// `VocabParallelEmbedding.forward` (`megatron/core/tensor_parallel/layers.py`) with the
+    /// rank's `[V/t, h]` rows `w`: `input_mask = (input_ < start) | (input_ >= end)`,
+    /// `masked_input = input_.clone() - start` (masked in place), `F.embedding(masked_input, w)`,
+    /// `output_parallel[input_mask, :] = 0.0`, then the all-reduce in place — or, with
+    /// `reduce_scatter`, `output_parallel.transpose(0, 1).contiguous()` and the reduce-scatter into
+    /// the sequence shard.
     pub fn vocab_parallel_embedding(
         &mut self,
         plan: TpPlan,
+        w: T,
         ids: T,
-        local_vocab: u64,
-        h: u64,
         reduce_scatter: bool,
-    ) -> (T, T) {
-        let w = self.param("weight", &[local_vocab, h]);
+    ) -> T {
         let s = self.shape(ids);
         let mask = self.factory(
             "aten.bitwise_or",
@@ -230,15 +228,27 @@ impl GraphBuilder {
         let es = self.shape(e);
         let d = self.dtype(e);
         let e = self.op1(OpKind::IndexPutInplace, &[e, mask], es, d);
-        let out = if reduce_scatter {
+        if reduce_scatter {
             // `[b, s, h] -> [s, b, h]` copy, kept batch-first here: the same bytes.
             let c = self.clone_t(e);
             self.tp_row_output(plan, c)
         } else {
             let es = self.shape(e);
             self.tp_comm(TpComm::Reduce, e, es)
-        };
-        (out, w)
+        }
+    }
+
+    /// `vocab_parallel_cross_entropy(logits, target)` on `[N, V/t]` logits and `[N]` targets
+    /// (float32 inside: a float copy of 16-bit logits), the per-token losses averaged.
+    pub fn vocab_parallel_loss(&mut self, logits: T, target: T) -> T {
+        let n = self.shape(target).first().copied().unwrap_or(0);
+        let losses = self.op1(
+            OpKind::VocabParallelCrossEntropy,
+            &[logits, target],
+            vec![n],
+            DTypeSpec::Fixed(DType::F32),
+        );
+        self.mean_dim(losses, 0, false)
     }
 
     /// The causal-LM head and loss on one rank: `lm_head` as a column-parallel linear over the
@@ -279,13 +289,7 @@ impl GraphBuilder {
         let shift_labels = self.contiguous(shifted);
         let flat = self.view(lf, &[-1, v as i64]);
         let tgt = self.view(shift_labels, &[-1]);
-        let losses = self.op1(
-            OpKind::VocabParallelCrossEntropy,
-            &[flat, tgt],
-            vec![bsz * seq],
-            DTypeSpec::Fixed(DType::F32),
-        );
-        let loss = self.mean_dim(losses, 0, false);
+        let loss = self.vocab_parallel_loss(flat, tgt);
         self.hold(lf);
         self.hold(padded);
         self.pop_module("");
