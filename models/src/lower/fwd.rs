@@ -704,10 +704,7 @@ impl<'g> Lowering<'g> {
             TpComm(c) => self.tp_comm_fwd(*c, &x[0], shape0(), m),
             VocabParallelCrossEntropy => self.vocab_ce_fwd(x, m),
             // `x[mask, :] = 0.0`: in place; derivatives.yaml index_put_ saves the indices.
-            IndexPutInplace => {
-                let v = self.view(&x[0], x[0].layout.clone());
-                Fwd::New(vec![v], op_kind, vec![Save::In(1)])
-            }
+            IndexPutInplace => self.index_put_fwd(&x[0], m),
             AutocastLower => Fwd::Alias(self.dup(&x[0])),
             // aten reshape (TensorShape.cpp): a view when computeStride allows, else
             // `_unsafe_view(clone(contiguous))`; views save nothing.

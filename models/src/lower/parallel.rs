@@ -83,7 +83,7 @@ impl<'g> Lowering<'g> {
     }
 
     /// `tensor.record_stream(nccl_stream)` in the record-stream era of `ProcessGroupNCCL`.
-    fn collective_uses(&mut self, t: &Rt) {
+    pub(super) fn collective_uses(&mut self, t: &Rt) {
         if self.r.torch_version != TorchVersion::V1_10 {
             return;
         }

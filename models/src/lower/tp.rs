@@ -21,29 +21,25 @@ pub(crate) struct TpState {
 }
 
 impl<'g> Lowering<'g> {
-    /// A collective's buffer: `torch.empty` made by the collective's code.
-    fn tp_comm_alloc(&mut self, layout: Layout, dtype: DType, m: ModuleId, op: &str) -> Rt {
-        let prev = self.kind_now;
-        self.kind_now = Kind::Comm;
-        let t = self.alloc(layout, dtype, m, op);
-        self.kind_now = prev;
-        t
-    }
-
     /// `get_global_memory_buffer().get_tensor(shape, dtype, "mpu")`: a view of the persistent
     /// buffer of `dtype`, which is (re)made with `torch.empty(required_len)` when missing or too
-    /// small (the old one dies with its last view).
+    /// small (the old one dies with its last view). The one communication buffer of tensor
+    /// parallelism ([`Kind::Comm`]); the other collectives' outputs are the model's tensors
+    /// (activations, gradients) and are counted as such.
     fn tp_mpu_view(&mut self, shape: &[u64], dtype: DType, m: ModuleId) -> Rt {
         let need = Layout::contiguous(shape).numel();
         let slot = self.tp.mpu.iter().position(|b| b.dtype == dtype);
         let fits = slot.is_some_and(|i| self.tp.mpu[i].layout.numel() >= need);
         if !fits {
-            let buf = self.tp_comm_alloc(
+            let prev = self.kind_now;
+            self.kind_now = Kind::Comm;
+            let buf = self.alloc(
                 Layout::contiguous(&[need]),
                 dtype,
                 m,
                 "megatron.GlobalMemoryBuffer",
             );
+            self.kind_now = prev;
             match slot {
                 Some(i) => {
                     let old = std::mem::replace(&mut self.tp.mpu[i], buf);
@@ -62,14 +58,28 @@ impl<'g> Lowering<'g> {
         self.view(&buf, Layout::contiguous(shape))
     }
 
+    /// A 0-d tensor on the device made and dropped around an indexing assignment
+    /// (`x[mask] = 0.0`: python_variable_indexing.cpp `valueToTensor` makes the scalar a tensor on
+    /// the indexed tensor's device).
+    fn tp_scalar_value(&mut self, dtype: DType, m: ModuleId) {
+        let v = self.alloc(Layout::contiguous(&[]), dtype, m, "aten.scalar_tensor");
+        self.drop_rt(v);
+    }
+
     /// The forward of a [`TpComm`] on `x` giving `out` (its shape).
     pub(super) fn tp_comm_fwd(&mut self, c: TpComm, x: &Rt, out: &[u64], m: ModuleId) -> Fwd {
         let nk = NodeKind::Op(OpKind::TpComm(c));
         match c {
-            // `_CopyToModelParallelRegion.forward` returns its input; `_reduce` all-reduces the
-            // input in place (`input_.contiguous()` copies only a non-contiguous one, which the
-            // zoo's row-parallel outputs never are) and returns it.
-            TpComm::Copy | TpComm::Reduce => {
+            // `_CopyToModelParallelRegion.forward` returns its input (and so does
+            // ColumnParallelLinear with `allreduce_dgrad`, which all-reduces the input gradient
+            // in its backward instead).
+            TpComm::Copy => {
+                let v = self.view(x, x.layout.clone());
+                Fwd::New(vec![v], nk, vec![])
+            }
+            // `_reduce` all-reduces the (contiguous) input in place and returns it.
+            TpComm::Reduce => {
+                self.collective_uses(x);
                 let v = self.view(x, x.layout.clone());
                 Fwd::New(vec![v], nk, vec![])
             }
@@ -78,12 +88,16 @@ impl<'g> Lowering<'g> {
             // into; `ctx.save_for_backward(input, weight)` keeps the local shard.
             TpComm::GatherToBuffer => {
                 let v = self.tp_mpu_view(out, x.dtype, m);
+                self.collective_uses(&v);
+                self.collective_uses(x);
                 Fwd::New(vec![v], nk, vec![Save::In(0)])
             }
             // `_reduce_scatter_along_first_dim`: `output = torch.empty(dim_size / world_size)`,
             // reduce-scattered into; the input dies with its last reference.
             TpComm::ReduceScatter => {
-                let o = self.tp_comm_alloc(Layout::contiguous(out), x.dtype, m, c.name());
+                let o = self.alloc(Layout::contiguous(out), x.dtype, m, c.name());
+                self.collective_uses(&o);
+                self.collective_uses(x);
                 Fwd::New(vec![o], nk, vec![])
             }
             // `_split_along_first_dim` (`input_[offset:offset + n].contiguous()`) and the
@@ -98,25 +112,42 @@ impl<'g> Lowering<'g> {
     /// The backward of a [`TpComm`]: the gradient of its input from `g`, its output's.
     pub(super) fn tp_comm_bwd(&mut self, c: TpComm, g: &Rt, input: &Meta, m: ModuleId) -> Rt {
         match c {
-            // `_reduce(grad_output)` in place / `return grad_output`.
-            TpComm::Copy | TpComm::Reduce => self.dup(g),
+            // `_reduce(grad_output)` in place (or the linear's `allreduce_dgrad`).
+            TpComm::Copy => {
+                self.collective_uses(g);
+                self.dup(g)
+            }
+            // `return grad_output`.
+            TpComm::Reduce => self.dup(g),
             // Backward of the sequence-parallel linear: the input is re-gathered into the same
             // persistent buffer (no allocation), and `sub_grad_input = torch.empty(dim_size)`
             // receives the reduce-scatter of the input's gradient.
-            TpComm::GatherToBuffer => self.tp_comm_alloc(
-                Layout::contiguous(&input.layout.shape),
-                g.dtype,
-                m,
-                "megatron.reduce_scatter_tensor",
-            ),
-            // `_gather_along_first_dim(grad_output)`: `torch.empty(dim_size * world_size)`.
-            TpComm::ReduceScatter | TpComm::Scatter => self.tp_comm_alloc(
-                Layout::contiguous(&input.layout.shape),
-                g.dtype,
-                m,
-                "megatron.all_gather_into_tensor",
-            ),
+            TpComm::GatherToBuffer | TpComm::ReduceScatter | TpComm::Scatter => {
+                let (name, shape) = match c {
+                    TpComm::GatherToBuffer => {
+                        ("megatron.reduce_scatter_tensor", &input.layout.shape)
+                    }
+                    // `_gather_along_first_dim(grad_output)`: `torch.empty(dim_size * world_size)`.
+                    _ => ("megatron.all_gather_into_tensor", &input.layout.shape),
+                };
+                let o = self.alloc(Layout::contiguous(shape), g.dtype, m, name);
+                self.collective_uses(&o);
+                self.collective_uses(g);
+                o
+            }
         }
+    }
+
+    /// `x[mask, :] = 0.0` in place: the 0-d value tensor, no other allocation (the `nonzero` of
+    /// the mask inside `index_put_` is data-dependent and not modelled).
+    pub(super) fn index_put_fwd(&mut self, x: &Rt, m: ModuleId) -> Fwd {
+        self.tp_scalar_value(x.dtype, m);
+        let v = self.view(x, x.layout.clone());
+        Fwd::New(
+            vec![v],
+            NodeKind::Op(OpKind::IndexPutInplace),
+            vec![Save::In(1)],
+        )
     }
 
     /// `_VocabParallelCrossEntropy.forward` on `x[0]` (logits `[N, V/t]`) and `x[1]` (targets
@@ -148,11 +179,13 @@ impl<'g> Lowering<'g> {
         let cl = a(self, DType::I64, "aten.clone");
         let masked_target = a(self, DType::I64, "aten.sub");
         self.drop_rt(cl);
+        self.tp_scalar_value(DType::I64, m);
         // `arange_1d`, `logits_2d[arange_1d, masked_target_1d]`, `.clone().contiguous()`.
         let arange = a(self, DType::I64, "aten.arange");
         let picked = a(self, f32, "aten.index");
         let predicted = a(self, f32, "aten.clone");
         self.drop_rt(picked);
+        self.tp_scalar_value(f32, m);
         // `predicted_logits[target_mask] = 0.0`, `torch.exp(..., out=exp_logits)` in place;
         // `sum_exp_logits = exp_logits.sum(dim=-1)`; two all-reduces in place.
         let sum_exp = a(self, f32, "aten.sum");

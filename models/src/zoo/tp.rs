@@ -217,12 +217,13 @@ impl GraphBuilder {
             DTypeSpec::Fixed(DType::Bool),
             vec![(s.clone(), DType::Bool), (s.clone(), DType::Bool)],
         );
+        // `input_.clone() - start`, then `masked_input[input_mask] = 0` (its 0-d value tensor).
         let masked = self.factory(
             "aten.sub",
             &[ids],
             &s,
             DTypeSpec::Fixed(DType::I64),
-            vec![(s.clone(), DType::I64)],
+            vec![(s.clone(), DType::I64), (vec![], DType::I64)],
         );
         let e = self.embedding_op(w, masked);
         let es = self.shape(e);
