@@ -328,12 +328,13 @@ pub enum OpKind {
     },
     /// A collective of Megatron-LM's tensor-parallel regions (`--tp`, `--sp`; see [`TpComm`]).
     TpComm(TpComm),
-    /// `x[mask, :] = 0.0` (`index_put_` with a bool mask and a scalar value, in place):
-    /// Megatron's `VocabParallelEmbedding` zeroes the rows of tokens outside its vocabulary
-    /// range. No allocation (the `nonzero` of the mask inside the kernel, data-dependent, is not
-    /// modelled); derivatives.yaml `index_put_` saves the indices (the mask) and its backward is
-    /// `grad.index_put(indices, zeros_like(values))`, an out-of-place copy of the gradient.
-    IndexPutInplace,
+    /// `x[mask, :] = 0.0` with a bool mask and a Python scalar: `at::indexing::set_item`
+    /// (`ATen/TensorIndexing.h`) dispatches it to `x.masked_fill_(mask.unsqueeze(-1), 0.0)`
+    /// (`try_dispatch_masked_fill_`, `canDispatchToMaskedFill`: one bool index on the tensor's
+    /// device) — in place, no allocation; Megatron's `VocabParallelEmbedding` zeroes the rows of
+    /// tokens outside its vocabulary range with it. derivatives.yaml `masked_fill_.Scalar` saves
+    /// the mask; its backward `grad.masked_fill(mask, 0)` is an out-of-place copy of the gradient.
+    MaskedFillInplace,
     /// Megatron-LM's `vocab_parallel_cross_entropy(logits, target)`
     /// (`megatron/core/tensor_parallel/cross_entropy.py`, `_VocabParallelCrossEntropy`) on
     /// float32 logits `[N, V/t]` and int64 targets `[N]`: per-token losses `[N]` (float32).
@@ -464,7 +465,7 @@ impl OpKind {
             } => "bitsandbytes.matmul",
             QuantLinear { .. } => "bitsandbytes.matmul_4bit",
             TpComm(c) => c.name(),
-            IndexPutInplace => "aten.index_put_",
+            MaskedFillInplace => "aten.masked_fill_",
             VocabParallelCrossEntropy => "megatron.vocab_parallel_cross_entropy",
         }
     }

@@ -567,12 +567,9 @@ impl<'g> Lowering<'g> {
             }
             TpComm(c) => out[0] = Some(self.tp_comm_bwd(c, &g, &meta(0), m)),
             VocabParallelCrossEntropy => out[0] = self.vocab_ce_bwd(n, m),
-            // derivatives.yaml index_put_: `grad.index_put(indices, zeros_like(values),
-            // accumulate)`: the 0-d `zeros_like(values)`, then an out-of-place copy of the gradient.
-            IndexPutInplace => {
-                let z = self.alloc(Layout::contiguous(&[]), g.dtype, m, "aten.zeros_like");
-                out[0] = Some(self.alloc(g.layout.empty_like(), g.dtype, m, "aten.index_put"));
-                self.drop_rt(z);
+            // derivatives.yaml masked_fill_.Scalar: `grad.masked_fill(mask, 0)`, out of place.
+            MaskedFillInplace => {
+                out[0] = Some(self.alloc(g.layout.empty_like(), g.dtype, m, "aten.masked_fill"))
             }
             // derivatives.yaml transpose.int: grad.transpose(dim0, dim1) (a view).
             Transpose(a, b) => out[0] = Some(self.view(&g, g.layout.transpose(a, b))),

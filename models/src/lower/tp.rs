@@ -58,14 +58,6 @@ impl<'g> Lowering<'g> {
         self.view(&buf, Layout::contiguous(shape))
     }
 
-    /// A 0-d tensor on the device made and dropped around an indexing assignment
-    /// (`x[mask] = 0.0`: python_variable_indexing.cpp `valueToTensor` makes the scalar a tensor on
-    /// the indexed tensor's device).
-    fn tp_scalar_value(&mut self, dtype: DType, m: ModuleId) {
-        let v = self.alloc(Layout::contiguous(&[]), dtype, m, "aten.scalar_tensor");
-        self.drop_rt(v);
-    }
-
     /// The forward of a [`TpComm`] on `x` giving `out` (its shape).
     pub(super) fn tp_comm_fwd(&mut self, c: TpComm, x: &Rt, out: &[u64], m: ModuleId) -> Fwd {
         let nk = NodeKind::Op(OpKind::TpComm(c));
@@ -138,18 +130,6 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// `x[mask, :] = 0.0` in place: the 0-d value tensor, no other allocation (the `nonzero` of
-    /// the mask inside `index_put_` is data-dependent and not modelled).
-    pub(super) fn index_put_fwd(&mut self, x: &Rt, m: ModuleId) -> Fwd {
-        self.tp_scalar_value(x.dtype, m);
-        let v = self.view(x, x.layout.clone());
-        Fwd::New(
-            vec![v],
-            NodeKind::Op(OpKind::IndexPutInplace),
-            vec![Save::In(1)],
-        )
-    }
-
     /// `_VocabParallelCrossEntropy.forward` on `x[0]` (logits `[N, V/t]`) and `x[1]` (targets
     /// `[N]`), allocation by allocation; the function runs without autograd inside, and saves
     /// `(exp_logits, target_mask, masked_target_1d)`.
@@ -175,18 +155,18 @@ impl<'g> Lowering<'g> {
         let target_mask = a(self, DType::Bool, "aten.bitwise_or");
         self.drop_rt(ge);
         self.drop_rt(lt);
-        // `masked_target = target.clone() - vocab_start_index`; `masked_target[target_mask] = 0`.
+        // `masked_target = target.clone() - vocab_start_index`; `masked_target[target_mask] = 0`
+        // (`masked_fill_` in place: `at::indexing::set_item`'s `try_dispatch_masked_fill_`).
         let cl = a(self, DType::I64, "aten.clone");
         let masked_target = a(self, DType::I64, "aten.sub");
         self.drop_rt(cl);
-        self.tp_scalar_value(DType::I64, m);
         // `arange_1d`, `logits_2d[arange_1d, masked_target_1d]`, `.clone().contiguous()`.
         let arange = a(self, DType::I64, "aten.arange");
         let picked = a(self, f32, "aten.index");
         let predicted = a(self, f32, "aten.clone");
         self.drop_rt(picked);
-        self.tp_scalar_value(f32, m);
-        // `predicted_logits[target_mask] = 0.0`, `torch.exp(..., out=exp_logits)` in place;
+        // `predicted_logits[target_mask] = 0.0` (`masked_fill_`), `torch.exp(..., out=exp_logits)`
+        // in place;
         // `sum_exp_logits = exp_logits.sum(dim=-1)`; two all-reduces in place.
         let sum_exp = a(self, f32, "aten.sum");
         // calculate_cross_entropy_loss: `torch.log(sum_exp_logits) - predicted_logits`, then

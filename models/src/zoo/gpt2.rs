@@ -160,10 +160,21 @@ pub fn gpt2_with_head(
             }
             AttnImpl::Sdpa(_) => None,
         };
-        // Sequence parallelism: `scatter_to_sequence_parallel_region` before the embedding
-        // dropout (LanguageModelEmbedding.forward).
-        let x = if tp.sp { b.tp_scatter(tp, x) } else { x };
-        let mut x = b.module("drop", |b| b.dropout(x, cfg.embd_dropout));
+        // Sequence parallelism: the sequence shard (`scatter_to_sequence_parallel_region` and
+        // its clone, as LanguageModelEmbedding.forward before the embedding dropout) taken as
+        // the dropout's first step; `hidden_states = self.drop(hidden_states)` keeps the full
+        // sum alive until the dropout returns.
+        let mut x = if tp.sp {
+            let full = x;
+            let y = b.module("drop", |b| {
+                let shard = b.tp_scatter(tp, full);
+                b.dropout(shard, cfg.embd_dropout)
+            });
+            b.hold_through(full);
+            y
+        } else {
+            b.module("drop", |b| b.dropout(x, cfg.embd_dropout))
+        };
         let mut cache = Vec::new();
         for l in 0..cfg.layers {
             x = b.region(RegionKind::Block, &format!("h.{l}"), |b| {

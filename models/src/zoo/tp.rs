@@ -168,7 +168,12 @@ impl GraphBuilder {
             let mut shape: Vec<i64> = s[..s.len() - 1].iter().map(|&d| d as i64).collect();
             shape.push(nf as i64);
             let out = b.view(out, &shape);
+            // `output_parallel` (and `output_`) are locals of RowParallelLinear.forward until it
+            // returns, after the bias is added: under --sp the full product outlives the
+            // reduce-scatter.
+            b.hold(out);
             let out = b.tp_row_output(plan, out);
+            b.hold(out);
             b.add(out, bias)
         })
     }
@@ -188,7 +193,10 @@ impl GraphBuilder {
             let w = b.param("weight", &[out, k]);
             let bb = bias.then(|| b.param("bias", &[out]));
             let o = b.linear_op(x, w, None);
+            // `output_parallel` and `output_` live until RowParallelLinear.forward returns.
+            b.hold(o);
             let o = b.tp_row_output(plan, o);
+            b.hold(o);
             match bb {
                 Some(bias) => b.add(o, bias),
                 None => o,
@@ -199,7 +207,7 @@ impl GraphBuilder {
     /// `VocabParallelEmbedding.forward` (`megatron/core/tensor_parallel/layers.py`) with the
     /// rank's `[V/t, h]` rows `w`: `input_mask = (input_ < start) | (input_ >= end)`,
     /// `masked_input = input_.clone() - start` (masked in place), `F.embedding(masked_input, w)`,
-    /// `output_parallel[input_mask, :] = 0.0`, then the all-reduce in place — or, with
+    /// `output_parallel[input_mask, :] = 0.0` (`masked_fill_`), then the all-reduce in place — or, with
     /// `reduce_scatter`, `output_parallel.transpose(0, 1).contiguous()` and the reduce-scatter into
     /// the sequence shard.
     pub fn vocab_parallel_embedding(
@@ -210,25 +218,20 @@ impl GraphBuilder {
         reduce_scatter: bool,
     ) -> T {
         let s = self.shape(ids);
-        let mask = self.factory(
-            "aten.bitwise_or",
-            &[ids],
-            &s,
-            DTypeSpec::Fixed(DType::Bool),
-            vec![(s.clone(), DType::Bool), (s.clone(), DType::Bool)],
-        );
-        // `input_.clone() - start`, then `masked_input[input_mask] = 0` (its 0-d value tensor).
-        let masked = self.factory(
-            "aten.sub",
-            &[ids],
-            &s,
-            DTypeSpec::Fixed(DType::I64),
-            vec![(s.clone(), DType::I64), (vec![], DType::I64)],
-        );
+        let bool_t = DTypeSpec::Fixed(DType::Bool);
+        let i64_t = DTypeSpec::Fixed(DType::I64);
+        // `input_mask = (input_ < start) | (input_ >= end)`: the two comparisons die after the or.
+        let lt = self.factory("aten.lt", &[ids], &s, bool_t, vec![]);
+        let ge = self.factory("aten.ge", &[ids], &s, bool_t, vec![]);
+        let mask = self.factory("aten.bitwise_or", &[lt, ge], &s, bool_t, vec![]);
+        // `masked_input = input_.clone() - start` (the clone dies after the subtraction), then
+        // `masked_input[input_mask] = 0` (`masked_fill_`, in place).
+        let c = self.factory("aten.clone", &[ids], &s, i64_t, vec![]);
+        let masked = self.factory("aten.sub", &[c], &s, i64_t, vec![]);
         let e = self.embedding_op(w, masked);
         let es = self.shape(e);
         let d = self.dtype(e);
-        let e = self.op1(OpKind::IndexPutInplace, &[e, mask], es, d);
+        let e = self.op1(OpKind::MaskedFillInplace, &[e, mask], es, d);
         if reduce_scatter {
             // `[b, s, h] -> [s, b, h]` copy, kept batch-first here: the same bytes.
             let c = self.clone_t(e);
@@ -291,8 +294,11 @@ impl GraphBuilder {
         let flat = self.view(lf, &[-1, v as i64]);
         let tgt = self.view(shift_labels, &[-1]);
         let loss = self.vocab_parallel_loss(flat, tgt);
+        // `logits`, `labels` and `shift_labels` are locals of ForCausalLMLoss until it returns
+        // (the loss saves only its own masked copy of the targets).
         self.hold(lf);
         self.hold(padded);
+        self.hold(shift_labels);
         self.pop_module("");
         (logits, loss)
     }
