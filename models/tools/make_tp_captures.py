@@ -1,21 +1,26 @@
-"""Capture one tensor-parallel rank of HF's GPT-2 on the ``meta`` device, as reference fixtures in
-``models/tests/captures/tp/`` (checked by ``models/tests/tensor_parallel.rs``).
+"""Capture one tensor-parallel rank of HF's GPT-2 and TinyLlama on the ``meta`` device, as
+reference fixtures in ``models/tests/captures/tp/`` (checked by ``models/tests/tensor_parallel.rs``).
 
-The model is transformers' ``GPT2LMHeadModel`` with its modules split as Megatron-LM splits a
-transformer (``megatron/core/tensor_parallel/``: ``layers.py``, ``mappings.py``,
+The models are transformers' ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` with their modules split
+as Megatron-LM splits a transformer (``megatron/core/tensor_parallel/``: ``layers.py``, ``mappings.py``,
 ``cross_entropy.py``), written here operation by operation after Megatron's code:
 
 * ``VocabParallelEmbedding``: the mask of ids outside the rank's range, ``ids.clone() - start``
   masked, ``F.embedding`` of the rank's rows, masked rows zeroed, the in-place all-reduce;
-* column-parallel ``c_attn``/``c_fc`` (HF ``Conv1D`` with ``nf/t`` columns) behind
+* column-parallel ``c_attn``/``c_fc`` (HF ``Conv1D`` with ``nf/t`` columns; LLaMA's
+  ``q/k/v_proj``, ``gate_proj``, ``up_proj`` with their heads/t, KV heads/t and width/t, one input
+  for the attention and one for the MLP, as Megatron's fused ``linear_qkv`` and ``linear_fc1``) behind
   ``copy_to_tensor_model_parallel_region`` (identity; all-reduce of the input gradient) or, with
   sequence parallelism, the all-gather into Megatron's persistent ``GlobalMemoryBuffer`` that
   saves the local shard and reduce-scatters the input gradient into a new shard;
-* row-parallel ``c_proj`` (``nx/t`` rows): ``mm``, the in-place all-reduce (or the reduce-scatter
+* row-parallel ``c_proj`` (``nx/t`` rows; LLaMA's ``o_proj``, ``down_proj``): the product, the in-place all-reduce (or the reduce-scatter
   into a new sequence shard), then the whole bias added;
-* the tied ``lm_head`` column-parallel, and HF's ``ForCausalLMLoss`` steps with Megatron's
+* the ``lm_head`` (GPT-2's tied) column-parallel, and HF's ``ForCausalLMLoss`` steps with Megatron's
   ``vocab_parallel_cross_entropy`` in place of ``cross_entropy``;
-* with sequence parallelism the embeddings' sequence shard before the embedding dropout.
+* with sequence parallelism (GPT-2) the embeddings' sequence shard taken in the embedding dropout.
+
+LLaMA is captured without sequence parallelism: HF's ``LlamaModel.forward`` derives the position
+ids and the causal mask from the embeddings' sequence length, which the sequence shard would cut.
 
 The process group is PyTorch's fake backend (``torch.testing._internal.distributed.fake_pg``):
 rank 0 of ``world_size = t``, collectives that touch no data, so the meta device records the
@@ -45,6 +50,8 @@ CASES = [
     # GPT2Model.forward ends with `hidden_states.view(-1, seq, h)`: on the sequence shard of --sp
     # that view holds only when batch × seq/t is a multiple of seq (it allocates nothing).
     ("gpt2", 4, 128, "fp32", 4, True),
+    ("tinyllama-1.1b", 2, 128, "bf16", 2, False),
+    ("tinyllama-1.1b", 2, 128, "fp32", 4, False),
 ]
 
 torch = vc.torch
@@ -174,6 +181,24 @@ def _functions(t: int, sp: bool):
             out[input_mask, :] = 0.0
             return ReduceFromTp.apply(out)
 
+    class RowLinear(nn.Module):
+        def __init__(self, out_features, in_features):
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+        def forward(self, x):
+            output_parallel = F.linear(x, self.weight)
+            output_ = row_output(output_parallel)
+            return output_
+
+    def column_input_hook(module, args, kwargs):
+        # The one input of a module's column-parallel linears (LLaMA's attention and MLP).
+        if "hidden_states" in kwargs:
+            kwargs["hidden_states"] = column_input(kwargs["hidden_states"])
+        else:
+            args = (column_input(args[0]),) + tuple(args[1:])
+        return args, kwargs
+
     class ColumnLmHead(nn.Linear):
         def forward(self, x):
             return F.linear(column_input(x), self.weight)
@@ -231,7 +256,7 @@ def _functions(t: int, sp: bool):
         return VocabParallelCrossEntropy.apply(logits, shift_labels).mean()
 
     return (ColumnConv1D, RowConv1D, VocabParallelEmbedding, ColumnLmHead, ScatterDropout,
-            loss_function)
+            loss_function, RowLinear, column_input_hook)
 
 
 def tp_gpt2(recipe: "vc.Recipe", t: int, sp: bool):
@@ -239,7 +264,7 @@ def tp_gpt2(recipe: "vc.Recipe", t: int, sp: bool):
     import transformers as tf
 
     (ColumnConv1D, RowConv1D, VocabParallelEmbedding, ColumnLmHead, ScatterDropout,
-     loss_function) = _functions(t, sp)
+     loss_function, _, _) = _functions(t, sp)
     _, inputs_fn, _, optimizer_fn = vc.zoo(recipe)
     dtype = getattr(torch, vc.DTYPES[recipe.dtype])
     cfg = vc._hf_config("gpt2", "eager")
@@ -272,6 +297,49 @@ def tp_gpt2(recipe: "vc.Recipe", t: int, sp: bool):
     return model_fn, inputs_fn, loss_fn, optimizer_fn
 
 
+def tp_llama(recipe: "vc.Recipe", t: int, sp: bool):
+    """``(model_fn, inputs_fn, loss_fn, optimizer_fn)`` of TinyLlama's rank 0 of ``t``."""
+    import transformers as tf
+    from torch import nn
+
+    assert not sp, "LLaMA is captured without sequence parallelism (see the module docstring)"
+    (_, _, VocabParallelEmbedding, ColumnLmHead, _, loss_function, RowLinear,
+     column_input_hook) = _functions(t, sp)
+    _, inputs_fn, _, optimizer_fn = vc.zoo(recipe)
+    dtype = getattr(torch, vc.DTYPES[recipe.dtype])
+    cfg = vc._hf_config("tinyllama-1.1b", "eager")
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = h // nh
+    multiple = 128 * t
+    local_vocab = (cfg.vocab_size + multiple - 1) // multiple * multiple // t
+
+    def model_fn():
+        m = tf.LlamaForCausalLM(cfg)
+        m.loss_type = "ForCausalLM"
+        m.model.embed_tokens = VocabParallelEmbedding(local_vocab, h)
+        for layer in m.model.layers:
+            a, f = layer.self_attn, layer.mlp
+            a.q_proj = nn.Linear(h, nh * hd // t, bias=False)
+            a.k_proj = nn.Linear(h, nkv * hd // t, bias=False)
+            a.v_proj = nn.Linear(h, nkv * hd // t, bias=False)
+            a.o_proj = RowLinear(h, nh * hd // t)
+            a.register_forward_pre_hook(column_input_hook, with_kwargs=True)
+            f.gate_proj = nn.Linear(h, inter // t, bias=False)
+            f.up_proj = nn.Linear(h, inter // t, bias=False)
+            f.down_proj = RowLinear(h, inter // t)
+            f.register_forward_pre_hook(column_input_hook, with_kwargs=True)
+        m.lm_head = ColumnLmHead(h, local_vocab, bias=False)
+        return m.to(dtype)
+
+    tf.LlamaForCausalLM.loss_function = property(lambda self: loss_function)
+
+    def loss_fn(model, inp):
+        return model(**inp).loss
+
+    return model_fn, inputs_fn, loss_fn, optimizer_fn
+
+
 def main() -> int:
     if torch is None:
         print("error: make_tp_captures needs torch: pip install torch transformers", file=sys.stderr)
@@ -286,7 +354,8 @@ def main() -> int:
             dist.destroy_process_group()
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=t)
         recipe = vc.Recipe(model, B, S, dtype, "adamw", "none", 1, 2, attention="eager")
-        model_fn, inputs_fn, loss_fn, optimizer_fn = tp_gpt2(recipe, t, sp)
+        make = tp_gpt2 if model == "gpt2" else tp_llama
+        model_fn, inputs_fn, loss_fn, optimizer_fn = make(recipe, t, sp)
         meta = {"model": model, "recipe": recipe.name(), "batch": B, "seq": S, "dtype": dtype,
                 "optimizer": "adamw", "foreach": True, "checkpoint": "none",
                 "attn_implementation": "eager", "tp": t, "sp": sp}
@@ -297,7 +366,7 @@ def main() -> int:
         print(f"{base}: params {fx['params']}, peak {fx['peak_requested_bytes']} in {fx['peak_phase']}")
     v = vc.versions()
     with open(os.path.join(OUT_DIR, "README.md"), "w") as f:
-        f.write("# Reference captures: one tensor-parallel rank of GPT-2 (Megatron-LM's split)\n\n")
+        f.write("# Reference captures: one tensor-parallel rank of GPT-2 and TinyLlama (Megatron-LM's split)\n\n")
         f.write("Made by `models/tools/make_tp_captures.py` (run it from the repository root to "
                 "regenerate) with `traces/python/vramsim_capture.py` on the meta device, rank 0 of "
                 "PyTorch's fake process group, in the format of `models/tests/fixtures/capture/` plus "
