@@ -186,6 +186,10 @@ fn bad_layouts_fail_with_the_reason() {
     // Tensor parallelism: what --tp must divide, and the models it splits (issue 12).
     fails(&["--tp", "5"], &["5 does not divide n_head (12)"]);
     fails(
+        &["--tp", "2", "--lora", "r=8,targets=c_attn"],
+        &["--tp 2 with fine-tuning", "not modelled yet"],
+    );
+    fails(
         &["--tp", "2", "--head", "none"],
         &["language-model head", "--head lm"],
     );

@@ -338,6 +338,16 @@ impl Parallel {
         // Frozen parameters change what each mechanism holds (DDP buckets only parameters that
         // require grad, `reducer.cpp`; ZeRO and FSDP2 shard trainable and frozen ones apart), and
         // the layouts above are lowered for a model whose every parameter trains.
+        let finetune = !r.freeze.is_empty() || r.lora.is_some() || r.quant.is_some();
+        if self.tp > 1 && finetune {
+            return Err(RecipeError::Invalid {
+                field: "tp",
+                msg: format!(
+                    "--tp {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet: the split is modelled for every parameter training; predict the fine-tuning step with --tp 1",
+                    self.tp
+                ),
+            });
+        }
         if !self.is_single() && (!r.freeze.is_empty() || r.lora.is_some() || r.quant.is_some()) {
             return Err(bad(format!(
                 "--shard {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet: predict the fine-tuning step on one GPU (--shard none)",
