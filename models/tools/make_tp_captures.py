@@ -1,21 +1,24 @@
-"""Capture one tensor-parallel rank of HF's GPT-2 and TinyLlama on the ``meta`` device, as
+"""Capture one tensor-parallel rank of HF's GPT-2, TinyLlama and BERT on the ``meta`` device, as
 reference fixtures in ``models/tests/captures/tp/`` (checked by ``models/tests/tensor_parallel.rs``).
 
-The models are transformers' ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` with their modules split
-as Megatron-LM splits a transformer (``megatron/core/tensor_parallel/``: ``layers.py``, ``mappings.py``,
+The models are transformers' ``GPT2LMHeadModel``, ``LlamaForCausalLM`` and ``BertForMaskedLM`` with
+their modules split as Megatron-LM splits a transformer (``megatron/core/tensor_parallel/``: ``layers.py``, ``mappings.py``,
 ``cross_entropy.py``), written here operation by operation after Megatron's code:
 
 * ``VocabParallelEmbedding``: the mask of ids outside the rank's range, ``ids.clone() - start``
   masked, ``F.embedding`` of the rank's rows, masked rows zeroed, the in-place all-reduce;
 * column-parallel ``c_attn``/``c_fc`` (HF ``Conv1D`` with ``nf/t`` columns; LLaMA's
   ``q/k/v_proj``, ``gate_proj``, ``up_proj`` with their heads/t, KV heads/t and width/t, one input
-  for the attention and one for the MLP, as Megatron's fused ``linear_qkv`` and ``linear_fc1``) behind
+  for the attention and one for the MLP, as Megatron's fused ``linear_qkv`` and ``linear_fc1``;
+  BERT's ``query/key/value`` and ``intermediate.dense``) behind
   ``copy_to_tensor_model_parallel_region`` (identity; all-reduce of the input gradient) or, with
   sequence parallelism, the all-gather into Megatron's persistent ``GlobalMemoryBuffer`` that
   saves the local shard and reduce-scatters the input gradient into a new shard;
-* row-parallel ``c_proj`` (``nx/t`` rows; LLaMA's ``o_proj``, ``down_proj``): the product, the in-place all-reduce (or the reduce-scatter
+* row-parallel ``c_proj`` (``nx/t`` rows; LLaMA's ``o_proj``, ``down_proj``; BERT's
+  ``attention.output.dense``, ``output.dense``): the product, the in-place all-reduce (or the reduce-scatter
   into a new sequence shard), then the whole bias added;
-* the ``lm_head`` (GPT-2's tied) column-parallel, and HF's ``ForCausalLMLoss`` steps with Megatron's
+* the ``lm_head`` (GPT-2's tied; BERT's tied ``decoder`` with its bias share) column-parallel, and
+  BERT's ``CrossEntropyLoss`` likewise replaced, HF's ``ForCausalLMLoss`` steps with Megatron's
   ``vocab_parallel_cross_entropy`` in place of ``cross_entropy``;
 * with sequence parallelism (GPT-2) the embeddings' sequence shard taken in the embedding dropout.
 
@@ -52,6 +55,7 @@ CASES = [
     ("gpt2", 4, 128, "fp32", 4, True),
     ("tinyllama-1.1b", 2, 128, "bf16", 2, False),
     ("tinyllama-1.1b", 2, 128, "fp32", 4, False),
+    ("bert-base", 2, 128, "bf16", 2, False),
 ]
 
 torch = vc.torch
@@ -182,14 +186,15 @@ def _functions(t: int, sp: bool):
             return ReduceFromTp.apply(out)
 
     class RowLinear(nn.Module):
-        def __init__(self, out_features, in_features):
+        def __init__(self, out_features, in_features, bias=False):
             super().__init__()
             self.weight = nn.Parameter(torch.empty(out_features, in_features))
+            self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
         def forward(self, x):
             output_parallel = F.linear(x, self.weight)
             output_ = row_output(output_parallel)
-            return output_
+            return output_ + self.bias if self.bias is not None else output_
 
     def column_input_hook(module, args, kwargs):
         # The one input of a module's column-parallel linears (LLaMA's attention and MLP).
@@ -201,7 +206,7 @@ def _functions(t: int, sp: bool):
 
     class ColumnLmHead(nn.Linear):
         def forward(self, x):
-            return F.linear(column_input(x), self.weight)
+            return F.linear(column_input(x), self.weight, self.bias)
 
     class ScatterDropout(nn.Dropout):
         def forward(self, x):
@@ -255,8 +260,13 @@ def _functions(t: int, sp: bool):
         shift_labels = shift_labels.view(-1)
         return VocabParallelCrossEntropy.apply(logits, shift_labels).mean()
 
+    class TpCrossEntropyLoss(nn.Module):
+        # BertForMaskedLM's `CrossEntropyLoss()(scores.view(-1, V), labels.view(-1))`.
+        def forward(self, logits, target):
+            return VocabParallelCrossEntropy.apply(logits, target).mean()
+
     return (ColumnConv1D, RowConv1D, VocabParallelEmbedding, ColumnLmHead, ScatterDropout,
-            loss_function, RowLinear, column_input_hook)
+            loss_function, RowLinear, column_input_hook, TpCrossEntropyLoss)
 
 
 def tp_gpt2(recipe: "vc.Recipe", t: int, sp: bool):
@@ -264,7 +274,7 @@ def tp_gpt2(recipe: "vc.Recipe", t: int, sp: bool):
     import transformers as tf
 
     (ColumnConv1D, RowConv1D, VocabParallelEmbedding, ColumnLmHead, ScatterDropout,
-     loss_function, _, _) = _functions(t, sp)
+     loss_function, _, _, _) = _functions(t, sp)
     _, inputs_fn, _, optimizer_fn = vc.zoo(recipe)
     dtype = getattr(torch, vc.DTYPES[recipe.dtype])
     cfg = vc._hf_config("gpt2", "eager")
@@ -304,7 +314,7 @@ def tp_llama(recipe: "vc.Recipe", t: int, sp: bool):
 
     assert not sp, "LLaMA is captured without sequence parallelism (see the module docstring)"
     (_, _, VocabParallelEmbedding, ColumnLmHead, _, loss_function, RowLinear,
-     column_input_hook) = _functions(t, sp)
+     column_input_hook, _) = _functions(t, sp)
     _, inputs_fn, _, optimizer_fn = vc.zoo(recipe)
     dtype = getattr(torch, vc.DTYPES[recipe.dtype])
     cfg = vc._hf_config("tinyllama-1.1b", "eager")
@@ -340,6 +350,49 @@ def tp_llama(recipe: "vc.Recipe", t: int, sp: bool):
     return model_fn, inputs_fn, loss_fn, optimizer_fn
 
 
+def tp_bert(recipe: "vc.Recipe", t: int, sp: bool):
+    """``(model_fn, inputs_fn, loss_fn, optimizer_fn)`` of BERT's rank 0 of ``t`` (masked LM)."""
+    import transformers as tf
+    import transformers.models.bert.modeling_bert as mb
+    from torch import nn
+
+    assert not sp, "BERT is captured without sequence parallelism"
+    (_, _, VocabParallelEmbedding, ColumnLmHead, _, _, RowLinear, column_input_hook,
+     TpCrossEntropyLoss) = _functions(t, sp)
+    _, inputs_fn, loss_fn, optimizer_fn = vc.zoo(recipe)
+    dtype = getattr(torch, vc.DTYPES[recipe.dtype])
+    cfg = vc._hf_config("bert-base", "eager")
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    multiple = 128 * t
+    local_vocab = (cfg.vocab_size + multiple - 1) // multiple * multiple // t
+
+    def model_fn():
+        m = tf.BertForMaskedLM(cfg)
+        emb = m.bert.embeddings
+        emb.word_embeddings = VocabParallelEmbedding(local_vocab, h)
+        for layer in m.bert.encoder.layer:
+            a = layer.attention
+            a.self.query = nn.Linear(h, h // t)
+            a.self.key = nn.Linear(h, h // t)
+            a.self.value = nn.Linear(h, h // t)
+            a.self.register_forward_pre_hook(column_input_hook, with_kwargs=True)
+            a.output.dense = RowLinear(h, h // t, bias=True)
+            layer.intermediate.dense = nn.Linear(h, inter // t)
+            layer.intermediate.register_forward_pre_hook(column_input_hook, with_kwargs=True)
+            layer.output.dense = RowLinear(h, inter // t, bias=True)
+        p = m.cls.predictions
+        p.bias = nn.Parameter(torch.zeros(local_vocab))
+        p.decoder = ColumnLmHead(h, local_vocab, bias=True)
+        p.decoder.weight = emb.word_embeddings.weight
+        p.decoder.bias = p.bias
+        # `scores.view(-1, self.config.vocab_size)`: the rank's share.
+        m.config.vocab_size = local_vocab
+        return m.to(dtype)
+
+    mb.CrossEntropyLoss = TpCrossEntropyLoss
+    return model_fn, inputs_fn, loss_fn, optimizer_fn
+
+
 def main() -> int:
     if torch is None:
         print("error: make_tp_captures needs torch: pip install torch transformers", file=sys.stderr)
@@ -354,7 +407,7 @@ def main() -> int:
             dist.destroy_process_group()
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=t)
         recipe = vc.Recipe(model, B, S, dtype, "adamw", "none", 1, 2, attention="eager")
-        make = tp_gpt2 if model == "gpt2" else tp_llama
+        make = {"gpt2": tp_gpt2, "tinyllama-1.1b": tp_llama, "bert-base": tp_bert}[model]
         model_fn, inputs_fn, loss_fn, optimizer_fn = make(recipe, t, sp)
         meta = {"model": model, "recipe": recipe.name(), "batch": B, "seq": S, "dtype": dtype,
                 "optimizer": "adamw", "foreach": True, "checkpoint": "none",
@@ -366,7 +419,7 @@ def main() -> int:
         print(f"{base}: params {fx['params']}, peak {fx['peak_requested_bytes']} in {fx['peak_phase']}")
     v = vc.versions()
     with open(os.path.join(OUT_DIR, "README.md"), "w") as f:
-        f.write("# Reference captures: one tensor-parallel rank of GPT-2 and TinyLlama (Megatron-LM's split)\n\n")
+        f.write("# Reference captures: one tensor-parallel rank of GPT-2, TinyLlama and BERT (Megatron-LM's split)\n\n")
         f.write("Made by `models/tools/make_tp_captures.py` (run it from the repository root to "
                 "regenerate) with `traces/python/vramsim_capture.py` on the meta device, rank 0 of "
                 "PyTorch's fake process group, in the format of `models/tests/fixtures/capture/` plus "

@@ -378,6 +378,20 @@ impl<'g> Lowering<'g> {
             return vec![];
         }
         let mut outs = self.apply(n, &inputs);
+        // A Python `autograd.Function` (Megatron's collectives and loss): `PyNode::apply` moves
+        // the engine's inputs into its Python argument tuple (`inputs.clear()`), which dies when
+        // the call returns, so the incoming gradients go before `validate_outputs`
+        // (`torch/csrc/autograd/python_function.cpp`); a C++ node keeps them until
+        // `call_function` returns (`engine.cpp`), after it.
+        let mut inputs = inputs;
+        if matches!(
+            self.nodes[n as usize].kind,
+            NodeKind::Op(OpKind::TpComm(_) | OpKind::VocabParallelCrossEntropy)
+        ) {
+            for t in inputs.drain(..).flatten() {
+                self.drop_rt(t);
+            }
+        }
         // Checkpointed node: the unpack hook hands over the recomputed tensors (dropping the
         // frame's entry), and they die with `apply`'s locals, in reverse order of unpacking,
         // before `validate_outputs`.
