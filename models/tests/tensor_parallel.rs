@@ -344,7 +344,7 @@ fn capture_recipe(fx: &serde_json::Value) -> Recipe {
 /// count, the peak and the peak of every phase segment equal PyTorch's to the byte.
 #[test]
 fn tensor_parallel_ranks_agree_with_pytorch_captures() {
-    common::check_captures("captures/tp", 6, capture_recipe);
+    common::check_captures("captures/tp", 7, capture_recipe);
 }
 
 /// `(+size | -size)` of the allocations and frees of the `nth` `phase` segment whose allocation

@@ -20,7 +20,8 @@ their modules split as Megatron-LM splits a transformer (``megatron/core/tensor_
 * the ``lm_head`` (GPT-2's tied; BERT's tied ``decoder`` with its bias share) column-parallel, and
   BERT's ``CrossEntropyLoss`` likewise replaced, HF's ``ForCausalLMLoss`` steps with Megatron's
   ``vocab_parallel_cross_entropy`` in place of ``cross_entropy``;
-* with sequence parallelism (GPT-2) the embeddings' sequence shard taken in the embedding dropout.
+* with sequence parallelism the embeddings' sequence shard taken as the first step of the module
+  after the sum (GPT-2's embedding dropout, BERT's embedding LayerNorm).
 
 LLaMA is captured without sequence parallelism: HF's ``LlamaModel.forward`` derives the position
 ids and the causal mask from the embeddings' sequence length, which the sequence shard would cut.
@@ -56,6 +57,7 @@ CASES = [
     ("tinyllama-1.1b", 2, 128, "bf16", 2, False),
     ("tinyllama-1.1b", 2, 128, "fp32", 4, False),
     ("bert-base", 2, 128, "bf16", 2, False),
+    ("bert-base", 2, 128, "bf16", 2, True),
 ]
 
 torch = vc.torch
@@ -192,9 +194,13 @@ def _functions(t: int, sp: bool):
             self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
         def forward(self, x):
+            # Megatron's `output_` is a local too; as a temporary it dies right after the bias
+            # add instead of right after `output_parallel` at the return: two frees with no
+            # allocation between them, the same allocator state either way.
             output_parallel = F.linear(x, self.weight)
-            output_ = row_output(output_parallel)
-            return output_ + self.bias if self.bias is not None else output_
+            if self.bias is None:
+                return row_output(output_parallel)
+            return row_output(output_parallel) + self.bias
 
     def column_input_hook(module, args, kwargs):
         # The one input of a module's column-parallel linears (LLaMA's attention and MLP).
@@ -260,13 +266,17 @@ def _functions(t: int, sp: bool):
         shift_labels = shift_labels.view(-1)
         return VocabParallelCrossEntropy.apply(logits, shift_labels).mean()
 
+    class ScatterLayerNorm(nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(Scatter.apply(x) if sp else x)
+
     class TpCrossEntropyLoss(nn.Module):
         # BertForMaskedLM's `CrossEntropyLoss()(scores.view(-1, V), labels.view(-1))`.
         def forward(self, logits, target):
             return VocabParallelCrossEntropy.apply(logits, target).mean()
 
     return (ColumnConv1D, RowConv1D, VocabParallelEmbedding, ColumnLmHead, ScatterDropout,
-            loss_function, RowLinear, column_input_hook, TpCrossEntropyLoss)
+            loss_function, RowLinear, column_input_hook, TpCrossEntropyLoss, ScatterLayerNorm)
 
 
 def tp_gpt2(recipe: "vc.Recipe", t: int, sp: bool):
@@ -274,7 +284,7 @@ def tp_gpt2(recipe: "vc.Recipe", t: int, sp: bool):
     import transformers as tf
 
     (ColumnConv1D, RowConv1D, VocabParallelEmbedding, ColumnLmHead, ScatterDropout,
-     loss_function, _, _, _) = _functions(t, sp)
+     loss_function, _, _, _, _) = _functions(t, sp)
     _, inputs_fn, _, optimizer_fn = vc.zoo(recipe)
     dtype = getattr(torch, vc.DTYPES[recipe.dtype])
     cfg = vc._hf_config("gpt2", "eager")
@@ -314,7 +324,7 @@ def tp_llama(recipe: "vc.Recipe", t: int, sp: bool):
 
     assert not sp, "LLaMA is captured without sequence parallelism (see the module docstring)"
     (_, _, VocabParallelEmbedding, ColumnLmHead, _, loss_function, RowLinear,
-     column_input_hook, _) = _functions(t, sp)
+     column_input_hook, _, _) = _functions(t, sp)
     _, inputs_fn, _, optimizer_fn = vc.zoo(recipe)
     dtype = getattr(torch, vc.DTYPES[recipe.dtype])
     cfg = vc._hf_config("tinyllama-1.1b", "eager")
@@ -356,9 +366,8 @@ def tp_bert(recipe: "vc.Recipe", t: int, sp: bool):
     import transformers.models.bert.modeling_bert as mb
     from torch import nn
 
-    assert not sp, "BERT is captured without sequence parallelism"
     (_, _, VocabParallelEmbedding, ColumnLmHead, _, _, RowLinear, column_input_hook,
-     TpCrossEntropyLoss) = _functions(t, sp)
+     TpCrossEntropyLoss, ScatterLayerNorm) = _functions(t, sp)
     _, inputs_fn, loss_fn, optimizer_fn = vc.zoo(recipe)
     dtype = getattr(torch, vc.DTYPES[recipe.dtype])
     cfg = vc._hf_config("bert-base", "eager")
@@ -370,6 +379,7 @@ def tp_bert(recipe: "vc.Recipe", t: int, sp: bool):
         m = tf.BertForMaskedLM(cfg)
         emb = m.bert.embeddings
         emb.word_embeddings = VocabParallelEmbedding(local_vocab, h)
+        emb.LayerNorm = ScatterLayerNorm(h, eps=cfg.layer_norm_eps)
         for layer in m.bert.encoder.layer:
             a = layer.attention
             a.self.query = nn.Linear(h, h // t)

@@ -167,9 +167,20 @@ pub fn bert_with_head_mask(
                 b.hold(t);
             }
             // Sequence parallelism: the rank's shard of the summed embeddings
-            // (`scatter_to_sequence_parallel_region` and its clone) before LayerNorm and dropout.
-            let x = if tp.sp { b.tp_scatter(tp, x) } else { x };
-            let x = b.module("LayerNorm", |b| b.layer_norm_op(x, ln_w, ln_b));
+            // (`scatter_to_sequence_parallel_region` and its clone) taken as the LayerNorm's first
+            // step, LayerNorm and dropout on it; `embeddings = self.LayerNorm(embeddings)` keeps the
+            // full sum alive until the LayerNorm returns.
+            let x = if tp.sp {
+                let full = x;
+                let y = b.module("LayerNorm", |b| {
+                    let shard = b.tp_scatter(tp, full);
+                    b.layer_norm_op(shard, ln_w, ln_b)
+                });
+                b.hold_through(full);
+                y
+            } else {
+                b.module("LayerNorm", |b| b.layer_norm_op(x, ln_w, ln_b))
+            };
             (
                 b.module("dropout", |b| b.dropout(x, cfg.hidden_dropout)),
                 word_w,
