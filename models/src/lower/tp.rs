@@ -2,8 +2,11 @@
 //! `megatron/core/tensor_parallel/mappings.py`, `layers.py` and `cross_entropy.py` allocate, and
 //! when. Every rank of the tensor-parallel group holds equal shards, so one rank's trace stands for
 //! all. The collectives are synchronous (`async_op=False`, or waited before the tensors are read),
-//! so in PyTorch 2.15 they run on the current stream and hold nothing beyond their tensors; the
-//! buffers they make are communication allocations ([`Kind::Comm`]).
+//! so in PyTorch 2.15 they run on the current stream and hold nothing beyond their tensors (under
+//! `--torch-version 1.10`, `record_stream` on the NCCL stream). The persistent all-gather buffer is a
+//! communication allocation ([`Kind::Comm`]); the other collectives' outputs are the model's
+//! activations and gradients. Megatron's functions are Python `autograd.Function`s: their incoming
+//! gradients die before `validate_outputs` (`bwd.rs`).
 
 use super::fwd::{Fwd, Save};
 use super::{Kind, Lowering, Meta, NodeKind, Rt};
