@@ -17,7 +17,7 @@
 //! | ZeRO-2 | reduce-scatter of the gradients, `(n−1)/n·Ψw` | all-gather of the parameters, `(n−1)/n·Ψw` | no (`overlap_comm` is off below stage 3) |
 //! | `zero1-torch` | DDP's all-reduce | the broadcast of the stepped parameters, `(n−1)/n·Ψw` | the all-reduce only |
 //! | ZeRO-3, FSDP2 | all-gather in forward and in backward, reduce-scatter of the gradients: `3(n−1)/n·Ψw` (FSDP2 without the backward's all-gather under `reshard_after_forward=False`, over `k` ranks under `=k`) | — | yes (prefetch) |
-//! | TP (Megatron) | per layer two all-reduces in forward, two in backward of the `b·s·h` activations: `4·2(t−1)/t·bshw` (sequence parallelism trades each for an all-gather and a reduce-scatter: the same bytes) | — | no |
+//! | TP (Megatron) | every collective of the rank's graph (`TpComm` ops): per layer two all-reduces in forward, two in backward of the `b·s·h` activations, `4·2(t−1)/t·bshw` (sequence parallelism trades each for an all-gather and a reduce-scatter, and gathers the linear's input again in backward) | — | no |
 //! | PP | each stage boundary sends the activation forward and its gradient back: `2·bshw` | — | no |
 //!
 //! **Bandwidth.** Ranks are laid out tensor-parallel innermost, then data-parallel, then pipeline
@@ -36,8 +36,10 @@
 //! `(m + (p − 1)/v)/m` interleaved over `v` chunks: the bubble of the Megatron paper, Narayanan et al.
 //! 2021, §2.2).
 
+use vramsim_models::ops::TpComm;
 use vramsim_models::{
-    Graph, Offload, PpSchedule, Precision, Recipe, RegionKind, ReshardAfterForward, Shard,
+    DTypeSpec, Graph, Offload, OpKind, PpSchedule, Precision, Recipe, RegionKind,
+    ReshardAfterForward, Shard, ValueId,
 };
 
 use crate::links::Links;
@@ -171,13 +173,7 @@ impl CommWork {
         let micro_batches = f64::from(par.microbatches.unwrap_or(1).max(1));
         let activation = residual_bytes(graph, recipe);
         if par.tp > 1 {
-            let t = f64::from(par.tp);
-            let layers = graph
-                .regions
-                .iter()
-                .filter(|r| r.kind == RegionKind::Block)
-                .count() as f64;
-            work.tp = accum * layers * 4.0 * 2.0 * (t - 1.0) / t * activation;
+            work.tp = accum * tp_bytes(graph, recipe);
         }
         if par.pp > 1 {
             let p = f64::from(par.pp);
@@ -219,8 +215,65 @@ impl CommWork {
     }
 }
 
+/// Bytes one rank sends in its tensor-parallel group for one micro-batch: every collective of the
+/// rank's graph ([`TpComm`]), forward and backward, the full tensor `B` of each at the
+/// activations' width: `Copy` all-reduces the gradient in backward and `Reduce` the input in
+/// forward (`2(t−1)/t·B` each); `GatherToBuffer` all-gathers forward, gathers again and
+/// reduce-scatters backward (`3(t−1)/t·B`); `ReduceScatter` reduce-scatters forward and all-gathers
+/// backward, `Scatter` all-gathers backward (`(t−1)/t·B` per collective). Megatron's
+/// vocab-parallel cross-entropy adds three all-reduces of one float per token.
+fn tp_bytes(graph: &Graph, recipe: &Recipe) -> f64 {
+    let t = f64::from(recipe.parallel.tp);
+    let share = (t - 1.0) / t;
+    let width = |v: ValueId| -> f64 {
+        match graph.values[v.0 as usize].dtype {
+            DTypeSpec::Fixed(d) => d.size() as f64,
+            DTypeSpec::Model => match recipe.precision {
+                Precision::Bf16 => 2.0,
+                _ => 4.0,
+            },
+        }
+    };
+    let full = |v: ValueId| -> f64 {
+        graph.values[v.0 as usize].shape.iter().product::<u64>() as f64 * width(v)
+    };
+    graph
+        .ops
+        .iter()
+        .map(|op| {
+            let largest = op
+                .inputs
+                .iter()
+                .chain(&op.outputs)
+                .map(|&v| full(v))
+                .fold(0.0, f64::max);
+            match &op.kind {
+                OpKind::TpComm(c) => {
+                    let collectives = match c {
+                        TpComm::Copy | TpComm::Reduce => 2.0,
+                        TpComm::GatherToBuffer => 3.0,
+                        TpComm::ReduceScatter => 2.0,
+                        TpComm::Scatter => 1.0,
+                    };
+                    // the collective's full tensor is its largest operand (a sequence shard
+                    // is 1/t of it)
+                    collectives * share * largest
+                }
+                OpKind::VocabParallelCrossEntropy => {
+                    let tokens = op.outputs.first().map_or(0.0, |&v| {
+                        graph.values[v.0 as usize].shape.iter().product::<u64>() as f64
+                    });
+                    3.0 * 2.0 * share * tokens * 4.0
+                }
+                _ => 0.0,
+            }
+        })
+        .sum()
+}
+
 /// Bytes of one micro-batch's residual stream (`b·s·h` elements at the activations' width): the
-/// input of the first transformer block, or 0 for a model without blocks.
+/// input of the first transformer block, or 0 for a model without blocks. A pipeline stage sends it
+/// forward and receives its gradient.
 fn residual_bytes(graph: &Graph, recipe: &Recipe) -> f64 {
     let width = match recipe.precision {
         Precision::Fp32 => 4.0,

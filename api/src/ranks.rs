@@ -54,6 +54,12 @@ pub fn roles(parallel: &Parallel, report: &Report) -> Vec<RankRole> {
         // One device: DataParallel calls the module itself (`crate::dataparallel` for more).
         Shard::DataParallel => "device 0 (DataParallel)",
     };
+    // Tensor parallelism: every rank of the group holds equal shards (one role).
+    let role = match (parallel.tp > 1, parallel.shard) {
+        (false, _) => role.to_string(),
+        (true, Shard::None) => tp_role(parallel),
+        (true, _) => format!("{role} × {}", tp_role(parallel)),
+    };
     let by_category = Category::ALL
         .iter()
         .copied()
@@ -61,7 +67,7 @@ pub fn roles(parallel: &Parallel, report: &Report) -> Vec<RankRole> {
         .filter(|(_, b)| *b > 0)
         .collect();
     vec![RankRole {
-        role: role.to_string(),
+        role,
         ranks: (0..parallel.world_size()).collect(),
         peak_allocated: report.peak_allocated(),
         peak_reserved: report.peak_reserved(),
@@ -70,6 +76,19 @@ pub fn roles(parallel: &Parallel, report: &Report) -> Vec<RankRole> {
         fits: report.fits(),
         oom_message: report.outcome.oom.as_ref().map(|o| o.message.clone()),
     }]
+}
+
+/// The role of a tensor-parallel rank.
+fn tp_role(parallel: &Parallel) -> String {
+    format!(
+        "tensor-parallel rank (1/{} of the attention, MLP, embedding and logits{})",
+        parallel.tp,
+        if parallel.sp {
+            ", sequence-parallel norms and dropouts"
+        } else {
+            ""
+        }
+    )
 }
 
 /// `0-7`, or `0, 2, 5` for ranks that are not a run.
@@ -112,9 +131,14 @@ pub fn to_table(parallel: &Parallel, roles: &[RankRole]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "layout     dp {} × --shard {} = {} ranks; {} distinct role{} replayed; fits only if every rank fits",
+        "layout     dp {} × --shard {}{} = {} ranks; {} distinct role{} replayed; fits only if every rank fits",
         parallel.dp,
         parallel.shard,
+        match (parallel.tp, parallel.sp) {
+            (1, _) => String::new(),
+            (t, false) => format!(" × tp {t}"),
+            (t, true) => format!(" × tp {t} --sp"),
+        },
         parallel.world_size(),
         roles.len(),
         if roles.len() == 1 { "" } else { "s" }

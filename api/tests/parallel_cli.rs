@@ -27,15 +27,15 @@ fn untimed(mut doc: Value) -> Value {
     doc
 }
 
-/// `--dp 1 --shard none` is the single-GPU step: the same trace, table and JSON for every zoo
-/// model.
+/// `--dp 1 --shard none --tp 1` is the single-GPU step: the same trace, table and JSON for every
+/// zoo model.
 #[test]
 fn dp1_shard_none_is_todays_predict_for_every_zoo_model() {
     for name in vramsim_models::zoo::NAMES {
         let base = ["--model", name, "--batch", "1", "--seq", "64"];
         let plain: predict::PredictArgs = parse_args("predict", &strings(&base)).unwrap();
         let mut with = base.to_vec();
-        with.extend(["--dp", "1", "--shard", "none"]);
+        with.extend(["--dp", "1", "--shard", "none", "--tp", "1"]);
         let layout: predict::PredictArgs = parse_args("predict", &strings(&with)).unwrap();
         let a = predict::predict(&plain).unwrap();
         let b = predict::predict(&layout).unwrap();
@@ -217,6 +217,45 @@ fn bad_layouts_fail_with_the_reason() {
         &["2 does not match", "dp 2 × tp 1 × pp 2 = 4 ranks"],
     );
     fails(&["--sp"], &["--tp 2 or more"]);
+    // Tensor parallelism: what --tp must divide, and the models it splits (issue 12).
+    fails(&["--tp", "5"], &["5 does not divide n_head (12)"]);
+    fails(
+        &["--tp", "2", "--lora", "r=8,targets=c_attn"],
+        &["--tp 2 with fine-tuning", "not modelled yet"],
+    );
+    fails(
+        &["--tp", "2", "--head", "none"],
+        &["language-model head", "--head lm"],
+    );
+    let model = |name: &str, seq: &str, extra: &[&str], fragments: &[&str]| {
+        let mut all = vec!["predict", "--model", name, "--batch", "1", "--seq", seq];
+        all.extend_from_slice(extra);
+        common::assert_fails(&all, fragments);
+    };
+    model(
+        "gpt2",
+        "66",
+        &["--tp", "4", "--sp"],
+        &["seq 66 does not divide by 4"],
+    );
+    model(
+        "tinyllama-1.1b",
+        "64",
+        &["--tp", "8"],
+        &["8 does not divide num_key_value_heads (4)"],
+    );
+    model(
+        "bert-base",
+        "64",
+        &["--tp", "2", "--head", "seq-cls:2"],
+        &["--head masked-lm"],
+    );
+    model(
+        "resnet50",
+        "64",
+        &["--tp", "2"],
+        &["GPT-2, LLaMA and BERT families", "--tp 1"],
+    );
     fails(&["--pp-schedule", "gpipe"], &["--pp 2 or more"]);
     fails(
         &["--pp", "2", "--pp-schedule", "interleaved:1"],
@@ -424,6 +463,30 @@ fn max_batch_and_whatif_take_the_layout() {
     for r in rows {
         assert_eq!(r["effective_batch"], 8, "{r}");
         assert_eq!(r["ranks"][0]["ranks"], serde_json::json!([0, 1, 2, 3]));
+    }
+    // The ranks of a tensor-parallel group share their samples: the effective batch counts the
+    // data-parallel ranks only, the ranks list every rank.
+    let rows = json(&[
+        "whatif",
+        "--model",
+        "gpt2",
+        "--batch",
+        "2",
+        "--seq",
+        "128",
+        "--precision",
+        "bf16",
+        "--dp",
+        "2",
+        "--shard",
+        "ddp",
+        "--vary",
+        "tp=1,2,4",
+    ]);
+    for r in rows.as_array().unwrap() {
+        let tp = r["ranks"][0]["ranks"].as_array().unwrap().len() / 2;
+        assert_eq!(r["effective_batch"], 4, "{r}");
+        assert!([1, 2, 4].contains(&tp), "{r}");
     }
 }
 

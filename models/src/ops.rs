@@ -326,6 +326,61 @@ pub enum OpKind {
         /// Temporaries (shape, dtype), allocated and freed before the outputs.
         temps: Vec<(Vec<u64>, DType)>,
     },
+    /// A collective of Megatron-LM's tensor-parallel regions (`--tp`, `--sp`; see [`TpComm`]).
+    TpComm(TpComm),
+    /// `x[mask, :] = 0.0` with a bool mask and a Python scalar: `at::indexing::set_item`
+    /// (`ATen/TensorIndexing.h`) dispatches it to `x.masked_fill_(mask.unsqueeze(-1), 0.0)`
+    /// (`try_dispatch_masked_fill_`, `canDispatchToMaskedFill`: one bool index on the tensor's
+    /// device) — in place, no allocation; Megatron's `VocabParallelEmbedding` zeroes the rows of
+    /// tokens outside its vocabulary range with it. derivatives.yaml `masked_fill_.Scalar` saves
+    /// the mask; its backward `grad.masked_fill(mask, 0)` is an out-of-place copy of the gradient.
+    MaskedFillInplace,
+    /// Megatron-LM's `vocab_parallel_cross_entropy(logits, target)`
+    /// (`megatron/core/tensor_parallel/cross_entropy.py`, `_VocabParallelCrossEntropy`) on
+    /// float32 logits `[N, V/t]` and int64 targets `[N]`: per-token losses `[N]` (float32).
+    VocabParallelCrossEntropy,
+}
+
+/// A collective of Megatron-LM's tensor-parallel mappings (`megatron/core/tensor_parallel/
+/// mappings.py`, `layers.py`), on one rank of the tensor-parallel group. The sequence dimension
+/// of a sequence-parallel tensor is dimension 1 of the zoo's batch-first `[B, S, H]` (Megatron's
+/// `[S, B, H]` splits dimension 0): the same bytes per rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpComm {
+    /// `copy_to_tensor_model_parallel_region` (`_CopyToModelParallelRegion`): the input itself
+    /// forward; backward all-reduces the gradient in place (`_reduce`: `all_reduce` of the
+    /// contiguous gradient).
+    Copy,
+    /// `reduce_from_tensor_model_parallel_region` (`_ReduceFromModelParallelRegion`): `_reduce`
+    /// all-reduces the (contiguous) input in place and returns it; backward passes the gradient.
+    Reduce,
+    /// The sequence-parallel all-gather of `LinearWithGradAccumulationAndAsyncCommunication`
+    /// (`ColumnParallelLinear` with `sequence_parallel`): into the persistent
+    /// `get_global_memory_buffer().get_tensor(..., "mpu")`; autograd keeps the local shard
+    /// (`ctx.save_for_backward(input, weight)`), and backward reduce-scatters the input's
+    /// gradient into a new `torch.empty` shard (`sub_grad_input`).
+    GatherToBuffer,
+    /// `reduce_scatter_to_sequence_parallel_region` (`_reduce_scatter_along_first_dim`): a new
+    /// `torch.empty` shard forward; backward all-gathers into a new full tensor
+    /// (`_gather_along_first_dim`).
+    ReduceScatter,
+    /// `scatter_to_sequence_parallel_region` (`_split_along_first_dim`) followed by the clone of
+    /// `LanguageModelEmbedding` (`clone_scatter_output_in_embedding`): a new shard; backward
+    /// all-gathers into a new full tensor.
+    Scatter,
+}
+
+impl TpComm {
+    /// The name the trace tags its allocations with.
+    pub fn name(self) -> &'static str {
+        match self {
+            TpComm::Copy => "megatron.copy_to_tensor_model_parallel_region",
+            TpComm::Reduce => "megatron.all_reduce",
+            TpComm::GatherToBuffer => "megatron.all_gather_into_tensor",
+            TpComm::ReduceScatter => "megatron.reduce_scatter_tensor",
+            TpComm::Scatter => "megatron.scatter_to_sequence_parallel_region",
+        }
+    }
 }
 
 impl OpKind {
@@ -409,6 +464,9 @@ impl OpKind {
                 ..
             } => "bitsandbytes.matmul",
             QuantLinear { .. } => "bitsandbytes.matmul_4bit",
+            TpComm(c) => c.name(),
+            MaskedFillInplace => "aten.masked_fill_",
+            VocabParallelCrossEntropy => "megatron.vocab_parallel_cross_entropy",
         }
     }
 

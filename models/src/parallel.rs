@@ -20,9 +20,13 @@
 //! * `--offload optimizer` with `zero1`/`zero2`: DeepSpeed's ZeRO-Offload (`offload_optimizer`,
 //!   `lower/offload.rs`); `--offload params` with `fsdp2`: `CPUOffloadPolicy` (`lower/fsdp.rs`).
 //!
-//! The layout's other dimensions and options are parsed and checked here (`--tp`, `--sp`, `--pp`,
-//! `--pp-schedule`, `--microbatches`); a combination whose mechanism is not modelled yet is
-//! refused with the reason rather than approximated.
+//! * `--tp`/`--sp`: Megatron-LM's tensor and sequence parallelism on the zoo's GPT-2, LLaMA and
+//!   BERT families, built into the rank's graph (`zoo/tp.rs`) and lowered with Megatron's collectives
+//!   (`lower/tp.rs`); the data-parallel modes above then act on the rank's sharded parameters.
+//!
+//! The layout's other dimensions and options are parsed and checked here (`--pp`,
+//! `--pp-schedule`, `--microbatches`); a combination whose mechanism is not modelled
+//! yet is refused with the reason rather than approximated.
 
 use std::fmt;
 use std::str::FromStr;
@@ -438,6 +442,16 @@ impl Parallel {
         // Frozen parameters change what each mechanism holds (DDP buckets only parameters that
         // require grad, `reducer.cpp`; ZeRO and FSDP2 shard trainable and frozen ones apart), and
         // the layouts above are lowered for a model whose every parameter trains.
+        let finetune = !r.freeze.is_empty() || r.lora.is_some() || r.quant.is_some();
+        if self.tp > 1 && finetune {
+            return Err(RecipeError::Invalid {
+                field: "tp",
+                msg: format!(
+                    "--tp {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet: the split is modelled for every parameter training; predict the fine-tuning step with --tp 1",
+                    self.tp
+                ),
+            });
+        }
         if !self.is_single() && (!r.freeze.is_empty() || r.lora.is_some() || r.quant.is_some()) {
             return Err(bad(format!(
                 "--shard {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet: predict the fine-tuning step on one GPU (--shard none)",
@@ -539,9 +553,9 @@ impl Parallel {
             .unwrap_or(0)
     }
 
-    /// How many times `--batch` is taken per micro-step: once per data-parallel rank (tensor- and
-    /// pipeline-parallel ranks share their group's batch), but once in all for DataParallel (one
-    /// process scatters its batch over the devices).
+    /// How many times `--batch` is taken per micro-step: once per data-parallel rank (the ranks
+    /// of a tensor-parallel group, or of a pipeline, work on the same samples), but once in all
+    /// for DataParallel (one process scatters its batch over the devices).
     pub fn batch_copies(&self) -> u32 {
         if self.shard == Shard::DataParallel {
             1
@@ -576,12 +590,8 @@ impl Parallel {
                     .into(),
             });
         }
-        if self.tp > 1 {
-            return Err(RecipeError::Invalid {
-                field: "tp",
-                msg: "tensor parallelism is not modelled yet: give --tp 1".into(),
-            });
-        }
+        // --tp is lowered per rank for the zoo's GPT-2, LLaMA and BERT families; the model builder
+        // (`zoo::Arch::tp_plan`) refuses other models and checks what --tp must divide.
         if self.pp > 1 {
             return Err(RecipeError::Invalid {
                 field: "pp",

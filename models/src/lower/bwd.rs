@@ -380,6 +380,20 @@ impl<'g> Lowering<'g> {
             return vec![];
         }
         let mut outs = self.apply(n, &inputs);
+        // A Python `autograd.Function` (Megatron's collectives and loss): `PyNode::apply` moves
+        // the engine's inputs into its Python argument tuple (`inputs.clear()`), which dies when
+        // the call returns, so the incoming gradients go before `validate_outputs`
+        // (`torch/csrc/autograd/python_function.cpp`); a C++ node keeps them until
+        // `call_function` returns (`engine.cpp`), after it.
+        let mut inputs = inputs;
+        if matches!(
+            self.nodes[n as usize].kind,
+            NodeKind::Op(OpKind::TpComm(_) | OpKind::VocabParallelCrossEntropy)
+        ) {
+            for t in inputs.drain(..).flatten() {
+                self.drop_rt(t);
+            }
+        }
         // Checkpointed node: the unpack hook hands over the recomputed tensors (dropping the
         // frame's entry), and they die with `apply`'s locals, in reverse order of unpacking,
         // before `validate_outputs`.
@@ -566,6 +580,12 @@ impl<'g> Lowering<'g> {
             // derivatives.yaml view / _unsafe_view / _reshape_alias: grad.reshape(self.sizes()).
             View | UnsafeView | Reshape => {
                 out[0] = Some(self.reshape_grad(&g, &meta(0).layout.shape, m))
+            }
+            TpComm(c) => out[0] = Some(self.tp_comm_bwd(c, &g, &meta(0), m)),
+            VocabParallelCrossEntropy => out[0] = self.vocab_ce_bwd(n, m),
+            // derivatives.yaml masked_fill_.Scalar: `grad.masked_fill(mask, 0)`, out of place.
+            MaskedFillInplace => {
+                out[0] = Some(self.alloc(g.layout.empty_like(), g.dtype, m, "aten.masked_fill"))
             }
             // derivatives.yaml transpose.int: grad.transpose(dim0, dim1) (a view).
             Transpose(a, b) => out[0] = Some(self.view(&g, g.layout.transpose(a, b))),

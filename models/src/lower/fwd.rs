@@ -702,6 +702,14 @@ impl<'g> Lowering<'g> {
         let shape0 = || outs.first().map_or(&[][..], |o| o.0);
         match kind {
             QuantLinear { .. } => self.quant_linear_fwd(kind, x, shape0(), m),
+            // Megatron-LM's tensor-parallel collectives and loss (`tp.rs`).
+            TpComm(c) => self.tp_comm_fwd(*c, &x[0], shape0(), m),
+            VocabParallelCrossEntropy => self.vocab_ce_fwd(x, m),
+            // `x.masked_fill_(mask, 0.0)`: in place; derivatives.yaml saves the mask.
+            MaskedFillInplace => {
+                let v = self.view(&x[0], x[0].layout.clone());
+                Fwd::New(vec![v], op_kind, vec![Save::In(1)])
+            }
             AutocastLower => Fwd::Alias(self.dup(&x[0])),
             // aten reshape (TensorShape.cpp): a view when computeStride allows, else
             // `_unsafe_view(clone(contiguous))`; views save nothing.

@@ -41,6 +41,7 @@ mod offload;
 mod optim;
 mod parallel;
 mod quant;
+mod tp;
 mod zero3;
 
 use crate::dtype::DType;
@@ -304,6 +305,8 @@ pub(crate) struct Lowering<'g> {
     dp: dataparallel::DpState,
     /// DeepSpeed ZeRO-3's state (`zero3/`).
     zero3: zero3::Zero3State,
+    /// Tensor/sequence parallelism's state (`tp.rs`).
+    tp: tp::TpState,
 }
 
 /// `PreTrainedModel.enable_input_require_grads`: a forward hook on `get_input_embeddings()` that
@@ -518,6 +521,7 @@ impl<'g> Lowering<'g> {
             fsdp: fsdp::FsdpState::default(),
             dp: dataparallel::DpState::default(),
             zero3: zero3::Zero3State::default(),
+            tp: tp::TpState::default(),
         }
     }
 

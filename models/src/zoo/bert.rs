@@ -15,6 +15,7 @@
 
 use super::heads;
 use super::nn::{Activation, AttnImpl};
+use super::tp::TpPlan;
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind};
 use crate::recipe::Head;
@@ -95,7 +96,7 @@ pub fn bert_with_head(
     attn: AttnImpl,
     head: Head,
 ) -> Result<Graph, GraphError> {
-    bert_with_head_mask(cfg, batch, seq, attn, head, false)
+    bert_with_head_mask(cfg, batch, seq, attn, head, false, TpPlan::NONE)
 }
 
 /// [`bert_with_head`], and with `all_ones_mask` as transformers 4.16's `BertModel.forward` runs
@@ -104,6 +105,10 @@ pub fn bert_with_head(
 /// -10000.0` (two new `[B, 1, 1, S]` tensors, the first dying with the expression); the result is
 /// a local of `BertModel.forward` and every layer's eager attention adds it to its scaled scores
 /// (transformers 4.16 had no other BERT attention; SDPA ignores it here).
+/// `tp`: as one rank of a tensor-parallel group sees it (see [`super::tp`]; the masked-LM head
+/// only): Megatron's BERT split, column-parallel q/k/v and `intermediate.dense`, row-parallel
+/// `attention.output.dense` and `output.dense`, vocabulary-parallel word embeddings and decoder.
+#[allow(clippy::too_many_arguments)]
 pub fn bert_with_head_mask(
     cfg: &BertConfig,
     batch: u64,
@@ -111,6 +116,7 @@ pub fn bert_with_head_mask(
     attn: AttnImpl,
     head: Head,
     all_ones_mask: bool,
+    tp: TpPlan,
 ) -> Result<Graph, GraphError> {
     let (h, nh) = (cfg.hidden, cfg.heads);
     let hd = h / nh;
@@ -132,7 +138,7 @@ pub fn bert_with_head_mask(
     let prefix = if head == Head::None { "" } else { "bert" };
     let (x, word_w, pooled) = b.module(prefix, |b| {
         let (x, word_w) = b.module("embeddings", |b| {
-            let word_w = b.param("word_embeddings.weight", &[cfg.vocab, h]);
+            let word_w = b.param("word_embeddings.weight", &[tp.local_vocab(cfg.vocab), h]);
             let pos_w = b.param("position_embeddings.weight", &[cfg.positions, h]);
             let tt_w = b.param("token_type_embeddings.weight", &[cfg.type_vocab, h]);
             let ln_w = b.param("LayerNorm.weight", &[h]);
@@ -144,7 +150,15 @@ pub fn bert_with_head_mask(
             let pos = b.slice(pos_ids, 1, 0, seq);
             let tt = b.factory("aten.gather", &[tt_ids, pos], &[1, seq], i64t, vec![]);
             let tt = b.expand(tt, &[batch, seq]);
-            let we = b.module("word_embeddings", |b| b.embedding_op(word_w, ids));
+            let we = b.module("word_embeddings", |b| {
+                if tp.on() {
+                    // With token types, Megatron's LanguageModelEmbedding all-reduces the word
+                    // embeddings (no `reduce_scatter_embeddings`).
+                    b.vocab_parallel_embedding(tp, word_w, ids, false)
+                } else {
+                    b.embedding_op(word_w, ids)
+                }
+            });
             let te = b.module("token_type_embeddings", |b| b.embedding_op(tt_w, tt));
             let x = b.add(we, te);
             let pe = b.module("position_embeddings", |b| b.embedding_op(pos_w, pos));
@@ -152,7 +166,21 @@ pub fn bert_with_head_mask(
             for t in [we, te, pe] {
                 b.hold(t);
             }
-            let x = b.module("LayerNorm", |b| b.layer_norm_op(x, ln_w, ln_b));
+            // Sequence parallelism: the rank's shard of the summed embeddings
+            // (`scatter_to_sequence_parallel_region` and its clone) taken as the LayerNorm's first
+            // step, LayerNorm and dropout on it; `embeddings = self.LayerNorm(embeddings)` keeps the
+            // full sum alive until the LayerNorm returns.
+            let x = if tp.sp {
+                let full = x;
+                let y = b.module("LayerNorm", |b| {
+                    let shard = b.tp_scatter(tp, full);
+                    b.layer_norm_op(shard, ln_w, ln_b)
+                });
+                b.hold_through(full);
+                y
+            } else {
+                b.module("LayerNorm", |b| b.layer_norm_op(x, ln_w, ln_b))
+            };
             (
                 b.module("dropout", |b| b.dropout(x, cfg.hidden_dropout)),
                 word_w,
@@ -183,6 +211,13 @@ pub fn bert_with_head_mask(
                 let (a, probs) = b.module("attention", |b| {
                     let (o, probs) = b.module("self", |b| {
                         let shp = [batch as i64, seq as i64, -1, hd as i64];
+                        // Column-parallel q/k/v: the rank's heads.
+                        let input = if tp.on() {
+                            b.tp_column_input(tp, input)
+                        } else {
+                            input
+                        };
+                        let h = h / tp.t;
                         let q = b.linear("query", input, h, true);
                         let q = b.view(q, &shp);
                         let q = b.transpose(q, 1, 2);
@@ -210,7 +245,7 @@ pub fn bert_with_head_mask(
                         (b.contiguous(o), probs)
                     });
                     // `attention_output = self.output(attention_output, hidden_states)`.
-                    let out = b.module("output", |b| self_output(b, cfg, o, input));
+                    let out = b.module("output", |b| self_output(b, cfg, o, input, tp));
                     b.hold_through(o);
                     (out, probs)
                 });
@@ -220,11 +255,12 @@ pub fn bert_with_head_mask(
                 b.hold(a);
                 b.hold(input);
                 let i = b.module("intermediate", |b| {
-                    let i = b.linear("dense", a, cfg.intermediate, true);
+                    let a = if tp.on() { b.tp_column_input(tp, a) } else { a };
+                    let i = b.linear("dense", a, cfg.intermediate / tp.t, true);
                     b.activation("intermediate_act_fn", i, cfg.activation)
                 });
                 // feed_forward_chunk: `intermediate_output` lives until it returns.
-                let out = b.module("output", |b| self_output(b, cfg, i, a));
+                let out = b.module("output", |b| self_output(b, cfg, i, a, tp));
                 b.hold_through(i);
                 out
             });
@@ -285,7 +321,7 @@ pub fn bert_with_head_mask(
             // until forward returns, through the loss. Under autocast `transform.dense` saves its
             // 16-bit copy, not this float32 tensor, so only these references keep it alive.
             b.hold(x);
-            masked_lm_head(&mut b, cfg, x, word_w, labels)
+            masked_lm_head(&mut b, cfg, x, word_w, labels, tp)
         }
     };
     b.keep_output(out);
@@ -300,22 +336,28 @@ fn masked_lm_head(
     x: crate::graph::ValueId,
     word_w: crate::graph::ValueId,
     labels: crate::graph::ValueId,
+    tp: TpPlan,
 ) -> crate::graph::ValueId {
     let h = cfg.hidden;
+    let vocab = tp.local_vocab(cfg.vocab);
     let logits = b.module("cls.predictions", |b| {
         // BertLMPredictionHead registers its own `bias` (tied to decoder.bias) before its children.
-        let bias = b.param("bias", &[cfg.vocab]);
+        // Tensor parallelism: the transform stays whole (Megatron's BertLMHead dense is not
+        // split; on the sequence shard under --sp), the decoder is column-parallel over the
+        // rank's vocabulary with its share of the bias.
+        let bias = b.param("bias", &[vocab]);
         let y = b.module("transform", |b| {
             let y = b.linear("dense", x, h, true);
             let y = b.activation("transform_act_fn", y, cfg.activation);
             b.layer_norm("LayerNorm", y)
         });
         b.module("decoder", |b| {
+            let y = if tp.on() { b.tp_column_input(tp, y) } else { y };
             if cfg.tie_embeddings {
                 b.linear_op(y, word_w, Some(bias))
             } else {
-                let w = b.param("weight", &[cfg.vocab, h]);
-                let bb = b.param("bias", &[cfg.vocab]);
+                let w = b.param("weight", &[vocab, h]);
+                let bb = b.param("bias", &[vocab]);
                 b.linear_op(y, w, Some(bb))
             }
         })
@@ -323,23 +365,34 @@ fn masked_lm_head(
     b.hold(logits);
     // CrossEntropyLoss()(prediction_scores.view(-1, V), labels.view(-1))
     let loss = b.module("CrossEntropyLoss", |b| {
-        let flat = b.view(logits, &[-1, cfg.vocab as i64]);
+        let flat = b.view(logits, &[-1, vocab as i64]);
         let tgt = b.view(labels, &[-1]);
-        b.cross_entropy(flat, tgt)
+        if tp.on() {
+            // Megatron's BERT loss: `vocab_parallel_cross_entropy` on the rank's logits.
+            b.vocab_parallel_loss(flat, tgt)
+        } else {
+            b.cross_entropy(flat, tgt)
+        }
     });
     b.keep_output(logits);
     loss
 }
 
 /// `BertSelfOutput` / `BertOutput`: `h = dense(h)`, `h = dropout(h)`, `h = LayerNorm(h + input)`;
-/// the dropout output is rebound only when the LayerNorm returns.
+/// the dropout output is rebound only when the LayerNorm returns. Under tensor parallelism
+/// `dense` is row-parallel.
 fn self_output(
     b: &mut GraphBuilder,
     cfg: &BertConfig,
     h: crate::graph::ValueId,
     input: crate::graph::ValueId,
+    tp: TpPlan,
 ) -> crate::graph::ValueId {
-    let o = b.linear("dense", h, cfg.hidden, true);
+    let o = if tp.on() {
+        b.row_parallel_linear(tp, "dense", h, cfg.hidden, true)
+    } else {
+        b.linear("dense", h, cfg.hidden, true)
+    };
     let o = b.module("dropout", |b| b.dropout(o, cfg.hidden_dropout));
     let s = b.add(o, input);
     let y = b.layer_norm("LayerNorm", s);

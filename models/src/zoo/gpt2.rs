@@ -6,6 +6,7 @@
 
 use super::heads;
 use super::nn::{Activation, AttnImpl};
+use super::tp::TpPlan;
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind};
 use crate::recipe::{Head, Loss};
@@ -74,7 +75,16 @@ pub const GPT2_XL: GptConfig = GptConfig::new("gpt2-xl", 1600, 48, 25);
 
 /// Builds `GPT2LMHeadModel(cfg)` at `batch` × `seq` with the loss from `labels`.
 pub fn gpt2(cfg: &GptConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Graph, GraphError> {
-    gpt2_with_head(cfg, batch, seq, attn, Head::Lm, Loss::Hf, false)
+    gpt2_with_head(
+        cfg,
+        batch,
+        seq,
+        attn,
+        Head::Lm,
+        Loss::Hf,
+        false,
+        TpPlan::NONE,
+    )
 }
 
 /// The dropout of `GPT2ForTokenClassification` when the config has neither `classifier_dropout`
@@ -82,7 +92,8 @@ pub fn gpt2(cfg: &GptConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Gra
 pub const CLASSIFIER_DROPOUT: f64 = 0.1;
 
 /// Builds GPT-2 with `head` (see [`super::heads`]) at `batch` × `seq`, its loss computed as
-/// `loss` says.
+/// `loss` says, as one rank of `tp` sees it (see [`super::tp`]; the causal-LM head only).
+#[allow(clippy::too_many_arguments)]
 pub fn gpt2_with_head(
     cfg: &GptConfig,
     batch: u64,
@@ -91,6 +102,7 @@ pub fn gpt2_with_head(
     head: Head,
     loss: Loss,
     use_cache: bool,
+    tp: TpPlan,
 ) -> Result<Graph, GraphError> {
     let (h, nh) = (cfg.hidden, cfg.heads);
     let hd = h / nh;
@@ -117,6 +129,12 @@ pub fn gpt2_with_head(
     };
     let (hidden, wte, cache) = b.module(prefix, |b| {
         let (emb, wte) = b.module("wte", |b| {
+            if tp.on() {
+                // Megatron's LanguageModelEmbedding with learned positions all-reduces the word
+                // embeddings (`reduce_scatter_embeddings` needs no position embedding).
+                let w = b.param("weight", &[tp.local_vocab(cfg.vocab), h]);
+                return (b.vocab_parallel_embedding(tp, w, ids, false), w);
+            }
             let w = b.param("weight", &[cfg.vocab, h]);
             (b.embedding_op(w, ids), w)
         });
@@ -142,7 +160,21 @@ pub fn gpt2_with_head(
             }
             AttnImpl::Sdpa(_) => None,
         };
-        let mut x = b.module("drop", |b| b.dropout(x, cfg.embd_dropout));
+        // Sequence parallelism: the sequence shard (`scatter_to_sequence_parallel_region` and
+        // its clone, as LanguageModelEmbedding.forward before the embedding dropout) taken as
+        // the dropout's first step; `hidden_states = self.drop(hidden_states)` keeps the full
+        // sum alive until the dropout returns.
+        let mut x = if tp.sp {
+            let full = x;
+            let y = b.module("drop", |b| {
+                let shard = b.tp_scatter(tp, full);
+                b.dropout(shard, cfg.embd_dropout)
+            });
+            b.hold_through(full);
+            y
+        } else {
+            b.module("drop", |b| b.dropout(x, cfg.embd_dropout))
+        };
         let mut cache = Vec::new();
         for l in 0..cfg.layers {
             x = b.region(RegionKind::Block, &format!("h.{l}"), |b| {
@@ -153,6 +185,9 @@ pub fn gpt2_with_head(
                 let residual = x;
                 let y = b.layer_norm("ln_1", x);
                 let (a, probs) = b.module("attn", |b| {
+                    // Column-parallel c_attn (the rank's heads), row-parallel c_proj.
+                    let y = if tp.on() { b.tp_column_input(tp, y) } else { y };
+                    let h = h / tp.t;
                     let qkv = b.conv1d("c_attn", y, 3 * h);
                     b.hold(qkv);
                     let parts = b.split(qkv, &[h, h, h], 2);
@@ -174,7 +209,11 @@ pub fn gpt2_with_head(
                         b.attention_core_probs(q, k, v, mask, cfg.attn_dropout, false, attn);
                     let o = b.reshape(o, &[batch as i64, seq as i64, -1]);
                     let o = b.contiguous(o);
-                    let o = b.conv1d("c_proj", o, h);
+                    let o = if tp.on() {
+                        b.row_parallel_conv1d(tp, "c_proj", o, cfg.hidden)
+                    } else {
+                        b.conv1d("c_proj", o, cfg.hidden)
+                    };
                     (
                         b.module("resid_dropout", |b| b.dropout(o, cfg.resid_dropout)),
                         probs,
@@ -191,6 +230,13 @@ pub fn gpt2_with_head(
                 let residual = x;
                 let y = b.layer_norm("ln_2", x);
                 let f = b.module("mlp", |b| {
+                    if tp.on() {
+                        let y = b.tp_column_input(tp, y);
+                        let y = b.conv1d("c_fc", y, cfg.inner / tp.t);
+                        let y = b.activation("act", y, cfg.activation);
+                        let y = b.row_parallel_conv1d(tp, "c_proj", y, h);
+                        return b.module("dropout", |b| b.dropout(y, cfg.resid_dropout));
+                    }
                     let y = b.conv1d("c_fc", y, cfg.inner);
                     let y = b.activation("act", y, cfg.activation);
                     let y = b.conv1d("c_proj", y, h);
@@ -206,6 +252,15 @@ pub fn gpt2_with_head(
         (b.layer_norm("ln_f", x), wte, cache)
     });
     let tied = cfg.tie_embeddings.then_some(wte);
+    if let (true, Head::Lm, Some(labels)) = (tp.on(), head, labels) {
+        b.hold(hidden);
+        let (logits, loss) =
+            b.tp_causal_lm_head(tp, hidden, labels, tied, tp.local_vocab(cfg.vocab));
+        b.keep_output(logits);
+        b.keep_output(loss);
+        b.set_output(loss);
+        return b.finish();
+    }
     let out = heads::decoder_head(
         &mut b,
         heads::Decoder::Gpt2,

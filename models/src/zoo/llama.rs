@@ -8,6 +8,7 @@
 
 use super::heads;
 use super::nn::{Activation, AttnImpl};
+use super::tp::TpPlan;
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind};
 use crate::recipe::{Head, Loss};
@@ -111,7 +112,16 @@ pub const LLAMA3_8B: LlamaConfig = preset("llama3-8b", 4096, 14336, 32, 32, 8, 1
 
 /// Builds `LlamaForCausalLM(cfg)` at `batch` × `seq` with the loss from `labels`.
 pub fn llama(cfg: &LlamaConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Graph, GraphError> {
-    llama_with_head(cfg, batch, seq, attn, Head::Lm, Loss::Hf, false)
+    llama_with_head(
+        cfg,
+        batch,
+        seq,
+        attn,
+        Head::Lm,
+        Loss::Hf,
+        false,
+        TpPlan::NONE,
+    )
 }
 
 /// The dropout of `GenericForTokenClassification` when the config has neither
@@ -120,7 +130,9 @@ pub const CLASSIFIER_DROPOUT: f64 = 0.1;
 
 /// Builds the LLaMA-style decoder with `head` (see [`super::heads`]) at `batch` × `seq`, its loss
 /// computed as `loss` says; `use_cache`: the forward builds a `DynamicCache` (see
-/// [`super::nn`]'s `kv_cache_update`) that the model output carries.
+/// [`super::nn`]'s `kv_cache_update`) that the model output carries; as one rank of `tp` sees
+/// it (see [`super::tp`]; the causal-LM head only).
+#[allow(clippy::too_many_arguments)]
 pub fn llama_with_head(
     cfg: &LlamaConfig,
     batch: u64,
@@ -129,8 +141,9 @@ pub fn llama_with_head(
     head: Head,
     loss: Loss,
     use_cache: bool,
+    tp: TpPlan,
 ) -> Result<Graph, GraphError> {
-    let (h, nh, nkv) = (cfg.hidden, cfg.heads, cfg.kv_heads);
+    let (h, nh, nkv) = (cfg.hidden, cfg.heads / tp.t, cfg.kv_heads / tp.t);
     let hd = cfg.head_dim();
     let mut b = GraphBuilder::new(&cfg.name, batch, seq);
     let reference = match head {
@@ -163,6 +176,13 @@ pub fn llama_with_head(
     let prefix = if head == Head::None { "" } else { "model" };
     let (hidden, embed_w, cache) = b.module(prefix, |b| {
         let (emb, w) = b.module("embed_tokens", |b| {
+            if tp.on() {
+                // Without position embeddings Megatron's LanguageModelEmbedding reduce-scatters
+                // the word embeddings straight into the sequence shard under --sp
+                // (`reduce_scatter_embeddings`).
+                let w = b.param("weight", &[tp.local_vocab(cfg.vocab), h]);
+                return (b.vocab_parallel_embedding(tp, w, ids, tp.sp), w);
+            }
             let w = b.param("weight", &[cfg.vocab, h]);
             (b.embedding_op(w, ids), w)
         });
@@ -227,6 +247,9 @@ pub fn llama_with_head(
                 let residual = x;
                 let y = b.rms_norm("input_layernorm", x);
                 let (a, probs) = b.module("self_attn", |b| {
+                    // Column-parallel q/k/v (the rank's heads) share one input (one all-gather
+                    // under --sp: the buffer is reused), row-parallel o_proj.
+                    let y = if tp.on() { b.tp_column_input(tp, y) } else { y };
                     let shp = [batch as i64, seq as i64, -1, hd as i64];
                     let q = b.linear("q_proj", y, nh * hd, cfg.qkv_bias);
                     let q = b.view(q, &shp);
@@ -268,7 +291,12 @@ pub fn llama_with_head(
                     let o = b.contiguous(o);
                     let o = b.reshape(o, &[batch as i64, seq as i64, -1]);
                     let o = b.contiguous(o);
-                    (b.linear("o_proj", o, h, cfg.o_bias), probs)
+                    let o = if tp.on() {
+                        b.row_parallel_linear(tp, "o_proj", o, h, cfg.o_bias)
+                    } else {
+                        b.linear("o_proj", o, h, cfg.o_bias)
+                    };
+                    (o, probs)
                 });
                 // `hidden_states, _ = self.self_attn(...)`: the probabilities live to the end.
                 b.hold_opt(probs);
@@ -276,11 +304,17 @@ pub fn llama_with_head(
                 let residual = x;
                 let y = b.rms_norm("post_attention_layernorm", x);
                 let f = b.module("mlp", |b| {
-                    let g = b.linear("gate_proj", y, cfg.intermediate, cfg.mlp_bias);
+                    let y = if tp.on() { b.tp_column_input(tp, y) } else { y };
+                    let inter = cfg.intermediate / tp.t;
+                    let g = b.linear("gate_proj", y, inter, cfg.mlp_bias);
                     let g = b.activation("act_fn", g, cfg.activation);
-                    let u = b.linear("up_proj", y, cfg.intermediate, cfg.mlp_bias);
+                    let u = b.linear("up_proj", y, inter, cfg.mlp_bias);
                     let m = b.mul(g, u);
-                    b.linear("down_proj", m, h, cfg.mlp_bias)
+                    if tp.on() {
+                        b.row_parallel_linear(tp, "down_proj", m, h, cfg.mlp_bias)
+                    } else {
+                        b.linear("down_proj", m, h, cfg.mlp_bias)
+                    }
                 });
                 b.add(residual, f)
             });
@@ -292,6 +326,15 @@ pub fn llama_with_head(
         (out, w, cache)
     });
     let tied = cfg.tie_embeddings.then_some(embed_w);
+    if let (true, Head::Lm, Some(labels)) = (tp.on(), head, labels) {
+        b.hold(hidden);
+        let (logits, loss) =
+            b.tp_causal_lm_head(tp, hidden, labels, tied, tp.local_vocab(cfg.vocab));
+        b.keep_output(logits);
+        b.keep_output(loss);
+        b.set_output(loss);
+        return b.finish();
+    }
     let out = heads::decoder_head(
         &mut b,
         heads::Decoder::Llama,

@@ -28,6 +28,7 @@ pub mod nanogpt;
 pub mod nn;
 pub mod resnet;
 pub mod timm;
+pub mod tp;
 pub mod vgg;
 pub mod vit;
 
@@ -454,6 +455,7 @@ impl Arch {
             }
         }
         if let Arch::Imported(g) = self {
+            self.tp_plan(recipe, Head::None)?;
             self.image_size(recipe)?;
             self.num_classes(recipe)?;
             if recipe.head.is_some() {
@@ -494,6 +496,7 @@ impl Arch {
         }
         let attn = attn_impl(self, recipe)?;
         let head = head.unwrap_or(Head::None);
+        let tp = self.tp_plan(recipe, head)?;
         let g = match self {
             Arch::Mlp => {
                 let mut dims = mlp::MLP_DIMS;
@@ -523,10 +526,18 @@ impl Arch {
                 attn,
                 head,
                 recipe.transformers_version == crate::recipe::TransformersVersion::V4_16,
+                tp,
             )?,
-            Arch::Gpt2(c) => {
-                gpt2::gpt2_with_head(c, batch, seq, attn, head, recipe.loss, use_cache(recipe))?
-            }
+            Arch::Gpt2(c) => gpt2::gpt2_with_head(
+                c,
+                batch,
+                seq,
+                attn,
+                head,
+                recipe.loss,
+                use_cache(recipe),
+                tp,
+            )?,
             // The loss is GPT.forward's own (plain cross-entropy): `--loss` does not apply.
             Arch::NanoGpt(c) => nanogpt::nanogpt(c, batch, seq, attn)?,
             Arch::Timm(c) => c.build(batch, image, classes)?,
@@ -542,12 +553,76 @@ impl Arch {
                         });
                     }
                 }
-                llama::llama_with_head(c, batch, seq, attn, head, recipe.loss, use_cache(recipe))?
+                llama::llama_with_head(
+                    c,
+                    batch,
+                    seq,
+                    attn,
+                    head,
+                    recipe.loss,
+                    use_cache(recipe),
+                    tp,
+                )?
             }
             // Built above, before the zoo's checks of heads and attention.
             Arch::Imported(g) => g.build_for(batch, recipe)?,
         };
         Ok(crate::finetune::apply(g, recipe)?)
+    }
+
+    /// The tensor-parallel split of the recipe's layout for this model (`--tp`, `--sp`; see
+    /// [`tp`]): the GPT-2, LLaMA and BERT families with their language-model head, whose heads, KV heads and
+    /// FFN width `--tp` divides; any other model, head or loss is refused with the reason.
+    pub fn tp_plan(&self, recipe: &Recipe, head: Head) -> Result<tp::TpPlan, ZooError> {
+        let plan = tp::TpPlan::of(recipe);
+        if !plan.on() {
+            return Ok(plan);
+        }
+        let unsupported = |msg: String| ZooError::Unsupported {
+            model: self.name().to_string(),
+            field: "tp",
+            msg,
+        };
+        let (dims, lm): (Vec<(&str, u64)>, Head) = match self {
+            Arch::Gpt2(c) => (vec![("n_head", c.heads), ("n_inner", c.inner)], Head::Lm),
+            Arch::Bert(c) => (
+                vec![
+                    ("num_attention_heads", c.heads),
+                    ("intermediate_size", c.intermediate),
+                ],
+                Head::MaskedLm,
+            ),
+            Arch::Llama(c) => (
+                vec![
+                    ("num_attention_heads", c.heads),
+                    ("num_key_value_heads", c.kv_heads),
+                    ("intermediate_size", c.intermediate),
+                ],
+                Head::Lm,
+            ),
+            _ => {
+                return Err(unsupported(format!(
+                    "{}: tensor parallelism is modelled for the GPT-2, LLaMA and BERT families (Megatron-style column/row-parallel attention and MLP, vocabulary-parallel embedding and loss); {} has no such split modelled: give --tp 1",
+                    recipe.parallel.tp,
+                    self.name()
+                )))
+            }
+        };
+        let decoder = lm == Head::Lm;
+        if head != lm || (decoder && recipe.loss != crate::recipe::Loss::Hf) {
+            return Err(unsupported(format!(
+                "{}: tensor parallelism is modelled with the language-model head and its loss (vocab_parallel_cross_entropy): give {}",
+                recipe.parallel.tp,
+                if decoder { "--head lm and --loss hf" } else { "--head masked-lm" }
+            )));
+        }
+        plan.check(&dims, recipe.seq)
+            .map_err(|(field, msg)| ZooError::Unsupported {
+                model: self.name().to_string(),
+                field,
+                msg,
+            })?;
+        Ok(plan)
     }
 
     /// The HF family of a language model (`None` for the image models and the MLP).
