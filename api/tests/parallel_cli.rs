@@ -718,3 +718,30 @@ fn zero3_and_zero_redundancy_run_with_one_rank() {
         assert_eq!(r["ranks"][0]["ranks"].as_array().unwrap().len(), 8, "{r}");
     }
 }
+
+/// FSDP2's `MixedPrecisionPolicy(param_dtype=bf16)` on an fp32 model runs attention in bf16 (the
+/// all-gathered parameters and the root's cast inputs are bf16), so PyTorch 2.15 picks cuDNN
+/// attention on sm 9.0 (`check_prefer_cudnn_attention`), as it does for a bf16 model.
+#[test]
+fn fsdp2_param_dtype_decides_the_attention_kernel() {
+    let doc = json(&[
+        "predict",
+        "--model",
+        "tinyllama-1.1b",
+        "--batch",
+        "1",
+        "--seq",
+        "256",
+        "--dp",
+        "2",
+        "--shard",
+        "fsdp2",
+        "--fsdp-param-dtype",
+        "bf16",
+    ]);
+    assert_eq!(
+        doc["attention"]["kernel"], "sdpa-cudnn",
+        "{}",
+        doc["attention"]
+    );
+}

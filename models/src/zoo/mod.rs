@@ -285,10 +285,18 @@ impl Arch {
     /// `F.multi_head_attention_forward` calls it with `attn_mask=None`, `is_causal=False` and its
     /// `dropout` (0 for ViT-B/16).
     pub fn sdpa_call(&self, recipe: &Recipe) -> Option<SdpaCall> {
-        let dtype = match recipe.precision {
-            Precision::Fp32 => DType::F32,
-            Precision::Bf16 | Precision::AmpBf16 => DType::BF16,
-            Precision::AmpFp16 => DType::F16,
+        let dtype = match (recipe.precision, recipe.parallel.fsdp_param_dtype) {
+            // FSDP2's MixedPrecisionPolicy(param_dtype): the unsharded parameters, and with them
+            // the activations, are in param_dtype (`_fsdp_param.py` casts the all-gathered
+            // parameters; the root casts its floating inputs, `cast_forward_inputs`)
+            (Precision::Fp32 | Precision::Bf16, Some(d))
+                if recipe.parallel.shard == crate::parallel::Shard::Fsdp2 =>
+            {
+                d
+            }
+            (Precision::Fp32, _) => DType::F32,
+            (Precision::Bf16 | Precision::AmpBf16, _) => DType::BF16,
+            (Precision::AmpFp16, _) => DType::F16,
         };
         let (b, s) = (recipe.batch, recipe.seq);
         let training = !recipe.inference;
