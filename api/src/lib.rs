@@ -21,6 +21,7 @@ pub mod framework;
 pub mod import;
 pub mod machine;
 pub mod maxbatch;
+pub mod pipeline;
 pub mod predict;
 pub mod presets;
 pub mod ranks;

@@ -170,7 +170,16 @@ fn bad_layouts_fail_with_the_reason() {
         &["nn.DataParallel", "pipeline (--pp 2)"],
     );
     fails(
-        &["--dp", "2", "--shard", "ddp", "--world-size", "2", "--pp", "2"],
+        &[
+            "--dp",
+            "2",
+            "--shard",
+            "ddp",
+            "--world-size",
+            "2",
+            "--pp",
+            "2",
+        ],
         &["2 does not match", "dp 2 × tp 1 × pp 2 = 4 ranks"],
     );
     fails(&["--sp"], &["--tp 2 or more"]);
@@ -181,7 +190,9 @@ fn bad_layouts_fail_with_the_reason() {
     );
     fails(&["--tp", "0"], &["tp must be"]);
     fails(
-        &["--dp", "65536", "--tp", "65536", "--pp", "2", "--shard", "ddp"],
+        &[
+            "--dp", "65536", "--tp", "65536", "--pp", "2", "--shard", "ddp",
+        ],
         &["8589934592 ranks"],
     );
     fails(
