@@ -417,12 +417,14 @@ impl Parallel {
     }
 
     /// How many times `--batch` is taken per micro-step: once per data-parallel rank, but once in
-    /// all for DataParallel (one process scatters its batch over the devices).
+    /// all for DataParallel (one process scatters its batch over the devices) and once per
+    /// pipeline.
     pub fn batch_copies(&self) -> u32 {
         if self.shard == Shard::DataParallel {
             1
         } else {
-            self.world_size()
+            // The stages of a pipeline share one batch (each rank runs its stages on it).
+            self.world_size() / self.pp.max(1)
         }
     }
 

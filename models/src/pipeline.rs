@@ -401,7 +401,7 @@ fn plan_stages(g: &Graph, num_stages: usize) -> Result<Vec<StagePlan>, PipelineE
     let n_layers = blocks.len();
     if num_stages > n_layers {
         return Err(PipelineError::Invalid(format!(
-            "{} stages for {} layers of {}: every stage must hold at least one layer; give --pp (× V for interleaved) of at most {n_layers} (torchtitan's own bound, layers + 2, would leave a stage with only the embeddings or the head)",
+            "{} stages for {} layers of {}: give --pp (× V for interleaved) of at most {n_layers}, the model's layers (torchtitan's own bound is layers + 2, the embeddings and the head each counted as a layer)",
             num_stages, n_layers, g.name
         )));
     }
