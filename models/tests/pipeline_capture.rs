@@ -1,0 +1,89 @@
+//! Each rank of a real `torch.distributed.pipelining` run against the lowering of the same rank.
+//! `models/tools/capture_pipeline.py` ran PyTorch 2.15's own `Schedule1F1B` and `ScheduleGPipe` on
+//! the CPU with gloo (one process per rank) over an HF GPT-2 (6 layers, 128 wide, vocab 1024,
+//! eager attention, fp32, AdamW foreach, `use_cache=False`, CUDA's fused dropout, seq 64, micro-batch
+//! size 1) split as torchtitan splits it, and recorded every storage each rank allocated, two
+//! steps each (`tests/fixtures/pipeline/SCHEDULE-ppN-mM/rankR.jsonl.gz`). The peak of live requested
+//! bytes of every rank, computed from each trace's events, must be PyTorch's to the byte: the
+//! micro-batches in flight, the receive buffers, the outputs held for their sends and the gradients
+//! sent back are where the schedule puts them.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use vramsim_models::hf::{read, ImportOptions};
+use vramsim_models::pipeline::rank_graph;
+use vramsim_models::{lower, Attention, Fidelity, Parallel, PpSchedule, Recipe};
+use vramsim_traces::{read_trace, Event, Trace};
+
+/// Max over the trace of live requested bytes (no allocator).
+fn peak(t: &Trace) -> u64 {
+    let mut live: HashMap<String, u64> = HashMap::new();
+    let (mut now, mut max) = (0u64, 0u64);
+    for e in &t.events {
+        match e {
+            Event::Alloc { id, size, .. } => {
+                live.insert(id.to_string(), *size);
+                now += size;
+                max = max.max(now);
+            }
+            Event::Free { id } => {
+                if let Some(s) = live.remove(&id.to_string()) {
+                    now -= s;
+                }
+            }
+            _ => {}
+        }
+    }
+    max
+}
+
+fn check(dir: &str, schedule: PpSchedule, pp: u32, m: u32) {
+    let base = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/pipeline")
+        .join(dir);
+    let cfg = read(&base.join("config.json"), &ImportOptions::default()).expect("config");
+    for rank in 0..pp {
+        let path = base.join(format!("rank{rank}.jsonl.gz"));
+        let captured = read_trace(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let mut r = Recipe::new(u64::from(m), 64);
+        r.attention = Attention::Eager;
+        r.use_cache = Some(false);
+        // The recording has no cuBLAS workspaces and sums gradients as a dispatch mode sees them.
+        r.fidelity = Fidelity::MetaCapture;
+        r.parallel = Parallel {
+            pp,
+            pp_schedule: schedule,
+            microbatches: Some(m),
+            stage: rank,
+            ..Parallel::default()
+        };
+        let mut gr = r.clone();
+        gr.batch = r.parallel.replica_batch(r.batch);
+        let g = cfg.arch.build(&gr).expect("builds");
+        let t = lower(&rank_graph(&g, &r.parallel).expect("splits"), &r).expect("lowers");
+        let (ours, theirs) = (peak(&t), peak(&captured));
+        eprintln!("{dir} rank {rank}: vramsim {ours} B, PyTorch {theirs} B");
+        assert_eq!(ours, theirs, "{dir} rank {rank}");
+    }
+}
+
+#[test]
+fn one_f_one_b_pp2_m4() {
+    check("1f1b-pp2-m4", PpSchedule::OneFOneB, 2, 4);
+}
+
+#[test]
+fn gpipe_pp2_m1() {
+    check("gpipe-pp2-m1", PpSchedule::GPipe, 2, 1);
+}
+
+#[test]
+fn one_f_one_b_pp4_m8() {
+    check("1f1b-pp4-m8", PpSchedule::OneFOneB, 4, 8);
+}
+
+#[test]
+fn gpipe_pp4_m4() {
+    check("gpipe-pp4-m4", PpSchedule::GPipe, 4, 4);
+}

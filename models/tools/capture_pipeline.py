@@ -1,0 +1,195 @@
+"""Record each rank of a real ``torch.distributed.pipelining`` run as a vramsim trace.
+
+Two (or more) processes on the CPU with the gloo backend run PyTorch's own schedule
+(``Schedule1F1B`` or ``ScheduleGPipe``) on an HF GPT-2 (a small config, eager attention, fp32,
+``use_cache=False``) split as torchtitan splits it (``_generate_llm_fqn_per_model_part``: the
+embeddings count as a layer on the first stage, the final norm and head as one on the last); each
+rank records the storages it allocates with the capture tool's ``Recorder`` (real CPU tensors: a
+storage's life is its allocation's). The stage modules do what ``GPT2Model.forward`` does around
+its blocks: the first stage embeds, every stage makes its own position ids and causal mask, the
+last applies ``ln_f``, the head and (through the schedule's ``loss_fn``) ``model.loss_function``.
+Stages are built in static mode (``input_args``/``output_args``): no metadata inference step.
+
+    python3 models/tools/capture_pipeline.py OUT_DIR [--schedule 1f1b|gpipe] [--pp 2] [--m 4]
+
+writes ``OUT_DIR/rank{R}.jsonl.gz`` and ``OUT_DIR/config.json`` (the model's config, for
+``vramsim predict --hf-config``). ``models/tests/pipeline_capture.rs`` compares them with the
+lowering of each rank.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "traces", "python"))
+import vramsim_capture  # noqa: E402
+
+CONFIG = dict(
+    model_type="gpt2",
+    vocab_size=1024,
+    n_positions=128,
+    n_embd=128,
+    n_layer=6,
+    n_head=4,
+    use_cache=False,
+    attn_implementation="eager",
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+SEQ = 64
+
+
+def split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """torchtitan's _generate_llm_fqn_per_model_part(num_stages, num_layers, 1, 1) as layer ranges."""
+    eff = num_layers + 2
+    per, extra = divmod(eff, num_stages)
+    out, cur = [], 0
+    for s in range(num_stages):
+        n = per + (1 if s < extra else 0)
+        if s == 0 or s == num_stages - 1:
+            n -= 1
+        out.append((cur, min(cur + n, num_layers)))
+        cur = min(cur + n, num_layers)
+    return out
+
+
+class Stage(torch.nn.Module):
+    """The part of GPT2LMHeadModel one stage runs (``GPT2Model.forward`` around its blocks)."""
+
+    def __init__(self, full, first: bool, last: bool, layers: tuple[int, int]):
+        super().__init__()
+        t = full.transformer
+        self.config = full.config
+        self.wte = t.wte if first else None
+        self.wpe = t.wpe if first else None
+        self.drop = t.drop if first else None
+        self.h = torch.nn.ModuleList(t.h[layers[0]:layers[1]])
+        self.ln_f = t.ln_f if last else None
+        self.lm_head = full.lm_head if last else None
+
+    def forward(self, x, attention_mask=None):
+        from transformers.masking_utils import create_causal_mask
+
+        if self.wte is not None:
+            inputs_embeds = self.wte(x)
+        else:
+            inputs_embeds = x
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+        if self.wpe is not None:
+            hidden = inputs_embeds + self.wpe(position_ids)
+            hidden = self.drop(hidden)
+        else:
+            hidden = x
+        causal_mask = create_causal_mask(
+            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            past_key_values=None, position_ids=position_ids)
+        for block in self.h:
+            hidden = block(hidden, None, causal_mask, None, use_cache=False, position_ids=position_ids)
+        if self.ln_f is not None:
+            hidden = self.ln_f(hidden)
+            hidden = self.lm_head(hidden)
+        return hidden
+
+
+def run(rank: int, world: int, out: str, schedule: str, m: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(**CONFIG)
+    full = GPT2LMHeadModel(cfg)
+    full.train()
+    layers = split(cfg.n_layer, world)[rank]
+    first, last = rank == 0, rank == world - 1
+    # Each stage is its own copy (torchtitan's _split_module deep-copies the model).
+    import copy
+    stage_mod = Stage(copy.deepcopy(full), first, last, layers)
+    del full
+    batch = m  # micro-batch size 1
+    mb_in = (torch.empty(1, SEQ, dtype=torch.long, device="meta") if first
+             else torch.empty(1, SEQ, cfg.n_embd, device="meta"))
+    mb_out = torch.empty(1, SEQ, cfg.vocab_size if last else cfg.n_embd, device="meta")
+    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"),
+                          input_args=(mb_in,), output_args=(mb_out,),
+                          output_grads=None if last else (mb_out,),
+                          input_grads=None if first else (mb_in,))
+    vocab = cfg.vocab_size
+
+    def loss_fn(logits, labels):
+        return _causal_lm_loss(logits, labels, vocab)
+
+    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    sched = cls(stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-4, foreach=True)
+
+    dev = torch.device("cpu")
+    names = {id(mod): n for n, mod in stage_mod.named_modules(remove_duplicate=False)}
+    rec = vramsim_capture.Recorder(dev, names)
+    for name, p in stage_mod.named_parameters():
+        rec.track(p, "parameter", name)
+    # CUDA's fused dropout (a bool mask), as the capture tool's own runs take it.
+    with rec, vramsim_capture.cuda_like_dropout():
+        for it in range(2):
+            rec.mark_phase("forward")
+            rec.context = "input"
+            # The zoo's loop: input_ids, attention_mask (all ones) and labels, each on the ranks
+            # whose stages read it (every stage builds its causal mask from the attention mask).
+            ids = torch.randint(0, vocab, (batch, SEQ)) if first else None
+            mask = torch.ones(batch, SEQ, dtype=torch.long)
+            labels = torch.randint(0, vocab, (batch, SEQ)) if last else None
+            rec.context = None
+            losses = [] if last else None
+            if first:
+                sched.step(ids, attention_mask=mask, target=labels, losses=losses, return_outputs=False)
+            else:
+                sched.step(attention_mask=mask, target=labels, losses=losses, return_outputs=False)
+            del ids, mask, labels, losses
+            rec.mark_phase("optimizer")
+            opt.step()
+            rec.mark_phase("zero_grad")
+            opt.zero_grad(set_to_none=True)
+        events = rec.close()
+    rec.closed = True
+    cap = vramsim_capture.Capture(meta={"tool": "capture_pipeline.py", "rank": rank, "pp": world,
+                                        "schedule": schedule, "microbatches": m, "seq": SEQ,
+                                        "torch": torch.__version__}, events=events)
+    cap.write(os.path.join(out, f"rank{rank}.jsonl.gz"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _causal_lm_loss(logits, labels, vocab):
+    """transformers' ForCausalLMLoss (``loss_utils.py``) as GPT2LMHeadModel calls it."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(logits, labels, vocab_size=vocab)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--m", type=int, default=4)
+    ap.add_argument("--port", type=int, default=29517)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    cfg = dict(CONFIG)
+    cfg.pop("attn_implementation")
+    with open(os.path.join(a.out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    mp.spawn(run, args=(a.pp, a.out, a.schedule, a.m, a.port), nprocs=a.pp, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
