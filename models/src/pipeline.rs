@@ -139,7 +139,7 @@ pub fn microbatches(p: &Parallel, batch: u64) -> Result<u32, PipelineError> {
 
 /// One compute action of a rank: the forward or the (full) backward of micro-batch `mb` on
 /// stage `stage` (global stage index).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Action {
     /// `forward_one_chunk(mb)` of the stage.
     Forward {
@@ -251,6 +251,245 @@ fn interleaved_actions(pp: u32, rank: u32, m: u32, v: u32) -> Vec<Action> {
         }
     }
     out
+}
+
+/// One action of `_PipelineScheduleRuntime` (`ScheduleInterleaved1F1B`'s executor) once
+/// `_prepare_schedule_with_comms` has lowered the compute schedule: the compute actions with the
+/// receives, sends and send waits placed among them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RuntimeAction {
+    /// A forward or a full backward.
+    Compute(Action),
+    /// `RECV_F`: the activation's receive buffer is allocated and its receive posted.
+    RecvF {
+        /// Global stage index (the receiving stage).
+        stage: u32,
+        /// Micro-batch.
+        mb: u32,
+    },
+    /// `RECV_B`: the output gradient's receive buffer is allocated and its receive posted.
+    RecvB {
+        /// Global stage index (the receiving stage).
+        stage: u32,
+        /// Micro-batch.
+        mb: u32,
+    },
+    /// `WAIT_SEND_F`: the stage lets go of the output it sent.
+    WaitSendF {
+        /// Global stage index (the sending stage).
+        stage: u32,
+        /// Micro-batch.
+        mb: u32,
+    },
+    /// `WAIT_SEND_B`: the input gradient it sent is let go.
+    WaitSendB {
+        /// Global stage index (the sending stage).
+        stage: u32,
+        /// Micro-batch.
+        mb: u32,
+    },
+    /// Anything without memory of its own here (`SEND_F`, `SEND_B`, `UNSHARD`, `RESHARD`,
+    /// `REDUCE_GRAD`, `WAIT_REDUCE_GRAD` of stages without FSDP).
+    Other,
+}
+
+/// A slot of the lowering passes: a compute action or another action, with what the
+/// communication pass needs to know of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Slot {
+    Compute(Action),
+    RecvF(u32, u32),
+    RecvB(u32, u32),
+    SendF(u32, u32),
+    SendB(u32, u32),
+    WaitSendF(u32, u32),
+    WaitSendB(u32, u32),
+    Other,
+}
+
+/// `_add_unshard_reshard(actions, max_active_stages=3, unshard_lookahead=3)` ("full", the
+/// default): UNSHARD/RESHARD slots among the compute actions (no-ops without FSDP, but slots of
+/// the communication pass).
+fn add_unshard_reshard(actions: &[Action]) -> Vec<Slot> {
+    let stage = |a: &Action| match *a {
+        Action::Forward { stage, .. } | Action::Backward { stage, .. } => stage,
+    };
+    let next = |from: usize| -> Vec<u32> {
+        let mut seen: Vec<u32> = Vec::new();
+        for a in &actions[from..] {
+            if !seen.contains(&stage(a)) {
+                seen.push(stage(a));
+            }
+            if seen.len() >= 3 {
+                break;
+            }
+        }
+        seen
+    };
+    let mut active: Vec<u32> = Vec::new();
+    let mut out = Vec::new();
+    for (i, a) in actions.iter().enumerate() {
+        let resident = next(i);
+        let fetch: Vec<u32> = resident
+            .iter()
+            .copied()
+            .filter(|s| !active.contains(s))
+            .collect();
+        let evict: Vec<u32> = active
+            .iter()
+            .copied()
+            .filter(|s| !resident.contains(s))
+            .collect();
+        for s in evict {
+            active.retain(|x| *x != s);
+            out.push(Slot::Other);
+        }
+        for s in fetch {
+            active.push(s);
+            out.push(Slot::Other);
+        }
+        out.push(Slot::Compute(*a));
+    }
+    out.extend(active.iter().map(|_| Slot::Other));
+    out
+}
+
+/// `_add_reduce_grad(actions, n_microbatches)`: `REDUCE_GRAD` and its wait after a stage's last
+/// backward.
+fn add_reduce_grad(slots: Vec<Slot>, m: u32) -> Vec<Slot> {
+    let mut count: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+    let mut out = Vec::with_capacity(slots.len());
+    for s in slots {
+        out.push(s);
+        if let Slot::Compute(Action::Backward { stage, .. }) = s {
+            let c = count.entry(stage).or_insert(0);
+            *c += 1;
+            if *c == m {
+                out.push(Slot::Other);
+                out.push(Slot::Other);
+            }
+        }
+    }
+    out
+}
+
+/// `_add_send_recv`: the ranks' lists are walked together, one action per rank per round (in rank
+/// order), an action waiting until what it needs is in its rank's list (a forward its `RECV_F`, a
+/// backward its `RECV_B`); a compute action whose neighbour stage is on another rank appends its
+/// send to its own list and the receive to the neighbour's, at that moment.
+fn add_send_recv(
+    mut lists: Vec<std::collections::VecDeque<Slot>>,
+    pp: u32,
+    stages: u32,
+) -> Vec<Vec<Slot>> {
+    let rank_of = |s: u32| s % pp;
+    let mut out: Vec<Vec<Slot>> = vec![Vec::new(); lists.len()];
+    let mut have: Vec<std::collections::HashSet<Slot>> = vec![Default::default(); lists.len()];
+    while lists.iter().any(|l| !l.is_empty()) {
+        let mut progress = false;
+        for r in 0..lists.len() {
+            let Some(&slot) = lists[r].front() else {
+                continue;
+            };
+            let ready = match slot {
+                Slot::Compute(Action::Forward { stage, mb }) if stage != 0 => {
+                    have[r].contains(&Slot::RecvF(stage, mb))
+                        || have[r].contains(&Slot::Compute(Action::Forward {
+                            stage: stage - 1,
+                            mb,
+                        }))
+                }
+                Slot::Compute(Action::Backward { stage, mb }) if stage + 1 != stages => {
+                    have[r].contains(&Slot::RecvB(stage, mb))
+                        || have[r].contains(&Slot::Compute(Action::Backward {
+                            stage: stage + 1,
+                            mb,
+                        }))
+                }
+                _ => true,
+            };
+            if !ready {
+                continue;
+            }
+            out[r].push(slot);
+            have[r].insert(slot);
+            match slot {
+                Slot::Compute(Action::Forward { stage, mb })
+                    if stage + 1 != stages && rank_of(stage + 1) != rank_of(stage) =>
+                {
+                    out[r].push(Slot::SendF(stage, mb));
+                    have[r].insert(Slot::SendF(stage, mb));
+                    let to = rank_of(stage + 1) as usize;
+                    out[to].push(Slot::RecvF(stage + 1, mb));
+                    have[to].insert(Slot::RecvF(stage + 1, mb));
+                }
+                Slot::Compute(Action::Backward { stage, mb })
+                    if stage != 0 && rank_of(stage - 1) != rank_of(stage) =>
+                {
+                    out[r].push(Slot::SendB(stage, mb));
+                    have[r].insert(Slot::SendB(stage, mb));
+                    let to = rank_of(stage - 1) as usize;
+                    out[to].push(Slot::RecvB(stage - 1, mb));
+                    have[to].insert(Slot::RecvB(stage - 1, mb));
+                }
+                _ => {}
+            }
+            lists[r].pop_front();
+            progress = true;
+        }
+        if !progress {
+            break;
+        }
+    }
+    out
+}
+
+/// `_add_wait_send`: a forward send is waited right after the matching local backward, the
+/// others (backward sends) at the end of the schedule, in the order they were sent.
+fn add_wait_send(slots: Vec<Slot>) -> Vec<Slot> {
+    let mut pending: Vec<Slot> = Vec::new();
+    let mut out = Vec::with_capacity(slots.len());
+    for s in slots {
+        out.push(s);
+        match s {
+            Slot::SendF(..) | Slot::SendB(..) => pending.push(s),
+            Slot::Compute(Action::Backward { stage, mb }) => {
+                if let Some(i) = pending.iter().position(|p| *p == Slot::SendF(stage, mb)) {
+                    pending.remove(i);
+                    out.push(Slot::WaitSendF(stage, mb));
+                }
+            }
+            _ => {}
+        }
+    }
+    for p in pending {
+        out.push(match p {
+            Slot::SendF(s, m) => Slot::WaitSendF(s, m),
+            Slot::SendB(s, m) => Slot::WaitSendB(s, m),
+            other => other,
+        });
+    }
+    out
+}
+
+/// `ScheduleInterleaved1F1B`'s actions on `rank` as `_PipelineScheduleRuntime` runs them
+/// (`_prepare_schedule_with_comms` with its defaults: no `defer_pp_recv`, no send budget).
+pub fn runtime_actions(pp: u32, rank: u32, m: u32, v: u32) -> Vec<RuntimeAction> {
+    let lists = (0..pp)
+        .map(|r| add_reduce_grad(add_unshard_reshard(&interleaved_actions(pp, r, m, v)), m).into())
+        .collect();
+    let comms = add_send_recv(lists, pp, pp * v);
+    add_wait_send(comms[rank as usize].clone())
+        .into_iter()
+        .map(|s| match s {
+            Slot::Compute(a) => RuntimeAction::Compute(a),
+            Slot::RecvF(stage, mb) => RuntimeAction::RecvF { stage, mb },
+            Slot::RecvB(stage, mb) => RuntimeAction::RecvB { stage, mb },
+            Slot::WaitSendF(stage, mb) => RuntimeAction::WaitSendF { stage, mb },
+            Slot::WaitSendB(stage, mb) => RuntimeAction::WaitSendB { stage, mb },
+            _ => RuntimeAction::Other,
+        })
+        .collect()
 }
 
 /// The most forwards a rank has run whose backward has not run yet, over its actions: the

@@ -87,3 +87,18 @@ fn one_f_one_b_pp4_m8() {
 fn gpipe_pp4_m4() {
     check("gpipe-pp4-m4", PpSchedule::GPipe, 4, 4);
 }
+
+#[test]
+fn interleaved_pp2_v2_m4() {
+    check("interleaved2-pp2-m4", PpSchedule::Interleaved(2), 2, 4);
+}
+
+#[test]
+fn interleaved_pp2_v3_m4() {
+    check("interleaved3-pp2-m4", PpSchedule::Interleaved(3), 2, 4);
+}
+
+#[test]
+fn interleaved_pp2_v2_m6() {
+    check("interleaved2-pp2-m6", PpSchedule::Interleaved(2), 2, 6);
+}

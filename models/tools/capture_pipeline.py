@@ -1,7 +1,7 @@
 """Record each rank of a real ``torch.distributed.pipelining`` run as a vramsim trace.
 
 Two (or more) processes on the CPU with the gloo backend run PyTorch's own schedule
-(``Schedule1F1B`` or ``ScheduleGPipe``) on an HF GPT-2 (a small config, eager attention, fp32,
+(``Schedule1F1B``, ``ScheduleGPipe`` or ``ScheduleInterleaved1F1B``) on an HF GPT-2 (a small config, eager attention, fp32,
 ``use_cache=False``) split as torchtitan splits it (``_generate_llm_fqn_per_model_part``: the
 embeddings count as a layer on the first stage, the final norm and head as one on the last); each
 rank records the storages it allocates with the capture tool's ``Recorder`` (real CPU tensors: a
@@ -10,7 +10,7 @@ its blocks: the first stage embeds, every stage makes its own position ids and c
 last applies ``ln_f``, the head and (through the schedule's ``loss_fn``) ``model.loss_function``.
 Stages are built in static mode (``input_args``/``output_args``): no metadata inference step.
 
-    python3 models/tools/capture_pipeline.py OUT_DIR [--schedule 1f1b|gpipe] [--pp 2] [--m 4]
+    python3 models/tools/capture_pipeline.py OUT_DIR [--schedule 1f1b|gpipe|interleaved:V] [--pp 2] [--m 4]
 
 writes ``OUT_DIR/rank{R}.jsonl.gz`` and ``OUT_DIR/config.json`` (the model's config, for
 ``vramsim predict --hf-config``). ``models/tests/pipeline_capture.rs`` compares them with the
@@ -102,33 +102,46 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int) -> No
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from transformers import GPT2Config, GPT2LMHeadModel
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
 
     torch.manual_seed(0)
     cfg = GPT2Config(**CONFIG)
     full = GPT2LMHeadModel(cfg)
     full.train()
-    layers = split(cfg.n_layer, world)[rank]
-    first, last = rank == 0, rank == world - 1
-    # Each stage is its own copy (torchtitan's _split_module deep-copies the model).
+    v = int(schedule.split(":")[1]) if schedule.startswith("interleaved:") else 1
+    n_stages = world * v
+    splits = split(cfg.n_layer, n_stages)
     import copy
-    stage_mod = Stage(copy.deepcopy(full), first, last, layers)
-    del full
-    batch = m  # micro-batch size 1
-    mb_in = (torch.empty(1, SEQ, dtype=torch.long, device="meta") if first
-             else torch.empty(1, SEQ, cfg.n_embd, device="meta"))
-    mb_out = torch.empty(1, SEQ, cfg.vocab_size if last else cfg.n_embd, device="meta")
-    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"),
-                          input_args=(mb_in,), output_args=(mb_out,),
-                          output_grads=None if last else (mb_out,),
-                          input_grads=None if first else (mb_in,))
     vocab = cfg.vocab_size
+    batch = m  # micro-batch size 1
+    stages, mods = [], []
+    # Stage s runs on rank s mod pp (torchtitan's "loop" style); each is its own copy of the model
+    # (`_split_module` deep-copies it).
+    for s_idx in range(rank, n_stages, world):
+        first, last = s_idx == 0, s_idx == n_stages - 1
+        mod = Stage(copy.deepcopy(full), first, last, splits[s_idx])
+        mb_in = (torch.empty(1, SEQ, dtype=torch.long, device="meta") if first
+                 else torch.empty(1, SEQ, cfg.n_embd, device="meta"))
+        mb_out = torch.empty(1, SEQ, vocab if last else cfg.n_embd, device="meta")
+        stages.append(PipelineStage(mod, s_idx, n_stages, torch.device("cpu"),
+                                    input_args=(mb_in,), output_args=(mb_out,),
+                                    output_grads=None if last else (mb_out,),
+                                    input_grads=None if first else (mb_in,)))
+        mods.append(mod)
+    del full
+    first = rank == 0
+    last = (n_stages - 1) % world == rank
+    stage_mod = torch.nn.ModuleList(mods)
 
     def loss_fn(logits, labels):
         return _causal_lm_loss(logits, labels, vocab)
 
-    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-    sched = cls(stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    if v > 1:
+        sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    else:
+        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        sched = cls(stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
     opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-4, foreach=True)
 
     dev = torch.device("cpu")
@@ -177,7 +190,7 @@ def _causal_lm_loss(logits, labels, vocab):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--schedule", default="1f1b", help="1f1b, gpipe or interleaved:V")
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--m", type=int, default=4)
     ap.add_argument("--port", type=int, default=29517)

@@ -28,9 +28,12 @@
 //!   the others are in flight) and its inputs die with its chunk state.
 //! * **Gradients** accumulate in `.grad` over the micro-batches; the optimizer steps once.
 //!
-//! `ScheduleInterleaved1F1B` runs through `_PipelineScheduleRuntime`, whose sends are waited by
-//! its own communication actions; here its sends follow the 1F1B rules above (an approximation
-//! of when the runtime waits).
+//! `ScheduleInterleaved1F1B` runs through `_PipelineScheduleRuntime`, whose actions
+//! `crate::pipeline::runtime_actions` lowers as `_prepare_schedule_with_comms` does: `RECV_F` and
+//! `RECV_B` allocate their buffers where the communication pass put them (as soon as the sender's
+//! action is scheduled, often ahead of the forward that reads them), a forward output is held by
+//! its send until `WAIT_SEND_F` right after that micro-batch's backward on this rank, and the input
+//! gradients sent back are held until the `WAIT_SEND_B`s at the end of the step.
 
 use super::{Edge, Kind, LowerError, Lowering, Rt};
 use crate::graph::{ModuleId, ValueId};
@@ -109,16 +112,95 @@ impl<'g> Lowering<'g> {
     pub(super) fn pp_step(&mut self) -> Result<(), LowerError> {
         let p = self.r.parallel;
         let m = pipeline::microbatches(&p, self.r.batch)?;
-        let actions = pipeline::rank_actions(p.pp_schedule, p.pp, p.stage, m);
-        let gpipe = p.pp_schedule == PpSchedule::GPipe;
         self.pp_batch_inputs(m);
+        if let PpSchedule::Interleaved(v) = p.pp_schedule {
+            self.pp_runtime(&pipeline::runtime_actions(p.pp, p.stage, m, v))?;
+        } else {
+            self.pp_single(&pipeline::rank_actions(p.pp_schedule, p.pp, p.stage, m))?;
+        }
+        // `_update_losses`; the loop's `losses` list dies after the step.
+        for t in std::mem::take(&mut self.pp.losses) {
+            self.drop_rt(t);
+        }
+        for (_, t) in std::mem::take(&mut self.pp.batch).into_iter().rev() {
+            self.drop_rt(t);
+        }
+        // Every micro-batch's graph is gone: the autograd state starts afresh.
+        let keep = self.persistent_nodes();
+        self.nodes.truncate(keep);
+        self.seq = 0;
+        self.leaf_grads.clear();
+        self.frames.clear();
+        Ok(())
+    }
+
+    /// `_PipelineScheduleRuntime._step_microbatches` (`ScheduleInterleaved1F1B`): each action as
+    /// `_perform_action` does it.
+    fn pp_runtime(&mut self, actions: &[pipeline::RuntimeAction]) -> Result<(), LowerError> {
+        use pipeline::RuntimeAction as R;
+        let mut recv_f: FxHashMap<(u32, u32), Vec<Rt>> = FxHashMap::default();
+        let mut recv_b: FxHashMap<(u32, u32), Rt> = FxHashMap::default();
+        let mut sent_f: FxHashMap<(u32, u32), Rt> = FxHashMap::default();
+        let mut sent_b: FxHashMap<(u32, u32), Vec<Rt>> = FxHashMap::default();
+        for &a in actions {
+            match a {
+                R::RecvF { stage, mb } => {
+                    let bufs = self.pp_recv_activation(stage);
+                    recv_f.insert((stage, mb), bufs);
+                }
+                R::RecvB { stage, mb } => {
+                    if let Some(g) = self.pp_recv_grad(stage, mb) {
+                        recv_b.insert((stage, mb), g);
+                    }
+                }
+                R::Compute(Action::Forward { stage, mb }) => {
+                    self.micro = mb;
+                    self.phase("forward");
+                    let bufs = recv_f.remove(&(stage, mb)).unwrap_or_default();
+                    // The send (`SEND_F`, next in the list) holds the output until its wait.
+                    if let Some(out) = self.pp_forward(stage, mb, Some(bufs))? {
+                        sent_f.insert((stage, mb), out);
+                    }
+                }
+                R::Compute(Action::Backward { stage, mb }) => {
+                    self.micro = mb;
+                    self.phase("backward");
+                    let grad = recv_b.remove(&(stage, mb));
+                    let sent = self.pp_backward(stage, mb, grad);
+                    sent_b.insert((stage, mb), sent);
+                }
+                R::WaitSendF { stage, mb } => {
+                    if let Some(t) = sent_f.remove(&(stage, mb)) {
+                        self.drop_rt(t);
+                    }
+                }
+                R::WaitSendB { stage, mb } => {
+                    for t in sent_b.remove(&(stage, mb)).unwrap_or_default() {
+                        self.drop_rt(t);
+                    }
+                }
+                R::Other => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// `ScheduleGPipe` / `Schedule1F1B._step_microbatches`.
+    fn pp_single(&mut self, actions: &[Action]) -> Result<(), LowerError> {
+        let gpipe = self.r.parallel.pp_schedule == PpSchedule::GPipe;
         let last_forward = actions.iter().rposition(|a| a.is_forward());
         for (i, &a) in actions.iter().enumerate() {
             match a {
                 Action::Forward { stage, mb } => {
                     self.micro = mb;
                     self.phase("forward");
-                    let out = self.pp_forward(stage, mb)?;
+                    let out = match self.pp_forward(stage, mb, None)? {
+                        Some(out) => {
+                            self.pp.sends.push(out);
+                            true
+                        }
+                        None => false,
+                    };
                     if gpipe {
                         if Some(i) == last_forward {
                             // `_wait_and_release_fwd_send` for every forward, after the last.
@@ -137,7 +219,9 @@ impl<'g> Lowering<'g> {
                         // `fwd_send_bwd_recv`: the pending forward send is waited here.
                         self.pp_release_sends(0);
                     }
-                    self.pp_backward(stage, mb, grad, i);
+                    for t in self.pp_backward(stage, mb, grad) {
+                        self.pp.grad_sends.push((i, t));
+                    }
                     if !gpipe {
                         // The previous backward's sends die when this one's replace them.
                         self.pp_release_grad_sends(Some(i));
@@ -147,19 +231,6 @@ impl<'g> Lowering<'g> {
         }
         self.pp_release_sends(0);
         self.pp_release_grad_sends(None);
-        // `_update_losses`; the loop's `losses` list dies after the step.
-        for t in std::mem::take(&mut self.pp.losses) {
-            self.drop_rt(t);
-        }
-        for (_, t) in std::mem::take(&mut self.pp.batch).into_iter().rev() {
-            self.drop_rt(t);
-        }
-        // Every micro-batch's graph is gone: the autograd state starts afresh.
-        let keep = self.persistent_nodes();
-        self.nodes.truncate(keep);
-        self.seq = 0;
-        self.leaf_grads.clear();
-        self.frames.clear();
         Ok(())
     }
 
@@ -209,8 +280,34 @@ impl<'g> Lowering<'g> {
             .expect("the schedule runs the rank's own stages")
     }
 
-    /// `forward_one_chunk(mb)` of `stage`; returns whether it left an output to send.
-    fn pp_forward(&mut self, stage: u32, mb: u32) -> Result<bool, LowerError> {
+    /// `get_fwd_recv_ops(mb)` of a non-first stage: a buffer per received activation.
+    fn pp_recv_activation(&mut self, stage: u32) -> Vec<Rt> {
+        let c = self.pp_chunk(stage);
+        let mut out = Vec::new();
+        for &v in &c.recv {
+            let val = &self.g.values[v.0 as usize];
+            let dtype = self.resolve(val.dtype);
+            self.kind_now = Kind::Pending;
+            let rt = self.alloc(
+                Layout::contiguous(&val.shape),
+                dtype,
+                ModuleId(0),
+                "pp_recv",
+            );
+            self.retag(&rt, format!("pp_recv_activation:stage{stage}"));
+            out.push(rt);
+        }
+        out
+    }
+
+    /// `forward_one_chunk(mb)` of `stage`, on the buffers `received` (allocated now when `None`);
+    /// returns the output it sends (none on the last stage).
+    fn pp_forward(
+        &mut self,
+        stage: u32,
+        mb: u32,
+        received: Option<Vec<Rt>>,
+    ) -> Result<Option<Rt>, LowerError> {
         let g = self.g;
         let c = self.pp_chunk(stage);
         let last = self.pp_is_last(stage);
@@ -227,19 +324,13 @@ impl<'g> Lowering<'g> {
             let view = self.view(&full, Layout::contiguous(&g.values[v.0 as usize].shape));
             self.vals[v.0 as usize] = Some(view);
         }
-        // `get_fwd_recv_ops`: a buffer per received activation, a leaf that requires grad.
+        // `_retrieve_recv_activations`: each received buffer becomes a leaf that requires grad.
+        let received = match received {
+            Some(r) => r,
+            None => self.pp_recv_activation(stage),
+        };
         let mut recv_slots = Vec::new();
-        for &v in &c.recv {
-            let val = &g.values[v.0 as usize];
-            let dtype = self.resolve(val.dtype);
-            self.kind_now = Kind::Pending;
-            let mut rt = self.alloc(
-                Layout::contiguous(&val.shape),
-                dtype,
-                ModuleId(0),
-                "pp_recv",
-            );
-            self.retag(&rt, format!("pp_recv_activation:stage{stage}"));
+        for (&v, mut rt) in c.recv.iter().zip(received) {
             let (leaf, slot) = self.new_leaf(&rt);
             rt.edge = Some(Edge { node: leaf, nr: 0 });
             self.vals[v.0 as usize] = Some(rt);
@@ -267,15 +358,15 @@ impl<'g> Lowering<'g> {
             frames: frame0..self.frames.len(),
             leaves: leaf0..self.leaf_grads.len(),
         };
-        let sends = !last;
-        if last {
+        let sent = if last {
             state.loss = Some(out);
+            None
         } else {
             state.root = out.edge;
-            self.pp.sends.push(out);
-        }
+            Some(out)
+        };
         self.pp.inflight.insert((stage, mb), state);
-        Ok(sends)
+        Ok(sent)
     }
 
     fn pp_is_last(&self, stage: u32) -> bool {
@@ -323,8 +414,9 @@ impl<'g> Lowering<'g> {
         Some(rt)
     }
 
-    /// `backward_one_chunk(mb)` of `stage` (action `index` of the rank).
-    fn pp_backward(&mut self, stage: u32, mb: u32, grad: Option<Rt>, index: usize) {
+    /// `backward_one_chunk(mb)` of `stage` from the received output gradient `grad` (none on the
+    /// last stage); returns the gradients of the received inputs, which its sends hold.
+    fn pp_backward(&mut self, stage: u32, mb: u32, grad: Option<Rt>) -> Vec<Rt> {
         let st = self
             .pp
             .inflight
@@ -347,10 +439,11 @@ impl<'g> Lowering<'g> {
             self.drop_rt(g);
         }
         // `stage_backward`: `grad_inputs.append(val.grad); val.grad = None`, then `bwd_cache`.
+        let mut sent = Vec::new();
         for &slot in &st.recv_slots {
             if let Some(t) = self.leaf_grads[slot as usize].take() {
                 self.retag(&t, format!("pp_send_grad:stage{stage}.mb{mb}"));
-                self.pp.grad_sends.push((index, t));
+                sent.push(t);
             }
         }
         // The micro-batch's graph is freed (its nodes only), then its chunk state dies.
@@ -367,5 +460,6 @@ impl<'g> Lowering<'g> {
         for t in st.inputs.into_iter().rev() {
             self.drop_rt(t);
         }
+        sent
     }
 }
