@@ -172,6 +172,7 @@ pub fn recommend(args: &RecommendArgs) -> Result<Recommendation> {
     // searched yet (issue 12's `recommend --gpus`).
     let layout = value("dp").is_some_and(|d| d.trim() != "1")
         || value("shard").is_some_and(|s| s.trim() != "none")
+        || value("pp").is_some_and(|p| p.trim() != "1")
         || [
             "world-size",
             "fsdp-param-dtype",
