@@ -682,6 +682,17 @@ fn plan_stages(g: &Graph, num_stages: usize) -> Result<Vec<StagePlan>, PipelineE
         let mut set = base.clone();
         let mut subst: Vec<(usize, ValueId, ValueId)> = Vec::new();
         let mut stack: Vec<usize> = set.iter().copied().collect();
+        // Arguments a block's call takes and no op reads (HF passes `position_ids` to every
+        // layer): the stage makes them too, and a checkpoint of the block holds them.
+        for r in g.regions.iter().filter(|r| base.contains(&r.start)) {
+            for &v in &r.args {
+                if let Some(p) = producer(g, v) {
+                    if !rg[v.0 as usize] && set.insert(p) {
+                        stack.push(p);
+                    }
+                }
+            }
+        }
         while let Some(i) = stack.pop() {
             for (j, &v) in g.ops[i].inputs.iter().enumerate() {
                 let Some(p) = producer(g, v) else { continue };

@@ -4,7 +4,8 @@
 //! eager attention, fp32, AdamW foreach, `use_cache=False`, CUDA's fused dropout, seq 64, micro-batch
 //! size 1) split as torchtitan splits it, and recorded every storage each rank allocated, two
 //! steps each (`tests/fixtures/pipeline/SCHEDULE-ppN-mM/rankR.jsonl.gz`). The peak of live requested
-//! bytes of every rank, computed from each trace's events, must be PyTorch's to the byte: the
+//! bytes of every rank, computed from each trace's events, over the whole trace and over the first
+//! step's schedule (before any optimizer state), must be PyTorch's to the byte: the
 //! micro-batches in flight, the receive buffers, the outputs held for their sends and the gradients
 //! sent back are where the schedule puts them.
 
@@ -13,13 +14,16 @@ use std::path::Path;
 
 use vramsim_models::hf::{read, ImportOptions};
 use vramsim_models::pipeline::rank_graph;
-use vramsim_models::{lower, Attention, Fidelity, Parallel, PpSchedule, Recipe};
+use vramsim_models::{
+    lower, Attention, CheckpointImpl, Checkpointing, Fidelity, Parallel, PpSchedule, Recipe,
+};
 use vramsim_traces::{read_trace, Event, Trace};
 
-/// Max over the trace of live requested bytes (no allocator).
-fn peak(t: &Trace) -> u64 {
+/// Max over the trace of live requested bytes (no allocator), and the max before the first
+/// optimizer step (the first step's schedule alone, before any optimizer state).
+fn peak(t: &Trace) -> (u64, u64) {
     let mut live: HashMap<String, u64> = HashMap::new();
-    let (mut now, mut max) = (0u64, 0u64);
+    let (mut now, mut max, mut first) = (0u64, 0u64, None);
     for e in &t.events {
         match e {
             Event::Alloc { id, size, .. } => {
@@ -32,13 +36,20 @@ fn peak(t: &Trace) -> u64 {
                     now -= s;
                 }
             }
+            Event::Phase { name } if &**name == "optimizer" && first.is_none() => {
+                first = Some(max);
+            }
             _ => {}
         }
     }
-    max
+    (max, first.expect("an optimizer step"))
 }
 
 fn check(dir: &str, schedule: PpSchedule, pp: u32, m: u32) {
+    check_with(dir, schedule, pp, m, Checkpointing::None);
+}
+
+fn check_with(dir: &str, schedule: PpSchedule, pp: u32, m: u32, checkpointing: Checkpointing) {
     let base = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/pipeline")
         .join(dir);
@@ -49,6 +60,8 @@ fn check(dir: &str, schedule: PpSchedule, pp: u32, m: u32) {
         let mut r = Recipe::new(u64::from(m), 64);
         r.attention = Attention::Eager;
         r.use_cache = Some(false);
+        r.checkpointing = checkpointing;
+        r.checkpoint_impl = CheckpointImpl::NonReentrant;
         // The recording has no cuBLAS workspaces and sums gradients as a dispatch mode sees them.
         r.fidelity = Fidelity::MetaCapture;
         r.parallel = Parallel {
@@ -63,7 +76,10 @@ fn check(dir: &str, schedule: PpSchedule, pp: u32, m: u32) {
         let g = cfg.arch.build(&gr).expect("builds");
         let t = lower(&rank_graph(&g, &r.parallel).expect("splits"), &r).expect("lowers");
         let (ours, theirs) = (peak(&t), peak(&captured));
-        eprintln!("{dir} rank {rank}: vramsim {ours} B, PyTorch {theirs} B");
+        eprintln!(
+            "{dir} rank {rank}: vramsim {} B (first schedule {} B), PyTorch {} B ({} B)",
+            ours.0, ours.1, theirs.0, theirs.1
+        );
         assert_eq!(ours, theirs, "{dir} rank {rank}");
     }
 }
@@ -101,4 +117,28 @@ fn interleaved_pp2_v3_m4() {
 #[test]
 fn interleaved_pp2_v2_m6() {
     check("interleaved2-pp2-m6", PpSchedule::Interleaved(2), 2, 6);
+}
+
+/// HF's non-reentrant activation checkpointing on every block: each micro-batch in flight keeps
+/// only its blocks' inputs, and its backward reruns them.
+#[test]
+fn one_f_one_b_pp2_m4_checkpointed() {
+    check_with(
+        "1f1b-pp2-m4-ckpt",
+        PpSchedule::OneFOneB,
+        2,
+        4,
+        Checkpointing::Full,
+    );
+}
+
+#[test]
+fn interleaved_pp2_v2_m4_checkpointed() {
+    check_with(
+        "interleaved2-pp2-m4-ckpt",
+        PpSchedule::Interleaved(2),
+        2,
+        4,
+        Checkpointing::Full,
+    );
 }

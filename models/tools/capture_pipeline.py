@@ -10,7 +10,7 @@ its blocks: the first stage embeds, every stage makes its own position ids and c
 last applies ``ln_f``, the head and (through the schedule's ``loss_fn``) ``model.loss_function``.
 Stages are built in static mode (``input_args``/``output_args``): no metadata inference step.
 
-    python3 models/tools/capture_pipeline.py OUT_DIR [--schedule 1f1b|gpipe|interleaved:V] [--pp 2] [--m 4]
+    python3 models/tools/capture_pipeline.py OUT_DIR [--schedule 1f1b|gpipe|interleaved:V] [--pp 2] [--m 4] [--checkpoint]
 
 writes ``OUT_DIR/rank{R}.jsonl.gz`` and ``OUT_DIR/config.json`` (the model's config, for
 ``vramsim predict --hf-config``). ``models/tests/pipeline_capture.rs`` compares them with the
@@ -97,7 +97,7 @@ class Stage(torch.nn.Module):
         return hidden
 
 
-def run(rank: int, world: int, out: str, schedule: str, m: int, port: int) -> None:
+def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt: bool) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -109,6 +109,9 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int) -> No
     cfg = GPT2Config(**CONFIG)
     full = GPT2LMHeadModel(cfg)
     full.train()
+    if ckpt:
+        # HF's gradient checkpointing (what vramsim's --checkpoint full is), non-reentrant.
+        full.activation_checkpointing_enable({"use_reentrant": False})
     v = int(schedule.split(":")[1]) if schedule.startswith("interleaved:") else 1
     n_stages = world * v
     splits = split(cfg.n_layer, n_stages)
@@ -174,6 +177,7 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int) -> No
     rec.closed = True
     cap = vramsim_capture.Capture(meta={"tool": "capture_pipeline.py", "rank": rank, "pp": world,
                                         "schedule": schedule, "microbatches": m, "seq": SEQ,
+                                        "checkpoint": "full" if ckpt else "none",
                                         "torch": torch.__version__}, events=events)
     cap.write(os.path.join(out, f"rank{rank}.jsonl.gz"))
     dist.barrier()
@@ -194,13 +198,14 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--m", type=int, default=4)
     ap.add_argument("--port", type=int, default=29517)
+    ap.add_argument("--checkpoint", action="store_true", help="HF gradient checkpointing (non-reentrant)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     cfg = dict(CONFIG)
     cfg.pop("attn_implementation")
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    mp.spawn(run, args=(a.pp, a.out, a.schedule, a.m, a.port), nprocs=a.pp, join=True)
+    mp.spawn(run, args=(a.pp, a.out, a.schedule, a.m, a.port, a.checkpoint), nprocs=a.pp, join=True)
     return 0
 
 
