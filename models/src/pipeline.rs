@@ -528,13 +528,6 @@ pub struct Chunk {
     pub model_outputs: Vec<ValueId>,
 }
 
-impl Chunk {
-    /// Whether this stage holds the embeddings.
-    pub fn is_first(&self) -> bool {
-        self.recv.is_empty()
-    }
-}
-
 /// The stages of a rank's graph (from its meta); empty for a graph [`rank_graph`] did not make.
 pub fn chunks(g: &Graph) -> Vec<Chunk> {
     let Some(list) = g

@@ -95,7 +95,8 @@ impl<'g> Lowering<'g> {
     /// The forward running keeps one more reference on the model outputs it returns to the
     /// schedule (the last stage's).
     pub(super) fn pp_hold_outputs(&mut self, outputs: &[ValueId]) {
-        if self.pp.hold.is_empty() || self.recompute_saved.is_some() {
+        if self.pp.hold.is_empty() || self.recompute_saved.is_some() || self.in_reentrant_recompute
+        {
             return;
         }
         for &v in outputs {
