@@ -1,16 +1,19 @@
 """Record each rank of a real ``torch.distributed.pipelining`` run as a vramsim trace.
 
 Two (or more) processes on the CPU with the gloo backend run PyTorch's own schedule
-(``Schedule1F1B``, ``ScheduleGPipe`` or ``ScheduleInterleaved1F1B``) on an HF GPT-2 (a small config, eager attention, fp32,
-``use_cache=False``) split as torchtitan splits it (``_generate_llm_fqn_per_model_part``: the
+(``Schedule1F1B``, ``ScheduleGPipe`` or ``ScheduleInterleaved1F1B``) on an HF GPT-2 or Llama (a
+small config, eager attention, fp32, ``use_cache=False``, CUDA's fused dropout, optionally HF's
+non-reentrant activation checkpointing) split as torchtitan splits it (``_generate_llm_fqn_per_model_part``: the
 embeddings count as a layer on the first stage, the final norm and head as one on the last); each
 rank records the storages it allocates with the capture tool's ``Recorder`` (real CPU tensors: a
 storage's life is its allocation's). The stage modules do what ``GPT2Model.forward`` does around
-its blocks: the first stage embeds, every stage makes its own position ids and causal mask, the
-last applies ``ln_f``, the head and (through the schedule's ``loss_fn``) ``model.loss_function``.
+its blocks (``LlamaStage``: ``LlamaModel.forward``): the first stage embeds, every stage makes its
+own position ids, causal mask (and rotary tables), the last applies the final norm, the head and
+(through the schedule's ``loss_fn``) transformers' ``ForCausalLMLoss``.
 Stages are built in static mode (``input_args``/``output_args``): no metadata inference step.
 
-    python3 models/tools/capture_pipeline.py OUT_DIR [--schedule 1f1b|gpipe|interleaved:V] [--pp 2] [--m 4] [--checkpoint]
+    python3 models/tools/capture_pipeline.py OUT_DIR [--model gpt2|llama]
+        [--schedule 1f1b|gpipe|interleaved:V] [--pp 2] [--m 4] [--checkpoint]
 
 writes ``OUT_DIR/rank{R}.jsonl.gz`` and ``OUT_DIR/config.json`` (the model's config, for
 ``vramsim predict --hf-config``). ``models/tests/pipeline_capture.rs`` compares them with the
@@ -39,6 +42,21 @@ CONFIG = dict(
     use_cache=False,
     attn_implementation="eager",
     tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+LLAMA_CONFIG = dict(
+    model_type="llama",
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    use_cache=False,
+    attn_implementation="eager",
+    tie_word_embeddings=False,
     bos_token_id=0,
     eos_token_id=0,
 )
@@ -97,7 +115,39 @@ class Stage(torch.nn.Module):
         return hidden
 
 
-def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt: bool) -> None:
+class LlamaStage(torch.nn.Module):
+    """The part of LlamaForCausalLM one stage runs (``LlamaModel.forward`` around its layers): every
+    stage makes its position ids, causal mask and rotary tables (``rotary_emb(hidden, position_ids)``)."""
+
+    def __init__(self, full, first: bool, last: bool, layers: tuple[int, int]):
+        super().__init__()
+        t = full.model
+        self.config = full.config
+        self.embed_tokens = t.embed_tokens if first else None
+        self.rotary_emb = t.rotary_emb
+        self.layers = torch.nn.ModuleList(t.layers[layers[0]:layers[1]])
+        self.norm = t.norm if last else None
+        self.lm_head = full.lm_head if last else None
+
+    def forward(self, x, attention_mask=None):
+        from transformers.masking_utils import create_causal_mask
+
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        causal_mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+            past_key_values=None, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=causal_mask, position_embeddings=position_embeddings,
+                           position_ids=position_ids, past_key_values=None, use_cache=False)
+        if self.norm is not None:
+            hidden = self.lm_head(self.norm(hidden))
+        return hidden
+
+
+def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt: bool,
+        model: str = "gpt2") -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -106,15 +156,22 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt:
                                               ScheduleInterleaved1F1B)
 
     torch.manual_seed(0)
-    cfg = GPT2Config(**CONFIG)
-    full = GPT2LMHeadModel(cfg)
+    if model == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(**LLAMA_CONFIG)
+        full = LlamaForCausalLM(cfg)
+        stage_cls, n_layers, width = LlamaStage, cfg.num_hidden_layers, cfg.hidden_size
+    else:
+        cfg = GPT2Config(**CONFIG)
+        full = GPT2LMHeadModel(cfg)
+        stage_cls, n_layers, width = Stage, cfg.n_layer, cfg.n_embd
     full.train()
     if ckpt:
         # HF's gradient checkpointing (what vramsim's --checkpoint full is), non-reentrant.
         full.activation_checkpointing_enable({"use_reentrant": False})
     v = int(schedule.split(":")[1]) if schedule.startswith("interleaved:") else 1
     n_stages = world * v
-    splits = split(cfg.n_layer, n_stages)
+    splits = split(n_layers, n_stages)
     import copy
     vocab = cfg.vocab_size
     batch = m  # micro-batch size 1
@@ -123,10 +180,10 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt:
     # (`_split_module` deep-copies it).
     for s_idx in range(rank, n_stages, world):
         first, last = s_idx == 0, s_idx == n_stages - 1
-        mod = Stage(copy.deepcopy(full), first, last, splits[s_idx])
+        mod = stage_cls(copy.deepcopy(full), first, last, splits[s_idx])
         mb_in = (torch.empty(1, SEQ, dtype=torch.long, device="meta") if first
-                 else torch.empty(1, SEQ, cfg.n_embd, device="meta"))
-        mb_out = torch.empty(1, SEQ, vocab if last else cfg.n_embd, device="meta")
+                 else torch.empty(1, SEQ, width, device="meta"))
+        mb_out = torch.empty(1, SEQ, vocab if last else width, device="meta")
         stages.append(PipelineStage(mod, s_idx, n_stages, torch.device("cpu"),
                                     input_args=(mb_in,), output_args=(mb_out,),
                                     output_grads=None if last else (mb_out,),
@@ -177,7 +234,7 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt:
     rec.closed = True
     cap = vramsim_capture.Capture(meta={"tool": "capture_pipeline.py", "rank": rank, "pp": world,
                                         "schedule": schedule, "microbatches": m, "seq": SEQ,
-                                        "checkpoint": "full" if ckpt else "none",
+                                        "checkpoint": "full" if ckpt else "none", "model": model,
                                         "torch": torch.__version__}, events=events)
     cap.write(os.path.join(out, f"rank{rank}.jsonl.gz"))
     dist.barrier()
@@ -199,13 +256,15 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=4)
     ap.add_argument("--port", type=int, default=29517)
     ap.add_argument("--checkpoint", action="store_true", help="HF gradient checkpointing (non-reentrant)")
+    ap.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    cfg = dict(CONFIG)
+    cfg = dict(LLAMA_CONFIG if a.model == "llama" else CONFIG)
     cfg.pop("attn_implementation")
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    mp.spawn(run, args=(a.pp, a.out, a.schedule, a.m, a.port, a.checkpoint), nprocs=a.pp, join=True)
+    mp.spawn(run, args=(a.pp, a.out, a.schedule, a.m, a.port, a.checkpoint, a.model), nprocs=a.pp,
+             join=True)
     return 0
 
 
