@@ -31,15 +31,13 @@
 //! the gradients out (on side streams: overlapped); the offloaded optimizer then streams its fp32
 //! state through host memory (7 passes of 4 B per element, exposed).
 //!
-//! **Step.** `step = max(compute, overlapped) + exposed`; a pipeline of `p` stages over `m`
-//! micro-batches spends `(m + p − 1)/m` of its compute time per useful micro-batch (1F1B and GPipe;
-//! `(m + (p − 1)/v)/m` interleaved over `v` chunks: the bubble of the Megatron paper, Narayanan et al.
-//! 2021, §2.2).
+//! **Step.** `step = max(compute, overlapped) + exposed`, the compute including the pipeline's
+//! bubble ([`crate::steptime`]).
 
 use vramsim_models::ops::TpComm;
 use vramsim_models::{
-    DTypeSpec, Graph, Offload, OpKind, PpSchedule, Precision, Recipe, RegionKind,
-    ReshardAfterForward, Shard, ValueId,
+    DTypeSpec, Graph, Offload, OpKind, Precision, Recipe, RegionKind, ReshardAfterForward, Shard,
+    ValueId,
 };
 
 use crate::links::Links;
@@ -71,8 +69,6 @@ pub struct CommWork {
     pub host_exposed: f64,
     /// Bytes the offloaded optimizer reads and writes in host memory.
     pub cpu_optimizer: f64,
-    /// Compute time multiplier of the pipeline's bubble (1 without a pipeline).
-    pub bubble: f64,
     /// The layout's degrees (dp, tp, pp).
     pub dims: (u32, u32, u32),
 }
@@ -91,7 +87,6 @@ impl CommWork {
     pub fn of(graph: &Graph, recipe: &Recipe) -> CommWork {
         let par = &recipe.parallel;
         let mut work = CommWork {
-            bubble: 1.0,
             dims: (par.dp, par.tp, par.pp),
             ..CommWork::default()
         };
@@ -120,6 +115,9 @@ impl CommWork {
         let n = f64::from(par.dp);
         let share = (n - 1.0) / n;
         match par.shard {
+            // no data parallelism (tensor or pipeline parallelism alone), or one device's
+            // DataParallel (returned above)
+            Shard::None | Shard::DataParallel => {}
             Shard::Ddp => work.dp_overlapped = accum * 2.0 * share * psi * reduce_width,
             Shard::Zero1 => work.dp_exposed = 2.0 * share * psi * width,
             Shard::Zero2 => work.dp_exposed = (accum + 1.0) * share * psi * width,
@@ -170,21 +168,15 @@ impl CommWork {
                 work.cpu_optimizer = offloaded_step;
             }
         }
-        let micro_batches = f64::from(par.microbatches.unwrap_or(1).max(1));
-        let activation = residual_bytes(graph, recipe);
         if par.tp > 1 {
             work.tp = accum * tp_bytes(graph, recipe);
         }
         if par.pp > 1 {
-            let p = f64::from(par.pp);
-            // the graph is one micro-batch's stage; a step runs `m` of them
-            work.pp = accum * micro_batches * 2.0 * activation;
-            work.bubble = match par.pp_schedule {
-                PpSchedule::Interleaved(v) => {
-                    (micro_batches + (p - 1.0) / f64::from(v)) / micro_batches
-                }
-                _ => (micro_batches + p - 1.0) / micro_batches,
-            };
+            // the graph is one micro-batch of the rank's stages; a step runs `m` of them, each
+            // sending its activation forward and receiving its gradient (the bubble is the
+            // step-time model's: `crate::steptime`)
+            let m = vramsim_models::pipeline::microbatches(par, recipe.batch).unwrap_or(1);
+            work.pp = accum * f64::from(m) * 2.0 * residual_bytes(graph, recipe);
         }
         work
     }

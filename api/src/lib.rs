@@ -25,6 +25,7 @@ pub mod links;
 pub mod machine;
 pub mod maxbatch;
 pub mod nccl;
+pub mod pipeline;
 pub mod predict;
 pub mod presets;
 pub mod ranks;

@@ -215,7 +215,11 @@ impl<'a> Prober<'a> {
     fn learn(&mut self, size: u64, lowered: Lowered) {
         // batch 1 is a structure of its own (dimensions of 1 change kernels and copies), and
         // DataParallel's devices take chunks of the batch
-        if self.key != "batch" || size < 2 || crate::dataparallel::is_multi(&lowered.recipe) {
+        if self.key != "batch"
+            || size < 2
+            || crate::dataparallel::is_multi(&lowered.recipe)
+            || crate::pipeline::is_pipeline(&lowered.recipe)
+        {
             return;
         }
         if let Some(candidate) = self.candidate.take() {

@@ -224,7 +224,7 @@ pub struct PredictArgs {
     /// zero1-torch (torch's ZeroRedundancyOptimizer over DDP: whole parameters' optimizer state
     /// partitioned greedily; the rank with the most is reported), fsdp2 (fully_shard on every
     /// block and the root), dataparallel (nn.DataParallel over devices 0..dp-1: a report per
-    /// device). TP and PP are not modelled yet.
+    /// device). --tp adds Megatron tensor parallelism; --pp is modelled without a --shard.
     #[arg(long, default_value = "none", value_parser = named::<Shard>)]
     pub shard: Shard,
     /// The world size the job is launched with: an error unless it equals the layout's ranks (dp).
@@ -253,13 +253,17 @@ pub struct PredictArgs {
     /// Sequence parallelism over the tensor-parallel group (with --tp 2 or more).
     #[arg(long)]
     pub sp: bool,
-    /// Pipeline stages: each stage is its own role, replayed once.
+    /// Pipeline stages (torch.distributed.pipelining as torchtitan drives it): the layers split
+    /// evenly over the stages, the first holding the embeddings and the last the norm, head and
+    /// loss; every rank is its own role, lowered and replayed once.
     #[arg(long, default_value_t = 1, value_parser = count32("pp"), allow_negative_numbers = true)]
     pub pp: u32,
-    /// The pipeline schedule: gpipe, 1f1b or interleaved:V (V model chunks per rank).
+    /// The pipeline schedule: gpipe (ScheduleGPipe), 1f1b (Schedule1F1B) or interleaved:V
+    /// (ScheduleInterleaved1F1B with V model chunks per rank).
     #[arg(long, default_value = "1f1b", value_parser = named::<PpSchedule>)]
     pub pp_schedule: PpSchedule,
-    /// Micro-batches per pipeline step (default: the schedule's).
+    /// Micro-batches per pipeline step: must divide --batch; 1f1b needs at least --pp, interleaved
+    /// a multiple of max(1, M / pp). Default: --batch (torchtitan's micro-batch size 1).
     #[arg(long, value_name = "M", value_parser = count32("microbatches"), allow_negative_numbers = true)]
     pub microbatches: Option<u32>,
     /// CPU offload: none, optimizer (DeepSpeed ZeRO-Offload, offload_optimizer: with --shard zero1
@@ -496,6 +500,9 @@ pub struct Predicted {
     /// DataParallel over two or more devices: every distinct device role (device 0 first, whose
     /// replay is `report`); empty otherwise.
     pub devices: Vec<crate::ranks::RankRole>,
+    /// A pipeline (`--pp` 2 or more): every rank's role, by rank (`report` is the worst rank's);
+    /// empty otherwise.
+    pub stages: Vec<crate::ranks::RankRole>,
 }
 
 impl Predicted {
@@ -504,6 +511,10 @@ impl Predicted {
         let mut j = to_json(&self.report, &self.prediction, &self.lowered.compact.trace);
         if !self.devices.is_empty() {
             j["devices"] = crate::dataparallel::to_json(&self.lowered.recipe, &self.devices);
+        }
+        if !self.stages.is_empty() {
+            j["ranks"] = crate::ranks::to_json(&self.stages);
+            j["pipeline"] = crate::pipeline::to_json(&self.lowered.recipe, &self.stages);
         }
         j
     }
@@ -517,6 +528,12 @@ impl Predicted {
                 &self.devices,
             ));
         }
+        if !self.stages.is_empty() {
+            t.push_str(&crate::pipeline::to_table(
+                &self.lowered.recipe,
+                &self.stages,
+            ));
+        }
         t
     }
 }
@@ -524,7 +541,12 @@ impl Predicted {
 /// `vramsim predict` without the printing: lowers and replays the step, writes `--trace-out` and
 /// draws `--plot` when given.
 pub fn predict(args: &PredictArgs) -> Result<Predicted> {
-    let lowered = lower_step(args)?;
+    // A pipeline: every rank replayed, the worst one reported in full.
+    let (lowered, stages) = if args.pp > 1 {
+        crate::pipeline::rank_roles(args)?
+    } else {
+        (lower_step(args)?, Vec::new())
+    };
     if let Some(path) = &args.trace_out {
         vramsim_traces::write_trace(path, lowered.trace())
             .map_err(|e| anyhow::anyhow!("cannot write the trace: {e}"))?;
@@ -544,6 +566,7 @@ pub fn predict(args: &PredictArgs) -> Result<Predicted> {
         report,
         prediction,
         devices,
+        stages,
     })
 }
 
@@ -573,13 +596,17 @@ pub fn run(args: PredictArgs) -> Result<()> {
     Ok(())
 }
 
-/// Builds the model `args` name (zoo or config.json) and lowers its step under their recipe.
+/// Builds the model `args` name (zoo or config.json) and lowers its step under their recipe
+/// (for a pipeline, the rank with the largest peak allocated: `pipeline::lower_worst_rank`).
 pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
+    if args.pp > 1 {
+        return crate::pipeline::lower_worst_rank(args);
+    }
     lower_step_device(args, 0)
 }
 
-/// [`lower_step`] for one device of a DataParallel layout (`device` 0 otherwise): the graph is
-/// built for the device's chunk of the batch.
+/// [`lower_step`] for one device of a DataParallel layout, or one rank of a pipeline (`device`
+/// 0 otherwise): the graph is built for the device's chunk of the batch, or the rank's stages.
 pub fn lower_step_device(args: &PredictArgs, device: u32) -> Result<Lowered> {
     assemble(args, device, |graph, recipe| {
         Ok(lower_compact(graph, recipe)?)
@@ -607,10 +634,18 @@ fn assemble(
     lower: impl FnOnce(&Graph, &Recipe) -> Result<CompactTrace>,
 ) -> Result<Lowered> {
     let (arch, mut recipe, warnings) = step_recipe(args)?;
-    recipe.parallel.device = device;
+    if recipe.parallel.pp > 1 {
+        recipe.parallel.stage = device;
+    } else {
+        recipe.parallel.device = device;
+    }
     let t0 = Instant::now();
     let attention = arch.attention_kernel(&recipe)?;
-    let graph = crate::dataparallel::device_graph(&arch, &recipe)?;
+    let graph = if crate::pipeline::is_pipeline(&recipe) {
+        crate::pipeline::rank_graph(&arch, &recipe)?
+    } else {
+        crate::dataparallel::device_graph(&arch, &recipe)?
+    };
     let compact = lower(&graph, &recipe)?;
     let lower_ms = t0.elapsed().as_secs_f64() * 1e3;
     let reference = graph
@@ -1098,7 +1133,10 @@ pub fn to_table(report: &Report, p: &Prediction) -> String {
         p.replay_ms
     );
     out.push_str(&report.to_table());
-    if !p.recipe.parallel.is_single() && !crate::dataparallel::is_multi(&p.recipe) {
+    if !p.recipe.parallel.is_single()
+        && !crate::dataparallel::is_multi(&p.recipe)
+        && !crate::pipeline::is_pipeline(&p.recipe)
+    {
         let roles = crate::ranks::roles(&p.recipe.parallel, report);
         out.push_str(&crate::ranks::to_table(&p.recipe.parallel, &roles));
         out.push_str(&crate::ranks::nccl_line(&p.nccl));

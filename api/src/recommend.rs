@@ -192,6 +192,7 @@ pub fn recommend(args: &RecommendArgs) -> Result<Recommendation> {
     // The search is over one GPU's recipe: `--gpus N` searches layouts (`crate::layouts`).
     let layout = value("dp").is_some_and(|d| d.trim() != "1")
         || value("shard").is_some_and(|s| s.trim() != "none")
+        || value("pp").is_some_and(|p| p.trim() != "1")
         || [
             "world-size",
             "fsdp-param-dtype",

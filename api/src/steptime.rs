@@ -48,6 +48,10 @@
 //!   gradients, `--clip-grad-norm` three (a norm read, an in-place scale), `zero_grad` with `zero` a
 //!   memset of them;
 //! * **inference** is one forward.
+//! * **a pipeline rank** (`--pp`): its graph is its stages at one micro-batch; a step runs `M`
+//!   micro-batches in `M + (pp − 1) / V` micro-batch times (the schedule's bubble, Narayanan et al.
+//!   SC'21: `p − 1` for GPipe and 1F1B, divided by `V` interleaved), priced on the reported rank's
+//!   stages as if every stage took as long; sends and receives are not priced.
 //!
 //! The **step-time factor** is the step's time over that of one plain micro-step (forward, backward and
 //! optimizer, no recomputation, no accumulation) of the same recipe: full checkpointing comes out near
@@ -352,6 +356,23 @@ pub struct StepWork {
     clip_grad_norm: bool,
     /// The layout's communication ([`crate::commtime`]).
     comm: CommWork,
+    /// A pipeline rank (`--pp`): its micro-batches per step and the schedule's bubble, in
+    /// micro-batch times (`pipeline_slots`); the graph is the rank's stages at one micro-batch.
+    pipeline: Option<(f64, f64)>,
+}
+
+/// A pipeline rank's step in micro-batch times of its stages: `M + (pp − 1) / V` (Narayanan et al.,
+/// SC'21, §2.2: the bubble of GPipe and 1F1B is `(p − 1)` micro-batch times of a stage, interleaving
+/// divides it by `V`), and the micro-batches `M` whose gradients accumulate. Balanced stages
+/// assumed; communication not priced.
+fn pipeline_slots(recipe: &Recipe) -> Option<(f64, f64)> {
+    let p = &recipe.parallel;
+    if p.pp < 2 {
+        return None;
+    }
+    let m = f64::from(vramsim_models::pipeline::microbatches(p, recipe.batch).ok()?);
+    let v = f64::from(vramsim_models::pipeline::chunks_per_rank(p.pp_schedule));
+    Some((m + f64::from(p.pp - 1) / v, m))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -555,6 +576,7 @@ impl StepWork {
             grad_scaler: recipe.uses_grad_scaler(),
             clip_grad_norm: recipe.clip_grad_norm.is_some(),
             comm: CommWork::of(graph, recipe),
+            pipeline: pipeline_slots(recipe),
         }
     }
 
@@ -659,10 +681,12 @@ impl StepWork {
             optimizer += params * width / bandwidth; // memset of the gradients
         }
         let accum = f64::from(self.accum.max(1));
+        // A pipeline rank runs M micro-batches per accumulation step, in M + bubble slots.
+        let (slots, micro_batches) = self.pipeline.unwrap_or((1.0, 1.0));
         // after the first micro-batch, AccumulateGrad adds into .grad in place (read two, write one)
-        let accumulate = (accum - 1.0) * 3.0 * params * width / bandwidth;
+        let accumulate = (accum * micro_batches - 1.0) * 3.0 * params * width / bandwidth;
         let micro = forward + backward + recompute;
-        let compute = accum * micro * self.comm.bubble + accumulate + optimizer;
+        let compute = accum * slots * micro + accumulate + optimizer;
         let comm = self.comm.time(crate::links::links(Some(gpu.preset)));
         let step = compute.max(comm.overlapped_s) + comm.exposed_s;
         let plain = forward + backward + optimizer;
@@ -673,7 +697,7 @@ impl StepWork {
             optimizer_ms: optimizer * 1e3,
             step_ms: step * 1e3,
             factor: if plain > 0.0 { step / plain } else { 1.0 },
-            flops: accum * (3.0 * forward_flops + recompute_flops),
+            flops: accum * micro_batches * (3.0 * forward_flops + recompute_flops),
             comm_ms: (step - compute) * 1e3,
         }
     }

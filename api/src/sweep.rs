@@ -515,7 +515,10 @@ fn lower_groups<'a>(
             let mut out: Vec<(usize, Result<Lowered, String>)> =
                 ends.par_iter().map(|&(_, g)| (g, fresh(g))).collect();
             let template = match (&out[0].1, &out[1].1, &out[2].1) {
-                (Ok(a), Ok(b), Ok(last)) if !crate::dataparallel::is_multi(&a.recipe) => {
+                (Ok(a), Ok(b), Ok(last))
+                    if !crate::dataparallel::is_multi(&a.recipe)
+                        && !crate::pipeline::is_pipeline(&a.recipe) =>
+                {
                     BatchTemplate::fit(&a.compact, ends[0].0, &b.compact, ends[1].0).filter(|t| {
                         t.instantiate(ends[2].0)
                             .is_some_and(|made| made.same_as(&last.compact))

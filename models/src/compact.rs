@@ -227,7 +227,8 @@ fn rename_event(e: &Event, renames: &[(u64, u64)], repeat: Option<(&RepeatSpan, 
 /// once (see the module documentation); the same as [`lower`] where the step has three micro-batches
 /// or fewer, or where the third is not the second again.
 pub fn lower_compact(graph: &Graph, recipe: &Recipe) -> Result<CompactTrace, LowerError> {
-    if recipe.accum <= LOWERED_MICRO_BATCHES {
+    // A pipeline rank's micro-batches are its schedule's, not accumulation steps: lowered whole.
+    if recipe.accum <= LOWERED_MICRO_BATCHES || recipe.parallel.pp > 1 {
         return Ok(CompactTrace::plain(lower(graph, recipe)?));
     }
     let mut three = recipe.clone();

@@ -45,6 +45,7 @@ pub mod layout;
 mod lower;
 pub mod ops;
 pub mod parallel;
+pub mod pipeline;
 pub mod recipe;
 pub mod sdpa;
 pub mod template;

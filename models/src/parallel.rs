@@ -412,6 +412,7 @@ impl Parallel {
             }
         }
         self.validate_model_parallel()?;
+        self.validate_pipeline(r)?;
         self.validate_offload()?;
         self.validate_reshard()?;
         if self.shard == Shard::None && self.dp > 1 {
@@ -544,6 +545,13 @@ impl Parallel {
     /// The batch the graph of `device`'s replica is built for: its `torch.chunk` piece of
     /// `batch` (0 for a device the batch does not reach); `batch` itself for other layouts.
     pub fn replica_batch(&self, batch: u64) -> u64 {
+        if self.pp > 1 {
+            // A pipeline stage's graph runs one micro-batch.
+            return match crate::pipeline::microbatches(self, batch) {
+                Ok(m) => batch / u64::from(m),
+                Err(_) => batch,
+            };
+        }
         if self.shard != Shard::DataParallel {
             return batch;
         }
@@ -592,12 +600,49 @@ impl Parallel {
         }
         // --tp is lowered per rank for the zoo's GPT-2, LLaMA and BERT families; the model builder
         // (`zoo::Arch::tp_plan`) refuses other models and checks what --tp must divide.
-        if self.pp > 1 {
+        Ok(())
+    }
+
+    /// `--pp`: what the pipeline is modelled with (`crate::pipeline`), and the micro-batches the
+    /// schedule accepts; the layers a split needs are checked against the model when its rank's
+    /// graph is built (`pipeline::rank_graph`).
+    fn validate_pipeline(&self, r: &Recipe) -> Result<(), RecipeError> {
+        if self.pp < 2 {
+            return Ok(());
+        }
+        let bad = |msg: String| RecipeError::Invalid { field: "pp", msg };
+        if self.dp > 1 || self.shard != Shard::None || self.tp > 1 {
+            return Err(bad(format!(
+                "pipeline parallelism is modelled on its own: --pp {} with --dp {} --shard {} --tp {} is not modelled yet (give --dp 1 --shard none --tp 1)",
+                self.pp, self.dp, self.shard, self.tp
+            )));
+        }
+        if r.inference {
+            return Err(bad("--pp models a training step's schedule (forwards and backwards of micro-batches); --inference is not modelled with it".into()));
+        }
+        if r.keep_outputs {
+            return Err(bad("--keep-outputs is the single-GPU training loop's names; the pipeline schedule holds the outputs itself (give it without --keep-outputs)".into()));
+        }
+        if r.uses_grad_scaler() {
+            return Err(bad(format!(
+                "torch.distributed.pipelining's schedule calls backward on the loss itself: a GradScaler (--precision {} or --grad-scaler) is not modelled with --pp; give --precision bf16, amp-bf16 or fp32",
+                r.precision
+            )));
+        }
+        if self.stage >= self.pp {
             return Err(RecipeError::Invalid {
-                field: "pp",
-                msg: "pipeline parallelism is not modelled yet: give --pp 1".into(),
+                field: "stage",
+                msg: format!(
+                    "{} is not one of the pipeline ranks 0..{}",
+                    self.stage,
+                    self.pp - 1
+                ),
             });
         }
+        crate::pipeline::microbatches(self, r.batch).map_err(|e| RecipeError::Invalid {
+            field: "microbatches",
+            msg: e.to_string(),
+        })?;
         Ok(())
     }
 

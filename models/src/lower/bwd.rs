@@ -18,8 +18,16 @@ fn round_up(x: u64, m: u64) -> u64 {
 impl<'g> Lowering<'g> {
     /// `loss.backward()`: seeds `ones_like(loss)` and runs the engine to completion.
     pub(super) fn backward(&mut self, loss: &Rt) {
+        if self.backward_run(loss) {
+            self.release_graph();
+        }
+    }
+
+    /// `loss.backward()` without the graph's release (a pipeline stage releases the graph of its
+    /// micro-batch only, `pipeline.rs`); false when the loss requires no grad.
+    pub(super) fn backward_run(&mut self, loss: &Rt) -> bool {
         self.kind_now = Kind::Temporary;
-        let Some(root) = loss.edge else { return };
+        let Some(root) = loss.edge else { return false };
         // torch.autograd.backward: grad_tensors = ones_like(loss), held until backward returns.
         let seed = self.alloc(
             Layout::contiguous(loss.shape()),
@@ -28,13 +36,20 @@ impl<'g> Lowering<'g> {
             "aten.ones_like",
         );
         let s = self.dup(&seed);
-        self.backward_seeded(root, s, Some(seed));
+        self.run_backward(root, s, Some(seed));
+        true
     }
 
     /// The engine's run from `root` with gradient `grad` (its input buffer's reference), then the
     /// graph's release; `held`: the caller's reference on the gradient, dropped when the engine
     /// is done (`loss.backward()`'s `grad_tensors`).
     pub(super) fn backward_seeded(&mut self, root: Edge, grad: Rt, held: Option<Rt>) {
+        self.run_backward(root, grad, held);
+        self.release_graph();
+    }
+
+    /// [`Self::backward_seeded`] without the graph's release.
+    pub(super) fn run_backward(&mut self, root: Edge, grad: Rt, held: Option<Rt>) {
         // CUDA backward runs on the autograd engine's device thread (its own cuBLAS handle).
         self.in_backward = true;
         self.run_engine(vec![(root, grad)]);
@@ -42,28 +57,54 @@ impl<'g> Lowering<'g> {
         if let Some(seed) = held {
             self.drop_rt(seed);
         }
-        // The graph is freed: only the AccumulateGrad nodes stay.
-        let keep = self
-            .acc_nodes
+    }
+
+    /// The node index below which the nodes outlive a backward (the `AccumulateGrad` nodes).
+    pub(super) fn persistent_nodes(&self) -> usize {
+        self.acc_nodes
             .iter()
             .flatten()
             .map(|&n| n + 1)
             .max()
-            .unwrap_or(0) as usize;
-        for n in keep..self.nodes.len() {
-            for t in std::mem::take(&mut self.nodes[n].saved) {
-                self.drop_rt(t);
-            }
-        }
+            .unwrap_or(0) as usize
+    }
+
+    /// The graph is freed after its backward: only the `AccumulateGrad` nodes stay.
+    fn release_graph(&mut self) {
+        let keep = self.persistent_nodes();
+        self.release_nodes(keep..self.nodes.len());
         self.nodes.truncate(keep);
         self.seq = 0;
         // `.grad` of leaves made by `enable_input_require_grads` dies with their AccumulateGrad.
-        for t in std::mem::take(&mut self.leaf_grads).into_iter().flatten() {
-            self.drop_rt(t);
-        }
+        self.release_leaves(0..self.leaf_grads.len());
+        self.leaf_grads.clear();
         self.reentrant_inputs.clear();
-        // Frames whose nodes never ran.
-        for f in 0..self.frames.len() {
+        self.release_frames(0..self.frames.len());
+        self.frames.clear();
+    }
+
+    /// What the nodes `range` saved.
+    pub(super) fn release_nodes(&mut self, range: std::ops::Range<usize>) {
+        for n in range {
+            for t in std::mem::take(&mut self.nodes[n].saved) {
+                self.drop_rt(t);
+            }
+            self.reentrant_inputs.remove(&(n as u32));
+        }
+    }
+
+    /// `.grad` of the leaves of slots `range`.
+    pub(super) fn release_leaves(&mut self, range: std::ops::Range<usize>) {
+        for i in range {
+            if let Some(t) = self.leaf_grads[i].take() {
+                self.drop_rt(t);
+            }
+        }
+    }
+
+    /// Checkpoint frames `range` whose nodes never ran.
+    pub(super) fn release_frames(&mut self, range: std::ops::Range<usize>) {
+        for f in range {
             let saved: Vec<Rt> = self.frames[f].saved.drain().flat_map(|(_, v)| v).collect();
             for t in saved {
                 self.drop_rt(t);
@@ -72,7 +113,6 @@ impl<'g> Lowering<'g> {
                 self.free_frame(f as u32);
             }
         }
-        self.frames.clear();
     }
 
     /// One graph task of the engine (`Engine::execute`): `roots` are the edges the gradients start

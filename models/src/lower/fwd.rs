@@ -37,12 +37,22 @@ fn ceil_to(x: u64, m: u64) -> u64 {
 impl<'g> Lowering<'g> {
     /// Runs the graph's forward; returns the output's handle (its Python reference).
     pub(super) fn forward(&mut self) -> Result<Rt, LowerError> {
-        let g = self.g;
+        let out = self.g.output.expect("checked");
+        self.forward_ops(0..self.g.ops.len(), out)
+    }
+
+    /// Runs the forward of ops `ops` (a pipeline stage's, `pipeline.rs`, or all of them) and
+    /// returns the handle of `out`, what that forward returns.
+    pub(super) fn forward_ops(
+        &mut self,
+        ops: std::ops::Range<usize>,
+        out: ValueId,
+    ) -> Result<Rt, LowerError> {
         self.kind_now = Kind::Pending;
         let start = self.storages.len();
         let first_node = self.nodes.len();
         let reentrant = self.r.checkpoint_impl == CheckpointImpl::Reentrant;
-        for i in 0..g.ops.len() {
+        for i in ops {
             self.fsdp_forward_op(i);
             self.dp_forward_op(i);
             let region = self.op_region[i];
@@ -86,7 +96,6 @@ impl<'g> Lowering<'g> {
         }
         self.kept = std::mem::take(&mut self.kept_next);
         self.settle_pending(start);
-        let out = g.output.expect("checked");
         let rt = self.vals[out.0 as usize]
             .take()
             .expect("the output is alive");
@@ -179,6 +188,7 @@ impl<'g> Lowering<'g> {
         if let Some(h) = self.input_grad_hook.filter(|h| op.outputs.contains(h)) {
             self.require_grad_leaf(h);
         }
+        self.pp_hold_outputs(&op.outputs);
         // `--keep-outputs` (not in a checkpoint's recomputation): the training loop's names take
         // one more reference on what the model returns.
         if self.r.keep_outputs && self.recompute_saved.is_none() && !self.in_reentrant_recompute {

@@ -40,6 +40,7 @@ mod fwd;
 mod offload;
 mod optim;
 mod parallel;
+mod pipeline;
 mod quant;
 mod tp;
 mod zero3;
@@ -95,6 +96,10 @@ pub enum LowerError {
     /// `dataparallel::device_graph`).
     #[error("{0}")]
     DataParallel(String),
+    /// A pipeline layout the model or the schedule cannot take (`crate::pipeline`), or a graph
+    /// that is not a pipeline rank's.
+    #[error(transparent)]
+    Pipeline(#[from] crate::pipeline::PipelineError),
 }
 
 /// A handle on a tensor: its layout, dtype, storage, and where its gradient goes.
@@ -307,6 +312,8 @@ pub(crate) struct Lowering<'g> {
     zero3: zero3::Zero3State,
     /// Tensor/sequence parallelism's state (`tp.rs`).
     tp: tp::TpState,
+    /// The pipeline rank's state (`pipeline.rs`).
+    pp: pipeline::PpState,
 }
 
 /// `PreTrainedModel.enable_input_require_grads`: a forward hook on `get_input_embeddings()` that
@@ -365,6 +372,13 @@ pub fn lower(graph: &Graph, recipe: &Recipe) -> Result<Trace, LowerError> {
     }
     check_graph(graph)?;
     dataparallel::check_graph(graph, recipe)?;
+    if recipe.parallel.pp > 1 && !graph.meta.contains_key(crate::pipeline::META_KEY) {
+        return Err(crate::pipeline::PipelineError::Invalid(format!(
+            "{}: a pipeline rank lowers the graph of its stages: build it with vramsim_models::pipeline::rank_graph",
+            graph.name
+        ))
+        .into());
+    }
     let mut l = Lowering::new(graph, recipe);
     l.run()?;
     Ok(l.finish())
@@ -437,9 +451,17 @@ impl<'g> Lowering<'g> {
             }
         }
         let mut release_after: Vec<Vec<ValueId>> = vec![Vec::new(); g.ops.len()];
+        // What a pipeline stage's forward returns stays, like the graph's output.
+        let stage_outputs: Vec<ValueId> = crate::pipeline::chunks(g)
+            .iter()
+            .map(|c| c.output)
+            .collect();
         for (v, l) in last.iter().enumerate() {
             let val = &g.values[v];
-            if !matches!(val.source, Source::Op { .. }) || Some(ValueId(v as u32)) == g.output {
+            if !matches!(val.source, Source::Op { .. })
+                || Some(ValueId(v as u32)) == g.output
+                || stage_outputs.contains(&ValueId(v as u32))
+            {
                 continue;
             }
             if let Some(op) = l {
@@ -522,6 +544,7 @@ impl<'g> Lowering<'g> {
             dp: dataparallel::DpState::default(),
             zero3: zero3::Zero3State::default(),
             tp: tp::TpState::default(),
+            pp: pipeline::PpState::default(),
         }
     }
 
@@ -790,7 +813,12 @@ impl<'g> Lowering<'g> {
         self.plan_checkpoints();
         for it in 0..self.r.iterations {
             self.iteration = it;
-            for micro in 0..self.r.accum {
+            // A pipeline rank: `schedule.step` once per gradient-accumulation step (torchtitan's
+            // `forward_backward_step`).
+            for _ in 0..self.r.accum * u32::from(self.pp_on()) {
+                self.pp_step()?;
+            }
+            for micro in 0..self.r.accum * u32::from(!self.pp_on()) {
                 self.micro = micro;
                 self.phase("forward");
                 let inputs = self.make_inputs();
@@ -898,6 +926,7 @@ impl<'g> Lowering<'g> {
         }
         self.par_setup();
         self.fsdp_setup();
+        self.pp_setup();
     }
 
     fn setup_buffer(&mut self, i: usize) {

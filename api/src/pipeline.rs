@@ -1,0 +1,201 @@
+//! `--pp N` (pipeline parallelism, `vramsim_models::pipeline`), rank by rank: each pipeline rank
+//! holds its own stages (the first the embeddings, the last the head and the loss), runs its own
+//! schedule (1F1B: `min(m, pp − stage)` micro-batches in flight) and so plays its own role: every
+//! rank is lowered and replayed once, and the layout fits only if every rank fits. The top-level
+//! report is the worst rank's (an out-of-memory one first, then the largest peak reserved).
+//! Sweeps (`whatif`, `max-batch`) take the rank with the largest peak allocated, which the trace
+//! alone decides (each allocation's size rounded as the caching allocator rounds it).
+
+use std::fmt::Write as _;
+
+use anyhow::Result;
+use serde_json::{json, Value};
+use vramsim_models::pipeline::{self, rank_actions};
+use vramsim_models::zoo::Arch;
+use vramsim_models::{Graph, Recipe};
+use vramsim_sim::report::Report;
+use vramsim_traces::{Category, Event, Trace};
+
+use crate::predict::{replay_step, Lowered, PredictArgs};
+use crate::ranks::RankRole;
+
+/// Whether `recipe` is a pipeline of two or more stages.
+pub fn is_pipeline(recipe: &Recipe) -> bool {
+    recipe.parallel.pp > 1
+}
+
+/// The graph of pipeline rank `recipe.parallel.stage`: the model built for one micro-batch, cut
+/// to the rank's stages (`vramsim_models::pipeline::rank_graph`).
+pub fn rank_graph(arch: &Arch, recipe: &Recipe) -> Result<Graph> {
+    let mut r = recipe.clone();
+    r.batch = recipe.parallel.replica_batch(recipe.batch);
+    let g = arch.build(&r)?;
+    Ok(pipeline::rank_graph(&g, &recipe.parallel)?)
+}
+
+/// The most bytes a trace holds allocated at once, each request rounded as the caching
+/// allocator rounds it by default (`round_size`): its peak allocated.
+fn peak_allocated(t: &Trace) -> u64 {
+    let config = vramsim_sim::config::AllocatorConfig::default();
+    let mut live: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
+    let (mut now, mut max) = (0u64, 0u64);
+    for e in &t.events {
+        match e {
+            Event::Alloc { id, size, .. } => {
+                let s = vramsim_sim::rounding::round_size(*size, &config);
+                live.insert(id.to_string(), s);
+                now += s;
+                max = max.max(now);
+            }
+            Event::Free { id } => {
+                if let Some(s) = live.remove(&id.to_string()) {
+                    now -= s;
+                }
+            }
+            _ => {}
+        }
+    }
+    max
+}
+
+/// Every rank's lowering, by rank.
+fn lower_ranks(args: &PredictArgs, pp: u32) -> Result<Vec<Lowered>> {
+    (0..pp)
+        .map(|rank| crate::predict::lower_step_device(args, rank))
+        .collect()
+}
+
+/// The rank a sweep evaluates: the one with the largest peak allocated.
+pub fn lower_worst_rank(args: &PredictArgs) -> Result<Lowered> {
+    let ranks = lower_ranks(args, args.pp)?;
+    let worst = (0..ranks.len())
+        .max_by_key(|&i| (peak_allocated(ranks[i].trace()), std::cmp::Reverse(i)))
+        .unwrap_or(0);
+    Ok(ranks.into_iter().nth(worst).expect("one rank at least"))
+}
+
+/// What one rank holds, in words.
+fn role_name(recipe: &Recipe, rank: u32) -> String {
+    let p = &recipe.parallel;
+    let stages: Vec<u32> = (0..pipeline::chunks_per_rank(p.pp_schedule))
+        .map(|k| rank + k * p.pp)
+        .collect();
+    let n = pipeline::num_stages(p);
+    let m = pipeline::microbatches(p, recipe.batch).unwrap_or(1);
+    let in_flight = pipeline::max_in_flight(&rank_actions(p.pp_schedule, p.pp, rank, m));
+    let mut what = Vec::new();
+    if stages.contains(&0) {
+        what.push("embeddings");
+    }
+    if stages.contains(&(n - 1)) {
+        what.push("head and loss");
+    }
+    let holds = if what.is_empty() {
+        String::new()
+    } else {
+        format!(", {}", what.join(", "))
+    };
+    format!(
+        "pipeline rank {rank} (stage{} {}{holds}; {in_flight} micro-batch{} in flight)",
+        if stages.len() > 1 { "s" } else { "" },
+        stages
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
+        if in_flight == 1 { "" } else { "es" }
+    )
+}
+
+fn role_of(report: &Report, role: String, rank: u32) -> RankRole {
+    RankRole {
+        role,
+        ranks: vec![rank],
+        peak_allocated: report.peak_allocated(),
+        peak_reserved: report.peak_reserved(),
+        peak_device_used: report.outcome.peak_device_used,
+        by_category: Category::ALL
+            .iter()
+            .copied()
+            .zip(report.outcome.categories_at_peak)
+            .filter(|(_, b)| *b > 0)
+            .collect(),
+        fits: report.fits(),
+        oom_message: report.outcome.oom.as_ref().map(|o| o.message.clone()),
+    }
+}
+
+/// Lowers and replays every pipeline rank of `args`; returns the worst rank's lowering (an
+/// out-of-memory rank first, then the largest peak reserved) and every rank's role.
+pub fn rank_roles(args: &PredictArgs) -> Result<(Lowered, Vec<RankRole>)> {
+    let ranks = lower_ranks(args, args.pp)?;
+    let mut roles = Vec::with_capacity(ranks.len());
+    for (rank, lowered) in ranks.iter().enumerate() {
+        let (report, _) = replay_step(lowered, &args.machine, 0, false)?;
+        roles.push(role_of(
+            &report,
+            role_name(&lowered.recipe, rank as u32),
+            rank as u32,
+        ));
+    }
+    let worst = (0..roles.len())
+        .max_by_key(|&i| (!roles[i].fits, roles[i].peak_reserved, std::cmp::Reverse(i)))
+        .unwrap_or(0);
+    let lowered = ranks.into_iter().nth(worst).expect("one rank at least");
+    Ok((lowered, roles))
+}
+
+/// `predict`'s lines for a pipeline layout: the split and schedule, then one line per rank.
+pub fn to_table(recipe: &Recipe, roles: &[RankRole]) -> String {
+    let p = &recipe.parallel;
+    let mut out = String::new();
+    let m = pipeline::microbatches(p, recipe.batch).unwrap_or(1);
+    let _ = writeln!(
+        out,
+        "layout     pp {} × {} ({} stages), {} micro-batches of {} (batch {}); each rank replayed; fits only if every rank fits",
+        p.pp,
+        p.pp_schedule,
+        pipeline::num_stages(p),
+        m,
+        recipe.batch / u64::from(m),
+        recipe.batch
+    );
+    out.push_str(&crate::ranks::to_table_lines(roles));
+    let worst = roles
+        .iter()
+        .max_by_key(|r| (!r.fits, r.peak_reserved))
+        .map(|r| r.ranks.clone())
+        .unwrap_or_default();
+    let _ = writeln!(
+        out,
+        "decides    rank {:?} ({}); the report above is its step",
+        worst,
+        if roles.iter().all(|r| r.fits) {
+            "every rank fits"
+        } else {
+            "out of memory"
+        }
+    );
+    out
+}
+
+/// The `pipeline` object of `predict --json`.
+pub fn to_json(recipe: &Recipe, roles: &[RankRole]) -> Value {
+    let p = &recipe.parallel;
+    let m = pipeline::microbatches(p, recipe.batch).unwrap_or(1);
+    let worst = roles
+        .iter()
+        .max_by_key(|r| (!r.fits, r.peak_reserved))
+        .map(|r| r.ranks.clone())
+        .unwrap_or_default();
+    json!({
+        "pp": p.pp,
+        "schedule": p.pp_schedule.to_string(),
+        "stages": pipeline::num_stages(p),
+        "microbatches": m,
+        "microbatch_size": recipe.batch / u64::from(m),
+        "in_flight": (0..p.pp).map(|r| pipeline::max_in_flight(&rank_actions(p.pp_schedule, p.pp, r, m))).collect::<Vec<_>>(),
+        "fits": roles.iter().all(|r| r.fits),
+        "deciding_ranks": worst,
+    })
+}

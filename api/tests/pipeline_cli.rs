@@ -1,0 +1,150 @@
+//! `--pp` on `predict` (and so on whatif and max-batch): every pipeline rank is its own role,
+//! lowered and replayed once; the top-level peaks are the worst rank's; `--pp 1` is today's
+//! step; bad pipeline layouts fail with the source's reason (exit status 2).
+
+mod common;
+use common::{assert_fails, json, stdout, succeeds};
+
+use serde_json::Value;
+use vramsim_api::{parse_args, predict};
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+fn untimed(mut doc: Value) -> Value {
+    if let Value::Object(map) = &mut doc {
+        map.remove("timing");
+    }
+    doc
+}
+
+/// `--pp 1` (with its default schedule) is the single-GPU step to the byte.
+#[test]
+fn pp1_is_todays_predict() {
+    for name in ["gpt2", "tinyllama-1.1b", "bert-base", "resnet18"] {
+        let base = ["--model", name, "--batch", "2", "--seq", "64"];
+        let plain: predict::PredictArgs = parse_args("predict", &strings(&base)).unwrap();
+        let mut with = base.to_vec();
+        with.extend(["--pp", "1"]);
+        let layout: predict::PredictArgs = parse_args("predict", &strings(&with)).unwrap();
+        let a = predict::predict(&plain).unwrap();
+        let b = predict::predict(&layout).unwrap();
+        assert_eq!(a.lowered.trace(), b.lowered.trace(), "{name}: trace");
+        assert_eq!(
+            serde_json::to_string(&untimed(a.to_json())).unwrap(),
+            serde_json::to_string(&untimed(b.to_json())).unwrap(),
+            "{name}: JSON"
+        );
+    }
+}
+
+/// One role per rank, by rank: the first holds the embeddings, the last the head and the loss;
+/// 1F1B's in-flight counts are `min(m, pp − stage)`; the top level is the worst rank's.
+#[test]
+fn each_rank_is_a_role_and_the_worst_decides() {
+    let doc = json(&[
+        "predict",
+        "--model",
+        "gpt2",
+        "--batch",
+        "8",
+        "--seq",
+        "128",
+        "--precision",
+        "bf16",
+        "--pp",
+        "4",
+    ]);
+    let ranks = doc["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 4);
+    for (r, role) in ranks.iter().enumerate() {
+        assert_eq!(role["ranks"], serde_json::json!([r]));
+        let name = role["role"].as_str().unwrap();
+        assert_eq!(name.contains("embeddings"), r == 0, "{name}");
+        assert_eq!(name.contains("head and loss"), r == 3, "{name}");
+        assert!(name.contains(&format!("{} micro-batch", 4 - r)), "{name}");
+    }
+    assert_eq!(
+        doc["pipeline"]["in_flight"],
+        serde_json::json!([4, 3, 2, 1])
+    );
+    assert_eq!(doc["pipeline"]["microbatches"], 8);
+    let worst = ranks
+        .iter()
+        .max_by_key(|r| r["peak_reserved_bytes"].as_u64().unwrap())
+        .unwrap();
+    assert_eq!(worst["peak_reserved_bytes"], doc["peak_reserved_bytes"]);
+    assert_eq!(worst["peak_allocated_bytes"], doc["peak_allocated_bytes"]);
+    assert_eq!(doc["layout"]["world_size"], 4);
+    let table = stdout(&succeeds(&[
+        "predict",
+        "--model",
+        "gpt2",
+        "--batch",
+        "8",
+        "--seq",
+        "128",
+        "--pp",
+        "2",
+        "--pp-schedule",
+        "gpipe",
+    ]));
+    assert!(
+        table.contains("layout     pp 2 × gpipe (2 stages), 8 micro-batches of 1"),
+        "{table}"
+    );
+    assert!(table.contains("decides    rank"), "{table}");
+}
+
+/// The schedules' and the split's own checks, with their reasons.
+#[test]
+fn bad_pipelines_fail_with_the_reason() {
+    let fails = |extra: &[&str], fragments: &[&str]| {
+        let mut args = vec!["predict", "--model", "gpt2", "--seq", "64"];
+        args.extend_from_slice(extra);
+        assert_fails(&args, fragments);
+    };
+    fails(
+        &["--batch", "2", "--pp", "4"],
+        &["Number of microbatches (2) must be greater than or equal to the number of stages (4)"],
+    );
+    fails(
+        &["--batch", "8", "--pp", "2", "--microbatches", "3"],
+        &["must divide the batch 8"],
+    );
+    fails(
+        &[
+            "--batch",
+            "9",
+            "--pp",
+            "4",
+            "--pp-schedule",
+            "interleaved:2",
+        ],
+        &["multiple of the number of rounds (2)"],
+    );
+    fails(
+        &["--batch", "16", "--pp", "13", "--pp-schedule", "gpipe"],
+        &["13 stages for 12 layers", "at most 12"],
+    );
+    fails(
+        &[
+            "--batch",
+            "8",
+            "--pp",
+            "4",
+            "--pp-schedule",
+            "interleaved:4",
+        ],
+        &["16 stages for 12 layers"],
+    );
+    fails(
+        &["--batch", "8", "--pp", "2", "--dp", "2", "--shard", "fsdp2"],
+        &["not modelled yet"],
+    );
+    fails(
+        &["--batch", "8", "--pp", "2", "--precision", "amp-fp16"],
+        &["GradScaler"],
+    );
+}

@@ -1,0 +1,362 @@
+//! Pipeline parallelism per rank (`--pp`), against the schedules' own rules (PyTorch 2.15
+//! `torch/distributed/pipelining/schedules.py`), never against vramsim's output: the number of
+//! micro-batches whose activations a rank holds at once is the schedule's in-flight count
+//! (1F1B: `min(m, pp − stage)`, GPipe: `m`, interleaved: PyTorch's warm-up + 1), times one
+//! micro-batch's activations of that stage, measured on a lowering of the same stage that runs a
+//! single micro-batch.
+
+use std::collections::HashMap;
+
+use vramsim_models::pipeline::{self, rank_graph};
+use vramsim_models::{lower, zoo, Parallel, PpSchedule, Precision, Recipe};
+use vramsim_traces::{Category, Event, Trace};
+
+fn recipe(batch: u64, seq: u64, pp: u32, schedule: PpSchedule, m: u32, rank: u32) -> Recipe {
+    Recipe {
+        precision: Precision::Bf16,
+        parallel: Parallel {
+            pp,
+            pp_schedule: schedule,
+            microbatches: Some(m),
+            stage: rank,
+            ..Parallel::default()
+        },
+        ..Recipe::new(batch, seq)
+    }
+}
+
+/// The trace of pipeline rank `rank`.
+fn lower_rank(name: &str, r: &Recipe) -> Trace {
+    let mut gr = r.clone();
+    gr.batch = r.parallel.replica_batch(r.batch);
+    let g = zoo::build(name, &gr).expect("builds");
+    let h = rank_graph(&g, &r.parallel).expect("splits");
+    lower(&h, r).expect("lowers")
+}
+
+/// The most bytes of `category` live at once over the trace.
+fn max_live(t: &Trace, category: Category) -> u64 {
+    let mut live: HashMap<String, (u64, Category)> = HashMap::new();
+    let mut now = 0u64;
+    let mut max = 0u64;
+    for e in &t.events {
+        match e {
+            Event::Alloc {
+                id,
+                size,
+                category: c,
+                ..
+            } => {
+                live.insert(id.to_string(), (*size, *c));
+                if *c == category {
+                    now += size;
+                    max = max.max(now);
+                }
+            }
+            Event::Free { id } => {
+                if let Some((s, c)) = live.remove(&id.to_string()) {
+                    if c == category {
+                        now -= s;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    max
+}
+
+/// Why `rank_graph` refuses `g` under `r`.
+fn refusal(g: &vramsim_models::Graph, r: &Recipe) -> String {
+    match rank_graph(g, &r.parallel) {
+        Ok(_) => panic!("{}: not refused", g.name),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// The most allocations whose tag starts with `prefix` live at once, and their bytes then.
+fn max_live_tagged(t: &Trace, prefix: &str) -> (usize, u64) {
+    let mut live: HashMap<String, u64> = HashMap::new();
+    let mut best = (0usize, 0u64);
+    for e in &t.events {
+        match e {
+            Event::Alloc { id, size, tag, .. }
+                if tag.as_deref().is_some_and(|x| x.starts_with(prefix)) =>
+            {
+                live.insert(id.to_string(), *size);
+                let bytes: u64 = live.values().sum();
+                if live.len() > best.0 {
+                    best = (live.len(), bytes);
+                }
+            }
+            Event::Free { id } => {
+                live.remove(&id.to_string());
+            }
+            _ => {}
+        }
+    }
+    best
+}
+
+/// Bytes of one micro-batch's hidden state (batch 1 × seq × hidden, bf16): what a stage sends
+/// and the next receives, by hand.
+fn hidden_bytes(seq: u64, hidden: u64) -> u64 {
+    seq * hidden * 2
+}
+
+/// 1F1B keeps `min(m, pp − stage)` micro-batches' saved activations on each stage, GPipe `m`;
+/// one micro-batch's activations of a stage measured on the same stage running one micro-batch.
+/// Besides the saved activations, a non-last stage holds the outputs whose sends are not waited
+/// for yet (`Schedule1F1B`: the previous warm-up forward's until after the next forward: two at
+/// the end of a warm-up forward; GPipe: every forward's until the last), and the last stage every
+/// earlier micro-batch's fp32 loss (`_internal_losses`).
+#[test]
+fn in_flight_activations_follow_the_schedule() {
+    let (pp, m, seq, hidden) = (4u32, 8u32, 128u64, 768u64);
+    let out = hidden_bytes(seq, hidden);
+    for rank in 0..pp {
+        let last = rank + 1 == pp;
+        let one = lower_rank("gpt2", &recipe(1, seq, pp, PpSchedule::GPipe, 1, rank));
+        // One micro-batch: its saved activations and, on a non-last stage, its output.
+        let a1 = max_live(&one, Category::Activation);
+        let saved1 = if last { a1 } else { a1 - out };
+        // 1F1B: warm-up min(m, pp − stage) (`Schedule1F1B._step_microbatches`).
+        let w = u64::from(m.min(pp - rank));
+        let t = lower_rank(
+            "gpt2",
+            &recipe(u64::from(m), seq, pp, PpSchedule::OneFOneB, m, rank),
+        );
+        let peak = max_live(&t, Category::Activation);
+        let (sends, losses) = if last {
+            (0, u64::from(m - 1) * 4)
+        } else {
+            (w.min(2) * out, 0)
+        };
+        assert_eq!(peak - sends - losses, w * saved1, "1F1B stage {rank}");
+        // GPipe: every forward before any backward, every output until the last forward.
+        let t = lower_rank(
+            "gpt2",
+            &recipe(u64::from(m), seq, pp, PpSchedule::GPipe, m, rank),
+        );
+        let peak = max_live(&t, Category::Activation);
+        let sends = if last { 0 } else { u64::from(m) * out };
+        assert_eq!(peak - sends, u64::from(m) * saved1, "GPipe stage {rank}");
+    }
+}
+
+/// The first stage holds the embeddings and no receive buffer; the last the final norm, the
+/// head (tied to the embeddings in GPT-2: its own copy on that stage) and the loss; the middle
+/// stages only their layers. torchtitan's split of 12 layers over 4 stages: 3, 4, 3, 2.
+#[test]
+fn stages_hold_their_layers() {
+    let g = zoo::build("gpt2", &Recipe::new(1, 64)).unwrap();
+    let names = |rank: u32| -> Vec<String> {
+        let r = recipe(4, 64, 4, PpSchedule::OneFOneB, 4, rank);
+        rank_graph(&g, &r.parallel)
+            .unwrap()
+            .params
+            .iter()
+            .map(|p| p.name.clone())
+            .collect()
+    };
+    let layers = |ps: &[String]| -> Vec<String> {
+        let mut l: Vec<String> = ps
+            .iter()
+            .filter_map(|n| {
+                n.strip_prefix("transformer.h.")
+                    .and_then(|x| x.split('.').next())
+                    .map(String::from)
+            })
+            .collect();
+        l.dedup();
+        l
+    };
+    let p0 = names(0);
+    assert!(
+        p0.iter().any(|n| n == "transformer.wte.weight")
+            && p0.iter().any(|n| n == "transformer.wpe.weight")
+    );
+    assert_eq!(layers(&p0), ["0", "1", "2"]);
+    let p1 = names(1);
+    assert_eq!(layers(&p1), ["3", "4", "5", "6"]);
+    assert!(!p1.iter().any(|n| n.contains("wte") || n.contains("ln_f")));
+    let p3 = names(3);
+    assert_eq!(layers(&p3), ["10", "11"]);
+    assert!(p3.iter().any(|n| n == "transformer.ln_f.weight"));
+    assert!(
+        p3.iter()
+            .any(|n| n.contains("wte") || n.contains("lm_head")),
+        "{p3:?}"
+    );
+    // The last stage computes the loss: its graph's output is the model's.
+    let r = recipe(4, 64, 4, PpSchedule::OneFOneB, 4, 3);
+    assert_eq!(rank_graph(&g, &r.parallel).unwrap().output, g.output);
+}
+
+/// A non-first stage allocates one receive buffer per micro-batch in flight (`_RecvInfo.
+/// allocate_buffer` before each forward receive, kept as the stage input until its backward),
+/// and one buffer for each received output gradient; the first stage none.
+#[test]
+fn receive_buffers_per_micro_batch() {
+    let (pp, m, seq) = (4u32, 8u32, 64u64);
+    for rank in 0..pp {
+        let r = recipe(u64::from(m), seq, pp, PpSchedule::OneFOneB, m, rank);
+        assert_eq!(r.iterations, 2);
+        let t = lower_rank("gpt2", &r);
+        let (n, bytes) = max_live_tagged(&t, "pp_recv_activation");
+        let w = m.min(pp - rank);
+        if rank == 0 {
+            assert_eq!(n, 0);
+        } else {
+            assert_eq!(
+                (n as u32, bytes),
+                (w, u64::from(w) * hidden_bytes(seq, 768)),
+                "stage {rank}"
+            );
+        }
+        let grads = t
+            .events
+            .iter()
+            .filter(
+                |e| matches!(e, Event::Alloc { tag: Some(x), .. } if x.starts_with("pp_recv_grad")),
+            )
+            .count() as u32;
+        // One per micro-batch of each of the recipe's iterations.
+        let per_step = if rank + 1 == pp { 0 } else { m * 2 };
+        assert_eq!(grads, per_step, "stage {rank}");
+    }
+}
+
+/// `ScheduleInterleaved1F1B`: rank r runs `min((V − 1)·mpr + 2(pp − 1 − r), m·V)` warm-up
+/// forwards and then a forward before each backward, over its V stages (1 and 3 of 4 for rank 1
+/// of pp 2 × V 2): the forwards begun and not yet backwarded, read off the trace's phase markers,
+/// peak at that count plus one, and each of them holds its received activation (the runtime posts
+/// receives ahead of their forwards, so there can be more buffers, never fewer).
+#[test]
+fn interleaved_in_flight_count() {
+    let (pp, v, m, seq) = (2u32, 2u32, 4u32, 64u64);
+    for rank in 0..pp {
+        let r = recipe(u64::from(m), seq, pp, PpSchedule::Interleaved(v), m, rank);
+        let t = lower_rank("gpt2", &r);
+        let mpr = m / (m / pp).max(1);
+        let warmup = ((v - 1) * mpr + 2 * (pp - 1 - rank)).min(m * v);
+        let expect = if warmup < m * v { warmup + 1 } else { warmup };
+        // One step's forwards and backwards (the recipe runs two).
+        let (mut now, mut max) = (0i64, 0i64);
+        for e in &t.events {
+            if let Event::Phase { name } = e {
+                match &**name {
+                    "forward" => now += 1,
+                    "backward" => now -= 1,
+                    "optimizer" => break,
+                    _ => {}
+                }
+                max = max.max(now);
+            }
+        }
+        assert_eq!(max as u32, expect, "rank {rank}");
+        if rank > 0 {
+            assert!(max_live_tagged(&t, "pp_recv_activation").0 as u32 >= expect);
+        }
+        let g = zoo::build("gpt2", &recipe(1, seq, 1, PpSchedule::OneFOneB, 1, 0)).unwrap();
+        let stages: Vec<u32> = pipeline::chunks(&rank_graph(&g, &r.parallel).unwrap())
+            .iter()
+            .map(|c| c.stage)
+            .collect();
+        assert_eq!(stages, [rank, rank + 2]);
+    }
+}
+
+/// Llama (rotary tables recomputed on every stage from `x.to(hidden.dtype)`) and BERT (the
+/// extended attention mask recomputed) split and lower; a graph without blocks marked is refused
+/// with the reason, as are more stages than layers.
+#[test]
+fn families_split_or_are_refused() {
+    for name in ["tinyllama-1.1b", "bert-base", "gpt2-medium"] {
+        for rank in 0..2 {
+            let t = lower_rank(name, &recipe(4, 64, 2, PpSchedule::OneFOneB, 4, rank));
+            assert!(t.events.len() > 100, "{name}");
+        }
+    }
+    // A graph without blocks marked (a captured module without them).
+    let mut g = zoo::build("gpt2", &Recipe::new(1, 64)).unwrap();
+    g.regions.clear();
+    let r = recipe(4, 64, 2, PpSchedule::OneFOneB, 4, 0);
+    let e = refusal(&g, &r);
+    assert!(e.contains("no stack of repeated blocks"), "{e}");
+    // More stages than layers.
+    let g = zoo::build("gpt2", &Recipe::new(1, 64)).unwrap();
+    let r = recipe(16, 64, 13, PpSchedule::GPipe, 16, 0);
+    let e = refusal(&g, &r);
+    assert!(e.contains("13 stages for 12 layers"), "{e}");
+}
+
+/// The schedules' own checks on the micro-batches, with their messages.
+#[test]
+fn micro_batch_checks() {
+    let check = |batch: u64, pp: u32, s: PpSchedule, m: Option<u32>| {
+        let r = Recipe {
+            parallel: Parallel {
+                pp,
+                pp_schedule: s,
+                microbatches: m,
+                ..Parallel::default()
+            },
+            ..Recipe::new(batch, 64)
+        };
+        r.validate().map_err(|e| e.to_string())
+    };
+    assert!(check(8, 2, PpSchedule::OneFOneB, None).is_ok());
+    assert!(check(8, 2, PpSchedule::OneFOneB, Some(3))
+        .unwrap_err()
+        .contains("must divide the batch"));
+    assert!(check(2, 4, PpSchedule::OneFOneB, None)
+        .unwrap_err()
+        .contains("greater than or equal to the number of stages"));
+    assert!(check(2, 4, PpSchedule::GPipe, None).is_ok());
+    // 12 micro-batches over pp 8: rounds 1 → fine; 10 over 4: rounds 2 → fine; 9 over 4: rounds 2 → refused.
+    assert!(check(10, 4, PpSchedule::Interleaved(2), None).is_ok());
+    assert!(check(9, 4, PpSchedule::Interleaved(2), None)
+        .unwrap_err()
+        .contains("multiple of the number of rounds (2)"));
+}
+
+/// Every allocation of the step but the model states is freed by its end: nothing of a
+/// micro-batch outlives its backward (the graph of each is released on its own).
+#[test]
+fn step_frees_its_micro_batches() {
+    for sched in [
+        PpSchedule::OneFOneB,
+        PpSchedule::GPipe,
+        PpSchedule::Interleaved(2),
+    ] {
+        for rank in 0..2 {
+            let mut r = recipe(4, 64, 2, sched, 4, rank);
+            r.iterations = 2;
+            let t = lower_rank("gpt2", &r);
+            let mut live: HashMap<String, Category> = HashMap::new();
+            for e in &t.events {
+                match e {
+                    Event::Alloc { id, category, .. } => {
+                        live.insert(id.to_string(), *category);
+                    }
+                    Event::Free { id } => {
+                        live.remove(&id.to_string());
+                    }
+                    _ => {}
+                }
+            }
+            let left: Vec<Category> = live
+                .values()
+                .copied()
+                .filter(|c| {
+                    !matches!(
+                        c,
+                        Category::Parameter | Category::OptimizerState | Category::Gradient
+                    )
+                })
+                .collect();
+            assert!(left.is_empty(), "{sched} rank {rank}: {left:?}");
+        }
+    }
+}

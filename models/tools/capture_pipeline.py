@@ -1,0 +1,272 @@
+"""Record each rank of a real ``torch.distributed.pipelining`` run as a vramsim trace.
+
+Two (or more) processes on the CPU with the gloo backend run PyTorch's own schedule
+(``Schedule1F1B``, ``ScheduleGPipe`` or ``ScheduleInterleaved1F1B``) on an HF GPT-2 or Llama (a
+small config, eager attention, fp32, ``use_cache=False``, CUDA's fused dropout, optionally HF's
+non-reentrant activation checkpointing) split as torchtitan splits it (``_generate_llm_fqn_per_model_part``: the
+embeddings count as a layer on the first stage, the final norm and head as one on the last); each
+rank records the storages it allocates with the capture tool's ``Recorder`` (real CPU tensors: a
+storage's life is its allocation's). The stage modules do what ``GPT2Model.forward`` does around
+its blocks (``LlamaStage``: ``LlamaModel.forward``): the first stage embeds, every stage makes its
+own position ids, causal mask (and rotary tables), the last applies the final norm, the head and
+(through the schedule's ``loss_fn``) transformers' ``ForCausalLMLoss``.
+Stages are built in static mode (``input_args``/``output_args``): no metadata inference step.
+
+    python3 models/tools/capture_pipeline.py OUT_DIR [--model gpt2|llama]
+        [--schedule 1f1b|gpipe|interleaved:V] [--pp 2] [--m 4] [--checkpoint]
+
+writes ``OUT_DIR/rank{R}.jsonl.gz`` and ``OUT_DIR/config.json`` (the model's config, for
+``vramsim predict --hf-config``). ``models/tests/pipeline_capture.rs`` compares them with the
+lowering of each rank.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "traces", "python"))
+import vramsim_capture  # noqa: E402
+
+CONFIG = dict(
+    model_type="gpt2",
+    vocab_size=1024,
+    n_positions=128,
+    n_embd=128,
+    n_layer=6,
+    n_head=4,
+    use_cache=False,
+    attn_implementation="eager",
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+LLAMA_CONFIG = dict(
+    model_type="llama",
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    use_cache=False,
+    attn_implementation="eager",
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+SEQ = 64
+
+
+def split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """torchtitan's _generate_llm_fqn_per_model_part(num_stages, num_layers, 1, 1) as layer ranges."""
+    eff = num_layers + 2
+    per, extra = divmod(eff, num_stages)
+    out, cur = [], 0
+    for s in range(num_stages):
+        n = per + (1 if s < extra else 0)
+        if s == 0 or s == num_stages - 1:
+            n -= 1
+        out.append((cur, min(cur + n, num_layers)))
+        cur = min(cur + n, num_layers)
+    return out
+
+
+class Stage(torch.nn.Module):
+    """The part of GPT2LMHeadModel one stage runs (``GPT2Model.forward`` around its blocks)."""
+
+    def __init__(self, full, first: bool, last: bool, layers: tuple[int, int]):
+        super().__init__()
+        t = full.transformer
+        self.config = full.config
+        self.wte = t.wte if first else None
+        self.wpe = t.wpe if first else None
+        self.drop = t.drop if first else None
+        self.h = torch.nn.ModuleList(t.h[layers[0]:layers[1]])
+        self.ln_f = t.ln_f if last else None
+        self.lm_head = full.lm_head if last else None
+
+    def forward(self, x, attention_mask=None):
+        from transformers.masking_utils import create_causal_mask
+
+        if self.wte is not None:
+            inputs_embeds = self.wte(x)
+        else:
+            inputs_embeds = x
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+        if self.wpe is not None:
+            hidden = inputs_embeds + self.wpe(position_ids)
+            hidden = self.drop(hidden)
+        else:
+            hidden = x
+        causal_mask = create_causal_mask(
+            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            past_key_values=None, position_ids=position_ids)
+        for block in self.h:
+            hidden = block(hidden, None, causal_mask, None, use_cache=False, position_ids=position_ids)
+        if self.ln_f is not None:
+            hidden = self.ln_f(hidden)
+            hidden = self.lm_head(hidden)
+        return hidden
+
+
+class LlamaStage(torch.nn.Module):
+    """The part of LlamaForCausalLM one stage runs (``LlamaModel.forward`` around its layers): every
+    stage makes its position ids, causal mask and rotary tables (``rotary_emb(hidden, position_ids)``)."""
+
+    def __init__(self, full, first: bool, last: bool, layers: tuple[int, int]):
+        super().__init__()
+        t = full.model
+        self.config = full.config
+        self.embed_tokens = t.embed_tokens if first else None
+        self.rotary_emb = t.rotary_emb
+        self.layers = torch.nn.ModuleList(t.layers[layers[0]:layers[1]])
+        self.norm = t.norm if last else None
+        self.lm_head = full.lm_head if last else None
+
+    def forward(self, x, attention_mask=None):
+        from transformers.masking_utils import create_causal_mask
+
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        causal_mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+            past_key_values=None, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=causal_mask, position_embeddings=position_embeddings,
+                           position_ids=position_ids, past_key_values=None, use_cache=False)
+        if self.norm is not None:
+            hidden = self.lm_head(self.norm(hidden))
+        return hidden
+
+
+def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt: bool,
+        model: str = "gpt2") -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
+
+    torch.manual_seed(0)
+    if model == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(**LLAMA_CONFIG)
+        full = LlamaForCausalLM(cfg)
+        stage_cls, n_layers, width = LlamaStage, cfg.num_hidden_layers, cfg.hidden_size
+    else:
+        cfg = GPT2Config(**CONFIG)
+        full = GPT2LMHeadModel(cfg)
+        stage_cls, n_layers, width = Stage, cfg.n_layer, cfg.n_embd
+    full.train()
+    if ckpt:
+        # HF's gradient checkpointing (what vramsim's --checkpoint full is), non-reentrant.
+        full.activation_checkpointing_enable({"use_reentrant": False})
+    v = int(schedule.split(":")[1]) if schedule.startswith("interleaved:") else 1
+    n_stages = world * v
+    splits = split(n_layers, n_stages)
+    import copy
+    vocab = cfg.vocab_size
+    batch = m  # micro-batch size 1
+    stages, mods = [], []
+    # Stage s runs on rank s mod pp (torchtitan's "loop" style); each is its own copy of the model
+    # (`_split_module` deep-copies it).
+    for s_idx in range(rank, n_stages, world):
+        first, last = s_idx == 0, s_idx == n_stages - 1
+        mod = stage_cls(copy.deepcopy(full), first, last, splits[s_idx])
+        mb_in = (torch.empty(1, SEQ, dtype=torch.long, device="meta") if first
+                 else torch.empty(1, SEQ, width, device="meta"))
+        mb_out = torch.empty(1, SEQ, vocab if last else width, device="meta")
+        stages.append(PipelineStage(mod, s_idx, n_stages, torch.device("cpu"),
+                                    input_args=(mb_in,), output_args=(mb_out,),
+                                    output_grads=None if last else (mb_out,),
+                                    input_grads=None if first else (mb_in,)))
+        mods.append(mod)
+    del full
+    first = rank == 0
+    last = (n_stages - 1) % world == rank
+    stage_mod = torch.nn.ModuleList(mods)
+
+    def loss_fn(logits, labels):
+        return _causal_lm_loss(logits, labels, vocab)
+
+    if v > 1:
+        sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    else:
+        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        sched = cls(stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-4, foreach=True)
+
+    dev = torch.device("cpu")
+    names = {id(mod): n for n, mod in stage_mod.named_modules(remove_duplicate=False)}
+    rec = vramsim_capture.Recorder(dev, names)
+    for name, p in stage_mod.named_parameters():
+        rec.track(p, "parameter", name)
+    # CUDA's fused dropout (a bool mask), as the capture tool's own runs take it.
+    with rec, vramsim_capture.cuda_like_dropout():
+        for it in range(2):
+            rec.mark_phase("forward")
+            rec.context = "input"
+            # The zoo's loop: input_ids, attention_mask (all ones) and labels, each on the ranks
+            # whose stages read it (every stage builds its causal mask from the attention mask).
+            ids = torch.randint(0, vocab, (batch, SEQ)) if first else None
+            mask = torch.ones(batch, SEQ, dtype=torch.long)
+            labels = torch.randint(0, vocab, (batch, SEQ)) if last else None
+            rec.context = None
+            losses = [] if last else None
+            if first:
+                sched.step(ids, attention_mask=mask, target=labels, losses=losses, return_outputs=False)
+            else:
+                sched.step(attention_mask=mask, target=labels, losses=losses, return_outputs=False)
+            del ids, mask, labels, losses
+            rec.mark_phase("optimizer")
+            opt.step()
+            rec.mark_phase("zero_grad")
+            opt.zero_grad(set_to_none=True)
+        events = rec.close()
+    rec.closed = True
+    cap = vramsim_capture.Capture(meta={"tool": "capture_pipeline.py", "rank": rank, "pp": world,
+                                        "schedule": schedule, "microbatches": m, "seq": SEQ,
+                                        "checkpoint": "full" if ckpt else "none", "model": model,
+                                        "torch": torch.__version__}, events=events)
+    cap.write(os.path.join(out, f"rank{rank}.jsonl.gz"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _causal_lm_loss(logits, labels, vocab):
+    """transformers' ForCausalLMLoss (``loss_utils.py``) as GPT2LMHeadModel calls it."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(logits, labels, vocab_size=vocab)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--schedule", default="1f1b", help="1f1b, gpipe or interleaved:V")
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--m", type=int, default=4)
+    ap.add_argument("--port", type=int, default=29517)
+    ap.add_argument("--checkpoint", action="store_true", help="HF gradient checkpointing (non-reentrant)")
+    ap.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    cfg = dict(LLAMA_CONFIG if a.model == "llama" else CONFIG)
+    cfg.pop("attn_implementation")
+    with open(os.path.join(a.out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    mp.spawn(run, args=(a.pp, a.out, a.schedule, a.m, a.port, a.checkpoint, a.model), nprocs=a.pp,
+             join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
