@@ -559,7 +559,7 @@ pub fn predict(args: &PredictArgs) -> Result<Predicted> {
         Vec::new()
     };
     if let Some(path) = &args.plot {
-        draw_layout(args, &report, &prediction, &devices, path)?;
+        draw_layout(args, &report, &prediction, &devices, &stages, path)?;
     }
     Ok(Predicted {
         lowered,
@@ -1386,29 +1386,36 @@ fn draw(report: &Report, p: &Prediction, path: &Path) -> Result<()> {
 }
 
 /// `--plot`: the step's timeline at `path`; for a parallel layout, the worst role's step there
-/// (the highest device use; DataParallel's other devices are replayed again with a timeline), and
-/// a bar per role at `NAME-roles.EXT` beside it.
+/// (the highest device use; DataParallel's other devices are replayed again with a timeline; a
+/// pipeline's `report` is already its worst rank's), and a bar per role at `NAME-roles.EXT` beside
+/// it.
 fn draw_layout(
     args: &PredictArgs,
     report: &Report,
     p: &Prediction,
     devices: &[crate::ranks::RankRole],
+    stages: &[crate::ranks::RankRole],
     path: &Path,
 ) -> Result<()> {
     let par = &p.recipe.parallel;
     if par.is_single() {
         return draw(report, p, path);
     }
-    let roles = if devices.is_empty() {
-        crate::ranks::roles(par, report)
-    } else {
-        devices.to_vec()
+    let roles = match (devices.is_empty(), stages.is_empty()) {
+        (false, _) => devices.to_vec(),
+        (true, false) => stages.to_vec(),
+        (true, true) => crate::ranks::roles(par, report),
     };
-    let worst = roles
-        .iter()
-        .max_by_key(|r| (!r.fits, r.peak_device_used))
-        .map(|r| r.ranks[0])
-        .unwrap_or(0);
+    // DataParallel: the device whose trace stands for the worst role
+    let worst = if devices.is_empty() {
+        0
+    } else {
+        roles
+            .iter()
+            .max_by_key(|r| (!r.fits, r.peak_device_used))
+            .map(|r| r.ranks[0])
+            .unwrap_or(0)
+    };
     if worst == 0 {
         draw(report, p, path)?;
     } else {
