@@ -451,8 +451,17 @@ impl LayoutSearch {
                 "\nrefused ({} candidates):",
                 self.refused.iter().map(|(_, n)| n).sum::<usize>()
             );
-            for (reason, n) in &self.refused {
+            const SHOWN: usize = 6;
+            for (reason, n) in self.refused.iter().take(SHOWN) {
                 let _ = writeln!(out, "  {n:>4} × {reason}");
+            }
+            if self.refused.len() > SHOWN {
+                let _ = writeln!(
+                    out,
+                    "  ({} more reasons, {} candidates: --json lists them all)",
+                    self.refused.len() - SHOWN,
+                    self.refused[SHOWN..].iter().map(|(_, n)| n).sum::<usize>()
+                );
             }
         }
         let _ = writeln!(
