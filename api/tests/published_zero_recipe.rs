@@ -17,18 +17,19 @@
 //! adam --iterations 1`; `--optimizer-impl for-loop` because Adam had no foreach path by default before
 //! PyTorch 2.0 (1.8's `torch.optim.functional.adam` is the per-parameter loop 2.15's
 //! `_single_tensor_adam` still is: `exp_avg_sq.sqrt()` and its division by the bias correction live at
-//! once); `--torch-version 1.10` because before PyTorch 1.11 cuBLAS kept its workspace outside the
-//! caching allocator, so no GEMM adds to `max_memory_allocated`. The checkpoints map onto vramsim's
+//! once); `--torch-version 1.10` because cuBLAS kept its own workspace outside the caching allocator
+//! until PyTorch 1.13 (PR #83461), so no GEMM adds to `max_memory_allocated`. The checkpoints map onto vramsim's
 //! phases: after the model = the trace replayed up to DDP's first bucket; after DDP = the `setup`
 //! phase (`model.to`, DDP's buckets; `ZeroRedundancyOptimizer` allocates its state at the first step);
 //! before the step = the peak through `backward`; after it = the peak through `optimizer`.
 //!
 //! Tolerance: the recipe floors to whole decimal megabytes (`// 1e6`), so a printed P means
 //! P·10⁶ ≤ peak < (P + 1)·10⁶: vramsim's peak must floor to the printed figure. What the run differs
-//! in and vramsim does not model (PyTorch 1.8's DDP constructor broadcasts the module states through
-//! ≤ 250 MB flat temporaries and buckets the first iteration at [1 MiB, 25 MiB] where 2.15 uses one
-//! bucket) changes the bucket blocks' rounding by at most about a megabyte; the figures agree with
-//! both to the recipe's resolution.
+//! in and vramsim does not model: PyTorch 1.8's DDP constructor broadcasts the module states through
+//! two flat temporaries (`broadcast_coalesced`, 250 MiB buckets) and buckets the first iteration at
+//! [1 MiB, 25 MiB] where 2.15 makes one bucket. Replayed by hand through vramsim's allocator, that
+//! sequence gives the same bytes after DDP as the single bucket (656,572,416 B: the buckets are split
+//! out of the cached broadcast segments); see `models/README.md`, "Published multi-GPU measurements".
 
 mod common;
 use common::json;
