@@ -1,6 +1,6 @@
 //! PyTorch's recipe "Shard Optimizer States with ZeroRedundancyOptimizer" (`pytorch/tutorials`,
-//! `recipes_source/zero_redundancy_optimizer.rst`, written for PyTorch 1.8, 2021) against
-//! `vramsim predict`.
+//! `recipes_source/zero_redundancy_optimizer.rst`, read at commit 01c63024aba9; written for PyTorch
+//! 1.8, 2021) against `vramsim predict`.
 //!
 //! The run: two processes (gloo process group, one GPU each), on each
 //! `nn.Sequential(*[nn.Linear(2000, 2000).to(rank) for _ in range(20)])`, `DDP(model,
