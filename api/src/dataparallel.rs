@@ -68,24 +68,6 @@ pub fn device_groups(recipe: &Recipe) -> Vec<(u32, Vec<u32>)> {
     groups
 }
 
-fn role_of(report: &Report, role: String, ranks: Vec<u32>) -> RankRole {
-    RankRole {
-        role,
-        ranks,
-        peak_allocated: report.peak_allocated(),
-        peak_reserved: report.peak_reserved(),
-        peak_device_used: report.outcome.peak_device_used,
-        by_category: Category::ALL
-            .iter()
-            .copied()
-            .zip(report.outcome.categories_at_peak)
-            .filter(|(_, b)| *b > 0)
-            .collect(),
-        fits: report.fits(),
-        oom_message: report.outcome.oom.as_ref().map(|o| o.message.clone()),
-    }
-}
-
 /// Lowers and replays every distinct device role of `args`' DataParallel layout; `device0` is the
 /// replay of device 0 (`predict`'s own).
 pub fn device_roles(
@@ -106,7 +88,7 @@ pub fn device_roles(
             _ => format!("replica (parameter and buffer copies; chunk {chunk})"),
         };
         if d == 0 {
-            roles.push(role_of(device0, what, ds));
+            roles.push(RankRole::of(device0, what, ds));
             continue;
         }
         if chunk == 0 {
@@ -124,7 +106,7 @@ pub fn device_roles(
         }
         let lowered = lower_step_device(args, d)?;
         let (report, _) = replay_step(&lowered, &args.machine, 0, false)?;
-        roles.push(role_of(&report, what, ds));
+        roles.push(RankRole::of(&report, what, ds));
     }
     Ok(roles)
 }

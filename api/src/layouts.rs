@@ -253,19 +253,7 @@ pub fn search_with(args: &RecommendArgs, gpus: u32, prune: bool) -> Result<Layou
                 Err(reason) => *refused.entry(reason).or_default() += 1,
             }
         }
-        found.sort_by(|a, b| {
-            a.evaluated
-                .step
-                .step_ms
-                .total_cmp(&b.evaluated.step.step_ms)
-                .then(
-                    a.evaluated
-                        .report
-                        .peak_device_used()
-                        .cmp(&b.evaluated.report.peak_device_used()),
-                )
-                .then(a.settings.cmp(&b.settings))
-        });
+        found.sort_by(Recipe::faster_first);
         found.truncate(top);
     }
     let mut refused: Vec<(String, usize)> = refused.into_iter().collect();

@@ -13,8 +13,7 @@ use serde_json::{json, Value};
 use vramsim_models::pipeline::{self, rank_actions};
 use vramsim_models::zoo::Arch;
 use vramsim_models::{Graph, Recipe};
-use vramsim_sim::report::Report;
-use vramsim_traces::{Category, Event, Trace};
+use vramsim_traces::{Event, Trace};
 
 use crate::predict::{replay_step, Lowered, PredictArgs};
 use crate::ranks::RankRole;
@@ -107,24 +106,6 @@ fn role_name(recipe: &Recipe, rank: u32) -> String {
     )
 }
 
-fn role_of(report: &Report, role: String, rank: u32) -> RankRole {
-    RankRole {
-        role,
-        ranks: vec![rank],
-        peak_allocated: report.peak_allocated(),
-        peak_reserved: report.peak_reserved(),
-        peak_device_used: report.outcome.peak_device_used,
-        by_category: Category::ALL
-            .iter()
-            .copied()
-            .zip(report.outcome.categories_at_peak)
-            .filter(|(_, b)| *b > 0)
-            .collect(),
-        fits: report.fits(),
-        oom_message: report.outcome.oom.as_ref().map(|o| o.message.clone()),
-    }
-}
-
 /// Lowers and replays every pipeline rank of `args`; returns the worst rank's lowering (an
 /// out-of-memory rank first, then the largest peak reserved) and every rank's role.
 pub fn rank_roles(args: &PredictArgs) -> Result<(Lowered, Vec<RankRole>)> {
@@ -132,10 +113,10 @@ pub fn rank_roles(args: &PredictArgs) -> Result<(Lowered, Vec<RankRole>)> {
     let mut roles = Vec::with_capacity(ranks.len());
     for (rank, lowered) in ranks.iter().enumerate() {
         let (report, _) = replay_step(lowered, &args.machine, 0, false)?;
-        roles.push(role_of(
+        roles.push(RankRole::of(
             &report,
             role_name(&lowered.recipe, rank as u32),
-            rank as u32,
+            vec![rank as u32],
         ));
     }
     let worst = (0..roles.len())

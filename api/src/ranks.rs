@@ -36,6 +36,27 @@ pub struct RankRole {
     pub oom_message: Option<String>,
 }
 
+impl RankRole {
+    /// The role `role` played by `ranks`, with what the replay `report` of its trace measured.
+    pub fn of(report: &Report, role: String, ranks: Vec<u32>) -> RankRole {
+        RankRole {
+            role,
+            ranks,
+            peak_allocated: report.peak_allocated(),
+            peak_reserved: report.peak_reserved(),
+            peak_device_used: report.outcome.peak_device_used,
+            by_category: Category::ALL
+                .iter()
+                .copied()
+                .zip(report.outcome.categories_at_peak)
+                .filter(|(_, b)| *b > 0)
+                .collect(),
+            fits: report.fits(),
+            oom_message: report.outcome.oom.as_ref().map(|o| o.message.clone()),
+        }
+    }
+}
+
 /// The roles of `parallel`, each with the replay `report` of its trace (one role for data
 /// parallelism).
 pub fn roles(parallel: &Parallel, report: &Report) -> Vec<RankRole> {
@@ -60,22 +81,11 @@ pub fn roles(parallel: &Parallel, report: &Report) -> Vec<RankRole> {
         (true, Shard::None) => tp_role(parallel),
         (true, _) => format!("{role} × {}", tp_role(parallel)),
     };
-    let by_category = Category::ALL
-        .iter()
-        .copied()
-        .zip(report.outcome.categories_at_peak)
-        .filter(|(_, b)| *b > 0)
-        .collect();
-    vec![RankRole {
-        role,
-        ranks: (0..parallel.world_size()).collect(),
-        peak_allocated: report.peak_allocated(),
-        peak_reserved: report.peak_reserved(),
-        peak_device_used: report.outcome.peak_device_used,
-        by_category,
-        fits: report.fits(),
-        oom_message: report.outcome.oom.as_ref().map(|o| o.message.clone()),
-    }]
+    vec![RankRole::of(
+        report,
+        role.to_string(),
+        (0..parallel.world_size()).collect(),
+    )]
 }
 
 /// The role of a tensor-parallel rank.
