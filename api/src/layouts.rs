@@ -171,18 +171,22 @@ pub fn search_with(args: &RecommendArgs, gpus: u32, prune: bool) -> Result<Layou
         for (shard, offload) in modes {
             for p in &precisions {
                 for c in &checkpoints {
-                    settings.push((
-                        vec![
-                            ("dp".to_string(), dp.to_string()),
-                            ("tp".to_string(), tp.to_string()),
-                            ("pp".to_string(), pp.to_string()),
-                            ("shard".to_string(), shard.to_string()),
-                            ("offload".to_string(), offload.to_string()),
-                            ("precision".to_string(), p.clone()),
-                            ("checkpoint".to_string(), c.clone()),
-                        ],
-                        g / u64::from(dp),
-                    ));
+                    // predict's defaults are left out of the candidate's command line
+                    let layout = [
+                        ("dp", dp.to_string(), "1"),
+                        ("tp", tp.to_string(), "1"),
+                        ("pp", pp.to_string(), "1"),
+                        ("shard", shard.to_string(), "none"),
+                        ("offload", offload.to_string(), "none"),
+                    ];
+                    let mut s: Vec<Setting> = layout
+                        .into_iter()
+                        .filter(|(_, v, default)| v != default)
+                        .map(|(k, v, _)| (k.to_string(), v))
+                        .collect();
+                    s.push(("precision".to_string(), p.clone()));
+                    s.push(("checkpoint".to_string(), c.clone()));
+                    settings.push((s, g / u64::from(dp)));
                 }
             }
         }
