@@ -1,0 +1,119 @@
+//! `--checkpoint selective-op`: torchtitan's op-level selective activation checkpointing
+//! (`_apply_ac_to_transformer_block`'s policy over `torch.utils.checkpoint`'s
+//! `create_selective_checkpoint_contexts`), checked against byte counts derived by hand.
+
+use std::collections::HashMap;
+use vramsim_models::{lower, zoo, Attention, Checkpointing, Precision, Recipe};
+use vramsim_traces::{AllocId, Category, Event, Trace};
+
+/// Live allocations (size, category, tag) just before event index `at`.
+fn live_at(t: &Trace, at: usize) -> Vec<(u64, Category, String)> {
+    let mut live: HashMap<&AllocId, (u64, Category, String)> = HashMap::new();
+    for e in &t.events[..at] {
+        match e {
+            Event::Alloc {
+                id,
+                size,
+                category,
+                tag,
+                ..
+            } => {
+                live.insert(
+                    id,
+                    (*size, *category, tag.as_deref().unwrap_or("").to_string()),
+                );
+            }
+            Event::Free { id } => {
+                live.remove(id);
+            }
+            _ => {}
+        }
+    }
+    live.into_values().collect()
+}
+
+/// Index of the first `backward` phase marker: the end of the forward.
+fn end_of_forward(t: &Trace) -> usize {
+    t.events
+        .iter()
+        .position(|e| matches!(e, Event::Phase { name } if &**name == "backward"))
+        .expect("a backward phase")
+}
+
+/// Activation bytes allocated by ops of `prefix` (a block's module path) alive when the forward
+/// ends.
+fn block_bytes(t: &Trace, prefix: &str) -> u64 {
+    live_at(t, end_of_forward(t))
+        .iter()
+        .filter(|x| x.1 == Category::Activation && x.2.starts_with(prefix))
+        .map(|x| x.0)
+        .sum()
+}
+
+fn recipe(c: Checkpointing) -> Recipe {
+    let mut r = Recipe::new(2, 128);
+    r.precision = Precision::Bf16;
+    r.attention = Attention::SdpaFlash;
+    r.checkpointing = c;
+    r.iterations = 1;
+    // torchtitan's Llama keeps no KV cache; the loop passes use_cache=False.
+    r.use_cache = Some(false);
+    r
+}
+
+#[test]
+fn a_llama_block_keeps_its_input_and_the_saved_ops_outputs() {
+    // TinyLlama: hidden 2048, intermediate 5632, 32 heads of 64, 4 KV heads; bf16 weights and
+    // activations, FlashAttention-2. Batch b = 2, sequence s = 128.
+    let (b, s, h, i, heads, kv) = (2u64, 128u64, 2048u64, 5632u64, 32u64, 4u64 * 64);
+    let r = recipe(Checkpointing::SelectiveOp);
+    let g = zoo::build("tinyllama-1.1b", &r).unwrap();
+    let t = lower(&g, &r).unwrap();
+    // LlamaDecoderLayer.forward's aten.mm calls, in order: q_proj (1, saved), k_proj (2),
+    // v_proj (3, saved), o_proj (4), gate_proj (5, saved), up_proj (6), down_proj (7, saved):
+    // torchtitan saves the odd-numbered ones.
+    let mms = 2 * b * s * (h + kv + i + h);
+    // _scaled_dot_product_flash_attention's whole return tuple is cached: the output (bf16
+    // [b, heads, s, 64]), logsumexp (float32 [b, heads, s]), rng_state (int64 [2]) and the unused
+    // int64 0-d tensor.
+    let sdpa = 2 * b * s * h + 4 * b * heads * s + 16 + 8;
+    // Layer 5's output (its second residual add, bf16 [b, s, h]): layer 6's checkpoint input.
+    let output = 2 * b * s * h;
+    assert_eq!(block_bytes(&t, "model.layers.5"), mms + sdpa + output);
+    // Full checkpointing keeps only the output (layer 6's input).
+    let r = recipe(Checkpointing::Full);
+    let g = zoo::build("tinyllama-1.1b", &r).unwrap();
+    let t = lower(&g, &r).unwrap();
+    assert_eq!(block_bytes(&t, "model.layers.5"), output);
+}
+
+#[test]
+fn a_policy_that_saves_nothing_is_full_checkpointing() {
+    // GPT-2's Conv1D calls addmm and its eager attention matmuls 4-D tensors (bmm): no op of a
+    // block is aten.mm or an SDPA kernel, so the policy saves nothing and the step is full
+    // checkpointing's, event for event.
+    let run = |c| {
+        let mut r = recipe(c);
+        r.precision = Precision::Fp32;
+        r.attention = Attention::Eager;
+        let g = zoo::build("gpt2", &r).unwrap();
+        lower(&g, &r).unwrap()
+    };
+    let (sac, full) = (run(Checkpointing::SelectiveOp), run(Checkpointing::Full));
+    assert!(!sac.events.is_empty());
+    assert_eq!(sac.events, full.events);
+}
+
+#[test]
+fn selective_op_parses_and_needs_the_non_reentrant_checkpoint() {
+    assert_eq!(
+        "selective-op".parse::<Checkpointing>().unwrap(),
+        Checkpointing::SelectiveOp
+    );
+    assert_eq!(Checkpointing::SelectiveOp.to_string(), "selective-op");
+    let err = "selective-opp".parse::<Checkpointing>().unwrap_err();
+    assert!(err.to_string().contains("selective-op"));
+    let mut r = recipe(Checkpointing::SelectiveOp);
+    r.checkpoint_impl = vramsim_models::CheckpointImpl::Reentrant;
+    assert!(r.validate().is_err());
+}
