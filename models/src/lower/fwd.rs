@@ -366,7 +366,7 @@ impl<'g> Lowering<'g> {
         // with its cast inputs and, in the recomputation, answers a saved op from its storage.
         let sac = self.sac_policy(kind);
         let result = match sac {
-            Some(d) if d.recompute => self.sac_cached(kind, &casted, d),
+            Some(d) if d.recompute && d.save => self.sac_cached(kind, &casted, d),
             _ => self.fwd_rule(kind, &casted, &out_specs, m),
         };
         if let (Some(d), Fwd::New(outs, ..)) = (sac, &result) {
