@@ -83,7 +83,7 @@ pub struct PredictArgs {
     /// How the optimizer runs: foreach (PyTorch's default on CUDA), fused, for-loop.
     #[arg(long, default_value = "foreach", value_parser = named::<OptimizerImpl>)]
     pub optimizer_impl: OptimizerImpl,
-    /// Activation checkpointing (non-reentrant): none, full, every:K, selective, sqrt.
+    /// Activation checkpointing (non-reentrant): none, full, every:K, selective, sqrt, selective-op.
     #[arg(long, default_value = "none", value_parser = named::<Checkpointing>)]
     pub checkpoint: Checkpointing,
     /// Gradient accumulation: micro-batches per optimizer step.

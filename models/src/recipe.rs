@@ -33,6 +33,13 @@ pub enum Checkpointing {
     /// `checkpoint_sequential(blocks, segments=round(√n))`: the blocks in √n segments, the last
     /// segment not checkpointed.
     Sqrt,
+    /// torchtitan's op-level selective activation checkpointing (`activation_checkpoint.mode =
+    /// "selective"`, `selective_ac_option = "op"`): every block wrapped in non-reentrant
+    /// `torch.utils.checkpoint` with `context_fn=create_selective_checkpoint_contexts(policy)`,
+    /// the policy saving the outputs of `aten.mm` (every other one, counted per block), of the
+    /// flash and memory-efficient SDPA kernels and of `aten.abs`/`aten.max`/`reduce_scatter_tensor`
+    /// (torchtitan 9dec370 `parallelize_llama.py` `_save_list`), recomputing the rest.
+    SelectiveOp,
 }
 
 /// Which `torch.utils.checkpoint` implementation `--checkpoint` uses (`use_reentrant`).
@@ -540,6 +547,16 @@ impl Recipe {
                 msg: "must be 1 or more".into(),
             });
         }
+        // `torch.utils.checkpoint.checkpoint`: "Passing `context_fn` or `debug` is only supported
+        // when use_reentrant=False" (a ValueError).
+        if self.checkpointing == Checkpointing::SelectiveOp
+            && self.checkpoint_impl == CheckpointImpl::Reentrant
+        {
+            return Err(RecipeError::Invalid {
+                field: "checkpoint",
+                msg: "selective-op (a context_fn) needs the non-reentrant checkpoint: PyTorch refuses context_fn with use_reentrant=True".into(),
+            });
+        }
         if let Checkpointing::Every(0) = self.checkpointing {
             return Err(RecipeError::Invalid {
                 field: "checkpoint",
@@ -752,13 +769,14 @@ impl FromStr for Checkpointing {
         let unknown = || RecipeError::Unknown {
             field: "checkpoint",
             value: s.to_string(),
-            valid: "none, full, every:K, selective, sqrt",
+            valid: "none, full, every:K, selective, sqrt, selective-op",
         };
         match s {
             "none" => Ok(Checkpointing::None),
             "full" => Ok(Checkpointing::Full),
             "selective" => Ok(Checkpointing::Selective),
             "sqrt" => Ok(Checkpointing::Sqrt),
+            "selective-op" => Ok(Checkpointing::SelectiveOp),
             _ => {
                 let k = s.strip_prefix("every:").ok_or_else(unknown)?;
                 let k: u32 = k.parse().map_err(|_| unknown())?;
@@ -847,6 +865,7 @@ impl fmt::Display for Checkpointing {
             Checkpointing::Every(k) => write!(f, "every:{k}"),
             Checkpointing::Selective => f.write_str("selective"),
             Checkpointing::Sqrt => f.write_str("sqrt"),
+            Checkpointing::SelectiveOp => f.write_str("selective-op"),
         }
     }
 }

@@ -211,7 +211,7 @@ fn errors_say_what_is_wrong_and_what_is_valid() {
     let e = "every:x".parse::<Checkpointing>().unwrap_err().to_string();
     assert_eq!(
         e,
-        "unknown checkpoint \"every:x\": valid values are none, full, every:K, selective, sqrt"
+        "unknown checkpoint \"every:x\": valid values are none, full, every:K, selective, sqrt, selective-op"
     );
     let e = "fp8".parse::<Precision>().unwrap_err().to_string();
     assert_eq!(

@@ -10,7 +10,8 @@ float32 normalization statistics) and, for fp16, a ``GradScaler``; see ``traces/
 Recipes: ``amp-fp16`` (float32 parameters, fp16 autocast, ``GradScaler``) and ``amp-bf16`` (bf16 autocast, no
 scaler); AdamW and SGD (``foreach=True``, CUDA's default); no checkpointing, non-reentrant
 ``torch.utils.checkpoint`` around every block (``ckptfull``) or around each SDPA call (``ckptselective``, the
-attention core, with the SDPA models); 1 or 4 micro-batches per step (``accum4``); HF
+attention core, with the SDPA models), torchtitan's op-level selective checkpointing of every block
+(``ckptselective-op``, ``vramsim_capture.torchtitan_op_sac_context_fn``); 1 or 4 micro-batches per step (``accum4``); HF
 models with eager attention, BERT also with SDPA and ViT-B/16 always with SDPA, the backend pinned
 (``sdpa-flash``: FlashAttention-2, ``sdpa-mem-efficient``). Small shapes so that the files stay small, and a few
 larger SGD steps (``LARGE``) whose peak is in the forward/backward rather than in the optimizer step.
@@ -68,6 +69,10 @@ CASES = [
     ("vit-b-16", "amp-fp16", "sgd", "selective", 1, "sdpa-flash"),
     ("vit-b-16", "amp-bf16", "sgd", "selective", 1, "sdpa-mem-efficient"),
     ("bert-base", "amp-fp16", "sgd", "selective", 1, "sdpa-flash"),
+    # selective-op: torchtitan's op-level SAC around every block (the mm outputs of LLaMA's linears,
+    # every other one; BERT's linears are addmm, so only its flash attention's outputs are kept)
+    ("tinyllama-1.1b", "amp-bf16", "sgd", "selective-op", 1, "eager"),
+    ("bert-base", "amp-fp16", "sgd", "selective-op", 1, "sdpa-flash"),
 ]
 
 # Larger activations, SGD: the peak sits in the forward/backward, where the autocast rules decide it

@@ -512,7 +512,7 @@ def cuda_like_dropout() -> Any:
 
 SDPA_BACKENDS = ("flash", "mem-efficient", "math")
 AMP_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
-CHECKPOINTS = ("none", "full", "selective")
+CHECKPOINTS = ("none", "full", "selective", "selective-op")
 
 
 @contextlib.contextmanager
@@ -954,6 +954,52 @@ class _Checkpointed(torch.nn.Module if torch is not None else object):  # type: 
         return checkpoint(self.inner, *args, use_reentrant=self.reentrant)
 
 
+def torchtitan_op_sac_context_fn() -> Any:
+    """torchtitan 9dec370's op-level selective AC ``context_fn`` (``torchtitan/parallelisms/
+    parallelize_llama.py`` ``_apply_ac_to_transformer_block``, ``selective_ac_option = "op"``), as written
+    there: save the outputs of the ``_save_list`` ops, except every second ``aten.mm`` counted per call."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save_list = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        torch.ops.aten.abs.default,
+        torch.ops.aten.max.default,
+    }
+
+    def _get_custom_policy(meta):  # noqa: ANN001, ANN202
+        def _custom_policy(ctx, func, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            mode = "recompute" if ctx.is_recompute else "forward"
+            mm_count_key = f"{mode}_mm_count"
+            if func == torch.ops.aten.mm.default:
+                meta[mm_count_key] += 1
+            to_save = func in save_list and not (
+                func == torch.ops.aten.mm.default and meta[mm_count_key] % 2 == 0)
+            return CheckpointPolicy.MUST_SAVE if to_save else CheckpointPolicy.PREFER_RECOMPUTE
+        return _custom_policy
+
+    meta = defaultdict(int)
+    return create_selective_checkpoint_contexts(_get_custom_policy(meta))
+
+
+def _op_sac(layer: "torch.nn.Module") -> None:
+    """Runs ``layer`` (its module call, hooks and all, as ``CheckpointWrapper`` does) under non-reentrant
+    ``torch.utils.checkpoint`` with torchtitan's op-level SAC ``context_fn`` and
+    ``preserve_rng_state=False``; the layer keeps its name."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner_forward = layer.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(inner_forward, *args, use_reentrant=False, context_fn=torchtitan_op_sac_context_fn,
+                          preserve_rng_state=False, **kwargs)
+    layer.forward = forward
+
+
 def _make_mlp() -> "torch.nn.Module":
     layers: list[Any] = []
     for i in range(len(MLP_DIMS) - 1):
@@ -1057,6 +1103,11 @@ def zoo(recipe: Recipe) -> tuple[Callable, Callable, Callable, Callable]:
                     m.activation_checkpointing_enable({"use_reentrant": reentrant})
                 else:
                     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            if recipe.checkpoint == "selective-op":  # torchtitan's per-block wrapper
+                layers = {"gpt2": lambda: m.transformer.h, "bert-base": lambda: m.bert.encoder.layer,
+                          "tinyllama-1.1b": lambda: m.model.layers}[recipe.model]()
+                for layer in layers:
+                    _op_sac(layer)
             return m.to(dtype)
 
         def inputs_fn() -> Any:

@@ -109,9 +109,8 @@ impl<'g> Lowering<'g> {
             for t in saved {
                 self.drop_rt(t);
             }
-            if !self.frames[f].inputs.is_empty() {
-                self.free_frame(f as u32);
-            }
+            // The frame's inputs and its selective-checkpoint storage (both idempotent).
+            self.free_frame(f as u32);
         }
     }
 

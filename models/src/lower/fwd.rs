@@ -30,6 +30,40 @@ pub(crate) enum Fwd {
     New(Vec<Rt>, NodeKind, Vec<Save>),
 }
 
+/// derivatives.yaml mm/bmm/addmm: mat2 saved for mat1's grad and mat1 for mat2's (addmm's
+/// matrices are its inputs 1 and 2).
+pub(super) fn gemm_saves(kind: &OpKind, x: &[Rt]) -> Vec<Save> {
+    let (a, b) = if matches!(kind, OpKind::Addmm) {
+        (1, 2)
+    } else {
+        (0, 1)
+    };
+    let mut saves = Vec::new();
+    if x[a].requires_grad() {
+        saves.push(Save::In(b));
+    }
+    if x[b].requires_grad() {
+        saves.push(Save::In(a));
+    }
+    saves
+}
+
+/// derivatives.yaml `_scaled_dot_product_{flash,efficient,cudnn}_attention`: query, key, value,
+/// output and logsumexp saved, with flash's and cuDNN's philox seed and offset (outputs 2 and 3).
+pub(super) fn sdpa_saves(backend: FusedSdpa) -> Vec<Save> {
+    let mut saves = vec![
+        Save::In(0),
+        Save::In(1),
+        Save::In(2),
+        Save::Out(0),
+        Save::Out(1),
+    ];
+    if matches!(backend, FusedSdpa::Flash | FusedSdpa::Cudnn) {
+        saves.extend([Save::Out(2), Save::Out(3)]);
+    }
+    saves
+}
+
 fn ceil_to(x: u64, m: u64) -> u64 {
     x.div_ceil(m) * m
 }
@@ -328,7 +362,18 @@ impl<'g> Lowering<'g> {
             let val = &g.values[v.0 as usize];
             (val.shape.as_slice(), val.dtype)
         }));
-        let result = self.fwd_rule(kind, &casted, &out_specs, m);
+        // Selective checkpointing's dispatch mode sits below autograd and autocast: it sees the op
+        // with its cast inputs and, in the recomputation, answers a saved op from its storage.
+        let sac = self.sac_policy(kind);
+        let result = match sac {
+            Some(d) if d.recompute && d.save => self.sac_cached(kind, &casted, d),
+            _ => self.fwd_rule(kind, &casted, &out_specs, m),
+        };
+        if let (Some(d), Fwd::New(outs, ..)) = (sac, &result) {
+            if !d.recompute {
+                self.sac_store(d, outs);
+            }
+        }
         out_specs.clear();
         self.scratch_specs = out_specs;
         let outs = match result {
@@ -539,6 +584,7 @@ impl<'g> Lowering<'g> {
             saved: FxHashMap::default(),
             op_nodes: FxHashMap::default(),
             last_saving_op: None,
+            sac: self.sac_contexts(),
         });
         self.active_frame = Some((self.frames.len() - 1) as u32);
     }
@@ -555,6 +601,7 @@ impl<'g> Lowering<'g> {
         for (_, rt) in inputs {
             self.drop_rt(rt);
         }
+        self.sac_release(f);
     }
 
     /// What `SoftmaxBackward0`/`LogSoftmaxBackward0` save: the result, and in PyTorch 1.10 the
@@ -667,9 +714,12 @@ impl<'g> Lowering<'g> {
         self.recompute_ops = Some(std::mem::take(&mut self.frames[f as usize].op_nodes));
         let saved_grad = self.grad_mode;
         self.grad_mode = true;
+        // `recompute_fn` runs the region under the recompute context (`sac.rs`).
+        self.recompute_frame = Some(f);
         for i in start..=stop {
             self.exec_graph_op(i);
         }
+        self.recompute_frame = None;
         self.zero3_end_recompute();
         self.grad_mode = saved_grad;
         // _StopRecomputationError: the region function's locals die.
@@ -896,14 +946,7 @@ impl<'g> Lowering<'g> {
                         && m1.iter().chain(m2).all(|&d| d > 1)
                 };
                 self.gemm_workspace(lt, m);
-                let mut saves = Vec::new();
-                if x[a].requires_grad() {
-                    saves.push(Save::In(b));
-                }
-                if x[b].requires_grad() {
-                    saves.push(Save::In(a));
-                }
-                Fwd::New(vec![o], op_kind, saves)
+                Fwd::New(vec![o], op_kind, gemm_saves(kind, x))
             }
             // derivatives.yaml _softmax / _log_softmax: result saved. PyTorch 1.10's formulas,
             // `_softmax_backward_data(grad, result, dim, self)`, also save the input
@@ -1001,13 +1044,7 @@ impl<'g> Lowering<'g> {
                 // `compute_logsumexp` (mem-efficient, cuDNN) is `should_compute_logsumexp`: an
                 // input requires grad with grad mode on; not under no_grad.
                 let lse_rows = if self.r.inference { 0 } else { sq };
-                let mut saves = vec![
-                    Save::In(0),
-                    Save::In(1),
-                    Save::In(2),
-                    Save::Out(0),
-                    Save::Out(1),
-                ];
+                let saves = sdpa_saves(*backend);
                 let outs = match backend {
                     // _flash_attention_forward (flash_api.cpp mha_fwd): output in q's memory order
                     // ([B, L, H, D] for HF's transposed q), returned as [B, H, L, D]; softmax_lse float32 [B, H, L]; rng_state
@@ -1019,7 +1056,6 @@ impl<'g> Lowering<'g> {
                         let lse = self.alloc(Layout::contiguous(&[b, h, sq]), DType::F32, m, name);
                         let rng = self.alloc(Layout::contiguous(&[2]), DType::I64, m, name);
                         let unused = self.alloc(Layout::contiguous(&[]), DType::I64, m, name);
-                        saves.extend([Save::Out(2), Save::Out(3)]);
                         vec![o, lse, rng, unused]
                     }
                     // _efficient_attention_forward: output BMHK, logsumexp float32
@@ -1067,7 +1103,6 @@ impl<'g> Lowering<'g> {
                             m,
                             name,
                         );
-                        saves.extend([Save::Out(2), Save::Out(3)]);
                         vec![o, lse, seed, offset]
                     }
                 };

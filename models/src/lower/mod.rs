@@ -28,7 +28,10 @@
 //! * **Checkpointing** is `torch.utils.checkpoint(use_reentrant=False)`: inside a checkpointed
 //!   region nothing is saved but the region's inputs; the first backward node of the region that
 //!   unpacks a saved tensor reruns the region's forward, keeping what it saves (stopping early once
-//!   all are recomputed), and each recomputed tensor goes when its node has run.
+//!   all are recomputed), and each recomputed tensor goes when its node has run. Under
+//!   `selective-op` a selective-checkpoint policy also caches the outputs of the ops it saves
+//!   through the forward and hands them back in the recomputation instead of rerunning them
+//!   (`sac.rs`).
 //! * **Optimizer** steps follow `torch/optim` (`optim.rs`).
 //!
 //! Allocation sizes are exact: `numel × element size`, unrounded, as PyTorch asks the allocator.
@@ -42,6 +45,7 @@ mod optim;
 mod parallel;
 mod pipeline;
 mod quant;
+mod sac;
 mod tp;
 mod zero3;
 
@@ -223,6 +227,8 @@ struct Frame {
     op_nodes: FxHashMap<usize, u32>,
     /// The last op of the region that saves a tensor: recomputation stops after it.
     last_saving_op: Option<usize>,
+    /// The selective-checkpoint contexts' storage and policy state (`selective-op` only).
+    sac: Option<sac::SacStorage>,
 }
 
 /// The lowering state: storages, events, autograd nodes.
@@ -255,6 +261,8 @@ pub(crate) struct Lowering<'g> {
     active_frame: Option<u32>,
     recompute_saved: Option<FxHashMap<u32, Vec<Rt>>>,
     recompute_ops: Option<FxHashMap<usize, u32>>,
+    /// The frame whose region is being recomputed.
+    recompute_frame: Option<u32>,
     pub(crate) kind_now: Kind,
     /// Values released after each op (Python lifetimes).
     release_after: Vec<Vec<ValueId>>,
@@ -510,6 +518,7 @@ impl<'g> Lowering<'g> {
             active_frame: None,
             recompute_saved: None,
             recompute_ops: None,
+            recompute_frame: None,
             kind_now: Kind::Other,
             release_after,
             live_bytes: 0,
@@ -1155,7 +1164,8 @@ impl<'g> Lowering<'g> {
 
 /// The op ranges `[start, end)` that `checkpointing` wraps in non-reentrant `torch.utils.checkpoint`
 /// (and so reruns in backward): every block (`full`), blocks 0, K, 2K, ... (`every:K`), attention cores
-/// (`selective`), or `checkpoint_sequential(blocks, round(√n))`'s segments but the last (`sqrt`).
+/// (`selective`), or `checkpoint_sequential(blocks, round(√n))`'s segments but the last (`sqrt`);
+/// `selective-op` wraps every block too, with torchtitan's op policy deciding inside (`sac.rs`).
 pub fn checkpointed_ranges(g: &Graph, checkpointing: Checkpointing) -> Vec<(usize, usize)> {
     let blocks: Vec<(usize, usize)> = g
         .regions
@@ -1165,7 +1175,7 @@ pub fn checkpointed_ranges(g: &Graph, checkpointing: Checkpointing) -> Vec<(usiz
         .collect();
     match checkpointing {
         Checkpointing::None => vec![],
-        Checkpointing::Full => blocks,
+        Checkpointing::Full | Checkpointing::SelectiveOp => blocks,
         Checkpointing::Every(k) => blocks
             .into_iter()
             .enumerate()
