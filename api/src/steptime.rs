@@ -75,7 +75,8 @@ use crate::commtime::CommWork;
 use std::fmt::Write as _;
 
 use vramsim_models::{
-    DTypeSpec, Graph, OpKind, OptimizerImpl, OptimizerKind, Precision, Recipe, ZeroGrad,
+    Checkpointing, DTypeSpec, Graph, OpKind, OptimizerImpl, OptimizerKind, Precision, Recipe,
+    ZeroGrad,
 };
 use vramsim_sim::device::{find_preset, Device, DEFAULT_GPU};
 
@@ -384,6 +385,8 @@ struct OpWork {
     /// product whose weight is frozen (only the input's gradient) or a bitsandbytes layer, 0 for
     /// an op none of whose inputs requires grad.
     bwd: f64,
+    /// `--checkpoint selective-op` keeps its output: the recomputation does not run it.
+    kept: bool,
 }
 
 /// The estimate for one step.
@@ -549,6 +552,7 @@ impl StepWork {
                     bytes,
                     conv,
                     bwd,
+                    kept: false,
                 }
             })
             .collect();
@@ -558,13 +562,25 @@ impl StepWork {
             .iter()
             .map(|p| p.shape.iter().product::<u64>())
             .sum();
+        let recomputed = if recipe.inference {
+            Vec::new()
+        } else {
+            vramsim_models::checkpointed_ranges(graph, recipe.checkpointing)
+        };
+        let mut ops: Vec<OpWork> = ops;
+        if recipe.checkpointing == Checkpointing::SelectiveOp {
+            for &(a, b) in &recomputed {
+                let kept = vramsim_models::selective_op_saves(
+                    graph.ops[a..b].iter().map(|op| op.kind.clone()),
+                );
+                for (w, k) in ops[a..b].iter_mut().zip(kept) {
+                    w.kept = k;
+                }
+            }
+        }
         StepWork {
             ops,
-            recomputed: if recipe.inference {
-                Vec::new()
-            } else {
-                vramsim_models::checkpointed_ranges(graph, recipe.checkpointing)
-            },
+            recomputed,
             params,
             param_tensors: trainable.len() as u64,
             precision: recipe.precision,
@@ -614,12 +630,24 @@ impl StepWork {
         let recompute: f64 = self
             .recomputed
             .iter()
-            .map(|&(a, b)| self.ops[a..b].iter().map(op_time).sum::<f64>())
+            .map(|&(a, b)| {
+                self.ops[a..b]
+                    .iter()
+                    .filter(|w| !w.kept)
+                    .map(op_time)
+                    .sum::<f64>()
+            })
             .sum();
         let recompute_flops: f64 = self
             .recomputed
             .iter()
-            .map(|&(a, b)| self.ops[a..b].iter().map(|w| w.flops).sum::<f64>())
+            .map(|&(a, b)| {
+                self.ops[a..b]
+                    .iter()
+                    .filter(|w| !w.kept)
+                    .map(|w| w.flops)
+                    .sum::<f64>()
+            })
             .sum();
         let backward: f64 = self.ops.iter().map(|w| w.bwd * op_time(w)).sum();
         // parameters, gradients and optimizer state: float32 except under bf16

@@ -54,7 +54,7 @@ pub mod zoo;
 pub use breakdown::{peak_breakdown, peak_breakdown_until, PeakBreakdown};
 pub use dtype::DType;
 pub use graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, ValueId, T};
-pub use lower::{checkpointed_ranges, lower, LowerError};
+pub use lower::{checkpointed_ranges, lower, selective_op_saves, LowerError};
 pub use ops::{FusedSdpa, OpKind};
 pub use parallel::{Offload, Parallel, PpSchedule, ReshardAfterForward, Shard};
 pub use recipe::{parse_image_size, Head, Loss};

@@ -46,6 +46,7 @@ mod parallel;
 mod pipeline;
 mod quant;
 mod sac;
+pub use sac::selective_op_saves;
 mod tp;
 mod zero3;
 

@@ -74,6 +74,25 @@ fn save_list(kind: &OpKind) -> Option<&'static str> {
     }
 }
 
+/// Which ops of one checkpointed region torchtitan's op-level policy saves (the recomputation
+/// returns their stored outputs instead of running them): every other `aten.mm` of the region's
+/// forward, from the first (`_custom_policy`'s per-context count), and the flash and
+/// memory-efficient attention calls.
+pub fn selective_op_saves(kinds: impl IntoIterator<Item = OpKind>) -> Vec<bool> {
+    let mut mm = 0u32;
+    kinds
+        .into_iter()
+        .map(|kind| match save_list(&kind) {
+            Some("aten.mm") => {
+                mm += 1;
+                mm % 2 == 1
+            }
+            Some(_) => true,
+            None => false,
+        })
+        .collect()
+}
+
 impl Lowering<'_> {
     /// `context_fn()` for a new checkpoint frame: fresh contexts under `selective-op`.
     pub(super) fn sac_contexts(&self) -> Option<SacStorage> {
