@@ -9,6 +9,7 @@
 use std::fmt::Write as _;
 
 use anyhow::Result;
+use rayon::prelude::*;
 use serde_json::{json, Value};
 use vramsim_models::pipeline::{self, rank_actions};
 use vramsim_models::zoo::Arch;
@@ -58,11 +59,22 @@ fn peak_allocated(t: &Trace) -> u64 {
     max
 }
 
-/// Every rank's lowering, by rank.
+/// Every rank's lowering, by rank (in parallel: each pipeline rank is lowered on its own).
 fn lower_ranks(args: &PredictArgs, pp: u32) -> Result<Vec<Lowered>> {
     (0..pp)
+        .into_par_iter()
         .map(|rank| crate::predict::lower_step_device(args, rank))
         .collect()
+}
+
+/// The global ranks that play pipeline rank `rank`'s role: torchtitan's device mesh puts `pp`
+/// outermost (`ParallelDims._build_mesh`: `["pp", "dp_replicate", "dp_shard", "cp", "tp"]`), so
+/// pipeline rank `r` is the block `r·dp·tp .. (r + 1)·dp·tp`; its tensor-parallel ranks hold equal
+/// shards of the same stage (one role).
+fn stage_ranks(recipe: &Recipe, rank: u32) -> Vec<u32> {
+    let p = &recipe.parallel;
+    let block = p.dp.max(1) * p.tp.max(1);
+    (rank * block..(rank + 1) * block).collect()
 }
 
 /// The rank a sweep evaluates: the one with the largest peak allocated.
@@ -95,8 +107,13 @@ fn role_name(recipe: &Recipe, rank: u32) -> String {
     } else {
         format!(", {}", what.join(", "))
     };
+    let tp = if p.tp > 1 {
+        format!(" × {}", crate::ranks::tp_role(p))
+    } else {
+        String::new()
+    };
     format!(
-        "pipeline rank {rank} (stage{} {}{holds}; {in_flight} micro-batch{} in flight)",
+        "pipeline rank {rank} (stage{} {}{holds}; {in_flight} micro-batch{} in flight){tp}",
         if stages.len() > 1 { "s" } else { "" },
         stages
             .iter()
@@ -107,10 +124,10 @@ fn role_name(recipe: &Recipe, rank: u32) -> String {
     )
 }
 
-fn role_of(report: &Report, role: String, rank: u32) -> RankRole {
+fn role_of(report: &Report, role: String, ranks: Vec<u32>) -> RankRole {
     RankRole {
         role,
-        ranks: vec![rank],
+        ranks,
         peak_allocated: report.peak_allocated(),
         peak_reserved: report.peak_reserved(),
         peak_device_used: report.outcome.peak_device_used,
@@ -126,22 +143,34 @@ fn role_of(report: &Report, role: String, rank: u32) -> RankRole {
 }
 
 /// Lowers and replays every pipeline rank of `args`; returns the worst rank's lowering (an
-/// out-of-memory rank first, then the largest peak reserved) and every rank's role.
+/// out-of-memory rank first, then the largest peak reserved) and every rank's role. The ranks run
+/// in parallel and each lowering is dropped once replayed unless it is the worst so far (a
+/// 126-layer stage's trace is large; holding all of them is what would cost time).
 pub fn rank_roles(args: &PredictArgs) -> Result<(Lowered, Vec<RankRole>)> {
-    let ranks = lower_ranks(args, args.pp)?;
-    let mut roles = Vec::with_capacity(ranks.len());
-    for (rank, lowered) in ranks.iter().enumerate() {
-        let (report, _) = replay_step(lowered, &args.machine, 0, false)?;
-        roles.push(role_of(
-            &report,
-            role_name(&lowered.recipe, rank as u32),
-            rank as u32,
-        ));
-    }
-    let worst = (0..roles.len())
-        .max_by_key(|&i| (!roles[i].fits, roles[i].peak_reserved, std::cmp::Reverse(i)))
-        .unwrap_or(0);
-    let lowered = ranks.into_iter().nth(worst).expect("one rank at least");
+    type Key = (bool, u64, std::cmp::Reverse<u32>);
+    let worst: std::sync::Mutex<Option<(Key, Lowered)>> = std::sync::Mutex::new(None);
+    let roles = (0..args.pp)
+        .into_par_iter()
+        .map(|rank| {
+            let lowered = crate::predict::lower_step_device(args, rank)?;
+            let (report, _) = replay_step(&lowered, &args.machine, 0, false)?;
+            let role = role_of(
+                &report,
+                role_name(&lowered.recipe, rank),
+                stage_ranks(&lowered.recipe, rank),
+            );
+            let key = (!role.fits, role.peak_reserved, std::cmp::Reverse(rank));
+            let mut w = worst.lock().unwrap_or_else(|e| e.into_inner());
+            if w.as_ref().is_none_or(|(k, _)| key > *k) {
+                *w = Some((key, lowered));
+            }
+            Ok(role)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let (_, lowered) = worst
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .expect("one rank at least");
     Ok((lowered, roles))
 }
 
@@ -152,10 +181,20 @@ pub fn to_table(recipe: &Recipe, roles: &[RankRole]) -> String {
     let m = pipeline::microbatches(p, recipe.batch).unwrap_or(1);
     let _ = writeln!(
         out,
-        "layout     pp {} × {} ({} stages), {} micro-batches of {} (batch {}); each rank replayed; fits only if every rank fits",
+        "layout     pp {} × {} ({} stages){}, {} micro-batches of {} (batch {}); each rank replayed; fits only if every rank fits",
         p.pp,
         p.pp_schedule,
         pipeline::num_stages(p),
+        if p.tp > 1 {
+            format!(
+                " × tp {}{} ({} ranks)",
+                p.tp,
+                if p.sp { " --sp" } else { "" },
+                p.world_size()
+            )
+        } else {
+            String::new()
+        },
         m,
         recipe.batch / u64::from(m),
         recipe.batch

@@ -79,7 +79,7 @@ pub fn roles(parallel: &Parallel, report: &Report) -> Vec<RankRole> {
 }
 
 /// The role of a tensor-parallel rank.
-fn tp_role(parallel: &Parallel) -> String {
+pub(crate) fn tp_role(parallel: &Parallel) -> String {
     format!(
         "tensor-parallel rank (1/{} of the attention, MLP, embedding and logits{})",
         parallel.tp,

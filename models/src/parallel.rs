@@ -611,10 +611,13 @@ impl Parallel {
             return Ok(());
         }
         let bad = |msg: String| RecipeError::Invalid { field: "pp", msg };
-        if self.dp > 1 || self.shard != Shard::None || self.tp > 1 {
+        // A stage is cut from the tensor-parallel rank's graph (`pipeline::rank_graph` on the
+        // `--tp`/`--sp` build), so --tp composes with --pp; data parallelism over the stages does
+        // not yet.
+        if self.dp > 1 || self.shard != Shard::None {
             return Err(bad(format!(
-                "pipeline parallelism is modelled on its own: --pp {} with --dp {} --shard {} --tp {} is not modelled yet (give --dp 1 --shard none --tp 1)",
-                self.pp, self.dp, self.shard, self.tp
+                "--pp {} with --dp {} --shard {} is not modelled yet: pipeline parallelism composes with --tp/--sp only (give --dp 1 --shard none)",
+                self.pp, self.dp, self.shard
             )));
         }
         if r.inference {
