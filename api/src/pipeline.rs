@@ -238,3 +238,120 @@ pub fn to_json(recipe: &Recipe, roles: &[RankRole]) -> Value {
         "deciding_ranks": worst,
     })
 }
+
+/// The layouts `vramsim bench --layouts` times through `predict` (issue 12, "Scale on paper"):
+/// name and `predict` arguments. Llama-3.1-405B at seq 8192 on H100s, bf16, full activation
+/// checkpointing, TP 8 with sequence parallelism × PP 8 (1F1B, 32 micro-batches of 1): 64 ranks,
+/// eight roles (one per pipeline stage; the tensor-parallel ranks of a stage share its role).
+/// torchtitan's published layout adds FSDP 8 over these (512 GPUs), which `--pp` with `--shard`
+/// does not model yet (`Parallel::validate`).
+pub const BENCH_LAYOUTS: [(&str, &[&str]); 1] = [(
+    "llama3-405b tp 8 --sp × pp 8 (64 ranks)",
+    &[
+        "--model",
+        "llama3-405b",
+        "--seq",
+        "8192",
+        "--batch",
+        "32",
+        "--precision",
+        "bf16",
+        "--checkpoint",
+        "full",
+        "--tp",
+        "8",
+        "--sp",
+        "--pp",
+        "8",
+        "--gpu",
+        "h100-80gb",
+    ],
+)];
+
+/// One timed layout of [`BENCH_LAYOUTS`].
+#[derive(Debug, Clone)]
+pub struct LayoutBench {
+    /// The layout's name.
+    pub name: &'static str,
+    /// World size.
+    pub ranks: u32,
+    /// Roles replayed.
+    pub roles: usize,
+    /// Wall time of `predict` (best of three), seconds.
+    pub seconds: f64,
+    /// The worst rank's peak reserved, bytes.
+    pub worst_peak_reserved: u64,
+    /// The worst rank's peak allocated, bytes.
+    pub worst_peak_allocated: u64,
+    /// Whether every rank fits.
+    pub fits: bool,
+}
+
+/// Times `predict` on each of [`BENCH_LAYOUTS`] (best of three runs; target < 1 s on 2 cores).
+pub fn bench_layouts() -> Result<Vec<LayoutBench>> {
+    let mut out = Vec::new();
+    for (name, argv) in BENCH_LAYOUTS {
+        let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
+        let args: PredictArgs = crate::parse_args("predict", &argv)?;
+        let mut best = f64::INFINITY;
+        let mut last = None;
+        for _ in 0..3 {
+            let t0 = std::time::Instant::now();
+            let p = crate::predict::predict(&args)?;
+            best = best.min(t0.elapsed().as_secs_f64());
+            last = Some(p);
+        }
+        let p = last.expect("three runs");
+        out.push(LayoutBench {
+            name,
+            ranks: p.lowered.recipe.parallel.world_size(),
+            roles: p.stages.len(),
+            seconds: best,
+            worst_peak_reserved: p.report.peak_reserved(),
+            worst_peak_allocated: p.report.peak_allocated(),
+            fits: p.stages.iter().all(|r| r.fits),
+        });
+    }
+    Ok(out)
+}
+
+/// `vramsim bench --layouts`: each layout's wall time and its worst rank's peaks.
+pub fn print_layout_bench(as_json: bool) -> Result<()> {
+    let results = bench_layouts()?;
+    if as_json {
+        let list: Vec<Value> = results
+            .iter()
+            .map(|b| {
+                json!({
+                    "layout": b.name,
+                    "ranks": b.ranks,
+                    "roles": b.roles,
+                    "seconds": b.seconds,
+                    "worst_peak_reserved_bytes": b.worst_peak_reserved,
+                    "worst_peak_allocated_bytes": b.worst_peak_allocated,
+                    "fits": b.fits,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({ "layouts": list }))?
+        );
+        return Ok(());
+    }
+    println!("predict on large layouts, best of 3 (target on 2 cores: < 1 s)");
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+    for b in &results {
+        println!(
+            "  {:<40} {:>6.3} s, {} roles replayed for {} ranks; worst rank: peak allocated {:.2} GiB, reserved {:.2} GiB; {}",
+            b.name,
+            b.seconds,
+            b.roles,
+            b.ranks,
+            gib(b.worst_peak_allocated),
+            gib(b.worst_peak_reserved),
+            if b.fits { "every rank fits" } else { "out of memory" }
+        );
+    }
+    Ok(())
+}

@@ -612,11 +612,16 @@ impl Parallel {
         }
         let bad = |msg: String| RecipeError::Invalid { field: "pp", msg };
         // A stage is cut from the tensor-parallel rank's graph (`pipeline::rank_graph` on the
-        // `--tp`/`--sp` build), so --tp composes with --pp; data parallelism over the stages does
-        // not yet.
+        // `--tp`/`--sp` build), so --tp composes with --pp. Data parallelism over the stages does
+        // not yet: under a schedule, `_PipelineStageBase.backward_maybe_with_nosync`
+        // (`torch/distributed/pipelining/stage.py`) runs every micro-batch's backward of an FSDP
+        // stage with `set_reshard_after_backward(False)` and `set_requires_gradient_sync(False)`
+        // (unsharded parameters and gradients kept, no reduce-scatter) and reduces once in
+        // `perform_reduce_grad` → `finalize_backward`, and wraps a DDP stage's non-last backwards
+        // in `no_sync()`; the FSDP2 and DDP lowerings model one backward per micro-step.
         if self.dp > 1 || self.shard != Shard::None {
             return Err(bad(format!(
-                "--pp {} with --dp {} --shard {} is not modelled yet: pipeline parallelism composes with --tp/--sp only (give --dp 1 --shard none)",
+                "--pp {} with --dp {} --shard {} is not modelled yet: torch.distributed.pipelining runs an FSDP stage's micro-batch backwards without resharding or reduce-scatter and reduces once after the last (stage.py backward_maybe_with_nosync, perform_reduce_grad), a DDP stage's under no_sync(); the data-parallel lowerings model one backward per step. Pipeline parallelism composes with --tp/--sp (give --dp 1 --shard none)",
                 self.pp, self.dp, self.shard
             )));
         }
