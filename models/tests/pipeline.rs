@@ -420,3 +420,43 @@ fn tensor_parallel_stages() {
         }
     }
 }
+
+/// With `--tp 2 --sp`, 1F1B still holds `min(m, pp − stage)` micro-batches of the stage's saved
+/// activations — now the tensor-parallel stage's, measured on the same TP stage running one
+/// micro-batch — plus the outputs waiting for their sends, each the sequence shard
+/// `s/t × h × 2` bytes by hand, and the last stage's fp32 losses.
+#[test]
+fn tensor_parallel_in_flight_activations() {
+    let (pp, m, seq, hidden, t) = (4u32, 8u32, 128u64, 768u64, 2u32);
+    let out = hidden_bytes(seq / u64::from(t), hidden);
+    let with_tp = |mut r: Recipe| {
+        r.parallel.tp = t;
+        r.parallel.sp = true;
+        r
+    };
+    for rank in 0..pp {
+        let last = rank + 1 == pp;
+        let one = lower_rank(
+            "gpt2",
+            &with_tp(recipe(1, seq, pp, PpSchedule::GPipe, 1, rank)),
+        );
+        let a1 = max_live(&one, Category::Activation);
+        let saved1 = if last { a1 } else { a1 - out };
+        let w = u64::from(m.min(pp - rank));
+        let tr = lower_rank(
+            "gpt2",
+            &with_tp(recipe(u64::from(m), seq, pp, PpSchedule::OneFOneB, m, rank)),
+        );
+        let peak = max_live(&tr, Category::Activation);
+        let (sends, losses) = if last {
+            (0, u64::from(m - 1) * 4)
+        } else {
+            (w.min(2) * out, 0)
+        };
+        assert_eq!(
+            peak - sends - losses,
+            w * saved1,
+            "1F1B tp {t} --sp stage {rank}"
+        );
+    }
+}
