@@ -187,7 +187,8 @@ pub fn to_table_lines(roles: &[RankRole]) -> String {
         let _ = writeln!(
             out,
             "ranks {:<5}{}: peak allocated {}, reserved {}, device used {}, {}; at peak allocated: {}",
-            rank_list(&r.ranks),
+            // A list wider than the column (a pipeline stage's `40-47`) keeps a space before the role.
+            format!("{} ", rank_list(&r.ranks)),
             r.role,
             format_size(r.peak_allocated),
             format_size(r.peak_reserved),
