@@ -621,7 +621,7 @@ impl Parallel {
         // in `no_sync()`; the FSDP2 and DDP lowerings model one backward per micro-step.
         if self.dp > 1 || self.shard != Shard::None {
             return Err(bad(format!(
-                "--pp {} with --dp {} --shard {} is not modelled yet: torch.distributed.pipelining runs an FSDP stage's micro-batch backwards without resharding or reduce-scatter and reduces once after the last (stage.py backward_maybe_with_nosync, perform_reduce_grad), a DDP stage's under no_sync(); the data-parallel lowerings model one backward per step. Pipeline parallelism composes with --tp/--sp (give --dp 1 --shard none)",
+                "--pp {} with --dp {} --shard {} is not modelled yet (under a pipeline schedule an FSDP stage's micro-batch backwards keep unsharded gradients and reduce once after the last, a DDP stage's run under no_sync: stage.py backward_maybe_with_nosync); --pp composes with --tp/--sp (give --dp 1 --shard none)",
                 self.pp, self.dp, self.shard
             )));
         }
