@@ -367,7 +367,7 @@ fn step_frees_its_micro_batches() {
 /// the first stage's vocabulary-parallel embedding `[Vp/t, h]` and the last stage's final norm and
 /// head `[Vp/t, h]` (Vp: 32000 padded to a multiple of 128·t, `calculate_padded_vocab_size`); the
 /// activation a stage receives per micro-batch is one hidden state, its sequence shard `s/t` with
-/// `--sp` (Megatron's pipeline sends the sequence-parallel activation, `[s/t, b, h]`).
+/// `--sp` (Megatron sends `[s/t, b, h]`: `get_tensor_shapes`, `pipeline_parallel/schedules.py`).
 #[test]
 fn tensor_parallel_stages() {
     let (h, inter, heads, kv, vocab, layers) = (2048u64, 5632u64, 32u64, 4u64, 32000u64, 22u64);
