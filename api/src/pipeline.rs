@@ -68,7 +68,8 @@ fn lower_ranks(args: &PredictArgs, pp: u32) -> Result<Vec<Lowered>> {
 }
 
 /// The global ranks that play pipeline rank `rank`'s role: torchtitan's device mesh puts `pp`
-/// outermost (`ParallelDims._build_mesh`: `["pp", "dp_replicate", "dp_shard", "cp", "tp"]`), so
+/// outermost (`ParallelDims._build_mesh_without_ep`, `torchtitan/distributed/parallel_dims.py`:
+/// `["pp", "dp_replicate", "dp_shard", "cp", "tp"]`), so
 /// pipeline rank `r` is the block `r·dp·tp .. (r + 1)·dp·tp`; its tensor-parallel ranks hold equal
 /// shards of the same stage (one role).
 fn stage_ranks(recipe: &Recipe, rank: u32) -> Vec<u32> {
