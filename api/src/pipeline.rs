@@ -9,6 +9,7 @@
 use std::fmt::Write as _;
 
 use anyhow::Result;
+use rayon::prelude::*;
 use serde_json::{json, Value};
 use vramsim_models::pipeline::{self, rank_actions};
 use vramsim_models::zoo::Arch;
@@ -57,11 +58,23 @@ fn peak_allocated(t: &Trace) -> u64 {
     max
 }
 
-/// Every rank's lowering, by rank.
+/// Every rank's lowering, by rank (in parallel: each pipeline rank is lowered on its own).
 fn lower_ranks(args: &PredictArgs, pp: u32) -> Result<Vec<Lowered>> {
     (0..pp)
+        .into_par_iter()
         .map(|rank| crate::predict::lower_step_device(args, rank))
         .collect()
+}
+
+/// The global ranks that play pipeline rank `rank`'s role: torchtitan's device mesh puts `pp`
+/// outermost (`ParallelDims._build_mesh_without_ep`, `torchtitan/distributed/parallel_dims.py`:
+/// `["pp", "dp_replicate", "dp_shard", "cp", "tp"]`), so
+/// pipeline rank `r` is the block `r·dp·tp .. (r + 1)·dp·tp`; its tensor-parallel ranks hold equal
+/// shards of the same stage (one role).
+fn stage_ranks(recipe: &Recipe, rank: u32) -> Vec<u32> {
+    let p = &recipe.parallel;
+    let block = p.dp.max(1) * p.tp.max(1);
+    (rank * block..(rank + 1) * block).collect()
 }
 
 /// The rank a sweep evaluates: the one with the largest peak allocated.
@@ -94,8 +107,13 @@ fn role_name(recipe: &Recipe, rank: u32) -> String {
     } else {
         format!(", {}", what.join(", "))
     };
+    let tp = if p.tp > 1 {
+        format!(" × {}", crate::ranks::tp_role(p))
+    } else {
+        String::new()
+    };
     format!(
-        "pipeline rank {rank} (stage{} {}{holds}; {in_flight} micro-batch{} in flight)",
+        "pipeline rank {rank} (stage{} {}{holds}; {in_flight} micro-batch{} in flight){tp}",
         if stages.len() > 1 { "s" } else { "" },
         stages
             .iter()
@@ -107,22 +125,34 @@ fn role_name(recipe: &Recipe, rank: u32) -> String {
 }
 
 /// Lowers and replays every pipeline rank of `args`; returns the worst rank's lowering (an
-/// out-of-memory rank first, then the largest peak reserved) and every rank's role.
+/// out-of-memory rank first, then the largest peak reserved) and every rank's role. The ranks run
+/// in parallel and each lowering is dropped once replayed unless it is the worst so far (a
+/// 126-layer stage's trace is large; holding all of them is what would cost time).
 pub fn rank_roles(args: &PredictArgs) -> Result<(Lowered, Vec<RankRole>)> {
-    let ranks = lower_ranks(args, args.pp)?;
-    let mut roles = Vec::with_capacity(ranks.len());
-    for (rank, lowered) in ranks.iter().enumerate() {
-        let (report, _) = replay_step(lowered, &args.machine, 0, false)?;
-        roles.push(RankRole::of(
-            &report,
-            role_name(&lowered.recipe, rank as u32),
-            vec![rank as u32],
-        ));
-    }
-    let worst = (0..roles.len())
-        .max_by_key(|&i| (!roles[i].fits, roles[i].peak_reserved, std::cmp::Reverse(i)))
-        .unwrap_or(0);
-    let lowered = ranks.into_iter().nth(worst).expect("one rank at least");
+    type Key = (bool, u64, std::cmp::Reverse<u32>);
+    let worst: std::sync::Mutex<Option<(Key, Lowered)>> = std::sync::Mutex::new(None);
+    let roles = (0..args.pp)
+        .into_par_iter()
+        .map(|rank| {
+            let lowered = crate::predict::lower_step_device(args, rank)?;
+            let (report, _) = replay_step(&lowered, &args.machine, 0, false)?;
+            let role = RankRole::of(
+                &report,
+                role_name(&lowered.recipe, rank),
+                stage_ranks(&lowered.recipe, rank),
+            );
+            let key = (!role.fits, role.peak_reserved, std::cmp::Reverse(rank));
+            let mut w = worst.lock().unwrap_or_else(|e| e.into_inner());
+            if w.as_ref().is_none_or(|(k, _)| key > *k) {
+                *w = Some((key, lowered));
+            }
+            Ok(role)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let (_, lowered) = worst
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .expect("one rank at least");
     Ok((lowered, roles))
 }
 
@@ -133,10 +163,20 @@ pub fn to_table(recipe: &Recipe, roles: &[RankRole]) -> String {
     let m = pipeline::microbatches(p, recipe.batch).unwrap_or(1);
     let _ = writeln!(
         out,
-        "layout     pp {} × {} ({} stages), {} micro-batches of {} (batch {}); each rank replayed; fits only if every rank fits",
+        "layout     pp {} × {} ({} stages){}, {} micro-batches of {} (batch {}); each rank replayed; fits only if every rank fits",
         p.pp,
         p.pp_schedule,
         pipeline::num_stages(p),
+        if p.tp > 1 {
+            format!(
+                " × tp {}{} ({} ranks)",
+                p.tp,
+                if p.sp { " --sp" } else { "" },
+                p.world_size()
+            )
+        } else {
+            String::new()
+        },
         m,
         recipe.batch / u64::from(m),
         recipe.batch
@@ -179,4 +219,121 @@ pub fn to_json(recipe: &Recipe, roles: &[RankRole]) -> Value {
         "fits": roles.iter().all(|r| r.fits),
         "deciding_ranks": worst,
     })
+}
+
+/// The layouts `vramsim bench --layouts` times through `predict` (issue 12, "Scale on paper"):
+/// name and `predict` arguments. Llama-3.1-405B at seq 8192 on H100s, bf16, full activation
+/// checkpointing, TP 8 with sequence parallelism × PP 8 (1F1B, 32 micro-batches of 1): 64 ranks,
+/// eight roles (one per pipeline stage; the tensor-parallel ranks of a stage share its role).
+/// torchtitan's published layout adds FSDP 8 over these (512 GPUs), which `--pp` with `--shard`
+/// does not model yet (`Parallel::validate`).
+pub const BENCH_LAYOUTS: [(&str, &[&str]); 1] = [(
+    "llama3-405b tp 8 --sp × pp 8 (64 ranks)",
+    &[
+        "--model",
+        "llama3-405b",
+        "--seq",
+        "8192",
+        "--batch",
+        "32",
+        "--precision",
+        "bf16",
+        "--checkpoint",
+        "full",
+        "--tp",
+        "8",
+        "--sp",
+        "--pp",
+        "8",
+        "--gpu",
+        "h100-80gb",
+    ],
+)];
+
+/// One timed layout of [`BENCH_LAYOUTS`].
+#[derive(Debug, Clone)]
+pub struct LayoutBench {
+    /// The layout's name.
+    pub name: &'static str,
+    /// World size.
+    pub ranks: u32,
+    /// Roles replayed.
+    pub roles: usize,
+    /// Wall time of `predict` (best of three), seconds.
+    pub seconds: f64,
+    /// The worst rank's peak reserved, bytes.
+    pub worst_peak_reserved: u64,
+    /// The worst rank's peak allocated, bytes.
+    pub worst_peak_allocated: u64,
+    /// Whether every rank fits.
+    pub fits: bool,
+}
+
+/// Times `predict` on each of [`BENCH_LAYOUTS`] (best of three runs; target < 1 s on 2 cores).
+pub fn bench_layouts() -> Result<Vec<LayoutBench>> {
+    let mut out = Vec::new();
+    for (name, argv) in BENCH_LAYOUTS {
+        let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
+        let args: PredictArgs = crate::parse_args("predict", &argv)?;
+        let mut best = f64::INFINITY;
+        let mut last = None;
+        for _ in 0..3 {
+            let t0 = std::time::Instant::now();
+            let p = crate::predict::predict(&args)?;
+            best = best.min(t0.elapsed().as_secs_f64());
+            last = Some(p);
+        }
+        let p = last.expect("three runs");
+        out.push(LayoutBench {
+            name,
+            ranks: p.lowered.recipe.parallel.world_size(),
+            roles: p.stages.len(),
+            seconds: best,
+            worst_peak_reserved: p.report.peak_reserved(),
+            worst_peak_allocated: p.report.peak_allocated(),
+            fits: p.stages.iter().all(|r| r.fits),
+        });
+    }
+    Ok(out)
+}
+
+/// `vramsim bench --layouts`: each layout's wall time and its worst rank's peaks.
+pub fn print_layout_bench(as_json: bool) -> Result<()> {
+    let results = bench_layouts()?;
+    if as_json {
+        let list: Vec<Value> = results
+            .iter()
+            .map(|b| {
+                json!({
+                    "layout": b.name,
+                    "ranks": b.ranks,
+                    "roles": b.roles,
+                    "seconds": b.seconds,
+                    "worst_peak_reserved_bytes": b.worst_peak_reserved,
+                    "worst_peak_allocated_bytes": b.worst_peak_allocated,
+                    "fits": b.fits,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({ "layouts": list }))?
+        );
+        return Ok(());
+    }
+    println!("predict on large layouts, best of 3 (target on 2 cores: < 1 s)");
+    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+    for b in &results {
+        println!(
+            "  {:<40} {:>6.3} s, {} roles replayed for {} ranks; worst rank: peak allocated {:.2} GiB, reserved {:.2} GiB; {}",
+            b.name,
+            b.seconds,
+            b.roles,
+            b.ranks,
+            gib(b.worst_peak_allocated),
+            gib(b.worst_peak_reserved),
+            if b.fits { "every rank fits" } else { "out of memory" }
+        );
+    }
+    Ok(())
 }

@@ -44,7 +44,7 @@ const DEFAULT_SEQ: u64 = 1024;
 pub struct PredictArgs {
     /// A zoo model: mlp, resnet18, resnet34, resnet50, resnet101, resnet152, vgg16, vit-b-16,
     /// bert-base, bert-large, gpt2, gpt2-medium, gpt2-large, gpt2-xl, tinyllama-1.1b, llama2-7b,
-    /// llama2-13b, llama2-70b, llama3-8b; timm 0.6 models under timm's names: timm/resnet18,
+    /// llama2-13b, llama2-70b, llama3-8b, llama3-405b; timm 0.6 models under timm's names: timm/resnet18,
     /// timm/resnet26, timm/resnet34, timm/resnet50, timm/resnet101, timm/resnet152,
     /// timm/vit_tiny_patch16_224, timm/vit_small_patch16_224, timm/vit_base_patch32_224,
     /// timm/vit_base_patch16_224, timm/vit_base_patch16_384, timm/vit_large_patch16_224,

@@ -89,7 +89,7 @@ pub fn roles(parallel: &Parallel, report: &Report) -> Vec<RankRole> {
 }
 
 /// The role of a tensor-parallel rank.
-fn tp_role(parallel: &Parallel) -> String {
+pub(crate) fn tp_role(parallel: &Parallel) -> String {
     format!(
         "tensor-parallel rank (1/{} of the attention, MLP, embedding and logits{})",
         parallel.tp,
@@ -197,7 +197,8 @@ pub fn to_table_lines(roles: &[RankRole]) -> String {
         let _ = writeln!(
             out,
             "ranks {:<5}{}: peak allocated {}, reserved {}, device used {}, {}; at peak allocated: {}",
-            rank_list(&r.ranks),
+            // A list wider than the column (a pipeline stage's `40-47`) keeps a space before the role.
+            format!("{} ", rank_list(&r.ranks)),
             r.role,
             format_size(r.peak_allocated),
             format_size(r.peak_reserved),

@@ -611,10 +611,18 @@ impl Parallel {
             return Ok(());
         }
         let bad = |msg: String| RecipeError::Invalid { field: "pp", msg };
-        if self.dp > 1 || self.shard != Shard::None || self.tp > 1 {
+        // A stage is cut from the tensor-parallel rank's graph (`pipeline::rank_graph` on the
+        // `--tp`/`--sp` build), so --tp composes with --pp. Data parallelism over the stages does
+        // not yet: under a schedule, `_PipelineStageBase.backward_maybe_with_nosync`
+        // (`torch/distributed/pipelining/stage.py`) runs every micro-batch's backward of an FSDP
+        // stage with `set_reshard_after_backward(False)` and `set_requires_gradient_sync(False)`
+        // (unsharded parameters and gradients kept, no reduce-scatter) and reduces once in
+        // `perform_reduce_grad` → `finalize_backward`, and wraps a DDP stage's non-last backwards
+        // in `no_sync()`; the FSDP2 and DDP lowerings model one backward per micro-step.
+        if self.dp > 1 || self.shard != Shard::None {
             return Err(bad(format!(
-                "pipeline parallelism is modelled on its own: --pp {} with --dp {} --shard {} --tp {} is not modelled yet (give --dp 1 --shard none --tp 1)",
-                self.pp, self.dp, self.shard, self.tp
+                "--pp {} with --dp {} --shard {} is not modelled yet (under a pipeline schedule an FSDP stage's micro-batch backwards keep unsharded gradients and reduce once after the last, a DDP stage's run under no_sync: stage.py backward_maybe_with_nosync); --pp composes with --tp/--sp (give --dp 1 --shard none)",
+                self.pp, self.dp, self.shard
             )));
         }
         if r.inference {

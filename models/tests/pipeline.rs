@@ -360,3 +360,103 @@ fn step_frees_its_micro_batches() {
         }
     }
 }
+
+/// `--pp` with `--tp [--sp]`: each stage is cut from the tensor-parallel rank's graph. Its
+/// parameters are, by hand, the TP shards of its layers (TinyLlama, t = 2: q `[h/t·…]`, k and v
+/// `[kv·d/t, h]`, o `[h, h/t]`, gate and up `[I/t, h]`, down `[h, I/t]`, both RMSNorms whole),
+/// the first stage's vocabulary-parallel embedding `[Vp/t, h]` and the last stage's final norm and
+/// head `[Vp/t, h]` (Vp: 32000 padded to a multiple of 128·t, `calculate_padded_vocab_size`); the
+/// activation a stage receives per micro-batch is one hidden state, its sequence shard `s/t` with
+/// `--sp` (Megatron sends `[s/t, b, h]`: `get_tensor_shapes`, `pipeline_parallel/schedules.py`).
+#[test]
+fn tensor_parallel_stages() {
+    let (h, inter, heads, kv, vocab, layers) = (2048u64, 5632u64, 32u64, 4u64, 32000u64, 22u64);
+    let d = h / heads;
+    let (t, pp, m, seq) = (2u64, 2u32, 4u32, 128u64);
+    let vp = vocab.div_ceil(128 * t) * 128 * t;
+    let layer = h * (heads / t) * d
+        + 2 * h * (kv / t) * d
+        + (heads / t) * d * h
+        + 3 * h * (inter / t)
+        + 2 * h;
+    // torchtitan's split of 22 layers over 2 stages: 24 effective, 12 each: 11 layers + embeddings,
+    // 11 layers + norm and head.
+    let per = (layers + 2) / 2 - 1;
+    let expect = [per * layer + vp / t * h, per * layer + h + vp / t * h];
+    for sp in [false, true] {
+        for rank in 0..pp {
+            let mut r = recipe(u64::from(m), seq, pp, PpSchedule::OneFOneB, m, rank);
+            r.parallel.tp = t as u32;
+            r.parallel.sp = sp;
+            let mut gr = r.clone();
+            gr.batch = r.parallel.replica_batch(r.batch);
+            let g = zoo::build("tinyllama-1.1b", &gr).expect("builds");
+            let stage = rank_graph(&g, &r.parallel).expect("splits");
+            let numel: u64 = stage
+                .params
+                .iter()
+                .map(|p| {
+                    stage.values[p.value.0 as usize]
+                        .shape
+                        .iter()
+                        .product::<u64>()
+                })
+                .sum();
+            assert_eq!(numel, expect[rank as usize], "sp {sp} stage {rank}");
+            // One hidden state received per micro-batch in flight (1F1B: min(m, pp − stage)).
+            let t_rank = lower(&stage, &r).expect("lowers");
+            let (n, bytes) = max_live_tagged(&t_rank, "pp_recv_activation");
+            if rank == 0 {
+                assert_eq!(n, 0);
+            } else {
+                let s_local = if sp { seq / t } else { seq };
+                let w = u64::from(m.min(pp - rank));
+                assert_eq!(
+                    (n as u64, bytes),
+                    (w, w * hidden_bytes(s_local, h)),
+                    "sp {sp}"
+                );
+            }
+        }
+    }
+}
+
+/// With `--tp 2 --sp`, 1F1B still holds `min(m, pp − stage)` micro-batches of the stage's saved
+/// activations — now the tensor-parallel stage's, measured on the same TP stage running one
+/// micro-batch — plus the outputs waiting for their sends, each the sequence shard
+/// `s/t × h × 2` bytes by hand, and the last stage's fp32 losses.
+#[test]
+fn tensor_parallel_in_flight_activations() {
+    let (pp, m, seq, hidden, t) = (4u32, 8u32, 128u64, 768u64, 2u32);
+    let out = hidden_bytes(seq / u64::from(t), hidden);
+    let with_tp = |mut r: Recipe| {
+        r.parallel.tp = t;
+        r.parallel.sp = true;
+        r
+    };
+    for rank in 0..pp {
+        let last = rank + 1 == pp;
+        let one = lower_rank(
+            "gpt2",
+            &with_tp(recipe(1, seq, pp, PpSchedule::GPipe, 1, rank)),
+        );
+        let a1 = max_live(&one, Category::Activation);
+        let saved1 = if last { a1 } else { a1 - out };
+        let w = u64::from(m.min(pp - rank));
+        let tr = lower_rank(
+            "gpt2",
+            &with_tp(recipe(u64::from(m), seq, pp, PpSchedule::OneFOneB, m, rank)),
+        );
+        let peak = max_live(&tr, Category::Activation);
+        let (sends, losses) = if last {
+            (0, u64::from(m - 1) * 4)
+        } else {
+            (w.min(2) * out, 0)
+        };
+        assert_eq!(
+            peak - sends - losses,
+            w * saved1,
+            "1F1B tp {t} --sp stage {rank}"
+        );
+    }
+}

@@ -109,6 +109,11 @@ pub const LLAMA2_13B: LlamaConfig = preset("llama2-13b", 5120, 13824, 40, 40, 40
 pub const LLAMA2_70B: LlamaConfig = preset("llama2-70b", 8192, 28672, 80, 64, 8, 32000, 4096);
 /// `meta-llama/Meta-Llama-3-8B`.
 pub const LLAMA3_8B: LlamaConfig = preset("llama3-8b", 4096, 14336, 32, 32, 8, 128256, 8192);
+/// `meta-llama/Llama-3.1-405B` (its config.json: hidden 16384, 126 layers, 128 heads, 8 KV heads,
+/// FFN 53248, vocabulary 128256, 131072 positions; `rope_theta` 500000 and the `llama3` RoPE
+/// scaling change values, not shapes).
+pub const LLAMA3_405B: LlamaConfig =
+    preset("llama3-405b", 16384, 53248, 126, 128, 8, 128256, 131072);
 
 /// Builds `LlamaForCausalLM(cfg)` at `batch` × `seq` with the loss from `labels`.
 pub fn llama(cfg: &LlamaConfig, batch: u64, seq: u64, attn: AttnImpl) -> Result<Graph, GraphError> {

@@ -10,7 +10,7 @@
 //! | `bert-base`, `bert-large` | transformers 5.23 `BertForMaskedLM` |
 //! | `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl` | transformers 5.23 `GPT2LMHeadModel` |
 //! | `nanogpt`, `nanogpt-medium`, `nanogpt-large`, `nanogpt-xl` (and `-nobias`) | karpathy/nanoGPT `model.py` `GPT` (`f08abb45`) |
-//! | `tinyllama-1.1b`, `llama2-7b`, `llama2-13b`, `llama2-70b`, `llama3-8b` | transformers 5.23 `LlamaForCausalLM` |
+//! | `tinyllama-1.1b`, `llama2-7b`, `llama2-13b`, `llama2-70b`, `llama3-8b`, `llama3-405b` | transformers 5.23 `LlamaForCausalLM` |
 //! | `timm/resnet18` ... `timm/convnext_large` ([`timm::MODELS`]) | timm 0.6 `timm.create_model(name)` |
 //!
 //! Image models take `(batch, 3, H, W)` inputs (the recipe's `image_size`, 224 × 224 by default)
@@ -41,7 +41,7 @@ use heads::Family;
 pub use nn::{Activation, AttnImpl};
 
 /// Every zoo name, in the order `vramsim predict` lists them.
-pub const NAMES: [&str; 48] = [
+pub const NAMES: [&str; 49] = [
     "mlp",
     "resnet18",
     "resnet34",
@@ -61,6 +61,7 @@ pub const NAMES: [&str; 48] = [
     "llama2-13b",
     "llama2-70b",
     "llama3-8b",
+    "llama3-405b",
     "timm/resnet18",
     "timm/resnet26",
     "timm/resnet34",
@@ -222,6 +223,7 @@ impl Arch {
             "llama2-13b" => Arch::Llama(llama::LLAMA2_13B),
             "llama2-70b" => Arch::Llama(llama::LLAMA2_70B),
             "llama3-8b" => Arch::Llama(llama::LLAMA3_8B),
+            "llama3-405b" => Arch::Llama(llama::LLAMA3_405B),
             _ => match (
                 timm::TimmConfig::from_name(name),
                 nanogpt::NanoGptConfig::from_name(name),

@@ -1,5 +1,6 @@
 //! `vramsim bench`: replay speed, JSON Lines parsing speed and streaming memory, on synthetic
-//! training-like traces; with `--sweep`, what-if sweeps through `predict` (`crate::whatif`).
+//! training-like traces; with `--sweep`, what-if sweeps through `predict` (`crate::whatif`); with
+//! `--layouts`, `predict` on large parallel layouts (`vramsim_api::pipeline::bench_layouts`).
 //! Performance targets live here, not in timed tests.
 
 use std::fs::File;
@@ -44,6 +45,11 @@ pub struct BenchArgs {
     /// snapshot: under 200 ms).
     #[arg(long, value_name = "SNAPSHOT")]
     pub snapshot: Option<PathBuf>,
+    /// Time `predict` on large parallel layouts instead (Llama-3.1-405B, TP 8 × PP 8 on H100s: one
+    /// replay per pipeline stage), best of 3, with the worst rank's peak (target: under 1 s on 2
+    /// cores).
+    #[arg(long)]
+    pub layouts: bool,
 }
 
 /// Runs `vramsim bench`.
@@ -53,6 +59,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     if args.sweep {
         return vramsim_api::whatif::print_bench(args.json);
+    }
+    if args.layouts {
+        return vramsim_api::pipeline::print_layout_bench(args.json);
     }
     if let Some(path) = &args.snapshot {
         return bench_import(path, args.json);
