@@ -7,44 +7,9 @@ use vramsim_models::{
     lower, peak_requested, Checkpointing, DType, DTypeSpec, Fidelity, GraphBuilder, OptimizerKind,
     Precision, Recipe,
 };
-use vramsim_traces::{AllocId, Category, Event, Trace};
-
-/// Live allocations (size, category, tag) just before event index `at`.
-fn live_at(t: &Trace, at: usize) -> Vec<(u64, Category, String)> {
-    let mut live: HashMap<&AllocId, (u64, Category, String)> = HashMap::new();
-    for e in &t.events[..at] {
-        match e {
-            Event::Alloc {
-                id,
-                size,
-                category,
-                tag,
-                ..
-            } => {
-                live.insert(
-                    id,
-                    (*size, *category, tag.as_deref().unwrap_or("").to_string()),
-                );
-            }
-            Event::Free { id } => {
-                live.remove(id);
-            }
-            _ => {}
-        }
-    }
-    live.into_values().collect()
-}
-
-/// Index of the `n`-th phase marker named `name`.
-fn phase_index(t: &Trace, name: &str, n: usize) -> usize {
-    t.events
-        .iter()
-        .enumerate()
-        .filter(|(_, e)| matches!(e, Event::Phase { name: p } if &**p == name))
-        .nth(n)
-        .map(|(i, _)| i)
-        .unwrap_or_else(|| panic!("no phase {name} #{n}"))
-}
+mod common;
+use common::{live_at, phase_index};
+use vramsim_traces::{AllocId, Category, Event};
 
 fn by_category(live: &[(u64, Category, String)], c: Category) -> u64 {
     live.iter().filter(|x| x.1 == c).map(|x| x.0).sum()

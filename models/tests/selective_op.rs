@@ -3,39 +3,14 @@
 //! `create_selective_checkpoint_contexts`), checked against byte counts derived by hand.
 
 mod common;
+use common::live_at;
 
 use std::collections::HashMap;
 use vramsim_models::{
     lower, zoo, Attention, CheckpointImpl, Checkpointing, Fidelity, OptimizerKind, Precision,
     Recipe,
 };
-use vramsim_traces::{AllocId, Category, Event, Trace};
-
-/// Live allocations (size, category, tag) just before event index `at`.
-fn live_at(t: &Trace, at: usize) -> Vec<(u64, Category, String)> {
-    let mut live: HashMap<&AllocId, (u64, Category, String)> = HashMap::new();
-    for e in &t.events[..at] {
-        match e {
-            Event::Alloc {
-                id,
-                size,
-                category,
-                tag,
-                ..
-            } => {
-                live.insert(
-                    id,
-                    (*size, *category, tag.as_deref().unwrap_or("").to_string()),
-                );
-            }
-            Event::Free { id } => {
-                live.remove(id);
-            }
-            _ => {}
-        }
-    }
-    live.into_values().collect()
-}
+use vramsim_traces::{Category, Event, Trace};
 
 /// Index of the first `backward` phase marker: the end of the forward.
 fn end_of_forward(t: &Trace) -> usize {

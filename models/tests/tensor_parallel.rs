@@ -3,49 +3,13 @@
 //! counts of the sharded shapes (never against this crate's output).
 
 mod common;
+use common::{live_at, phase_index};
 
 use std::collections::HashMap;
 use vramsim_models::zoo::tp::TpPlan;
 use vramsim_models::zoo::{self, gpt2, nn::Activation, nn::AttnImpl};
 use vramsim_models::{lower, Attention, Fidelity, Head, Loss, Precision, Recipe};
 use vramsim_traces::{AllocId, Category, Event, Trace};
-
-/// Live allocations (size, category, tag) just before event index `at`.
-fn live_at(t: &Trace, at: usize) -> Vec<(u64, Category, String)> {
-    let mut live: HashMap<&AllocId, (u64, Category, String)> = HashMap::new();
-    for e in &t.events[..at] {
-        match e {
-            Event::Alloc {
-                id,
-                size,
-                category,
-                tag,
-                ..
-            } => {
-                live.insert(
-                    id,
-                    (*size, *category, tag.as_deref().unwrap_or("").to_string()),
-                );
-            }
-            Event::Free { id } => {
-                live.remove(id);
-            }
-            _ => {}
-        }
-    }
-    live.into_values().collect()
-}
-
-/// Index of the `n`-th phase marker named `name`.
-fn phase_index(t: &Trace, name: &str, n: usize) -> usize {
-    t.events
-        .iter()
-        .enumerate()
-        .filter(|(_, e)| matches!(e, Event::Phase { name: p } if &**p == name))
-        .nth(n)
-        .map(|(i, _)| i)
-        .unwrap_or_else(|| panic!("no phase {name} #{n}"))
-}
 
 fn sum_where(
     live: &[(u64, Category, String)],

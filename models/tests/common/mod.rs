@@ -173,3 +173,40 @@ pub fn check_captures(dir: &str, min_files: usize, recipe_of: fn(&serde_json::Va
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Live allocations (size, category, tag) just before event index `at`.
+pub fn live_at(t: &Trace, at: usize) -> Vec<(u64, Category, String)> {
+    let mut live: HashMap<&AllocId, (u64, Category, String)> = HashMap::new();
+    for e in &t.events[..at] {
+        match e {
+            Event::Alloc {
+                id,
+                size,
+                category,
+                tag,
+                ..
+            } => {
+                live.insert(
+                    id,
+                    (*size, *category, tag.as_deref().unwrap_or("").to_string()),
+                );
+            }
+            Event::Free { id } => {
+                live.remove(id);
+            }
+            _ => {}
+        }
+    }
+    live.into_values().collect()
+}
+
+/// Index of the `n`-th phase marker named `name`.
+pub fn phase_index(t: &Trace, name: &str, n: usize) -> usize {
+    t.events
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| matches!(e, Event::Phase { name: p } if &**p == name))
+        .nth(n)
+        .map(|(i, _)| i)
+        .unwrap_or_else(|| panic!("no phase {name} #{n}"))
+}
