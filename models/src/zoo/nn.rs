@@ -244,6 +244,21 @@ impl GraphBuilder {
     /// HF `ForCausalLMLoss` on `logits` `[B, S, V]`: `logits.float()`, labels padded by one and
     /// shifted (`labels[..., 1:].contiguous()`), `cross_entropy(logits.view(-1, V), labels.view(-1))`.
     pub fn causal_lm_loss(&mut self, logits: T, labels: T) -> T {
+        self.causal_lm_loss_with(logits, labels, false, |b, flat, tgt| {
+            b.cross_entropy(flat, tgt)
+        })
+    }
+
+    /// [`Self::causal_lm_loss`] with `criterion` in place of `cross_entropy` on the flattened
+    /// float32 logits and targets; `hold_shift_labels`: keep `shift_labels` until the loss
+    /// returns (a criterion that saves only its own copy of the targets).
+    pub fn causal_lm_loss_with(
+        &mut self,
+        logits: T,
+        labels: T,
+        hold_shift_labels: bool,
+        criterion: impl FnOnce(&mut Self, T, T) -> T,
+    ) -> T {
         let s = self.shape(logits);
         let (bsz, seq, v) = (s[0], s[1], s[2]);
         self.push_module("");
@@ -259,9 +274,14 @@ impl GraphBuilder {
         let shift_labels = self.contiguous(shifted);
         let flat = self.view(lf, &[-1, v as i64]);
         let tgt = self.view(shift_labels, &[-1]);
-        let loss = self.cross_entropy(flat, tgt);
+        let loss = criterion(self, flat, tgt);
+        // `logits` (as float), the padded labels (and `shift_labels`) are locals of
+        // ForCausalLMLoss until it returns
         self.hold(lf);
         self.hold(padded);
+        if hold_shift_labels {
+            self.hold(shift_labels);
+        }
         self.pop_module("");
         loss
     }

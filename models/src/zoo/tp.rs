@@ -278,28 +278,11 @@ impl GraphBuilder {
             b.linear_op(x, w, None)
         });
         self.hold(logits);
-        let s = self.shape(logits);
-        let (bsz, seq, v) = (s[0], s[1], s[2]);
-        self.push_module("");
-        let lf = self.to_dtype(logits, DType::F32);
-        let padded = self.factory(
-            "aten.constant_pad_nd",
-            &[labels],
-            &[bsz, seq + 1],
-            DTypeSpec::Fixed(DType::I64),
-            vec![],
-        );
-        let shifted = self.slice(padded, -1, 1, seq + 1);
-        let shift_labels = self.contiguous(shifted);
-        let flat = self.view(lf, &[-1, v as i64]);
-        let tgt = self.view(shift_labels, &[-1]);
-        let loss = self.vocab_parallel_loss(flat, tgt);
-        // `logits`, `labels` and `shift_labels` are locals of ForCausalLMLoss until it returns
-        // (the loss saves only its own masked copy of the targets).
-        self.hold(lf);
-        self.hold(padded);
-        self.hold(shift_labels);
-        self.pop_module("");
+        // the vocabulary-parallel loss saves only its own masked copy of the targets, so
+        // `shift_labels` lives until ForCausalLMLoss returns
+        let loss = self.causal_lm_loss_with(logits, labels, true, |b, flat, tgt| {
+            b.vocab_parallel_loss(flat, tgt)
+        });
         (logits, loss)
     }
 }
