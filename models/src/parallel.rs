@@ -621,7 +621,7 @@ impl Parallel {
         // lowering (one backward per micro-step) does not model.
         if self.shard != Shard::None && self.shard != Shard::Fsdp2 {
             return Err(bad(format!(
-                "--pp {} with --shard {} is not modelled yet (a DDP stage's non-last micro-batch backwards run under no_sync: stage.py backward_maybe_with_nosync); give --shard fsdp2, or --dp 1 --shard none",
+                "--pp {} with --shard {} is not modelled yet: FSDP2 is the data-parallel mode modelled inside a pipeline stage (a DDP stage's non-last micro-batch backwards run under no_sync, stage.py backward_maybe_with_nosync; ZeRO under a schedule is not modelled); give --shard fsdp2, or --dp 1 --shard none",
                 self.pp, self.shard
             )));
         }
