@@ -361,7 +361,7 @@ pub fn print_layout_bench(as_json: bool) -> Result<()> {
     let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
     for b in &results {
         println!(
-            "  {:<40} {:>6.3} s, {} roles replayed for {} ranks; worst rank: peak allocated {:.2} GiB, reserved {:.2} GiB; {}",
+            "  {:<52} {:>6.3} s, {} roles replayed for {} ranks; worst rank: peak allocated {:.2} GiB, reserved {:.2} GiB; {}",
             b.name,
             b.seconds,
             b.roles,
