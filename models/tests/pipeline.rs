@@ -493,7 +493,7 @@ fn live_before_phase(t: &Trace, phase: &str, nth: usize) -> HashMap<Category, u6
 
 /// FSDP2 on a pipeline stage (torchtitan with PP, PyTorch 2.15 `stage.py`
 /// `backward_maybe_with_nosync` / `perform_reduce_grad`), by hand for TinyLlama split in 2 stages
-/// at dp 2 (bf16, 1F1B, 4 micro-batches): every micro-batch's backward keeps the parameters
+/// at dp 2 (bf16, 4 micro-batches; 1F1B, and GPipe with full checkpointing): every micro-batch's backward keeps the parameters
 /// unsharded and accumulates unsharded gradients, so the most gradient bytes live are the stage's
 /// parameters' numel × 2 (bf16, the model's dtype: no wider `reduce_dtype`); the most parameter
 /// bytes are the padded shards plus every unsharded parameter at its padded size (`⌈dim0/2⌉·2`
@@ -503,8 +503,16 @@ fn live_before_phase(t: &Trace, phase: &str, nth: usize) -> HashMap<Category, u6
 #[test]
 fn fsdp2_stage_accumulates_unsharded_gradients_and_reduces_once() {
     let n = 2u64;
-    for rank in 0..2 {
-        let mut r = recipe(8, 64, 2, PpSchedule::OneFOneB, 4, rank);
+    let cases = [
+        (PpSchedule::OneFOneB, vramsim_models::Checkpointing::None),
+        (PpSchedule::GPipe, vramsim_models::Checkpointing::Full),
+    ];
+    for (schedule, checkpointing, rank) in cases
+        .into_iter()
+        .flat_map(|(s, c)| (0..2).map(move |rank| (s, c, rank)))
+    {
+        let mut r = recipe(8, 64, 2, schedule, 4, rank);
+        r.checkpointing = checkpointing;
         r.parallel.dp = n as u32;
         r.parallel.shard = vramsim_models::Shard::Fsdp2;
         r.iterations = 2;
@@ -523,11 +531,15 @@ fn fsdp2_stage_accumulates_unsharded_gradients_and_reduces_once() {
         };
         let shards: u64 = h.params.iter().map(|p| shard(&p.shape)).sum();
         let t = lower(&h, &r).expect("lowers");
-        assert_eq!(max_live(&t, Category::Gradient), 2 * numel, "stage {rank}");
+        assert_eq!(
+            max_live(&t, Category::Gradient),
+            2 * numel,
+            "{schedule:?} stage {rank}"
+        );
         assert_eq!(
             max_live(&t, Category::Parameter),
             2 * shards + 2 * n * shards,
-            "stage {rank}"
+            "{schedule:?} stage {rank}"
         );
         let blocks = h
             .regions
@@ -543,12 +555,24 @@ fn fsdp2_stage_accumulates_unsharded_gradients_and_reduces_once() {
             })
             .count();
         // Each block and the stage's root (its embedding or norm + head) once per step.
-        assert_eq!(reduces, 2 * (blocks + 1), "stage {rank}");
+        assert_eq!(reduces, 2 * (blocks + 1), "{schedule:?} stage {rank}");
         let live = live_before_phase(&t, "optimizer", 1);
         let get = |c| live.get(&c).copied().unwrap_or(0);
-        assert_eq!(get(Category::Parameter), 2 * shards, "stage {rank}");
-        assert_eq!(get(Category::Gradient), 2 * shards, "stage {rank}");
-        assert_eq!(get(Category::OptimizerState), 4 * shards, "stage {rank}");
-        assert_eq!(get(Category::Communication), 0, "stage {rank}");
+        assert_eq!(
+            get(Category::Parameter),
+            2 * shards,
+            "{schedule:?} stage {rank}"
+        );
+        assert_eq!(
+            get(Category::Gradient),
+            2 * shards,
+            "{schedule:?} stage {rank}"
+        );
+        assert_eq!(
+            get(Category::OptimizerState),
+            4 * shards,
+            "{schedule:?} stage {rank}"
+        );
+        assert_eq!(get(Category::Communication), 0, "{schedule:?} stage {rank}");
     }
 }
