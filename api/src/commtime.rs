@@ -122,9 +122,12 @@ impl CommWork {
             Shard::Zero1 => work.dp_exposed = 2.0 * share * psi * width,
             Shard::Zero2 => work.dp_exposed = (accum + 1.0) * share * psi * width,
             Shard::Fsdp2 => {
-                // the backward's all-gather: none when the blocks stay unsharded, over the
-                // post-forward mesh of N ranks with `reshard_after_forward=N`
+                // the backward's all-gather: none when the blocks stay unsharded (always under
+                // --pp: torchtitan's `reshard_after_forward = not pp_enabled`, and the stage stays
+                // unsharded over every micro-batch, `lower/fsdp.rs`), over the post-forward mesh
+                // of N ranks with `reshard_after_forward=N`
                 let backward_gather = match par.reshard_after_forward {
+                    _ if par.pp > 1 => 0.0,
                     ReshardAfterForward::True => share,
                     ReshardAfterForward::False => 0.0,
                     ReshardAfterForward::To(k) => (f64::from(k) - 1.0) / f64::from(k),

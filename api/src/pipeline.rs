@@ -156,6 +156,23 @@ pub fn rank_roles(args: &PredictArgs) -> Result<(Lowered, Vec<RankRole>)> {
     Ok((lowered, roles))
 }
 
+/// The layout's data- and tensor-parallel dimensions besides the pipeline, with the world size
+/// (empty for a pipeline alone).
+fn other_dims(recipe: &Recipe) -> String {
+    let p = &recipe.parallel;
+    let mut out = String::new();
+    if p.dp > 1 {
+        let _ = write!(out, " × dp {} --shard {}", p.dp, p.shard);
+    }
+    if p.tp > 1 {
+        let _ = write!(out, " × tp {}{}", p.tp, if p.sp { " --sp" } else { "" });
+    }
+    if !out.is_empty() {
+        let _ = write!(out, " ({} ranks)", p.world_size());
+    }
+    out
+}
+
 /// `predict`'s lines for a pipeline layout: the split and schedule, then one line per rank.
 pub fn to_table(recipe: &Recipe, roles: &[RankRole]) -> String {
     let p = &recipe.parallel;
@@ -167,16 +184,7 @@ pub fn to_table(recipe: &Recipe, roles: &[RankRole]) -> String {
         p.pp,
         p.pp_schedule,
         pipeline::num_stages(p),
-        if p.tp > 1 {
-            format!(
-                " × tp {}{} ({} ranks)",
-                p.tp,
-                if p.sp { " --sp" } else { "" },
-                p.world_size()
-            )
-        } else {
-            String::new()
-        },
+        other_dims(recipe),
         m,
         recipe.batch / u64::from(m),
         recipe.batch
@@ -225,30 +233,58 @@ pub fn to_json(recipe: &Recipe, roles: &[RankRole]) -> Value {
 /// name and `predict` arguments. Llama-3.1-405B at seq 8192 on H100s, bf16, full activation
 /// checkpointing, TP 8 with sequence parallelism × PP 8 (1F1B, 32 micro-batches of 1): 64 ranks,
 /// eight roles (one per pipeline stage; the tensor-parallel ranks of a stage share its role).
-/// torchtitan's published layout adds FSDP 8 over these (512 GPUs), which `--pp` with `--shard`
-/// does not model yet (`Parallel::validate`).
-pub const BENCH_LAYOUTS: [(&str, &[&str]); 1] = [(
-    "llama3-405b tp 8 --sp × pp 8 (64 ranks)",
-    &[
-        "--model",
-        "llama3-405b",
-        "--seq",
-        "8192",
-        "--batch",
-        "32",
-        "--precision",
-        "bf16",
-        "--checkpoint",
-        "full",
-        "--tp",
-        "8",
-        "--sp",
-        "--pp",
-        "8",
-        "--gpu",
-        "h100-80gb",
-    ],
-)];
+/// torchtitan's published layout adds FSDP 8 over these (512 GPUs, FSDP2 inside each stage:
+/// `vramsim_models::lower`'s `fsdp.rs`); its ranks of one stage are one role.
+pub const BENCH_LAYOUTS: [(&str, &[&str]); 2] = [
+    (
+        "llama3-405b tp 8 --sp × pp 8 (64 ranks)",
+        &[
+            "--model",
+            "llama3-405b",
+            "--seq",
+            "8192",
+            "--batch",
+            "32",
+            "--precision",
+            "bf16",
+            "--checkpoint",
+            "full",
+            "--tp",
+            "8",
+            "--sp",
+            "--pp",
+            "8",
+            "--gpu",
+            "h100-80gb",
+        ],
+    ),
+    (
+        "llama3-405b fsdp2 8 × tp 8 --sp × pp 8 (512 ranks)",
+        &[
+            "--model",
+            "llama3-405b",
+            "--seq",
+            "8192",
+            "--batch",
+            "32",
+            "--precision",
+            "bf16",
+            "--checkpoint",
+            "full",
+            "--dp",
+            "8",
+            "--shard",
+            "fsdp2",
+            "--tp",
+            "8",
+            "--sp",
+            "--pp",
+            "8",
+            "--gpu",
+            "h100-80gb",
+        ],
+    ),
+];
 
 /// One timed layout of [`BENCH_LAYOUTS`].
 #[derive(Debug, Clone)]
@@ -325,7 +361,7 @@ pub fn print_layout_bench(as_json: bool) -> Result<()> {
     let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
     for b in &results {
         println!(
-            "  {:<40} {:>6.3} s, {} roles replayed for {} ranks; worst rank: peak allocated {:.2} GiB, reserved {:.2} GiB; {}",
+            "  {:<52} {:>6.3} s, {} roles replayed for {} ranks; worst rank: peak allocated {:.2} GiB, reserved {:.2} GiB; {}",
             b.name,
             b.seconds,
             b.roles,

@@ -140,8 +140,23 @@ fn bad_pipelines_fail_with_the_reason() {
         &["16 stages for 12 layers"],
     );
     fails(
-        &["--batch", "8", "--pp", "2", "--dp", "2", "--shard", "fsdp2"],
-        &["not modelled yet"],
+        &["--batch", "8", "--pp", "2", "--dp", "2", "--shard", "ddp"],
+        &["not modelled yet", "no_sync"],
+    );
+    fails(
+        &[
+            "--batch",
+            "8",
+            "--pp",
+            "2",
+            "--pp-schedule",
+            "interleaved:2",
+            "--dp",
+            "2",
+            "--shard",
+            "fsdp2",
+        ],
+        &["one stage per rank"],
     );
     fails(
         &["--batch", "8", "--pp", "2", "--precision", "amp-fp16"],

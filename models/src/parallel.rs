@@ -612,18 +612,49 @@ impl Parallel {
         }
         let bad = |msg: String| RecipeError::Invalid { field: "pp", msg };
         // A stage is cut from the tensor-parallel rank's graph (`pipeline::rank_graph` on the
-        // `--tp`/`--sp` build), so --tp composes with --pp. Data parallelism over the stages does
-        // not yet: under a schedule, `_PipelineStageBase.backward_maybe_with_nosync`
-        // (`torch/distributed/pipelining/stage.py`) runs every micro-batch's backward of an FSDP
-        // stage with `set_reshard_after_backward(False)` and `set_requires_gradient_sync(False)`
-        // (unsharded parameters and gradients kept, no reduce-scatter) and reduces once in
-        // `perform_reduce_grad` → `finalize_backward`, and wraps a DDP stage's non-last backwards
-        // in `no_sync()`; the FSDP2 and DDP lowerings model one backward per micro-step.
-        if self.dp > 1 || self.shard != Shard::None {
+        // `--tp`/`--sp` build), so --tp composes with --pp. FSDP2 over the stages is lowered as
+        // torchtitan runs it (`lower/fsdp.rs`: parameters kept unsharded from the first forward,
+        // unsharded gradients accumulated over the micro-batches, one reduce-scatter per group
+        // after the last backward: `stage.py` `backward_maybe_with_nosync`,
+        // `perform_reduce_grad`). DDP and ZeRO over the stages are not yet: a DDP stage's
+        // non-last backwards run under `no_sync()` (`backward_maybe_with_nosync`), which the DDP
+        // lowering (one backward per micro-step) does not model.
+        if self.shard != Shard::None && self.shard != Shard::Fsdp2 {
             return Err(bad(format!(
-                "--pp {} with --dp {} --shard {} is not modelled yet (under a pipeline schedule an FSDP stage's micro-batch backwards keep unsharded gradients and reduce once after the last, a DDP stage's run under no_sync: stage.py backward_maybe_with_nosync); --pp composes with --tp/--sp (give --dp 1 --shard none)",
-                self.pp, self.dp, self.shard
+                "--pp {} with --shard {} is not modelled yet: FSDP2 is the data-parallel mode modelled inside a pipeline stage (a DDP stage's non-last micro-batch backwards run under no_sync, stage.py backward_maybe_with_nosync; ZeRO under a schedule is not modelled); give --shard fsdp2, or --dp 1 --shard none",
+                self.pp, self.shard
             )));
+        }
+        if self.shard == Shard::Fsdp2 {
+            if matches!(self.pp_schedule, PpSchedule::Interleaved(_)) {
+                return Err(bad(format!(
+                    "--pp {} --shard fsdp2 is modelled for one stage per rank (gpipe, 1f1b): with --pp-schedule {} each of a rank's stages is its own fully_shard root, which is not modelled yet",
+                    self.pp, self.pp_schedule
+                )));
+            }
+            if self.fsdp_param_dtype.is_some() || self.fsdp_reduce_dtype.is_some() {
+                return Err(bad(format!(
+                    "--pp {} --shard fsdp2 with a MixedPrecisionPolicy (--fsdp-param-dtype/--fsdp-reduce-dtype) is not modelled yet (the unsharded gradients then accumulate in the reduce dtype: _fsdp_param_group.py _set_unsharded_grad_dtypes); give the model's dtype with --precision",
+                    self.pp
+                )));
+            }
+            if self.offload != Offload::None {
+                return Err(bad(format!(
+                    "--pp {} --shard fsdp2 with --offload {} is not modelled yet; give --offload none",
+                    self.pp, self.offload
+                )));
+            }
+            // torchtitan (`parallelize.py` `apply_fsdp`, `reshard_after_forward_policy`
+            // "default": `reshard_after_forward = not pp_enabled`) keeps the blocks unsharded
+            // after forward under a pipeline; the default `true` is read as that policy.
+            if let ReshardAfterForward::To(n) = self.reshard_after_forward {
+                if n > 1 {
+                    return Err(bad(format!(
+                        "--pp {} --shard fsdp2 with --reshard-after-forward {n} is not modelled: under --pp the blocks keep their parameters unsharded after forward (torchtitan's default policy with pp); give --reshard-after-forward false",
+                        self.pp
+                    )));
+                }
+            }
         }
         if r.inference {
             return Err(bad("--pp models a training step's schedule (forwards and backwards of micro-batches); --inference is not modelled with it".into()));

@@ -55,6 +55,21 @@
 //!   and freed when `foreach_all_gather` returns. The reduce-scatter output (or its cast) is copied
 //!   to the host (`foreach_reduce`: `new_sharded_grad.to("cpu")`) and freed on the GPU when
 //!   `foreach_reduce` returns. Shards resharded to a post-forward mesh stay on the GPU.
+//! * **Under a pipeline schedule** (`--pp`, one stage per rank; the rank's graph is the stage's,
+//!   so its blocks and root are the stage's `fully_shard` modules as torchtitan's
+//!   `apply_fsdp` wraps each model part): torchtitan's `reshard_after_forward_policy` "default"
+//!   is `not pp_enabled`, so the blocks keep their unsharded parameters after forward, and
+//!   `_PipelineStageBase.backward_maybe_with_nosync` (`torch/distributed/pipelining/stage.py`)
+//!   runs every micro-batch's backward with `set_reshard_after_backward(False)` and
+//!   `set_requires_gradient_sync(False)`: `FSDPParamGroup.post_backward` then only marks the
+//!   group pending, so parameters stay unsharded from the step's first forward (each group is
+//!   all-gathered once) and the unsharded gradients accumulate in `.grad` over the micro-batches
+//!   (in the model's dtype: `_set_unsharded_grad_dtypes` casts only to a wider `reduce_dtype`).
+//!   After the schedule's last action `perform_reduce_grad` → `start_gradient_reduction` turns
+//!   both back on and calls `FSDPModule.finalize_backward`, whose `FSDPState.finalize_backward`
+//!   runs each pending group's `post_backward` in `reversed(all_states)` order (the blocks from
+//!   the last, then the root): reshard and reduce-scatter as above; the last input dies in
+//!   `_end_backward_iteration`.
 
 use super::{Kind, Lowering, Rt};
 use crate::dtype::DType;
@@ -107,6 +122,12 @@ pub(crate) struct FsdpState {
 impl<'g> Lowering<'g> {
     fn fsdp_on(&self) -> bool {
         self.r.parallel.shard == crate::parallel::Shard::Fsdp2
+    }
+
+    /// FSDP2 on a pipeline stage: gradient sync and reshard-after-backward off for every
+    /// micro-batch, one reduce after the schedule (`stage.py` `backward_maybe_with_nosync`).
+    fn fsdp_pp(&self) -> bool {
+        self.fsdp_on() && self.pp_on()
     }
 
     /// FSDP2 with `CPUOffloadPolicy`: shards, sharded gradients and the optimizer on the host.
@@ -345,6 +366,10 @@ impl<'g> Lowering<'g> {
     /// `reshard_after_forward=False`, the full reshard with True, with an int N each parameter's
     /// 1/N slice cloned before its unsharded storage is freed (`to_sharded_post_forward`).
     fn fsdp_reshard_after_forward(&mut self, gi: usize) {
+        if self.fsdp_pp() {
+            // torchtitan `apply_fsdp`: `reshard_after_forward = not pp_enabled`.
+            return;
+        }
         let dp = self.r.parallel.dp;
         match self.r.parallel.reshard_after_forward.post_forward_world(dp) {
             None => {}
@@ -380,7 +405,8 @@ impl<'g> Lowering<'g> {
             return;
         }
         let root = self.fsdp.groups.len() - 1;
-        if i == 0 {
+        // A pipeline stage's root unshards in `fsdp_pp_pre_forward` (its ops need not start at 0).
+        if i == 0 && !self.pp_on() {
             self.fsdp_copy_out(root, true);
         }
         let g = self.fsdp.op_group[i];
@@ -433,7 +459,11 @@ impl<'g> Lowering<'g> {
             return;
         }
         if let Some(c) = self.fsdp.current {
-            self.fsdp_post_backward_group(c);
+            // Under a pipeline `reduce_grads` is off: `post_backward` only marks the group
+            // pending (`_fsdp_param_group.py`), the reduce waits for `fsdp_pp_reduce`.
+            if !self.fsdp_pp() {
+                self.fsdp_post_backward_group(c);
+            }
         }
         if let Some(b) = g {
             self.fsdp_copy_out(b, false);
@@ -534,6 +564,39 @@ impl<'g> Lowering<'g> {
         }
         let root = self.fsdp.groups.len() - 1;
         self.fsdp_post_backward_group(root);
+        if let Some(t) = self.fsdp.rs_input.take() {
+            self.drop_rt(t);
+        }
+    }
+
+    /// A pipeline stage's micro-batch forward begins: the root's pre-forward unshards it (a no-op
+    /// once unsharded in the step).
+    pub(super) fn fsdp_pp_pre_forward(&mut self) {
+        if !self.fsdp_pp() {
+            return;
+        }
+        let root = self.fsdp.groups.len() - 1;
+        self.fsdp_copy_out(root, true);
+    }
+
+    /// A pipeline stage's micro-batch backward ends: nothing is resharded or reduced
+    /// (`set_reshard_after_backward(False)`, `set_requires_gradient_sync(False)`).
+    pub(super) fn fsdp_pp_end_backward(&mut self) {
+        if self.fsdp_pp() {
+            self.fsdp.current = None;
+        }
+    }
+
+    /// After the schedule's actions, `perform_reduce_grad` → `finalize_backward`: each group's
+    /// `post_backward` in `reversed(all_states)` order (the blocks from the last, then the
+    /// root), then `_end_backward_iteration` drops the last reduce-scatter input.
+    pub(super) fn fsdp_pp_reduce(&mut self) {
+        if !self.fsdp_pp() {
+            return;
+        }
+        for gi in (0..self.fsdp.groups.len()).rev() {
+            self.fsdp_post_backward_group(gi);
+        }
         if let Some(t) = self.fsdp.rs_input.take() {
             self.drop_rt(t);
         }

@@ -26,7 +26,9 @@
 //!   when the next backward's sends replace the list (after that backward), GPipe when it waits
 //!   for every backward send at the end. Then the micro-batch's graph is freed (only its nodes:
 //!   the others are in flight) and its inputs die with its chunk state.
-//! * **Gradients** accumulate in `.grad` over the micro-batches; the optimizer steps once.
+//! * **Gradients** accumulate in `.grad` over the micro-batches; the optimizer steps once. An
+//!   FSDP2 stage (`--shard fsdp2`) keeps its parameters unsharded and accumulates unsharded
+//!   gradients over the micro-batches, then reduces once after the schedule (`fsdp.rs`).
 //!
 //! `ScheduleInterleaved1F1B` runs through `_PipelineScheduleRuntime`, whose actions
 //! `crate::pipeline::runtime_actions` lowers as `_prepare_schedule_with_comms` does: `RECV_F` and
@@ -119,6 +121,8 @@ impl<'g> Lowering<'g> {
         } else {
             self.pp_single(&pipeline::rank_actions(p.pp_schedule, p.pp, p.stage, m))?;
         }
+        // `_step_microbatches` ends with `perform_reduce_grad` (an FSDP2 stage's one reduce).
+        self.fsdp_pp_reduce();
         // `_update_losses`; the loop's `losses` list dies after the step.
         for t in std::mem::take(&mut self.pp.losses) {
             self.drop_rt(t);
@@ -340,7 +344,9 @@ impl<'g> Lowering<'g> {
         if last {
             self.pp.hold = c.model_outputs.clone();
         }
+        self.fsdp_pp_pre_forward();
         let out = self.forward_ops(c.start..c.end, c.output)?;
+        self.fsdp_post_forward();
         self.pp.hold.clear();
         let held = std::mem::take(&mut self.pp.held);
         let mut inputs = Vec::new();
@@ -435,6 +441,7 @@ impl<'g> Lowering<'g> {
             let into_engine = self.dup(g);
             self.run_backward(root, into_engine, None);
         }
+        self.fsdp_pp_end_backward();
         // `grads_output` lives until `backward_one_chunk` returns.
         if let Some(g) = grad {
             self.drop_rt(g);
