@@ -125,6 +125,10 @@ struct Prober<'a> {
     /// A template fitted through the last two fresh lowerings, not yet checked.
     candidate: Option<BatchTemplate>,
     template: Option<BatchTemplate>,
+    /// The batches the search walks, `min + (size − 1)·step` for search size `size`: the
+    /// multiples of a pipeline's `--microbatches` (`vramsim_models::pipeline::batch_grid`);
+    /// `(1, 1)` otherwise, and for a sequence search.
+    grid: (u64, u64),
 }
 
 impl<'a> Prober<'a> {
@@ -142,7 +146,14 @@ impl<'a> Prober<'a> {
             fresh: Vec::new(),
             candidate: None,
             template: None,
+            grid: (1, 1),
         }
+    }
+
+    /// The value of `key` at search size `size` (sizes count from 1).
+    fn value(&self, size: u64) -> u64 {
+        let (min, step) = self.grid;
+        min.saturating_add((size.max(1) - 1).saturating_mul(step))
     }
 
     /// Evaluates the search's configuration at `size`, keeping `timeline_points` timeline points.
@@ -175,7 +186,7 @@ impl<'a> Prober<'a> {
     /// The probe at `size`, with the lowering when it was fresh (not from the template).
     fn attempt(&self, size: u64, timeline_points: usize) -> Result<(Probe, Option<Lowered>)> {
         let mut settings = self.extra.to_vec();
-        settings.push((self.key.to_string(), size.to_string()));
+        settings.push((self.key.to_string(), self.value(size).to_string()));
         let args = OptionSet::predict().parse(&self.fixed.args(&settings))?;
         let (lowered, fresh) = match &self.template {
             Some(t) if size >= 2 => (predict::lower_step_instance(&args, t)?, false),
@@ -257,6 +268,30 @@ pub fn search(
 ) -> Result<Search> {
     let what = if key == "seq" { "sequence" } else { "batch" };
     let mut prober = Prober::new(fixed, key, extra, headroom);
+    if key == "batch" {
+        // a pipeline's schedule accepts only some batches: the search walks those
+        let mut settings = extra.to_vec();
+        settings.push(("batch".to_string(), "1".to_string()));
+        let args = OptionSet::predict().parse(&fixed.args(&settings))?;
+        let layout = vramsim_models::Parallel {
+            pp: args.pp,
+            pp_schedule: args.pp_schedule,
+            microbatches: args.microbatches,
+            ..vramsim_models::Parallel::default()
+        };
+        prober.grid = vramsim_models::pipeline::batch_grid(&layout).ok_or_else(|| {
+            anyhow!(
+                "max-batch with --pp {} needs --microbatches M: the batch is then searched as M micro-batches of batch/M samples (with one sample per micro-batch, the default, a rank's memory barely grows with the batch)",
+                args.pp
+            )
+        })?;
+    }
+    let (grid_min, grid_step) = prober.grid;
+    // `limit` is a batch; the search counts sizes of the grid
+    if let Some(l) = limit.filter(|&l| l < grid_min) {
+        bail!("--limit {l} is below batch {grid_min}, one sample for each of the pipeline's --microbatches");
+    }
+    let limit = limit.map(|l| (l - grid_min) / grid_step + 1);
     let mut tried = Vec::new();
     let mut failure: Option<Probe> = None;
     let mut fitted: Option<Probe> = None;
@@ -288,7 +323,8 @@ pub fn search(
     if !first.fits {
         let device = &first.evaluated.report.device;
         bail!(
-            "even {what} 1 does not fit on {} ({} total): {}",
+            "even {what} {} does not fit on {} ({} total): {}",
+            prober.value(1),
             device.name,
             format_size(device.total_memory),
             first.reason.as_deref().unwrap_or("")
@@ -362,12 +398,21 @@ pub fn search(
             }
         }
     }
+    // back from grid sizes to batches
+    let to_value = |p: &mut Probe| p.size = prober.value(p.size);
+    to_value(&mut largest);
+    if let Some(f) = failure.as_mut() {
+        to_value(f);
+    }
+    for t in &mut tried {
+        t.0 = prober.value(t.0);
+    }
     Ok(Search {
         key,
         largest,
         first_failure: failure,
         tried,
-        limit,
+        limit: prober.value(limit),
     })
 }
 

@@ -163,3 +163,42 @@ fn bad_pipelines_fail_with_the_reason() {
         &["GradScaler"],
     );
 }
+
+/// `max-batch` on a pipeline walks the multiples of `--microbatches` (M micro-batches of batch/M
+/// samples): the answer is one, `predict` fits it and not the next multiple; without
+/// `--microbatches` (one sample per micro-batch, memory nearly flat in the batch) it is refused.
+#[test]
+fn max_batch_of_a_pipeline_walks_the_micro_batch_multiples() {
+    let base = [
+        "--model",
+        "gpt2",
+        "--seq",
+        "128",
+        "--precision",
+        "bf16",
+        "--capacity",
+        "3GiB",
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+    ];
+    let mut args = vec!["max-batch"];
+    args.extend_from_slice(&base);
+    let doc = common::json(&args);
+    let best = doc["max_batch"].as_u64().unwrap();
+    assert!(best >= 4 && best.is_multiple_of(4), "{best}");
+    let fits = |batch: u64| {
+        let b = batch.to_string();
+        let mut a = vec!["predict"];
+        a.extend_from_slice(&base);
+        a.extend_from_slice(&["--batch", &b]);
+        common::json(&a)["fits"].as_bool().unwrap()
+    };
+    assert!(fits(best));
+    assert!(!fits(best + 4));
+    common::assert_fails(
+        &["max-batch", "--model", "gpt2", "--seq", "128", "--pp", "2"],
+        &["needs --microbatches M"],
+    );
+}

@@ -137,6 +137,18 @@ pub fn microbatches(p: &Parallel, batch: u64) -> Result<u32, PipelineError> {
     Ok(m)
 }
 
+/// The batches of a pipeline with `--microbatches M`, as `M + k·M` (k = 0, 1, ...): every multiple
+/// of `M`, each `M` micro-batches of `batch / M` samples (whether `M` suits the schedule does not
+/// depend on the batch: [`microbatches`]). `None` for a pipeline whose micro-batch count follows
+/// the batch (one sample each: its memory barely grows with the batch, and a batch of B lowers
+/// B micro-batches); `(1, 1)`, every batch, without a pipeline.
+pub fn batch_grid(p: &Parallel) -> Option<(u64, u64)> {
+    if p.pp < 2 {
+        return Some((1, 1));
+    }
+    p.microbatches.map(|m| (u64::from(m), u64::from(m)))
+}
+
 /// One compute action of a rank: the forward or the (full) backward of micro-batch `mb` on
 /// stage `stage` (global stage index).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
