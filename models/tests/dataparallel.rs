@@ -18,7 +18,8 @@
 //!   exists on device 0 only;
 //! * with one device `DataParallel.forward` calls the module itself: the single-GPU trace.
 
-use std::collections::HashMap;
+mod common;
+use common::max_live;
 
 use vramsim_models::dataparallel::{chunk_sizes, criterion_split, device_graph, COALESCE_BYTES};
 use vramsim_models::{lower, zoo, Graph, Head, LowerError, Parallel, Recipe, Shard};
@@ -82,33 +83,6 @@ fn tagged(t: &Trace, prefix: &str) -> Vec<u64> {
             _ => None,
         })
         .collect()
-}
-
-/// The largest number of live bytes of `category` at any point of the trace.
-fn max_live(t: &Trace, category: Category) -> u64 {
-    let mut live: HashMap<String, u64> = HashMap::new();
-    let (mut now, mut max) = (0u64, 0u64);
-    for e in &t.events {
-        match e {
-            Event::Alloc {
-                id,
-                size,
-                category: c,
-                ..
-            } if *c == category => {
-                live.insert(id.to_string(), *size);
-                now += size;
-                max = max.max(now);
-            }
-            Event::Free { id } => {
-                if let Some(s) = live.remove(&id.to_string()) {
-                    now -= s;
-                }
-            }
-            _ => {}
-        }
-    }
-    max
 }
 
 #[test]

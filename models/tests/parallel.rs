@@ -10,6 +10,8 @@
 //!   `flatten_dense_tensors_aligned(..., 2 * dp_world_size)`), so Ψ' (padded) stands for Ψ in the
 //!   partitioned terms and in the flat parameters.
 
+mod common;
+use common::{live_at_phase, max_live};
 use std::collections::HashMap;
 
 use vramsim_models::{
@@ -17,36 +19,6 @@ use vramsim_models::{
     Shard,
 };
 use vramsim_traces::{Category, Event, Trace};
-
-/// Live bytes by category just before the `nth` (0-based) `phase` marker named `phase`.
-fn live_at_phase(t: &Trace, phase: &str, nth: usize) -> HashMap<Category, u64> {
-    let mut live: HashMap<String, (u64, Category)> = HashMap::new();
-    let mut seen = 0;
-    for e in &t.events {
-        match e {
-            Event::Alloc {
-                id, size, category, ..
-            } => {
-                live.insert(id.to_string(), (*size, *category));
-            }
-            Event::Free { id } => {
-                live.remove(&id.to_string());
-            }
-            Event::Phase { name } if &**name == phase => {
-                if seen == nth {
-                    let mut by = HashMap::new();
-                    for (size, c) in live.values() {
-                        *by.entry(*c).or_insert(0) += size;
-                    }
-                    return by;
-                }
-                seen += 1;
-            }
-            _ => {}
-        }
-    }
-    panic!("no phase {phase} #{nth}");
-}
 
 fn recipe(batch: u64, seq: u64, dp: u32, shard: Shard) -> Recipe {
     Recipe {
@@ -289,37 +261,6 @@ fn ddp_bucket_view_keeps_one_copy_of_the_gradients() {
         assert_eq!(live.get(&Category::Communication).copied(), Some(4 * psi));
         assert_eq!(live.get(&Category::Gradient).copied().unwrap_or(0), 0);
     }
-}
-
-/// The most bytes of `category` live at once over the trace.
-fn max_live(t: &Trace, category: Category) -> u64 {
-    let mut live: HashMap<String, (u64, Category)> = HashMap::new();
-    let (mut now, mut max) = (0u64, 0u64);
-    for e in &t.events {
-        match e {
-            Event::Alloc {
-                id,
-                size,
-                category: c,
-                ..
-            } => {
-                live.insert(id.to_string(), (*size, *c));
-                if *c == category {
-                    now += size;
-                    max = max.max(now);
-                }
-            }
-            Event::Free { id } => {
-                if let Some((size, c)) = live.remove(&id.to_string()) {
-                    if c == category {
-                        now -= size;
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
-    max
 }
 
 /// The allocations whose tag starts with `prefix`: (live at most at once, made in all).

@@ -5,6 +5,8 @@
 //! micro-batch's activations of that stage, measured on a lowering of the same stage that runs a
 //! single micro-batch.
 
+mod common;
+use common::{live_at_phase, max_live};
 use std::collections::HashMap;
 
 use vramsim_models::pipeline::{self, rank_graph};
@@ -32,38 +34,6 @@ fn lower_rank(name: &str, r: &Recipe) -> Trace {
     let g = zoo::build(name, &gr).expect("builds");
     let h = rank_graph(&g, &r.parallel).expect("splits");
     lower(&h, r).expect("lowers")
-}
-
-/// The most bytes of `category` live at once over the trace.
-fn max_live(t: &Trace, category: Category) -> u64 {
-    let mut live: HashMap<String, (u64, Category)> = HashMap::new();
-    let mut now = 0u64;
-    let mut max = 0u64;
-    for e in &t.events {
-        match e {
-            Event::Alloc {
-                id,
-                size,
-                category: c,
-                ..
-            } => {
-                live.insert(id.to_string(), (*size, *c));
-                if *c == category {
-                    now += size;
-                    max = max.max(now);
-                }
-            }
-            Event::Free { id } => {
-                if let Some((s, c)) = live.remove(&id.to_string()) {
-                    if c == category {
-                        now -= s;
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
-    max
 }
 
 /// Why `rank_graph` refuses `g` under `r`.
@@ -461,36 +431,6 @@ fn tensor_parallel_in_flight_activations() {
     }
 }
 
-/// Bytes live per category just before the `nth` `phase` marker.
-fn live_before_phase(t: &Trace, phase: &str, nth: usize) -> HashMap<Category, u64> {
-    let mut live: HashMap<String, (u64, Category)> = HashMap::new();
-    let mut seen = 0;
-    for e in &t.events {
-        match e {
-            Event::Alloc {
-                id, size, category, ..
-            } => {
-                live.insert(id.to_string(), (*size, *category));
-            }
-            Event::Free { id } => {
-                live.remove(&id.to_string());
-            }
-            Event::Phase { name } if &**name == phase => {
-                if seen == nth {
-                    let mut by = HashMap::new();
-                    for (size, c) in live.values() {
-                        *by.entry(*c).or_insert(0) += size;
-                    }
-                    return by;
-                }
-                seen += 1;
-            }
-            _ => {}
-        }
-    }
-    panic!("no phase {phase} #{nth}");
-}
-
 /// FSDP2 on a pipeline stage (torchtitan with PP, PyTorch 2.15 `stage.py`
 /// `backward_maybe_with_nosync` / `perform_reduce_grad`), by hand for TinyLlama split in 2 stages
 /// at dp 2 (bf16, 4 micro-batches; 1F1B, and GPipe with full checkpointing): every micro-batch's backward keeps the parameters
@@ -556,7 +496,7 @@ fn fsdp2_stage_accumulates_unsharded_gradients_and_reduces_once() {
             .count();
         // Each block and the stage's root (its embedding or norm + head) once per step.
         assert_eq!(reduces, 2 * (blocks + 1), "{schedule:?} stage {rank}");
-        let live = live_before_phase(&t, "optimizer", 1);
+        let live = live_at_phase(&t, "optimizer", 1);
         let get = |c| live.get(&c).copied().unwrap_or(0);
         assert_eq!(
             get(Category::Parameter),

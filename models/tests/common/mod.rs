@@ -210,3 +210,64 @@ pub fn phase_index(t: &Trace, name: &str, n: usize) -> usize {
         .map(|(i, _)| i)
         .unwrap_or_else(|| panic!("no phase {name} #{n}"))
 }
+
+/// Live bytes by category just before the `nth` (0-based) `phase` marker named `phase`.
+pub fn live_at_phase(t: &Trace, phase: &str, nth: usize) -> HashMap<Category, u64> {
+    let mut live: HashMap<String, (u64, Category)> = HashMap::new();
+    let mut seen = 0;
+    for e in &t.events {
+        match e {
+            Event::Alloc {
+                id, size, category, ..
+            } => {
+                live.insert(id.to_string(), (*size, *category));
+            }
+            Event::Free { id } => {
+                live.remove(&id.to_string());
+            }
+            Event::Phase { name } if &**name == phase => {
+                if seen == nth {
+                    let mut by = HashMap::new();
+                    for (size, c) in live.values() {
+                        *by.entry(*c).or_insert(0) += size;
+                    }
+                    return by;
+                }
+                seen += 1;
+            }
+            _ => {}
+        }
+    }
+    panic!("no phase {phase} #{nth}");
+}
+
+/// The most bytes of `category` live at once over the trace.
+pub fn max_live(t: &Trace, category: Category) -> u64 {
+    let mut live: HashMap<String, (u64, Category)> = HashMap::new();
+    let (mut now, mut max) = (0u64, 0u64);
+    for e in &t.events {
+        match e {
+            Event::Alloc {
+                id,
+                size,
+                category: c,
+                ..
+            } => {
+                live.insert(id.to_string(), (*size, *c));
+                if *c == category {
+                    now += size;
+                    max = max.max(now);
+                }
+            }
+            Event::Free { id } => {
+                if let Some((size, c)) = live.remove(&id.to_string()) {
+                    if c == category {
+                        now -= size;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    max
+}
