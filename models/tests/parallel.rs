@@ -83,16 +83,20 @@ fn ddp_buckets_hold_the_gradients_bytes() {
     }
 }
 
+/// The models and data-parallel degrees the ZeRO tests check (whole and padded partitions: 64
+/// ranks do not divide GPT-2's parameters evenly).
+const ZERO_CASES: [(&str, u64); 4] = [
+    ("gpt2", 8),
+    ("gpt2", 64),
+    ("bert-base", 16),
+    ("tinyllama-1.1b", 4),
+];
+
 /// (stage, ranks): the model states per rank by the ZeRO paper's formula, against the trace.
 #[test]
 fn zero_model_states_per_rank_match_the_paper() {
     for shard in [Shard::Zero1, Shard::Zero2] {
-        for (name, n) in [
-            ("gpt2", 8u64),
-            ("gpt2", 64),
-            ("bert-base", 16),
-            ("tinyllama-1.1b", 4),
-        ] {
+        for (name, n) in ZERO_CASES {
             let mut r = recipe(1, 128, n as u32, shard);
             r.precision = Precision::Bf16;
             r.optimizer = OptimizerKind::AdamW;
@@ -323,12 +327,7 @@ fn padded_shard(shape: &[u64], n: u64) -> u64 {
 #[test]
 fn zero_offload_keeps_only_the_bf16_parameters_of_the_model_states() {
     for shard in [Shard::Zero1, Shard::Zero2] {
-        for (name, n) in [
-            ("gpt2", 8u64),
-            ("gpt2", 64),
-            ("bert-base", 16),
-            ("tinyllama-1.1b", 4),
-        ] {
+        for (name, n) in ZERO_CASES {
             let mut r = recipe(1, 128, n as u32, shard);
             r.precision = Precision::Bf16;
             r.optimizer = OptimizerKind::AdamW;
@@ -591,12 +590,7 @@ fn zero3_recipe(batch: u64, seq: u64, n: u32) -> Recipe {
 /// from the paper's figure (pitfall 10: name the formula a test compares against).
 #[test]
 fn zero3_model_states_per_rank_match_the_paper() {
-    for (name, n) in [
-        ("gpt2", 8u64),
-        ("gpt2", 64),
-        ("bert-base", 16),
-        ("tinyllama-1.1b", 4),
-    ] {
+    for (name, n) in ZERO_CASES {
         let r = zero3_recipe(1, 128, n as u32);
         let g = zoo::build(name, &r).unwrap();
         let psi = g.param_count();
