@@ -22,7 +22,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use anyhow::{bail, Result};
 use rayon::prelude::*;
@@ -33,7 +33,7 @@ use vramsim_sim::format::format_size;
 use crate::commtime::GPUS_PER_NODE;
 use crate::predict::{step_recipe, PredictArgs};
 use crate::recommend::{largest_that_fits, Recipe, RecommendArgs};
-use crate::steptime::{perf_for, StepWork};
+use crate::steptime::{perf_for, GpuPerf, StepWork};
 use crate::sweep::{FixedOptions, Setting};
 
 /// Precisions searched when `--precision` is not given.
@@ -194,10 +194,11 @@ pub fn search_with(args: &RecommendArgs, gpus: u32, prune: bool) -> Result<Layou
     let candidates_considered = settings.len() + refused.values().sum::<usize>();
     // Lower bounds, graphs shared by the candidates that build the same one.
     let graphs: Mutex<HashMap<String, Arc<Graph>>> = Mutex::new(HashMap::new());
+    let perf: OnceLock<&'static GpuPerf> = OnceLock::new();
     let bounded: Vec<Result<Candidate, String>> = settings
         .into_par_iter()
         .map(|(s, per_rank)| {
-            bound_ms(&base, &s, per_rank, &graphs).map(|bound_ms| Candidate {
+            bound_ms(&base, &s, per_rank, &graphs, &perf).map(|bound_ms| Candidate {
                 settings: s,
                 per_rank,
                 bound_ms,
@@ -303,6 +304,7 @@ fn bound_ms(
     settings: &[Setting],
     per_rank: u64,
     graphs: &Mutex<HashMap<String, Arc<Graph>>>,
+    perf: &OnceLock<&'static GpuPerf>,
 ) -> Result<f64, String> {
     let mut s = settings.to_vec();
     s.push(("batch".to_string(), per_rank.to_string()));
@@ -333,14 +335,20 @@ fn bound_ms(
             g
         }
     };
-    let device = args
-        .machine
-        .build()
-        .map_err(|e| format!("{e:#}"))?
-        .allocator
-        .device()
-        .clone();
-    let (perf, _) = perf_for(&device);
+    // the machine options are the same for every candidate: the GPU's figures are read once
+    let perf = match perf.get() {
+        Some(p) => *p,
+        None => {
+            let device = args
+                .machine
+                .build()
+                .map_err(|e| format!("{e:#}"))?
+                .allocator
+                .device()
+                .clone();
+            *perf.get_or_init(|| perf_for(&device).0)
+        }
+    };
     Ok(StepWork::of(&graph, &recipe).time(perf).step_ms)
 }
 
