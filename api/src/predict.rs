@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args};
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use vramsim_models::compact::{lower_compact, CompactTrace, ReplayPiece};
 use vramsim_models::hf::{self, ImportOptions};
 use vramsim_models::template::BatchTemplate;
@@ -417,9 +417,6 @@ impl Lowered {
     /// The whole trace, as [`vramsim_models::lower`] writes it (expanded from the compact form the
     /// first time it is asked for).
     pub fn trace(&self) -> &Trace {
-        if self.compact.repeats.is_empty() {
-            return &self.compact.trace;
-        }
         self.expanded.get_or_init(|| self.compact.expand())
     }
 
@@ -508,7 +505,7 @@ pub struct Predicted {
 impl Predicted {
     /// `vramsim predict --json`'s document.
     pub fn to_json(&self) -> Value {
-        let mut j = to_json(&self.report, &self.prediction, &self.lowered.compact.trace);
+        let mut j = to_json(&self.report, &self.prediction, &self.lowered.compact.meta);
         if !self.devices.is_empty() {
             j["devices"] = crate::dataparallel::to_json(&self.lowered.recipe, &self.devices);
         }
@@ -838,7 +835,6 @@ pub fn replay_step(
     let mut machine = machine.clone();
     machine.library_bytes = lowered
         .compact
-        .trace
         .meta
         .get("cublas_own_bytes")
         .and_then(|v| v.as_u64())
@@ -854,12 +850,12 @@ pub fn replay_step(
     // Repeated micro-batches replay until their steady state, then are carried
     // (`Replay::apply_repeated`): the same report as every event replayed.
     for piece in lowered.pieces() {
-        let events = lowered.compact.piece_events(piece);
+        // borrowed: no event (nor its tag) is copied
+        let view = lowered.compact.piece_view(piece);
         let flow = match &piece.repeat {
-            // borrowed: no event (nor its tag) is copied
-            None => replay.apply_slice(events)?,
+            None => replay.apply_view(&view)?,
             Some(r) => replay.apply_repeated(&Repeat {
-                events,
+                view,
                 times: r.times,
                 renamed_from: r.renamed_from,
                 shift: r.shift,
@@ -873,7 +869,7 @@ pub fn replay_step(
     let outcome = replay.finish();
     // What is live at the step's peak, or, when it runs out of memory, when the error is raised.
     let (breakdown, oom_tag) = match oom_at {
-        _ if !breakdown => (peak_breakdown_until(&lowered.compact.trace, 0), None),
+        _ if !breakdown => (peak_breakdown_until(&Trace::default(), 0), None),
         None => (
             lowered
                 .peak
@@ -1227,7 +1223,7 @@ pub fn to_table(report: &Report, p: &Prediction) -> String {
 }
 
 /// The machine-readable report: the replay's JSON with the prediction's fields added.
-pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
+pub fn to_json(report: &Report, p: &Prediction, meta: &Map<String, Value>) -> Value {
     let mut j = report.to_json();
     let b = &p.breakdown;
     let cats = |c: &[(vramsim_traces::Category, u64)]| -> Value {
@@ -1243,8 +1239,7 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
     j["params"] = json!(p.params);
     j["trainable_params"] = json!(p.trainable_params);
     // bitsandbytes paged optimizer states: CUDA managed memory, outside the device figures.
-    j["paged_optimizer_bytes"] = trace
-        .meta
+    j["paged_optimizer_bytes"] = meta
         .get("paged_optimizer_bytes")
         .cloned()
         .unwrap_or(json!(0));
@@ -1266,7 +1261,7 @@ pub fn to_json(report: &Report, p: &Prediction, trace: &Trace) -> Value {
         "iterations": r.iterations,
         "inference": r.inference,
         "attention": r.attention.to_string(),
-        "fidelity": trace.meta.get("fidelity").cloned().unwrap_or(Value::Null),
+        "fidelity": meta.get("fidelity").cloned().unwrap_or(Value::Null),
         "zero_grad": match r.zero_grad {
             ZeroGrad::SetToNone => "none",
             ZeroGrad::Zero => "zero",

@@ -609,7 +609,7 @@ fn replay_one(
     let step = work.time(perf);
     let json = wants
         .json
-        .then(|| predict::to_json(&report, &prediction, &lowered.compact.trace));
+        .then(|| predict::to_json(&report, &prediction, &lowered.compact.meta));
     Ok(Evaluated {
         report,
         prediction,
@@ -617,13 +617,13 @@ fn replay_one(
         step,
         perf_preset: perf.preset,
         perf_own,
-        last_iteration_start: last_iteration_start(&lowered.compact.trace),
+        last_iteration_start: last_iteration_start(&lowered.compact.meta),
     })
 }
 
 /// The event index where the trace's last iteration begins, from `meta.phases` (0 if unknown).
-fn last_iteration_start(trace: &vramsim_traces::Trace) -> u64 {
-    let Some(phases) = trace.meta.get("phases").and_then(Value::as_array) else {
+fn last_iteration_start(meta: &serde_json::Map<String, Value>) -> u64 {
+    let Some(phases) = meta.get("phases").and_then(Value::as_array) else {
         return 0;
     };
     let iteration = |p: &Value| p.get("iteration").and_then(Value::as_u64);

@@ -17,10 +17,12 @@
 //! option that touches the loop), not this module's check.
 //!
 
+use std::borrow::Cow;
 use std::collections::HashMap;
+use std::sync::Arc;
 
-use serde_json::Value;
-use vramsim_traces::{AllocId, Event, Trace};
+use serde_json::{Map, Value};
+use vramsim_traces::{renamed_id, AllocId, Event, EventView, Trace};
 
 use crate::graph::Graph;
 use crate::lower::{lower, LowerError};
@@ -48,30 +50,40 @@ pub struct RepeatSpan {
 }
 
 /// A lowered step with its repeated micro-batches written once.
+///
+/// The lowered events are shared (an `Arc`) by the steps made from them without lowering — the same
+/// step at another accumulation count ([`CompactTrace::with_accum`]) or batch size
+/// ([`crate::template::BatchTemplate::instantiate`]) — which differ in their repetitions, their
+/// `meta` and the sizes of some allocations ([`CompactTrace::sizes`]), so that making one copies no
+/// event, and a replay reads the shared events through an [`EventView`].
 #[derive(Clone, Debug)]
 pub struct CompactTrace {
     /// The events lowered (with three micro-batches per optimizer step where `repeats` is not empty),
-    /// and the `meta` of the whole step (its `accum`, `recipe` and `phases` as a full lowering writes
+    /// each allocation's size as lowered unless `sizes` lists it.
+    lowered: Arc<Vec<Event>>,
+    /// (event index, requested bytes) of the allocations whose size is not the lowered one, by index.
+    sizes: Arc<Vec<(usize, u64)>>,
+    /// The `meta` of the whole step (its `accum`, `recipe` and `phases` as a full lowering writes
     /// them).
-    pub trace: Trace,
+    pub meta: Map<String, Value>,
     /// The repeated micro-batches, in trace order.
     pub repeats: Vec<RepeatSpan>,
     /// Events of the whole step.
     pub events: usize,
     /// `meta.phases` of the lowered events.
-    lowered_phases: Vec<Value>,
+    lowered_phases: Arc<Vec<Value>>,
 }
 
-/// Events ready for a replay, in the ids of the whole step: a range of the compact trace where its ids
-/// are the whole step's already, else a renamed copy (without tags, which a replay does not read);
-/// with `repeat`, the events of one micro-batch that stands for `repeat.times` (its `renamed_from`
-/// named as the whole step names it). [`CompactTrace::piece_events`] gives the events.
+/// Events ready for a replay: a range of the lowered events, with the renames that name its ids as
+/// the whole step does (the ids later micro-batches took moved past), and, with `repeat`, the events
+/// of one micro-batch that stands for `repeat.times` (its `renamed_from` named as the whole step
+/// names it). [`CompactTrace::piece_view`] gives the events.
 #[derive(Clone, Debug)]
 pub struct ReplayPiece {
-    /// Where the events are in the compact trace.
+    /// Where the events are in the lowered trace.
     pub range: (usize, usize),
-    /// The renamed copy, where the ids differ.
-    pub renamed: Option<Vec<Event>>,
+    /// (from, by): the ids at or above `from` move up by `by` ([`renamed_id`]).
+    pub renames: Vec<(u64, u64)>,
     /// The repetition these events are, if any.
     pub repeat: Option<RepeatSpan>,
 }
@@ -81,10 +93,52 @@ impl CompactTrace {
     pub fn plain(trace: Trace) -> CompactTrace {
         let events = trace.events.len();
         CompactTrace {
-            trace,
+            lowered: Arc::new(trace.events),
+            sizes: Arc::default(),
+            meta: trace.meta,
             repeats: Vec::new(),
             events,
-            lowered_phases: Vec::new(),
+            lowered_phases: Arc::default(),
+        }
+    }
+
+    /// The events lowered, with allocation sizes as lowered ([`CompactTrace::sizes`] says which
+    /// differ).
+    pub fn lowered_events(&self) -> &[Event] {
+        &self.lowered
+    }
+
+    /// (event index, requested bytes) of the lowered allocations whose size in this step is not the
+    /// lowered one, by index.
+    pub fn sizes(&self) -> &[(usize, u64)] {
+        &self.sizes
+    }
+
+    /// The lowered events, each with its size in this step where it is not the lowered one.
+    pub fn sized_events(&self) -> impl Iterator<Item = (&Event, Option<u64>)> + '_ {
+        self.view((0, self.lowered.len()), &[]).sized()
+    }
+
+    /// The same lowered events with other allocation sizes (`sizes`, by event index) and `meta`:
+    /// the step at another batch size, sharing this one's events.
+    pub fn with_sizes(&self, sizes: Vec<(usize, u64)>, meta: Map<String, Value>) -> CompactTrace {
+        CompactTrace {
+            sizes: Arc::new(sizes),
+            meta,
+            ..self.clone()
+        }
+    }
+
+    /// The lowered events in `range`, as a replay reads them: their sizes in this step, their ids
+    /// renamed by `renames`.
+    pub fn view<'a>(&'a self, range: (usize, usize), renames: &'a [(u64, u64)]) -> EventView<'a> {
+        let lo = self.sizes.partition_point(|&(i, _)| i < range.0);
+        let hi = self.sizes.partition_point(|&(i, _)| i < range.1);
+        EventView {
+            events: &self.lowered[range.0..range.1],
+            sizes: &self.sizes[lo..hi],
+            sizes_from: range.0,
+            renames,
         }
     }
 
@@ -100,42 +154,37 @@ impl CompactTrace {
     /// The compact trace as pieces to replay in order: events, then each repeated micro-batch, then
     /// the events after it.
     pub fn replay_pieces(&self) -> Vec<ReplayPiece> {
-        let piece = |renames: &[(u64, u64)], range: (usize, usize), repeat: Option<RepeatSpan>| {
-            let renamed = (!renames.is_empty()).then(|| {
-                self.trace.events[range.0..range.1]
-                    .iter()
-                    .map(|e| rename_event(e, renames, None).without_tag())
-                    .collect()
-            });
-            ReplayPiece {
-                range,
-                renamed,
-                repeat,
-            }
-        };
         let mut pieces = Vec::new();
         let mut at = 0;
         for (j, r) in self.repeats.iter().enumerate() {
             let renames = self.renames(j);
-            pieces.push(piece(&renames, (at, r.start), None));
             let repeat = RepeatSpan {
                 renamed_from: rename_id(r.renamed_from, &renames, None),
                 ..*r
             };
-            pieces.push(piece(&renames, (r.start, r.start + r.len), Some(repeat)));
+            pieces.push(ReplayPiece {
+                range: (at, r.start),
+                renames: renames.clone(),
+                repeat: None,
+            });
+            pieces.push(ReplayPiece {
+                range: (r.start, r.start + r.len),
+                renames,
+                repeat: Some(repeat),
+            });
             at = r.start + r.len;
         }
-        let renames = self.renames(self.repeats.len());
-        pieces.push(piece(&renames, (at, self.trace.events.len()), None));
+        pieces.push(ReplayPiece {
+            range: (at, self.lowered.len()),
+            renames: self.renames(self.repeats.len()),
+            repeat: None,
+        });
         pieces
     }
 
     /// The events of `piece`, one of [`CompactTrace::replay_pieces`].
-    pub fn piece_events<'a>(&'a self, piece: &'a ReplayPiece) -> &'a [Event] {
-        match &piece.renamed {
-            Some(events) => events,
-            None => &self.trace.events[piece.range.0..piece.range.1],
-        }
+    pub fn piece_view<'a>(&'a self, piece: &'a ReplayPiece) -> EventView<'a> {
+        self.view(piece.range, &piece.renames)
     }
 
     /// `meta.phases` of the lowered events (of three micro-batches per step where there are repeats).
@@ -145,51 +194,61 @@ impl CompactTrace {
 
     /// The step as a full lowering writes it.
     pub fn expand(&self) -> Trace {
-        if self.repeats.is_empty() {
-            return self.trace.clone();
-        }
+        let sized = |e: &Event, size: Option<u64>| sized_event((e, size)).into_owned();
         let mut events = Vec::with_capacity(self.events);
         let mut at = 0;
         let mut renames: Vec<(u64, u64)> = Vec::new();
+        let no_renames: &[(u64, u64)] = &[];
         for r in &self.repeats {
             events.extend(
-                self.trace.events[at..r.start]
-                    .iter()
-                    .map(|e| rename_event(e, &renames, None)),
+                self.view((at, r.start), no_renames)
+                    .sized()
+                    .map(|(e, size)| rename_event(&sized(e, size), &renames, None)),
             );
+            let body: Vec<Event> = self
+                .view((r.start, r.start + r.len), no_renames)
+                .sized()
+                .map(|(e, size)| sized(e, size))
+                .collect();
             for k in 0..r.times {
-                events.extend(
-                    self.trace.events[r.start..r.start + r.len]
-                        .iter()
-                        .map(|e| rename_event(e, &renames, Some((r, k)))),
-                );
+                events.extend(body.iter().map(|e| rename_event(e, &renames, Some((r, k)))));
             }
             renames.push((r.renamed_from, (r.times - 1) * r.shift));
             at = r.start + r.len;
         }
         events.extend(
-            self.trace.events[at..]
-                .iter()
-                .map(|e| rename_event(e, &renames, None)),
+            self.view((at, self.lowered.len()), no_renames)
+                .sized()
+                .map(|(e, size)| rename_event(&sized(e, size), &renames, None)),
         );
         Trace {
-            meta: self.trace.meta.clone(),
+            meta: self.meta.clone(),
             events,
         }
     }
 }
 
+/// An event with the size it has in a step ([`CompactTrace::sized_events`]): borrowed where it is
+/// the lowered one.
+pub(crate) fn sized_event((e, size): (&Event, Option<u64>)) -> Cow<'_, Event> {
+    match (e, size) {
+        (Event::Alloc { .. }, Some(bytes)) => {
+            let mut e = e.clone();
+            if let Event::Alloc { size, .. } = &mut e {
+                *size = bytes;
+            }
+            Cow::Owned(e)
+        }
+        _ => Cow::Borrowed(e),
+    }
+}
+
 /// `id` after the renames of earlier repeats, then (inside a repeat) as its `k`-th micro-batch names it.
 pub fn rename_id(id: u64, renames: &[(u64, u64)], repeat: Option<(&RepeatSpan, u64)>) -> u64 {
-    let mut out = id;
+    let mut out = renamed_id(id, renames);
     if let Some((r, k)) = repeat {
         if id >= r.renamed_from {
             out += k * r.shift;
-        }
-    }
-    for &(from, by) in renames {
-        if id >= from {
-            out += by;
         }
     }
     out
@@ -378,9 +437,11 @@ fn compact(trace: Trace, recipe: &Recipe) -> Option<CompactTrace> {
             shift: if from1 == u64::MAX { 0 } else { from2 - from1 },
         });
     }
-    let lowered_phases = trace.meta.get("phases")?.as_array()?.clone();
+    let lowered_phases = Arc::new(trace.meta.get("phases")?.as_array()?.clone());
     let mut c = CompactTrace {
-        trace,
+        lowered: Arc::new(trace.events),
+        sizes: Arc::default(),
+        meta: trace.meta,
         repeats,
         events: 0,
         lowered_phases,
@@ -399,7 +460,23 @@ impl CompactTrace {
         if self.repeats.is_empty() || recipe.accum <= LOWERED_MICRO_BATCHES {
             return None;
         }
-        let mut c = self.clone();
+        // the meta but its phases, which `set_accum` writes anew (one entry per micro-batch's phase)
+        let meta = self
+            .meta
+            .iter()
+            .map(|(k, v)| match k.as_str() {
+                "phases" => (k.clone(), Value::Null),
+                _ => (k.clone(), v.clone()),
+            })
+            .collect();
+        let mut c = CompactTrace {
+            lowered: self.lowered.clone(),
+            sizes: self.sizes.clone(),
+            meta,
+            repeats: self.repeats.clone(),
+            events: self.events,
+            lowered_phases: self.lowered_phases.clone(),
+        };
         c.set_accum(recipe)?;
         Some(c)
     }
@@ -413,7 +490,7 @@ impl CompactTrace {
         }
         let repeats = &self.repeats;
         let extra: usize = repeats.iter().map(|r| (r.times as usize - 1) * r.len).sum();
-        self.events = self.trace.events.len() + extra;
+        self.events = self.lowered.len() + extra;
         let phases = &self.lowered_phases;
         let mut out = Vec::with_capacity(phases.len());
         let mut moved = 0usize;
@@ -440,7 +517,7 @@ impl CompactTrace {
         for p in &phases[i..] {
             out.push(moved_phase(p, moved, None)?);
         }
-        let m = &mut self.trace.meta;
+        let m = &mut self.meta;
         m.insert("accum".into(), recipe.accum.into());
         m.insert("recipe".into(), recipe.name().into());
         m.insert("phases".into(), Value::Array(out));

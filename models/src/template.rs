@@ -20,7 +20,7 @@
 use serde_json::Value;
 use vramsim_traces::Event;
 
-use crate::compact::CompactTrace;
+use crate::compact::{sized_event, CompactTrace};
 
 /// One step of a path into a JSON tree.
 #[derive(Clone, Debug, PartialEq)]
@@ -42,8 +42,9 @@ struct MetaSlope {
 pub struct BatchTemplate {
     base: CompactTrace,
     batch: u64,
-    /// (event index, requested bytes per sample) of every allocation whose size varies.
-    sizes: Vec<(usize, i128)>,
+    /// (event index, requested bytes at `batch`, requested bytes per sample) of every allocation whose
+    /// size varies, by index.
+    sizes: Vec<(usize, u64, i128)>,
     meta: Vec<MetaSlope>,
 }
 
@@ -68,13 +69,9 @@ impl BatchTemplate {
         if a.repeats != b.repeats || a.events != b.events {
             return Err("other repeated micro-batches".into());
         }
-        if a.lowered_phases() != b.lowered_phases() || a.trace.events.len() != b.trace.events.len()
-        {
-            return Err(format!(
-                "other events ({} and {})",
-                a.trace.events.len(),
-                b.trace.events.len()
-            ));
+        let (na, nb) = (a.lowered_events().len(), b.lowered_events().len());
+        if a.lowered_phases() != b.lowered_phases() || na != nb {
+            return Err(format!("other events ({na} and {nb})"));
         }
         let run = i128::from(batch_b) - i128::from(batch_a);
         let slope = |sa: u64, sb: u64| -> Option<i128> {
@@ -82,7 +79,7 @@ impl BatchTemplate {
             (rise % run == 0).then_some(rise / run)
         };
         let mut sizes = Vec::new();
-        for (i, (ea, eb)) in a.trace.events.iter().zip(&b.trace.events).enumerate() {
+        for (i, ((ea, sa), (eb, sb))) in a.sized_events().zip(b.sized_events()).enumerate() {
             match (ea, eb) {
                 (
                     Event::Alloc {
@@ -103,11 +100,12 @@ impl BatchTemplate {
                     if id != id_b || stream != stream_b || category != category_b || tag != tag_b {
                         return Err(format!("event {i}: {ea:?} and {eb:?}"));
                     }
+                    let (size, size_b) = (sa.unwrap_or(*size), sb.unwrap_or(*size_b));
                     if size != size_b {
-                        let per_sample = slope(*size, *size_b).ok_or_else(|| {
+                        let per_sample = slope(size, size_b).ok_or_else(|| {
                             format!("event {i}: {size} and {size_b} bytes, not a whole number of bytes per sample")
                         })?;
-                        sizes.push((i, per_sample));
+                        sizes.push((i, size, per_sample));
                     }
                 }
                 _ if ea == eb => {}
@@ -115,10 +113,7 @@ impl BatchTemplate {
             }
         }
         let mut meta = Vec::new();
-        let (ma, mb) = (
-            Value::Object(a.trace.meta.clone()),
-            Value::Object(b.trace.meta.clone()),
-        );
+        let (ma, mb) = (Value::Object(a.meta.clone()), Value::Object(b.meta.clone()));
         if !numbers_apart(&ma, &mb, &mut Vec::new(), &mut |path, x, y| {
             meta.push(MetaSlope {
                 path,
@@ -149,23 +144,30 @@ impl BatchTemplate {
         let at = |base: u64, per_sample: i128| -> Option<u64> {
             u64::try_from(i128::from(base).checked_add(per_sample.checked_mul(delta)?)?).ok()
         };
-        let mut out = self.base.clone();
-        for &(i, per_sample) in &self.sizes {
-            if let Event::Alloc { size, .. } = &mut out.trace.events[i] {
-                *size = at(*size, per_sample)?;
+        // the varying sizes at `batch`, beside the base's own sizes that do not vary, by index
+        let mut sizes = Vec::with_capacity(self.sizes.len() + self.base.sizes().len());
+        let mut fixed = self.base.sizes().iter().peekable();
+        for &(i, base, per_sample) in &self.sizes {
+            while let Some(&&(j, bytes)) = fixed.peek() {
+                if j > i {
+                    break;
+                }
+                if j < i {
+                    sizes.push((j, bytes));
+                }
+                fixed.next();
             }
+            sizes.push((i, at(base, per_sample)?));
         }
-        if !self.meta.is_empty() {
-            // the copy's own meta, patched in place (no second copy)
-            let mut meta = Value::Object(std::mem::take(&mut out.trace.meta));
-            for m in &self.meta {
-                *slot(&mut meta, &m.path)? = Value::from(at(m.base, m.per_sample)?);
-            }
-            if let Value::Object(map) = meta {
-                out.trace.meta = map;
-            }
+        sizes.extend(fixed.copied());
+        let mut meta = Value::Object(self.base.meta.clone());
+        for m in &self.meta {
+            *slot(&mut meta, &m.path)? = Value::from(at(m.base, m.per_sample)?);
         }
-        Some(out)
+        let Value::Object(meta) = meta else {
+            unreachable!("an object stays one")
+        };
+        Some(self.base.with_sizes(sizes, meta))
     }
 }
 
@@ -186,18 +188,18 @@ impl BatchTemplate {
         let mut best: Option<u64> = None;
         let b0 = i128::from(self.batch);
         let limit = i128::from(bytes);
-        for (i, e) in self.base.trace.events.iter().enumerate() {
+        for (i, (e, sized)) in self.base.sized_events().enumerate() {
             match e {
                 Event::Alloc { id, size, .. } => {
                     let c = match slopes.peek() {
-                        Some(&&(at, c)) if at == i => {
+                        Some(&&(at, _, c)) if at == i => {
                             slopes.next();
                             c
                         }
                         _ => 0,
                     };
                     // the size's polynomial as a + c · batch
-                    let a = i128::from(*size) - c * b0;
+                    let a = i128::from(sized.unwrap_or(*size)) - c * b0;
                     base += a;
                     slope += c;
                     live.insert(id, (a, c));
@@ -226,12 +228,18 @@ impl BatchTemplate {
 }
 
 impl CompactTrace {
-    /// Whether `self` is `other` to the byte: every event, repeat and `meta` field.
+    /// Whether `self` is `other` to the byte: every event (with its size in the step), repeat and
+    /// `meta` field.
     pub fn same_as(&self, other: &CompactTrace) -> bool {
         self.repeats == other.repeats
             && self.events == other.events
             && self.lowered_phases() == other.lowered_phases()
-            && self.trace == other.trace
+            && self.meta == other.meta
+            && self.lowered_events().len() == other.lowered_events().len()
+            && self
+                .sized_events()
+                .map(sized_event)
+                .eq(other.sized_events().map(sized_event))
     }
 }
 

@@ -15,7 +15,9 @@
 //! under the ids the events give them.
 
 mod repeat;
+mod view;
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
@@ -26,6 +28,7 @@ use crate::stats::MemoryStats;
 use crate::timeline::Timeline;
 
 pub use repeat::Repeat;
+pub use vramsim_traces::{renamed_id, EventView};
 
 /// A trace that cannot be replayed: it says which event and why.
 #[derive(Debug, thiserror::Error)]
@@ -164,6 +167,7 @@ pub struct ReplayOutcome {
 /// Phase starts kept for plotting; later ones are still counted in [`ReplayOutcome::phases`].
 pub const MAX_PHASE_MARKS: usize = 1000;
 
+#[derive(Clone)]
 struct Live {
     block: Option<BlockRef>,
     size: u64,
@@ -223,6 +227,33 @@ impl<A: Allocator> Replay<A> {
         }
     }
 
+    /// A copy of this replay in its present state, with `allocator` as its allocator (a copy of this
+    /// one's): the two then go on independently, as two replays of the same events so far would.
+    pub fn fork_with(&self, allocator: A) -> Replay<A> {
+        Replay {
+            allocator,
+            timeline: self.timeline.clone(),
+            live: self.live.clone(),
+            next_index: self.next_index,
+            allocs: self.allocs,
+            frees: self.frees,
+            categories: self.categories,
+            categories_at_peak: self.categories_at_peak,
+            peak_allocated: self.peak_allocated,
+            peak_allocated_event: self.peak_allocated_event,
+            peak_reserved: self.peak_reserved,
+            allocated_at_reserved_peak: self.allocated_at_reserved_peak,
+            peak_device_used: self.peak_device_used,
+            phases: self.phases.clone(),
+            phase_index: self.phase_index.clone(),
+            current_phase: self.current_phase,
+            phase_marks: self.phase_marks.clone(),
+            sampler: self.sampler.clone(),
+            oom: self.oom.clone(),
+            started: self.started,
+        }
+    }
+
     /// The allocator, as the replay left it so far.
     pub fn allocator(&self) -> &A {
         &self.allocator
@@ -251,6 +282,19 @@ impl<A: Allocator> Replay<A> {
     /// [`Replay::apply`] for a borrowed event: nothing is copied (an integer id is not even cloned),
     /// so a lowered trace replays in place, as many times as asked.
     pub fn apply_ref(&mut self, event: &Event) -> Result<Flow, ReplayError> {
+        self.apply_as(event, |id| id, None)
+    }
+
+    /// [`Replay::apply_ref`] for a borrowed event that stands for another: its integer ids passed
+    /// through `rename`, and, for an `alloc`, `size` bytes where given instead of the event's (a step
+    /// written once and replayed as several, [`EventView`]). Nothing is copied.
+    #[inline]
+    pub fn apply_as<R: Fn(u64) -> u64>(
+        &mut self,
+        event: &Event,
+        rename: R,
+        size: Option<u64>,
+    ) -> Result<Flow, ReplayError> {
         let index = self.next_index;
         self.next_index += 1;
         if let Event::Segment(segment) = event {
@@ -262,17 +306,24 @@ impl<A: Allocator> Replay<A> {
         match event {
             Event::Alloc {
                 id,
-                size,
+                size: written,
                 stream,
                 category,
                 ..
-            } => return self.alloc(index, id, *size, *stream, *category),
+            } => {
+                let size = size.unwrap_or(*written);
+                return self.alloc(index, &renamed(id, &rename), size, *stream, *category);
+            }
             Event::Free { id } => {
-                let live = self.live.remove(id).ok_or_else(|| ReplayError::UnknownId {
-                    index,
-                    op: "free",
-                    id: id.clone(),
-                })?;
+                let id = renamed(id, &rename);
+                let live = self
+                    .live
+                    .remove(&id)
+                    .ok_or_else(|| ReplayError::UnknownId {
+                        index,
+                        op: "free",
+                        id: id.into_owned(),
+                    })?;
                 self.frees += 1;
                 self.categories[live.category.index()] -= live.size;
                 if let Some(block) = live.block {
@@ -280,10 +331,11 @@ impl<A: Allocator> Replay<A> {
                 }
             }
             Event::RecordStream { id, stream } => {
-                let live = self.live.get(id).ok_or_else(|| ReplayError::UnknownId {
+                let id = renamed(id, &rename);
+                let live = self.live.get(&id).ok_or_else(|| ReplayError::UnknownId {
                     index,
                     op: "record_stream",
-                    id: id.clone(),
+                    id: id.into_owned(),
                 })?;
                 if let Some(block) = live.block {
                     self.allocator.record_stream(block, *stream);
@@ -323,6 +375,12 @@ impl<A: Allocator> Replay<A> {
             }
         }
         Ok(Flow::Continue)
+    }
+
+    /// Applies the events `view` stands for, in order, until they end or an allocation fails: its
+    /// borrowed events with their ids renamed and sizes replaced as it says ([`Replay::apply_as`]).
+    pub fn apply_view(&mut self, view: &EventView) -> Result<Flow, ReplayError> {
+        self.apply_shifted(view, u64::MAX, 0)
     }
 
     fn alloc(
@@ -519,10 +577,20 @@ impl<A: Allocator> Replay<A> {
     }
 }
 
+/// `id` with its integer through `rename` (a string id as it is).
+#[inline]
+fn renamed<'e>(id: &'e AllocId, rename: &impl Fn(u64) -> u64) -> Cow<'e, AllocId> {
+    match id {
+        AllocId::Int(i) => Cow::Owned(AllocId::Int(rename(*i))),
+        other => Cow::Borrowed(other),
+    }
+}
+
 /// Keeps at most `capacity` timeline points in bounded memory: each point holds the maxima of a bucket of
 /// events (and the categories at its allocated peak), and when the buffer fills, neighbouring buckets
 /// merge and the bucket width doubles, so the peaks survive any trace length. Nothing is allocated after
 /// construction except in the rare halving.
+#[derive(Clone)]
 struct Sampler {
     capacity: usize,
     width: u64,

@@ -9,7 +9,7 @@ use vramsim_sim::allocator::caching::CachingAllocator;
 use vramsim_sim::allocator::Allocator;
 use vramsim_sim::config::AllocatorConfig;
 use vramsim_sim::device::Device;
-use vramsim_sim::engine::{Flow, Repeat, Replay, ReplayOptions};
+use vramsim_sim::engine::{EventView, Flow, Repeat, Replay, ReplayOptions};
 use vramsim_traces::{AllocId, Category, Event};
 
 const MIB: u64 = 1 << 20;
@@ -198,7 +198,10 @@ fn allocator(settings: &str, capacity: u64) -> CachingAllocator {
 fn replay(p: &Program, settings: &str, capacity: u64, skip: bool) -> String {
     let mut r = Replay::new(allocator(settings, capacity), &ReplayOptions::default());
     let repeat = Repeat {
-        events: &p.body,
+        view: EventView {
+            events: &p.body,
+            ..Default::default()
+        },
         times: p.times,
         renamed_from: FROM,
         shift: p.shift,
@@ -236,6 +239,57 @@ fn replay(p: &Program, settings: &str, capacity: u64, skip: bool) -> String {
     )
 }
 
+/// The programs of `counts` (one program at several repetition counts: the same prefix and body)
+/// replayed at once: prefix and warm-up once, the body for every count through
+/// `apply_repeated_each`, then each copy its own count's suffix; the texts of [`replay`], by count.
+fn replay_each(programs: &[Program], settings: &str, capacity: u64) -> Vec<String> {
+    let p = &programs[0];
+    let counts: Vec<u64> = programs.iter().map(|q| q.times).collect();
+    let text = |flow: Flow, r: Replay<CachingAllocator>| {
+        let (outcome, allocator) = r.into_parts();
+        // as `replay` writes its flow
+        let flow: Result<Flow, String> = Ok(flow);
+        format!(
+            "{flow:?}\n{outcome:#?}\n{:#?}\n{:#?}",
+            allocator.stats(),
+            allocator.segments()
+        )
+    };
+    let mut r = Replay::new(allocator(settings, capacity), &ReplayOptions::default());
+    for e in p.prefix.iter().chain(&p.warmup) {
+        if r.apply(e.clone()).unwrap() == Flow::Stopped {
+            return programs.iter().map(|_| String::new()).collect();
+        }
+    }
+    let repeat = Repeat {
+        view: EventView {
+            events: &p.body,
+            ..Default::default()
+        },
+        times: 0,
+        renamed_from: FROM,
+        shift: p.shift,
+    };
+    let each = r
+        .apply_repeated_each(&repeat, &counts, CachingAllocator::clone)
+        .unwrap();
+    assert_eq!(each.len(), programs.len());
+    each.into_iter()
+        .zip(programs)
+        .map(|((mut r, flow), q)| {
+            if flow == Flow::Stopped {
+                return text(flow, r);
+            }
+            for e in &q.suffix {
+                if r.apply(e.clone()).unwrap() == Flow::Stopped {
+                    return text(Flow::Stopped, r);
+                }
+            }
+            text(Flow::Continue, r)
+        })
+        .collect()
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 400, .. ProptestConfig::default() })]
 
@@ -252,6 +306,31 @@ proptest! {
         let full = replay(&p, &settings, capacity, false);
         let skipped = replay(&p, &settings, capacity, true);
         prop_assert_eq!(full, skipped);
+    }
+
+    /// One replay for several accumulation counts (`apply_repeated_each`) leaves, for each count,
+    /// what a replay of that count alone, every event applied, leaves.
+    #[test]
+    fn repeating_for_several_counts_at_once_equals_each_alone(
+        settings in settings(),
+        capacity in prop_oneof![Just(256 * MIB), Just(1024 * MIB), Just(16384 * MIB)],
+        prefix in prop::collection::vec(1u64..(64 * MIB), 0..6),
+        ops in prop::collection::vec(op(), 1..40),
+        counts in prop::collection::btree_set(1u64..14, 1..5),
+        last in prop_oneof![Just(1u64), Just(30 * MIB), Just(90 * MIB), Just(4096 * MIB)],
+    ) {
+        let programs: Vec<Program> =
+            counts.iter().map(|&c| program(&prefix, &ops, c, last)).collect();
+        let prefix_fits = {
+            let mut r = Replay::new(allocator(&settings, capacity), &ReplayOptions::default());
+            programs[0].prefix.iter().chain(&programs[0].warmup)
+                .all(|e| r.apply(e.clone()).unwrap() == Flow::Continue)
+        };
+        prop_assume!(prefix_fits);
+        let each = replay_each(&programs, &settings, capacity);
+        for (q, text) in programs.iter().zip(each) {
+            prop_assert_eq!(replay(q, &settings, capacity, false), text, "count {}", q.times);
+        }
     }
 }
 
@@ -272,7 +351,10 @@ fn a_billion_repetitions_are_carried_exactly() {
     ];
     let times = 1_000_000_000u64;
     let repeat = Repeat {
-        events: &body,
+        view: EventView {
+            events: &body,
+            ..Default::default()
+        },
         times,
         renamed_from: FROM,
         shift: 2,

@@ -44,6 +44,7 @@ pub mod pickle;
 pub mod sites;
 pub mod snapshot;
 pub mod trace;
+pub mod view;
 
 pub use error::{BlockProblem, EventProblem, HeaderProblem, Location, TraceError};
 pub use event::{AllocId, Category, Event, InitialBlock, InitialSegment, Pool, StreamId, OPS};
@@ -53,3 +54,4 @@ pub use file::{
 pub use json::{parse_json, read_json, write_json};
 pub use jsonl::{read_jsonl, write_jsonl, JsonlReader, JsonlWriter};
 pub use trace::{Meta, Trace, FORMAT_NAME, FORMAT_VERSION};
+pub use view::{renamed_id, EventView};

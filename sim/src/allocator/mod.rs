@@ -273,6 +273,13 @@ pub trait Allocator {
     fn carry_repetitions(&mut self, before: &Counters, n: u64) {
         let _ = (before, n);
     }
+
+    /// A copy of the allocator in its present state, which then goes on on its own (a replay that
+    /// continues in several ways from one point: [`crate::engine::Replay::apply_repeated_each`]), or
+    /// `None` where the model cannot be copied.
+    fn fork(&self) -> Option<Box<dyn Allocator>> {
+        None
+    }
 }
 
 /// What an allocator's counters stood at when a repetition began ([`Allocator::counters`]).
@@ -337,5 +344,8 @@ impl<T: Allocator + ?Sized> Allocator for Box<T> {
     }
     fn carry_repetitions(&mut self, before: &Counters, n: u64) {
         (**self).carry_repetitions(before, n)
+    }
+    fn fork(&self) -> Option<Box<dyn Allocator>> {
+        (**self).fork()
     }
 }

@@ -17,14 +17,16 @@ use vramsim_traces::{AllocId, Event};
 
 use super::{Flow, Live, Replay, ReplayError, MAX_PHASE_MARKS};
 use crate::allocator::{Allocator, Counters};
+use vramsim_traces::{renamed_id, EventView};
 
-/// Events that repeat: `events` `times` times in a row, the `k`-th repetition (from 0) being `events`
-/// with every integer id at or above `renamed_from` increased by `k × shift` (each repetition
-/// allocates its own ids, and may free those of the repetition before it, `shift` ids earlier).
+/// Events that repeat: `view`'s events `times` times in a row, the `k`-th repetition (from 0) being
+/// those events (ids renamed and sizes replaced as the view says) with every integer id at or above
+/// `renamed_from` (as the view names it) increased by `k × shift` (each repetition allocates its own
+/// ids, and may free those of the repetition before it, `shift` ids earlier).
 #[derive(Clone, Copy, Debug)]
 pub struct Repeat<'a> {
     /// One repetition (the first).
-    pub events: &'a [Event],
+    pub view: EventView<'a>,
     /// Repetitions in all (the first included).
     pub times: u64,
     /// The lowest integer id that is renamed from one repetition to the next.
@@ -34,28 +36,35 @@ pub struct Repeat<'a> {
 }
 
 impl Repeat<'_> {
-    /// `id` as the `k`-th repetition names it.
+    /// `id` (as written) as the `k`-th repetition names it.
     #[inline]
     pub fn id(&self, id: &AllocId, k: u64) -> AllocId {
         match id {
-            AllocId::Int(i) if *i >= self.renamed_from => AllocId::Int(i + k * self.shift),
+            AllocId::Int(i) => {
+                let i = renamed_id(*i, self.view.renames);
+                AllocId::Int(if i >= self.renamed_from {
+                    i + k * self.shift
+                } else {
+                    i
+                })
+            }
             other => other.clone(),
         }
     }
 
-    /// `event` as the `k`-th repetition has it (without its tag, which a replay does not read).
-    #[inline]
-    pub fn event(&self, event: &Event, k: u64) -> Event {
+    /// `event` as the `k`-th repetition has it, with `size` bytes if it is an allocation whose size
+    /// the view replaces (without its tag, which a replay does not read).
+    pub fn event(&self, event: &Event, size: Option<u64>, k: u64) -> Event {
         match event {
             Event::Alloc {
                 id,
-                size,
+                size: written,
                 stream,
                 category,
                 ..
             } => Event::Alloc {
                 id: self.id(id, k),
-                size: *size,
+                size: size.unwrap_or(*written),
                 stream: *stream,
                 category: *category,
                 tag: None,
@@ -71,7 +80,16 @@ impl Repeat<'_> {
 
     /// Every event of every repetition, in order (what [`Replay::apply_repeated`] stands for).
     pub fn expand(&self) -> impl Iterator<Item = Event> + '_ {
-        (0..self.times).flat_map(move |k| self.events.iter().map(move |e| self.event(e, k)))
+        (0..self.times).flat_map(move |k| {
+            self.view
+                .sized()
+                .map(move |(e, size)| self.event(e, size, k))
+        })
+    }
+
+    /// The same repetitions, `times` of them.
+    fn times(&self, times: u64) -> Self {
+        Repeat { times, ..*self }
     }
 }
 
@@ -100,13 +118,70 @@ impl<A: Allocator> Replay<A> {
                 }
                 previous = Some(now);
             }
-            for event in repeat.events {
-                if self.apply(repeat.event(event, k))? == Flow::Stopped {
-                    return Ok(Flow::Stopped);
-                }
+            if self.apply_shifted(&repeat.view, repeat.renamed_from, k * repeat.shift)?
+                == Flow::Stopped
+            {
+                return Ok(Flow::Stopped);
             }
         }
         Ok(Flow::Continue)
+    }
+
+    /// [`Replay::apply_repeated`] for several repetition counts at once (`counts`, ascending and
+    /// distinct; `repeat.times` is not read): the repetitions the counts share are applied once, and
+    /// the replay is copied (its allocator through `fork`) where their runs part — where a count's
+    /// repetitions end, and at the steady state, from which each count carries its own remaining
+    /// repetitions. Returns, for each count in order, the replay as `apply_repeated` with that many
+    /// repetitions leaves it, and its flow.
+    pub fn apply_repeated_each(
+        self,
+        repeat: &Repeat,
+        counts: &[u64],
+        fork: impl Fn(&A) -> A,
+    ) -> Result<Vec<(Replay<A>, Flow)>, ReplayError> {
+        let mut out = Vec::with_capacity(counts.len());
+        let Some((&most, _)) = counts.split_last() else {
+            return Ok(out);
+        };
+        let mut me = self;
+        let split = |r: &Replay<A>| r.fork_with(fork(&r.allocator));
+        let start = me.next_index;
+        let mut previous: Option<Boundary> = None;
+        let mut rest = counts;
+        for k in 0..most {
+            // the counts whose repetitions end here (the largest ends after the loop)
+            while rest[0] == k {
+                out.push((split(&me), Flow::Continue));
+                rest = &rest[1..];
+            }
+            let (&last, others) = rest.split_last().expect("the largest count is left");
+            if let Some(now) = me.boundary(repeat, k) {
+                if previous.as_ref().is_some_and(|p| p.key == now.key) {
+                    let before = previous.expect("checked");
+                    for &count in others {
+                        let mut r = split(&me);
+                        r.skip(&repeat.times(count), k, start, &before);
+                        out.push((r, Flow::Continue));
+                    }
+                    me.skip(&repeat.times(last), k, start, &before);
+                    out.push((me, Flow::Continue));
+                    return Ok(out);
+                }
+                previous = Some(now);
+            }
+            if me.apply_shifted(&repeat.view, repeat.renamed_from, k * repeat.shift)?
+                == Flow::Stopped
+            {
+                // every count left runs repetition k, and stops there
+                for _ in others {
+                    out.push((split(&me), Flow::Stopped));
+                }
+                out.push((me, Flow::Stopped));
+                return Ok(out);
+            }
+        }
+        out.push((me, Flow::Continue));
+        Ok(out)
     }
 
     /// The state before repetition `k`, or `None` where it cannot be described.
@@ -154,7 +229,7 @@ impl<A: Allocator> Replay<A> {
     /// would do what it did. Carries their effect instead of replaying them.
     fn skip(&mut self, repeat: &Repeat, k: u64, start: u64, before: &Boundary) {
         let n = repeat.times - k;
-        let len = repeat.events.len() as u64;
+        let len = repeat.view.events.len() as u64;
         self.allocs += (self.allocs - before.allocs) * n;
         self.frees += (self.frees - before.frees) * n;
         self.allocator.carry_repetitions(&before.counters, n);
@@ -164,6 +239,7 @@ impl<A: Allocator> Replay<A> {
         }
         if self.phase_marks.len() < MAX_PHASE_MARKS {
             let marks: Vec<(u64, &str)> = repeat
+                .view
                 .events
                 .iter()
                 .enumerate()

@@ -858,6 +858,10 @@ impl Allocator for CachingAllocator {
     fn carry_repetitions(&mut self, before: &Counters, n: u64) {
         self.carry_steady_repetitions(before, n)
     }
+
+    fn fork(&self) -> Option<Box<dyn Allocator>> {
+        Some(Box::new(self.clone()))
+    }
 }
 
 #[cfg(test)]
