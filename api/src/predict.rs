@@ -23,13 +23,15 @@ use vramsim_models::{
     CheckpointImpl, CublasWorkspaceMode, TorchVersion, TransformersVersion, Workspaces,
 };
 use vramsim_models::{DType, Offload, Parallel, PpSchedule, ReshardAfterForward, Shard};
+use vramsim_sim::allocator::Allocator;
 use vramsim_sim::device::{find_preset, ContextChoice, UnknownGpu, DEFAULT_GPU};
 use vramsim_sim::engine::{Flow, Repeat, Replay, ReplayOptions};
 use vramsim_sim::format::format_size;
 use vramsim_sim::report::{group_digits, Report};
 use vramsim_traces::{Event, Trace};
 
-use crate::machine::MachineArgs;
+use crate::machine::{Machine, MachineArgs};
+use crate::nccl::NcclMemory;
 
 /// Module groups listed in the table (`--json` has them all).
 const TOP_MODULES: usize = 8;
@@ -831,6 +833,120 @@ pub fn replay_step(
     timeline_points: usize,
     breakdown: bool,
 ) -> Result<(Report, Prediction)> {
+    let (machine, nccl, built) = step_machine(lowered, machine)?;
+    let t1 = Instant::now();
+    let options = ReplayOptions { timeline_points };
+    let mut replay = Replay::new(built.allocator, &options);
+    replay_pieces(&mut replay, lowered, lowered.pieces())?;
+    let step = StepMachine {
+        machine: &machine,
+        nccl,
+        alloc_conf: &built.alloc_conf,
+        memory_fraction: built.memory_fraction,
+    };
+    Ok(step.report(lowered, replay, breakdown, t1))
+}
+
+/// [`replay_step`] for one step at several accumulation counts that one compact lowering serves
+/// (`variants`: [`Lowered::with_accum`] of one lowering, or the lowering itself), without a timeline:
+/// what comes before the repeated micro-batch is replayed once, and so are the repetitions the counts
+/// share, the replay copied where they part (`Replay::apply_repeated_each`: where a count's
+/// repetitions end, and at the steady state); then each count replays its own rest. The same
+/// reports as a [`replay_step`] of each (test `compact_replay`). Replays each alone where the
+/// variants do not share their lowering or the allocator model cannot be copied.
+pub fn replay_step_variants(
+    variants: &[&Lowered],
+    machine: &MachineArgs,
+    breakdown: bool,
+) -> Result<Vec<(Report, Prediction)>> {
+    let each_alone = || {
+        variants
+            .iter()
+            .map(|l| replay_step(l, machine, 0, breakdown))
+            .collect()
+    };
+    let Some((first, others)) = variants.split_first() else {
+        return Ok(Vec::new());
+    };
+    let shared = others.iter().all(|l| {
+        l.compact.same_lowering(&first.compact) && l.recipe.parallel == first.recipe.parallel
+    });
+    let pieces = first.pieces();
+    // the pieces before the first repetition (events, then the repeated micro-batch)
+    if !shared || pieces.len() < 3 || pieces[1].repeat.is_none() {
+        return each_alone();
+    }
+    let (machine, nccl, built) = step_machine(first, machine)?;
+    if built.allocator.fork().is_none() {
+        return each_alone();
+    }
+    let t1 = Instant::now();
+    let mut replay = Replay::new(built.allocator, &ReplayOptions::default());
+    let step = StepMachine {
+        machine: &machine,
+        nccl,
+        alloc_conf: &built.alloc_conf,
+        memory_fraction: built.memory_fraction,
+    };
+    if replay_pieces(&mut replay, first, &pieces[..1])? == Flow::Stopped {
+        // out of memory before the repetitions: every count stops there
+        let (last, others) = variants.split_last().expect("not empty");
+        let mut out: Vec<(Report, Prediction)> = others
+            .iter()
+            .map(|l| {
+                let r = replay.fork_with(replay.allocator().fork().expect("checked"));
+                step.report(l, r, breakdown, t1)
+            })
+            .collect();
+        out.push(step.report(last, replay, breakdown, t1));
+        return Ok(out);
+    }
+    let repeat_of = |l: &Lowered| l.pieces()[1].repeat.expect("a repeat").times;
+    let mut counts: Vec<u64> = variants.iter().map(|l| repeat_of(l)).collect();
+    counts.sort_unstable();
+    counts.dedup();
+    let r = pieces[1].repeat.expect("checked");
+    let repeat = Repeat {
+        view: first.compact.piece_view(&pieces[1]),
+        times: r.times,
+        renamed_from: r.renamed_from,
+        shift: r.shift,
+    };
+    let mut forks: Vec<Option<(Replay<Box<dyn Allocator>>, Flow)>> = replay
+        .apply_repeated_each(&repeat, &counts, |a| a.fork().expect("checked"))?
+        .into_iter()
+        .map(Some)
+        .collect();
+    let mut out = Vec::with_capacity(variants.len());
+    for (i, l) in variants.iter().enumerate() {
+        let slot = counts.binary_search(&repeat_of(l)).expect("every count");
+        // a count two variants share (the same step twice) gets a copy for all but its last
+        let last_of_count = variants[i + 1..]
+            .iter()
+            .all(|m| repeat_of(m) != repeat_of(l));
+        let (mut r, flow) = match last_of_count {
+            true => forks[slot]
+                .take()
+                .expect("each count's replay is taken once"),
+            false => {
+                let (r, flow) = forks[slot].as_ref().expect("kept until its last variant");
+                (r.fork_with(r.allocator().fork().expect("checked")), *flow)
+            }
+        };
+        if flow == Flow::Continue {
+            replay_pieces(&mut r, l, &l.pieces()[2..])?;
+        }
+        out.push(step.report(l, r, breakdown, t1));
+    }
+    Ok(out)
+}
+
+/// The machine a lowered step replays on: `machine` with the device memory the step's libraries
+/// hold outside the allocator (cuBLAS's own pools, NCCL's buffers), and its allocator built.
+fn step_machine(
+    lowered: &Lowered,
+    machine: &MachineArgs,
+) -> Result<(MachineArgs, NcclMemory, Machine)> {
     // cuBLAS's own workspace pools (PyTorch 1.10) are device memory outside the allocator.
     let mut machine = machine.clone();
     machine.library_bytes = lowered
@@ -843,13 +959,18 @@ pub fn replay_step(
     let nccl = machine.nccl(&lowered.recipe.parallel)?;
     machine.library_bytes = machine.library_bytes.saturating_add(nccl.bytes);
     let built = machine.build()?;
-    let t1 = Instant::now();
-    let device = built.allocator.device().clone();
-    let options = ReplayOptions { timeline_points };
-    let mut replay = Replay::new(built.allocator, &options);
-    // Repeated micro-batches replay until their steady state, then are carried
-    // (`Replay::apply_repeated`): the same report as every event replayed.
-    for piece in lowered.pieces() {
+    Ok((machine, nccl, built))
+}
+
+/// Replays `pieces` of `lowered` in order, until they end or an allocation fails. Repeated
+/// micro-batches replay until their steady state, then are carried (`Replay::apply_repeated`): the
+/// same report as every event replayed.
+fn replay_pieces(
+    replay: &mut Replay<Box<dyn Allocator>>,
+    lowered: &Lowered,
+    pieces: &[ReplayPiece],
+) -> Result<Flow> {
+    for piece in pieces {
         // borrowed: no event (nor its tag) is copied
         let view = lowered.compact.piece_view(piece);
         let flow = match &piece.repeat {
@@ -862,57 +983,80 @@ pub fn replay_step(
             })?,
         };
         if flow == Flow::Stopped {
-            break;
+            return Ok(Flow::Stopped);
         }
     }
-    let oom_at = replay.oom().map(|o| o.event_index as usize);
-    let outcome = replay.finish();
-    // What is live at the step's peak, or, when it runs out of memory, when the error is raised.
-    let (breakdown, oom_tag) = match oom_at {
-        _ if !breakdown => (peak_breakdown_until(&Trace::default(), 0), None),
-        None => (
-            lowered
-                .peak
-                .get_or_init(|| peak_breakdown(lowered.trace()))
-                .clone(),
-            None,
-        ),
-        Some(i) => (
-            peak_breakdown_until(lowered.trace(), i + 1),
-            match &lowered.trace().events[i] {
-                Event::Alloc { tag, .. } => tag.as_deref().map(String::from),
-                _ => None,
-            },
-        ),
-    };
-    let replay_ms = t1.elapsed().as_secs_f64() * 1e3;
-    let report = Report {
-        source: format!("{} (lowered by vramsim-models)", lowered.arch.name()),
-        allocator: machine.allocator.name().to_string(),
-        alloc_conf: built.alloc_conf,
-        memory_fraction: built.memory_fraction,
-        device,
-        outcome,
-    };
-    let prediction = Prediction {
-        arch: lowered.arch.clone(),
-        reference: lowered.reference.clone(),
-        params: lowered.graph.total_param_count(),
-        trainable_params: lowered.graph.param_count(),
-        recipe: lowered.recipe.clone(),
-        seq_given: lowered.seq_given,
-        events: lowered.compact.events,
-        lower_ms: lowered.lower_ms,
-        from_template: lowered.from_template,
-        replay_ms,
-        breakdown,
-        oom_tag,
-        warnings: lowered.warnings.clone(),
-        context: machine.context_choice(),
-        attention: lowered.attention.clone(),
-        nccl,
-    };
-    Ok((report, prediction))
+    Ok(Flow::Continue)
+}
+
+/// What a step's report takes from its machine.
+struct StepMachine<'a> {
+    machine: &'a MachineArgs,
+    nccl: NcclMemory,
+    alloc_conf: &'a str,
+    memory_fraction: Option<f64>,
+}
+
+impl StepMachine<'_> {
+    /// The report and prediction of `lowered`'s finished `replay` (started at `t1`), broken down at
+    /// its peak or out-of-memory error with `breakdown`.
+    fn report(
+        &self,
+        lowered: &Lowered,
+        replay: Replay<Box<dyn Allocator>>,
+        breakdown: bool,
+        t1: Instant,
+    ) -> (Report, Prediction) {
+        let device = replay.allocator().device().clone();
+        let oom_at = replay.oom().map(|o| o.event_index as usize);
+        let outcome = replay.finish();
+        // What is live at the step's peak, or, when it runs out of memory, when the error is raised.
+        let (breakdown, oom_tag) = match oom_at {
+            _ if !breakdown => (peak_breakdown_until(&Trace::default(), 0), None),
+            None => (
+                lowered
+                    .peak
+                    .get_or_init(|| peak_breakdown(lowered.trace()))
+                    .clone(),
+                None,
+            ),
+            Some(i) => (
+                peak_breakdown_until(lowered.trace(), i + 1),
+                match &lowered.trace().events[i] {
+                    Event::Alloc { tag, .. } => tag.as_deref().map(String::from),
+                    _ => None,
+                },
+            ),
+        };
+        let replay_ms = t1.elapsed().as_secs_f64() * 1e3;
+        let report = Report {
+            source: format!("{} (lowered by vramsim-models)", lowered.arch.name()),
+            allocator: self.machine.allocator.name().to_string(),
+            alloc_conf: self.alloc_conf.to_string(),
+            memory_fraction: self.memory_fraction,
+            device,
+            outcome,
+        };
+        let prediction = Prediction {
+            arch: lowered.arch.clone(),
+            reference: lowered.reference.clone(),
+            params: lowered.graph.total_param_count(),
+            trainable_params: lowered.graph.param_count(),
+            recipe: lowered.recipe.clone(),
+            seq_given: lowered.seq_given,
+            events: lowered.compact.events,
+            lower_ms: lowered.lower_ms,
+            from_template: lowered.from_template,
+            replay_ms,
+            breakdown,
+            oom_tag,
+            warnings: lowered.warnings.clone(),
+            context: self.machine.context_choice(),
+            attention: lowered.attention.clone(),
+            nccl: self.nccl.clone(),
+        };
+        (report, prediction)
+    }
 }
 
 /// The name a config.json gets in reports: its directory's name for `.../NAME/config.json`, else

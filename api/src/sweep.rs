@@ -434,22 +434,29 @@ pub fn evaluate(
             let work = prepare(&lowered);
             let variant_work: Vec<Option<StepWork>> =
                 variants.iter().map(|(_, l)| prepare(l)).collect();
-            let out: Vec<(usize, Result<Evaluated, String>)> = members
+            let chosen = |i: usize| -> (&Result<Lowered, String>, &Option<StepWork>) {
+                match variants.iter().position(|(a, _)| *a == args_of(i).accum) {
+                    Some(v) => (&variants[v].1, &variant_work[v]),
+                    None => (&lowered, &work),
+                }
+            };
+            // the members on one machine replay their accumulation counts together
+            let mut by_machine: Vec<(Vec<&str>, Vec<usize>)> = Vec::new();
+            for &i in members {
+                let machine = machine_options(&configs[i]);
+                match by_machine.iter_mut().find(|(m, _)| *m == machine) {
+                    Some((_, list)) => list.push(i),
+                    None => by_machine.push((machine, vec![i])),
+                }
+            }
+            let out: Vec<(usize, Result<Evaluated, String>)> = by_machine
                 .par_iter()
-                .map(|&i| {
-                    let args = args_of(i);
-                    let (lowered, work) = match variants.iter().position(|(a, _)| *a == args.accum)
-                    {
-                        Some(v) => (&variants[v].1, &variant_work[v]),
-                        None => (&lowered, &work),
-                    };
-                    let result = match (lowered, work) {
-                        (Ok(lowered), Some(work)) => replay_one(lowered, work, args, wants),
-                        (Err(e), _) => Err(e.clone()),
-                        (Ok(_), None) => unreachable!("work exists for every lowering"),
-                    };
-                    progress.inc();
-                    (i, result)
+                .flat_map_iter(|(_, on_machine)| {
+                    let out = replay_on_machine(on_machine, &chosen, &args_of, wants);
+                    for _ in on_machine {
+                        progress.inc();
+                    }
+                    out
                 })
                 .collect();
             out
@@ -582,19 +589,95 @@ fn target_key(args: &PredictArgs) -> TargetKey {
     }
 }
 
+/// The options of `args` (a configuration) that set the machine.
+fn machine_options(args: &[String]) -> Vec<&str> {
+    let set = OptionSet::predict();
+    args.iter()
+        .map(String::as_str)
+        .filter(|a| {
+            let long = a.trim_start_matches("--").split('=').next().unwrap_or("");
+            set.find(long).is_some_and(|o| o.machine)
+        })
+        .collect()
+}
+
+/// The lowering chosen for a configuration, with its step-time work.
+type Chosen<'l> = (&'l Result<Lowered, String>, &'l Option<StepWork>);
+
+/// Evaluates configurations of one machine (`members`, by index) whose lowerings `chosen` gives:
+/// the accumulation counts of one lowering in one replay ([`predict::replay_step_variants`]) where no
+/// timeline is kept, else one replay each.
+fn replay_on_machine<'l, 'a>(
+    members: &[usize],
+    chosen: &(dyn Fn(usize) -> Chosen<'l> + Sync),
+    args_of: &(dyn Fn(usize) -> &'a PredictArgs + Sync),
+    wants: Wants,
+) -> Vec<(usize, Result<Evaluated, String>)> {
+    let ready: Option<Vec<(&Lowered, &StepWork)>> = members
+        .iter()
+        .map(|&i| match chosen(i) {
+            (Ok(l), Some(w)) => Some((l, w)),
+            _ => None,
+        })
+        .collect();
+    match ready {
+        Some(ready) if members.len() > 1 && wants.timeline_points == 0 => {
+            let lowered: Vec<&Lowered> = ready.iter().map(|(l, _)| *l).collect();
+            match predict::replay_step_variants(
+                &lowered,
+                &args_of(members[0]).machine,
+                wants.breakdown(),
+            ) {
+                Ok(replayed) => members
+                    .iter()
+                    .zip(ready)
+                    .zip(replayed)
+                    .map(|((&i, (l, w)), r)| (i, evaluated(l, w, args_of(i), wants, r)))
+                    .collect(),
+                Err(e) => members
+                    .iter()
+                    .map(|&i| (i, Err(format!("{e:#}"))))
+                    .collect(),
+            }
+        }
+        _ => members
+            .iter()
+            .map(|&i| {
+                let result = match chosen(i) {
+                    (Ok(lowered), Some(work)) => replay_one(lowered, work, args_of(i), wants),
+                    (Err(e), _) => Err(e.clone()),
+                    (Ok(_), None) => unreachable!("work exists for every lowering"),
+                };
+                (i, result)
+            })
+            .collect(),
+    }
+}
+
 fn replay_one(
     lowered: &predict::Lowered,
     work: &StepWork,
     args: &PredictArgs,
     wants: Wants,
 ) -> Result<Evaluated, String> {
-    let (report, mut prediction) = predict::replay_step(
+    let replayed = predict::replay_step(
         lowered,
         &args.machine,
         wants.timeline_points,
         wants.breakdown(),
     )
     .map_err(|e| format!("{e:#}"))?;
+    evaluated(lowered, work, args, wants, replayed)
+}
+
+/// A configuration's evaluation from its replay.
+fn evaluated(
+    lowered: &predict::Lowered,
+    work: &StepWork,
+    args: &PredictArgs,
+    wants: Wants,
+    (report, mut prediction): (Report, Prediction),
+) -> Result<Evaluated, String> {
     // The shared lowering was made for the group's first GPU: this configuration's own GPU gets the
     // same kernels, but its own reasons (its compute capability).
     let target = predict::target(&args.machine).map_err(|e| format!("{e:#}"))?;

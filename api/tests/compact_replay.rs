@@ -68,14 +68,16 @@ fn the_optimised_replay_equals_the_plain_one() {
 }
 
 /// A sweep lowers once for every accumulation count above three (and every GPU getting the same
-/// kernels): each configuration's report equals the one it gets evaluated alone.
+/// kernels), and replays the counts of one machine together (`predict::replay_step_variants`): each
+/// configuration's report equals the one it gets evaluated alone, out-of-memory points included, and
+/// so does its `--json` document.
 #[test]
 fn accumulation_counts_sharing_a_lowering_get_their_own_reports() {
     use vramsim_api::sweep::{evaluate, evaluate_one, Progress, Wants};
     let configs: Vec<Vec<String>> = ["1", "4", "7", "16", "64"]
         .iter()
         .flat_map(|accum| {
-            ["--gpu=h100-80gb", "--capacity=2GiB"].map(|machine| {
+            ["--gpu=h100-80gb", "--capacity=2GiB", "--capacity=1200MiB"].map(|machine| {
                 args(&[
                     "--model=gpt2",
                     "--batch=2",
@@ -100,6 +102,31 @@ fn accumulation_counts_sharing_a_lowering_get_their_own_reports() {
         assert_eq!(swept.prediction.events, alone.prediction.events);
         assert_eq!(swept.step.step_ms, alone.step.step_ms);
         assert_eq!(swept.last_iteration_start, alone.last_iteration_start);
+    }
+    let fits: usize = configs
+        .iter()
+        .map(|c| usize::from(evaluate_one(c, Wants::default()).unwrap().fits()))
+        .sum();
+    assert!(
+        fits > 0 && fits < configs.len(),
+        "{fits} of {} fit",
+        configs.len()
+    );
+    let wants = Wants {
+        json: true,
+        timeline_points: 0,
+    };
+    for (config, swept) in configs
+        .iter()
+        .zip(evaluate(&configs, wants, &Progress::hidden()))
+    {
+        let fresh =
+            vramsim_api::predict::predict(&OptionSet::predict().parse(config).unwrap()).unwrap();
+        assert_eq!(
+            without_timing(swept.unwrap().json.expect("asked for")),
+            without_timing(fresh.to_json()),
+            "{config:?}"
+        );
     }
 }
 
