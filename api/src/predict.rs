@@ -912,7 +912,7 @@ pub fn replay_step_variants(
         renamed_from: r.renamed_from,
         shift: r.shift,
     };
-    let mut forks: Vec<Option<(Replay<Box<dyn Allocator>>, Flow)>> = replay
+    let mut forks: Vec<Option<(StepReplay, Flow)>> = replay
         .apply_repeated_each(&repeat, &counts, |a| a.fork().expect("checked"))?
         .into_iter()
         .map(Some)
@@ -966,7 +966,7 @@ fn step_machine(
 /// micro-batches replay until their steady state, then are carried (`Replay::apply_repeated`): the
 /// same report as every event replayed.
 fn replay_pieces(
-    replay: &mut Replay<Box<dyn Allocator>>,
+    replay: &mut StepReplay,
     lowered: &Lowered,
     pieces: &[ReplayPiece],
 ) -> Result<Flow> {
@@ -989,6 +989,9 @@ fn replay_pieces(
     Ok(Flow::Continue)
 }
 
+/// A step's replay on its machine's allocator.
+type StepReplay = Replay<Box<dyn Allocator>>;
+
 /// What a step's report takes from its machine.
 struct StepMachine<'a> {
     machine: &'a MachineArgs,
@@ -1003,7 +1006,7 @@ impl StepMachine<'_> {
     fn report(
         &self,
         lowered: &Lowered,
-        replay: Replay<Box<dyn Allocator>>,
+        replay: StepReplay,
         breakdown: bool,
         t1: Instant,
     ) -> (Report, Prediction) {
