@@ -210,15 +210,16 @@ impl<'g> Lowering<'g> {
             } else {
                 (half(&q.layout), key.layout.clone(), value.layout.clone())
             };
+            // `q, k, v, partial = ...` drops the previous step's (step 0's hold the contiguous
+            // copies of the key and value); the kernel's outputs exist before
+            // `out, logsumexp, *rest = op(...)` drops the previous ones.
             let nq = self.view(q, sq);
             let nk = self.view(&key, sk);
             let nv = self.view(&value, sv);
-            // The kernel's outputs exist before `q, k, v, partial = ...` of the next step and
-            // `out, logsumexp, *rest = op(...)` drop the previous ones.
-            let outs = self.sdpa_kernel_fwd(backend, &nq, &nv, m, name);
             for t in std::mem::replace(&mut qkv, vec![nq, nk, nv]) {
                 self.drop_rt(t);
             }
+            let outs = self.sdpa_kernel_fwd(backend, &qkv[0], &qkv[2], m, name);
             for t in std::mem::take(&mut last) {
                 self.drop_rt(t);
             }
@@ -312,6 +313,7 @@ impl<'g> Lowering<'g> {
         let mut dkv_sent: Option<Rt> = None;
         let mut dkv_recv: Option<Rt> = None;
         let mut step_locals: Vec<Rt> = Vec::new();
+        let mut held: Vec<Rt> = Vec::new();
         let mut kernel_out: Vec<Rt> = Vec::new();
         for i in 0..n {
             if i > 0 {
@@ -320,15 +322,13 @@ impl<'g> Lowering<'g> {
                 if let Some(s) = kv_stash.take() {
                     self.drop_rt(s);
                 }
+                // The contiguous copies stay referenced by step 0's `k, v` locals until the
+                // tuple assignment below.
                 let gb = gathered.clone().expect("gathered at step 0");
                 let nk = self.view(&gb, kl.clone());
                 let nv = self.view(&gb, vl.clone());
-                if let Some(t) = key.replace(nk) {
-                    self.drop_rt(t);
-                }
-                if let Some(t) = value.replace(nv) {
-                    self.drop_rt(t);
-                }
+                held.extend(key.replace(nk));
+                held.extend(value.replace(nv));
             }
             if i != n - 1 {
                 // `next_kv = torch.cat([key.flatten(), value.flatten()])`;
@@ -380,6 +380,9 @@ impl<'g> Lowering<'g> {
             for t in std::mem::replace(&mut step_locals, locals) {
                 self.drop_rt(t);
             }
+            for t in std::mem::take(&mut held) {
+                self.drop_rt(t);
+            }
             let qm = Meta {
                 layout: sq,
                 dtype: q.dtype,
@@ -423,7 +426,20 @@ impl<'g> Lowering<'g> {
             // received buffer's local reference goes with the rebinding), then
             // `dkv_rotater.exchange_buffers(next_grad_kv)`: `permute_tensor` →
             // `all_to_all_single`, a new output; its input stashed until the wait.
+            // `flatten()` of an accumulator that is not contiguous (step 0's `zeros_like` of a
+            // transposed key or value) copies; the copies die with the list after the cat.
+            let flat: Vec<Rt> = [&dk_acc, &dv_acc]
+                .into_iter()
+                .filter(|t| !t.layout.is_contiguous())
+                .map(|t| t.layout.numel())
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|numel| self.alloc(Layout::contiguous(&[numel]), f32, m, "aten.clone"))
+                .collect();
             let sent = self.alloc(Layout::contiguous(&[kv]), f32, m, "aten.cat");
+            for t in flat.into_iter().rev() {
+                self.drop_rt(t);
+            }
             self.kind_now = Kind::Comm;
             let recv = self.alloc(
                 Layout::contiguous(&[kv]),
@@ -459,7 +475,7 @@ impl<'g> Lowering<'g> {
         self.drop_rt(dk_acc);
         self.drop_rt(dv_acc);
         // Return: the locals, the rotaters' buffers and the last kernel's gradients die.
-        for t in step_locals.into_iter().chain(kernel_out) {
+        for t in step_locals.into_iter().chain(kernel_out).chain(held) {
             self.drop_rt(t);
         }
         for t in [key, value, next_kv, gathered, kv_stash]
