@@ -15,6 +15,7 @@
 
 pub mod check;
 pub mod commtime;
+pub mod context_parallel;
 pub mod dataparallel;
 pub mod diagnose;
 pub mod explain;

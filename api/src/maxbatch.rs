@@ -229,7 +229,7 @@ impl<'a> Prober<'a> {
         if self.key != "batch"
             || size < 2
             || crate::dataparallel::is_multi(&lowered.recipe)
-            || crate::pipeline::is_pipeline(&lowered.recipe)
+            || crate::pipeline::is_rank_by_rank(&lowered.recipe)
         {
             return;
         }

@@ -24,6 +24,21 @@ pub fn is_pipeline(recipe: &Recipe) -> bool {
     recipe.parallel.pp > 1
 }
 
+/// Whether `recipe`'s ranks play different roles that are each lowered and replayed: the
+/// pipeline ranks, or the context-parallel ranks (`crate::context_parallel`).
+pub fn is_rank_by_rank(recipe: &Recipe) -> bool {
+    is_pipeline(recipe) || crate::context_parallel::is_context_parallel(recipe)
+}
+
+/// How many ranks `args` lowers one by one: the context-parallel ranks, else the pipeline's.
+fn rank_count(args: &PredictArgs) -> u32 {
+    if args.cp > 1 {
+        args.cp
+    } else {
+        args.pp
+    }
+}
+
 /// The graph of pipeline rank `recipe.parallel.stage`: the model built for one micro-batch, cut
 /// to the rank's stages (`vramsim_models::pipeline::rank_graph`).
 pub fn rank_graph(arch: &Arch, recipe: &Recipe) -> Result<Graph> {
@@ -72,6 +87,9 @@ fn lower_ranks(args: &PredictArgs, pp: u32) -> Result<Vec<Lowered>> {
 /// pipeline rank `r` is the block `r·dp·tp .. (r + 1)·dp·tp`; its tensor-parallel ranks hold equal
 /// shards of the same stage (one role).
 fn stage_ranks(recipe: &Recipe, rank: u32) -> Vec<u32> {
+    if crate::context_parallel::is_context_parallel(recipe) {
+        return crate::context_parallel::cp_ranks(recipe, rank);
+    }
     let p = &recipe.parallel;
     let block = p.dp.max(1) * p.tp.max(1);
     (rank * block..(rank + 1) * block).collect()
@@ -79,7 +97,7 @@ fn stage_ranks(recipe: &Recipe, rank: u32) -> Vec<u32> {
 
 /// The rank a sweep evaluates: the one with the largest peak allocated.
 pub fn lower_worst_rank(args: &PredictArgs) -> Result<Lowered> {
-    let ranks = lower_ranks(args, args.pp)?;
+    let ranks = lower_ranks(args, rank_count(args))?;
     let worst = (0..ranks.len())
         .max_by_key(|&i| (peak_allocated(ranks[i].trace()), std::cmp::Reverse(i)))
         .unwrap_or(0);
@@ -88,6 +106,9 @@ pub fn lower_worst_rank(args: &PredictArgs) -> Result<Lowered> {
 
 /// What one rank holds, in words.
 fn role_name(recipe: &Recipe, rank: u32) -> String {
+    if crate::context_parallel::is_context_parallel(recipe) {
+        return crate::context_parallel::role_name(recipe, rank);
+    }
     let p = &recipe.parallel;
     let stages: Vec<u32> = (0..pipeline::chunks_per_rank(p.pp_schedule))
         .map(|k| rank + k * p.pp)
@@ -131,7 +152,7 @@ fn role_name(recipe: &Recipe, rank: u32) -> String {
 pub fn rank_roles(args: &PredictArgs) -> Result<(Lowered, Vec<RankRole>)> {
     type Key = (bool, u64, std::cmp::Reverse<u32>);
     let worst: std::sync::Mutex<Option<(Key, Lowered)>> = std::sync::Mutex::new(None);
-    let roles = (0..args.pp)
+    let roles = (0..rank_count(args))
         .into_par_iter()
         .map(|rank| {
             let lowered = crate::predict::lower_step_device(args, rank)?;

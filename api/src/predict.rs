@@ -249,7 +249,7 @@ pub struct PredictArgs {
     #[arg(long, default_value_t = 0)]
     pub output_device: u32,
     /// Tensor-parallel ranks (Megatron-style column/row-parallel linear layers). The world size
-    /// is dp × tp × pp.
+    /// is dp × tp × pp × cp.
     #[arg(long, default_value_t = 1, value_parser = count32("tp"), allow_negative_numbers = true)]
     pub tp: u32,
     /// Sequence parallelism over the tensor-parallel group (with --tp 2 or more).
@@ -280,6 +280,13 @@ pub struct PredictArgs {
     /// module's stays False.
     #[arg(long, default_value = "true", value_parser = named::<ReshardAfterForward>)]
     pub reshard_after_forward: ReshardAfterForward,
+    /// Context-parallel ranks (torch.distributed.tensor.experimental.context_parallel, as
+    /// torchtitan lays it out): each rank holds seq/cp tokens (head-tail load balanced: --seq a
+    /// multiple of 2 × cp), attention runs as ring attention (all-gathered K/V, K/V gradients
+    /// passed round the ring), and FSDP2 (--shard fsdp2) shards the model states over dp × cp
+    /// ranks. The world size is dp × tp × pp × cp; every cp rank is its own role.
+    #[arg(long, default_value_t = 1, value_parser = count32("cp"), allow_negative_numbers = true)]
+    pub cp: u32,
 }
 
 /// `--quant`'s value: a bitsandbytes format, or `none` (what no `--quant` gives; for `--vary
@@ -513,7 +520,12 @@ impl Predicted {
         }
         if !self.stages.is_empty() {
             j["ranks"] = crate::ranks::to_json(&self.stages);
-            j["pipeline"] = crate::pipeline::to_json(&self.lowered.recipe, &self.stages);
+            if crate::context_parallel::is_context_parallel(&self.lowered.recipe) {
+                j["context_parallel"] =
+                    crate::context_parallel::to_json(&self.lowered.recipe, &self.stages);
+            } else {
+                j["pipeline"] = crate::pipeline::to_json(&self.lowered.recipe, &self.stages);
+            }
         }
         j
     }
@@ -527,7 +539,12 @@ impl Predicted {
                 &self.devices,
             ));
         }
-        if !self.stages.is_empty() {
+        if crate::context_parallel::is_context_parallel(&self.lowered.recipe) {
+            t.push_str(&crate::context_parallel::to_table(
+                &self.lowered.recipe,
+                &self.stages,
+            ));
+        } else if !self.stages.is_empty() {
             t.push_str(&crate::pipeline::to_table(
                 &self.lowered.recipe,
                 &self.stages,
@@ -540,8 +557,8 @@ impl Predicted {
 /// `vramsim predict` without the printing: lowers and replays the step, writes `--trace-out` and
 /// draws `--plot` when given.
 pub fn predict(args: &PredictArgs) -> Result<Predicted> {
-    // A pipeline: every rank replayed, the worst one reported in full.
-    let (lowered, stages) = if args.pp > 1 {
+    // A pipeline or context parallelism: every rank replayed, the worst one reported in full.
+    let (lowered, stages) = if args.pp > 1 || args.cp > 1 {
         crate::pipeline::rank_roles(args)?
     } else {
         (lower_step(args)?, Vec::new())
@@ -598,7 +615,7 @@ pub fn run(args: PredictArgs) -> Result<()> {
 /// Builds the model `args` name (zoo or config.json) and lowers its step under their recipe
 /// (for a pipeline, the rank with the largest peak allocated: `pipeline::lower_worst_rank`).
 pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
-    if args.pp > 1 {
+    if args.pp > 1 || args.cp > 1 {
         return crate::pipeline::lower_worst_rank(args);
     }
     lower_step_device(args, 0)
@@ -635,6 +652,8 @@ fn assemble(
     let (arch, mut recipe, warnings) = step_recipe(args)?;
     if recipe.parallel.pp > 1 {
         recipe.parallel.stage = device;
+    } else if recipe.parallel.cp > 1 {
+        recipe.parallel.cp_rank = device;
     } else {
         recipe.parallel.device = device;
     }
@@ -793,6 +812,8 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
             stage: 0,
             offload: args.offload,
             reshard_after_forward: args.reshard_after_forward,
+            cp: args.cp,
+            cp_rank: 0,
         },
         ..Recipe::default()
     };
@@ -1278,7 +1299,7 @@ pub fn to_table(report: &Report, p: &Prediction) -> String {
     out.push_str(&report.to_table());
     if !p.recipe.parallel.is_single()
         && !crate::dataparallel::is_multi(&p.recipe)
-        && !crate::pipeline::is_pipeline(&p.recipe)
+        && !crate::pipeline::is_rank_by_rank(&p.recipe)
     {
         let roles = crate::ranks::roles(&p.recipe.parallel, report);
         out.push_str(&crate::ranks::to_table(&p.recipe.parallel, &roles));
@@ -1497,6 +1518,7 @@ pub fn to_json(report: &Report, p: &Prediction, meta: &Map<String, Value>) -> Va
             "tp": par.tp,
             "sp": par.sp,
             "pp": par.pp,
+            "cp": par.cp,
             "pp_schedule": par.pp_schedule.to_string(),
             "microbatches": par.microbatches,
             "offload": par.offload.to_string(),

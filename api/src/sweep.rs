@@ -524,7 +524,7 @@ fn lower_groups<'a>(
             let template = match (&out[0].1, &out[1].1, &out[2].1) {
                 (Ok(a), Ok(b), Ok(last))
                     if !crate::dataparallel::is_multi(&a.recipe)
-                        && !crate::pipeline::is_pipeline(&a.recipe) =>
+                        && !crate::pipeline::is_rank_by_rank(&a.recipe) =>
                 {
                     BatchTemplate::fit(&a.compact, ends[0].0, &b.compact, ends[1].0).filter(|t| {
                         t.instantiate(ends[2].0)

@@ -214,7 +214,7 @@ fn bad_layouts_fail_with_the_reason() {
             "--pp",
             "2",
         ],
-        &["2 does not match", "dp 2 × tp 1 × pp 2 = 4 ranks"],
+        &["2 does not match", "dp 2 × tp 1 × pp 2 × cp 1 = 4 ranks"],
     );
     fails(&["--sp"], &["--tp 2 or more"]);
     // Tensor parallelism: what --tp must divide, and the models it splits (issue 12).

@@ -35,6 +35,7 @@
 pub mod autocast;
 pub mod breakdown;
 pub mod compact;
+pub mod context_parallel;
 pub mod dataparallel;
 pub mod dtype;
 pub mod finetune;

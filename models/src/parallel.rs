@@ -147,6 +147,12 @@ pub struct Parallel {
     pub offload: Offload,
     /// FSDP2's `reshard_after_forward` of the blocks (`--reshard-after-forward`).
     pub reshard_after_forward: ReshardAfterForward,
+    /// Context-parallel ranks (`--cp`): the sequence sharded over them, attention as PyTorch's
+    /// ring attention (`crate::context_parallel`).
+    pub cp: u32,
+    /// The context-parallel rank whose trace the lowering writes (each plays its own role: the
+    /// load-balanced ring's steps differ by rank).
+    pub cp_rank: u32,
 }
 
 /// FSDP2's `fully_shard(block, reshard_after_forward=...)` (`--reshard-after-forward`), passed to
@@ -319,6 +325,8 @@ impl Default for Parallel {
             stage: 0,
             offload: Offload::None,
             reshard_after_forward: ReshardAfterForward::True,
+            cp: 1,
+            cp_rank: 0,
         }
     }
 }
@@ -355,10 +363,31 @@ pub const DS_MAX_REUSE_DISTANCE: u64 = 1_000_000_000;
 pub const DS_SUB_GROUP_SIZE: u64 = 1_000_000_000;
 
 impl Parallel {
-    /// The number of ranks the layout needs: dp × tp × pp (saturating; `validate` refuses a
+    /// The number of ranks the layout needs: dp × tp × pp × cp (saturating; `validate` refuses a
     /// product above `u32::MAX`).
     pub fn world_size(&self) -> u32 {
-        self.dp.saturating_mul(self.tp).saturating_mul(self.pp)
+        self.dp
+            .saturating_mul(self.tp)
+            .saturating_mul(self.pp)
+            .saturating_mul(self.cp)
+    }
+
+    /// The ranks FSDP2 shards the model states over: dp × cp (torchtitan's `fsdp` mesh is
+    /// `dp_shard * cp`, `distributed/parallel_dims.py`: the context-parallel ranks hold the same
+    /// parameters, so FSDP shards over them too).
+    pub fn fsdp_world(&self) -> u32 {
+        self.dp.saturating_mul(self.cp)
+    }
+
+    /// The sequence length a rank's graph is built for: `seq / cp` (each context-parallel rank
+    /// holds its shard of the sequence dimension of the inputs, labels and positions,
+    /// `context_parallel(buffers=...)`), `seq` itself without context parallelism.
+    pub fn local_seq(&self, seq: u64) -> u64 {
+        if self.cp > 1 {
+            seq / u64::from(self.cp)
+        } else {
+            seq
+        }
     }
 
     /// Whether this is the single-GPU step (no parallel mechanism at all).
@@ -367,6 +396,7 @@ impl Parallel {
             && self.dp == 1
             && self.tp == 1
             && self.pp == 1
+            && self.cp == 1
             && self.offload == Offload::None
     }
 
@@ -376,7 +406,12 @@ impl Parallel {
             field: "shard",
             msg,
         };
-        for (field, n) in [("dp", self.dp), ("tp", self.tp), ("pp", self.pp)] {
+        for (field, n) in [
+            ("dp", self.dp),
+            ("tp", self.tp),
+            ("pp", self.pp),
+            ("cp", self.cp),
+        ] {
             if n == 0 {
                 return Err(RecipeError::Invalid {
                     field,
@@ -384,15 +419,17 @@ impl Parallel {
                 });
             }
         }
-        let ranks = u64::from(self.dp) * u64::from(self.tp) * u64::from(self.pp);
+        let ranks =
+            u64::from(self.dp) * u64::from(self.tp) * u64::from(self.pp) * u64::from(self.cp);
         if ranks > u64::from(u32::MAX) {
             return Err(RecipeError::Invalid {
                 field: "dp",
                 msg: format!(
-                    "dp {} × tp {} × pp {} = {ranks} ranks, more than {}",
+                    "dp {} × tp {} × pp {} × cp {} = {ranks} ranks, more than {}",
                     self.dp,
                     self.tp,
                     self.pp,
+                    self.cp,
                     u32::MAX
                 ),
             });
@@ -402,16 +439,18 @@ impl Parallel {
                 return Err(RecipeError::Invalid {
                     field: "world-size",
                     msg: format!(
-                        "{w} does not match the layout: dp {} × tp {} × pp {} = {} ranks",
+                        "{w} does not match the layout: dp {} × tp {} × pp {} × cp {} = {} ranks",
                         self.dp,
                         self.tp,
                         self.pp,
+                        self.cp,
                         self.world_size()
                     ),
                 });
             }
         }
         self.validate_model_parallel()?;
+        crate::context_parallel::validate(self, r)?;
         self.validate_pipeline(r)?;
         self.validate_offload()?;
         self.validate_reshard()?;

@@ -529,6 +529,74 @@ impl<'g> Lowering<'g> {
         }
     }
 
+    /// One fused SDPA backward kernel call on `q`, `k`, `v` (their layouts): grad_q/k/v in their
+    /// inputs' stride order — flash `empty_like(q)`, mem-efficient `empty_strided(query.sizes(),
+    /// query.strides())`, cuDNN `empty_like(query)` — plus the kernel's float32 workspaces,
+    /// freed before it returns.
+    pub(super) fn sdpa_kernel_bwd(
+        &mut self,
+        backend: FusedSdpa,
+        q: &Meta,
+        kk: &Meta,
+        v: &Meta,
+        m: ModuleId,
+    ) -> [Rt; 3] {
+        let (b, h, s, d) = (
+            q.layout.shape[0],
+            q.layout.shape[1],
+            q.layout.shape[2],
+            q.layout.shape[3],
+        );
+        let name = match backend {
+            FusedSdpa::Flash => "aten._scaled_dot_product_flash_attention_backward",
+            FusedSdpa::MemEfficient => "aten._scaled_dot_product_efficient_attention_backward",
+            FusedSdpa::Cudnn => "aten._scaled_dot_product_cudnn_attention_backward",
+        };
+        // Flash's `mha_bwd` works on the transposed q_t = q.transpose(1, 2) ([B, L, H, D]):
+        // `empty_like(q_t)`, which for a q that is not dense (a ring attention's half) is
+        // contiguous in q_t's order.
+        let like = |l: &Layout| match backend {
+            FusedSdpa::Flash => l.transpose(1, 2).empty_like().transpose(1, 2),
+            _ => l.empty_like(),
+        };
+        let dq = self.alloc(like(&q.layout), q.dtype, m, name);
+        let dk = self.alloc(like(&kk.layout), kk.dtype, m, name);
+        let dv = self.alloc(like(&v.layout), v.dtype, m, name);
+        // The key's length (a ring attention's half of the key differs from the query's).
+        let sk = kk.layout.shape[2];
+        let mut ws = Vec::new();
+        match backend {
+            FusedSdpa::Flash => {
+                // mha_bwd: softmax_d [B, H, round(S, 128)] and dq_accum
+                // [B, round(S, 128), H, round(D, 32)] in float32; dk/dv expanded to H heads
+                // for grouped-query attention.
+                let sr = round_up(s, 128);
+                let dr = if d <= 192 { round_up(d, 32) } else { 256 };
+                ws.push(self.alloc(Layout::contiguous(&[b, h, sr]), DType::F32, m, name));
+                ws.push(self.alloc(Layout::contiguous(&[b, sr, h, dr]), DType::F32, m, name));
+                if kk.layout.shape[1] != h {
+                    ws.push(self.alloc(Layout::contiguous(&[b, sk, h, d]), kk.dtype, m, name));
+                    ws.push(self.alloc(Layout::contiguous(&[b, sk, h, d]), v.dtype, m, name));
+                }
+            }
+            FusedSdpa::MemEfficient => {
+                // _efficient_attention_backward: delta [B, H, S] float32.
+                ws.push(self.alloc(Layout::contiguous(&[b, h, s]), DType::F32, m, name));
+            }
+            FusedSdpa::Cudnn => {
+                // run_cudnn_SDP_bprop: cuDNN handles GQA itself (dk/dv at the kv heads)
+                // and asks for a workspace of `mha_graph->get_workspace_size()` bytes
+                // from the caching allocator, which depends on the execution plan the
+                // cuDNN frontend picks at run time: not modelled. grad_output already
+                // has the output's strides here, so no matching copy is made.
+            }
+        }
+        for w in ws.into_iter().rev() {
+            self.drop_rt(w);
+        }
+        [dq, dk, dv]
+    }
+
     /// One node's gradient formula. Returns one gradient per forward input (owned handles).
     fn apply(&mut self, n: u32, grads: &[Option<Rt>]) -> Vec<Option<Rt>> {
         // The node's input metadata and edges, lent to the formula (which reads no node's: a
@@ -1154,70 +1222,13 @@ impl<'g> Lowering<'g> {
             // mem-efficient `empty_strided(query.sizes(), query.strides())`, cuDNN
             // `empty_like(query)` — plus the kernel's float32 workspaces).
             Sdpa { backend } => {
-                let q = meta(0);
-                let kk = meta(1);
-                let v = meta(2);
-                let (b, h, s, d) = (
-                    q.layout.shape[0],
-                    q.layout.shape[1],
-                    q.layout.shape[2],
-                    q.layout.shape[3],
-                );
-                let name = match backend {
-                    FusedSdpa::Flash => "aten._scaled_dot_product_flash_attention_backward",
-                    FusedSdpa::MemEfficient => {
-                        "aten._scaled_dot_product_efficient_attention_backward"
-                    }
-                    FusedSdpa::Cudnn => "aten._scaled_dot_product_cudnn_attention_backward",
+                let (q, kk, v) = (meta(0), meta(1), meta(2));
+                // `--cp`: the ring attention's backward (`lower/cp.rs`).
+                let [dq, dk, dv] = if self.r.parallel.cp > 1 {
+                    self.ring_attention_bwd(backend, &q, &kk, &v, m)
+                } else {
+                    self.sdpa_kernel_bwd(backend, &q, &kk, &v, m)
                 };
-                let dq = self.alloc(q.layout.empty_like(), q.dtype, m, name);
-                let dk = self.alloc(kk.layout.empty_like(), kk.dtype, m, name);
-                let dv = self.alloc(v.layout.empty_like(), v.dtype, m, name);
-                let mut ws = Vec::new();
-                match backend {
-                    FusedSdpa::Flash => {
-                        // mha_bwd: softmax_d [B, H, round(S, 128)] and dq_accum
-                        // [B, round(S, 128), H, round(D, 32)] in float32; dk/dv expanded to H heads
-                        // for grouped-query attention.
-                        let sr = round_up(s, 128);
-                        let dr = if d <= 192 { round_up(d, 32) } else { 256 };
-                        ws.push(self.alloc(Layout::contiguous(&[b, h, sr]), DType::F32, m, name));
-                        ws.push(self.alloc(
-                            Layout::contiguous(&[b, sr, h, dr]),
-                            DType::F32,
-                            m,
-                            name,
-                        ));
-                        if kk.layout.shape[1] != h {
-                            ws.push(self.alloc(
-                                Layout::contiguous(&[b, s, h, d]),
-                                kk.dtype,
-                                m,
-                                name,
-                            ));
-                            ws.push(self.alloc(
-                                Layout::contiguous(&[b, s, h, d]),
-                                v.dtype,
-                                m,
-                                name,
-                            ));
-                        }
-                    }
-                    FusedSdpa::MemEfficient => {
-                        // _efficient_attention_backward: delta [B, H, S] float32.
-                        ws.push(self.alloc(Layout::contiguous(&[b, h, s]), DType::F32, m, name));
-                    }
-                    FusedSdpa::Cudnn => {
-                        // run_cudnn_SDP_bprop: cuDNN handles GQA itself (dk/dv at the kv heads)
-                        // and asks for a workspace of `mha_graph->get_workspace_size()` bytes
-                        // from the caching allocator, which depends on the execution plan the
-                        // cuDNN frontend picks at run time: not modelled. grad_output already
-                        // has the output's strides here, so no matching copy is made.
-                    }
-                }
-                for w in ws.into_iter().rev() {
-                    self.drop_rt(w);
-                }
                 out[0] = Some(dq);
                 out[1] = Some(dk);
                 out[2] = Some(dv);

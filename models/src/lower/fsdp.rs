@@ -153,7 +153,7 @@ impl<'g> Lowering<'g> {
 
     /// `⌈dim0/N⌉` rows × the other dimensions: the padded shard of a parameter of `shape`.
     fn shard_shape(&self, shape: &[u64]) -> Vec<u64> {
-        let n = u64::from(self.r.parallel.dp);
+        let n = u64::from(self.r.parallel.fsdp_world());
         match shape.split_first() {
             Some((d0, rest)) => {
                 let mut s = vec![d0.div_ceil(n)];
@@ -232,7 +232,7 @@ impl<'g> Lowering<'g> {
     }
 
     fn padded_numel(&self, p: usize) -> u64 {
-        let n = u64::from(self.r.parallel.dp);
+        let n = u64::from(self.r.parallel.fsdp_world());
         let s = self.shard_shape(&self.params[p].layout.shape);
         s.iter().product::<u64>() * n
     }
@@ -257,7 +257,7 @@ impl<'g> Lowering<'g> {
         let mut inputs = Vec::new();
         if self.fsdp_offloaded() && !post_forward {
             for &p in &params {
-                let shard = self.padded_numel(p) / u64::from(self.r.parallel.dp);
+                let shard = self.padded_numel(p) / u64::from(self.r.parallel.fsdp_world());
                 let h2d = self.alloc(
                     Layout::contiguous(&[shard]),
                     orig,
@@ -285,7 +285,7 @@ impl<'g> Lowering<'g> {
             let world = if post_forward {
                 self.post_forward_world()
             } else {
-                u64::from(self.r.parallel.dp)
+                u64::from(self.r.parallel.fsdp_world())
             };
             let c = self.alloc(
                 Layout::contiguous(&[numel / world]),
@@ -314,7 +314,7 @@ impl<'g> Lowering<'g> {
 
     /// The world size of the post-forward mesh of an int `reshard_after_forward`.
     fn post_forward_world(&self) -> u64 {
-        let dp = self.r.parallel.dp;
+        let dp = self.r.parallel.fsdp_world();
         u64::from(
             self.r
                 .parallel
@@ -370,7 +370,7 @@ impl<'g> Lowering<'g> {
             // torchtitan `apply_fsdp`: `reshard_after_forward = not pp_enabled`.
             return;
         }
-        let dp = self.r.parallel.dp;
+        let dp = self.r.parallel.fsdp_world();
         match self.r.parallel.reshard_after_forward.post_forward_world(dp) {
             None => {}
             Some(n) if n == dp => self.fsdp_reshard(gi),
@@ -506,7 +506,7 @@ impl<'g> Lowering<'g> {
             }
         }
         self.kind_now = Kind::Temporary;
-        let n = u64::from(self.r.parallel.dp);
+        let n = u64::from(self.r.parallel.fsdp_world());
         let mut out = self.alloc(
             Layout::contiguous(&[numel / n]),
             dtype,

@@ -69,6 +69,92 @@ fn ceil_to(x: u64, m: u64) -> u64 {
 }
 
 impl<'g> Lowering<'g> {
+    /// One fused SDPA kernel call's outputs (`_scaled_dot_product_{flash,efficient,cudnn}_attention`
+    /// on `q`, `k`, `v`): the output, the logsumexp and the kernel's small tensors, in the order
+    /// the lowering's `Sdpa` op lists them.
+    pub(super) fn sdpa_kernel_fwd(
+        &mut self,
+        backend: FusedSdpa,
+        q: &Rt,
+        v: &Rt,
+        m: ModuleId,
+        name: &str,
+    ) -> Vec<Rt> {
+        let s = q.shape().to_vec();
+        let (b, h, sq, d) = (s[0], s[1], s[2], s[3]);
+        let dv = v.shape()[3];
+        // `compute_logsumexp` (mem-efficient, cuDNN) is `should_compute_logsumexp`: an
+        // input requires grad with grad mode on; not under no_grad.
+        let lse_rows = if self.r.inference { 0 } else { sq };
+        match backend {
+            // _flash_attention_forward (flash_api.cpp mha_fwd): output in q's memory order
+            // ([B, L, H, D] for HF's transposed q), returned as [B, H, L, D]; softmax_lse float32 [B, H, L]; rng_state
+            // uint64 [2] and an unused uint64 0-d tensor on the device, always (2.15 meta
+            // kernels); both saved (philox_seed, philox_offset).
+            FusedSdpa::Flash => {
+                // `out = empty_like(q_t)` with q_t = q.transpose(1, 2): q's stride order (for a
+                // q that is not dense, a ring attention's half, q_t's contiguous order).
+                let o = self.alloc(
+                    q.layout.transpose(1, 2).empty_like().transpose(1, 2),
+                    q.dtype,
+                    m,
+                    name,
+                );
+                let lse = self.alloc(Layout::contiguous(&[b, h, sq]), DType::F32, m, name);
+                let rng = self.alloc(Layout::contiguous(&[2]), DType::I64, m, name);
+                let unused = self.alloc(Layout::contiguous(&[]), DType::I64, m, name);
+                vec![o, lse, rng, unused]
+            }
+            // _efficient_attention_forward: output BMHK, logsumexp float32
+            // [B, H, ceil(L/32)*32] (kAlignLSE) when an input requires grad (else
+            // [B, H, 0]); the philox
+            // seed and offset are CPU tensors outside graph capture (no device memory).
+            FusedSdpa::MemEfficient => {
+                let o = self.alloc(
+                    Layout::contiguous(&[b, sq, h, d]).transpose(1, 2),
+                    q.dtype,
+                    m,
+                    name,
+                );
+                let lse = self.alloc(
+                    Layout::contiguous(&[b, h, ceil_to(lse_rows, 32)]),
+                    DType::F32,
+                    m,
+                    name,
+                );
+                vec![o, lse]
+            }
+            // _scaled_dot_product_cudnn_attention_cuda (native/cudnn/MHA.cpp
+            // run_cudnn_SDP_fprop): the seed and offset int64 `zeros({1})` on q's device
+            // first, then the output `alloc_with_matching_layout(q, ...)` (q's stride
+            // order) and the softmax stats float32 [B, H, L, 1] (only with
+            // compute_logsumexp: none under no_grad). cuDNN's per-call
+            // workspace (`mha_graph->get_workspace_size()`, from the caching allocator) is
+            // whatever the cuDNN frontend's execution plan asks for: not knowable without
+            // cuDNN, so not modelled.
+            FusedSdpa::Cudnn => {
+                let seed = self.alloc(Layout::contiguous(&[1]), DType::I64, m, name);
+                let offset = self.alloc(Layout::contiguous(&[1]), DType::I64, m, name);
+                let ql = &q.layout;
+                let mut order: Vec<usize> = (0..4).collect();
+                order.sort_by(|&i, &j| ql.strides[j].cmp(&ql.strides[i]));
+                let o = self.alloc(
+                    crate::layout::dense_in_order(&[b, h, sq, dv], &order),
+                    q.dtype,
+                    m,
+                    name,
+                );
+                let lse = self.alloc(
+                    Layout::contiguous(&[b, h, lse_rows, 1]),
+                    DType::F32,
+                    m,
+                    name,
+                );
+                vec![o, lse, seed, offset]
+            }
+        }
+    }
+
     /// Runs the graph's forward; returns the output's handle (its Python reference).
     pub(super) fn forward(&mut self) -> Result<Rt, LowerError> {
         let out = self.g.output.expect("checked");
@@ -1038,73 +1124,13 @@ impl<'g> Lowering<'g> {
             // derivatives.yaml _scaled_dot_product_{flash,efficient,cudnn}_attention: the node
             // saves q, k, v, the output, the logsumexp and the kernel's random-number state.
             Sdpa { backend } => {
-                let s = x[0].shape().to_vec();
-                let (b, h, sq, d) = (s[0], s[1], s[2], s[3]);
-                let dv = x[2].shape()[3];
-                // `compute_logsumexp` (mem-efficient, cuDNN) is `should_compute_logsumexp`: an
-                // input requires grad with grad mode on; not under no_grad.
-                let lse_rows = if self.r.inference { 0 } else { sq };
                 let saves = sdpa_saves(*backend);
-                let outs = match backend {
-                    // _flash_attention_forward (flash_api.cpp mha_fwd): output in q's memory order
-                    // ([B, L, H, D] for HF's transposed q), returned as [B, H, L, D]; softmax_lse float32 [B, H, L]; rng_state
-                    // uint64 [2] and an unused uint64 0-d tensor on the device, always (2.15 meta
-                    // kernels); both saved (philox_seed, philox_offset).
-                    FusedSdpa::Flash => {
-                        // `out = empty_like(q_t)` with q_t = q.transpose(1, 2): q's stride order.
-                        let o = self.alloc(x[0].layout.empty_like(), x[0].dtype, m, name);
-                        let lse = self.alloc(Layout::contiguous(&[b, h, sq]), DType::F32, m, name);
-                        let rng = self.alloc(Layout::contiguous(&[2]), DType::I64, m, name);
-                        let unused = self.alloc(Layout::contiguous(&[]), DType::I64, m, name);
-                        vec![o, lse, rng, unused]
-                    }
-                    // _efficient_attention_forward: output BMHK, logsumexp float32
-                    // [B, H, ceil(L/32)*32] (kAlignLSE) when an input requires grad (else
-                    // [B, H, 0]); the philox
-                    // seed and offset are CPU tensors outside graph capture (no device memory).
-                    FusedSdpa::MemEfficient => {
-                        let o = self.alloc(
-                            Layout::contiguous(&[b, sq, h, d]).transpose(1, 2),
-                            x[0].dtype,
-                            m,
-                            name,
-                        );
-                        let lse = self.alloc(
-                            Layout::contiguous(&[b, h, ceil_to(lse_rows, 32)]),
-                            DType::F32,
-                            m,
-                            name,
-                        );
-                        vec![o, lse]
-                    }
-                    // _scaled_dot_product_cudnn_attention_cuda (native/cudnn/MHA.cpp
-                    // run_cudnn_SDP_fprop): the seed and offset int64 `zeros({1})` on q's device
-                    // first, then the output `alloc_with_matching_layout(q, ...)` (q's stride
-                    // order) and the softmax stats float32 [B, H, L, 1] (only with
-                    // compute_logsumexp: none under no_grad). cuDNN's per-call
-                    // workspace (`mha_graph->get_workspace_size()`, from the caching allocator) is
-                    // whatever the cuDNN frontend's execution plan asks for: not knowable without
-                    // cuDNN, so not modelled.
-                    FusedSdpa::Cudnn => {
-                        let seed = self.alloc(Layout::contiguous(&[1]), DType::I64, m, name);
-                        let offset = self.alloc(Layout::contiguous(&[1]), DType::I64, m, name);
-                        let ql = &x[0].layout;
-                        let mut order: Vec<usize> = (0..4).collect();
-                        order.sort_by(|&i, &j| ql.strides[j].cmp(&ql.strides[i]));
-                        let o = self.alloc(
-                            crate::layout::dense_in_order(&[b, h, sq, dv], &order),
-                            x[0].dtype,
-                            m,
-                            name,
-                        );
-                        let lse = self.alloc(
-                            Layout::contiguous(&[b, h, lse_rows, 1]),
-                            DType::F32,
-                            m,
-                            name,
-                        );
-                        vec![o, lse, seed, offset]
-                    }
+                // `--cp`: the context-parallel dispatcher runs PyTorch's ring attention instead
+                // of one kernel call (`lower/cp.rs`).
+                let outs = if self.r.parallel.cp > 1 {
+                    self.ring_attention_fwd(*backend, &x[0], &x[1], &x[2], m, name)
+                } else {
+                    self.sdpa_kernel_fwd(*backend, &x[0], &x[2], m, name)
                 };
                 Fwd::New(outs, op_kind, saves)
             }

@@ -47,6 +47,7 @@ mod pipeline;
 mod quant;
 mod sac;
 pub use sac::selective_op_saves;
+mod cp;
 mod tp;
 mod zero3;
 
@@ -369,7 +370,7 @@ pub fn lower(graph: &Graph, recipe: &Recipe) -> Result<Trace, LowerError> {
     recipe.validate()?;
     // DataParallel: the graph is the replica's, built for this device's chunk of the batch.
     if graph.batch != recipe.parallel.replica_batch(recipe.batch)
-        || (graph.seq != 0 && graph.seq != recipe.seq)
+        || (graph.seq != 0 && graph.seq != recipe.parallel.local_seq(recipe.seq))
     {
         return Err(LowerError::ShapeMismatch {
             model: graph.name.clone(),

@@ -300,7 +300,8 @@ impl Arch {
             (Precision::Bf16 | Precision::AmpBf16, _) => DType::BF16,
             (Precision::AmpFp16, _) => DType::F16,
         };
-        let (b, s) = (recipe.batch, recipe.seq);
+        // A context-parallel rank's attention runs on its `seq/cp` shard of the sequence.
+        let (b, s) = (recipe.batch, recipe.parallel.local_seq(recipe.seq));
         let training = !recipe.inference;
         let drop = |p: f64| if training { p } else { 0.0 };
         let call = |heads: u64, kv: u64, seq: u64, hd: u64, dropout: f64, causal: bool| SdpaCall {
@@ -478,7 +479,8 @@ impl Arch {
             let g = g.build_for(batch, recipe)?;
             return Ok(crate::finetune::apply(g, recipe)?);
         }
-        let seq = recipe.seq;
+        // A context-parallel rank's graph holds its `seq/cp` tokens (`context_parallel`).
+        let seq = recipe.parallel.local_seq(recipe.seq);
         let head = self.head(recipe)?;
         let image = self.image_size(recipe)?;
         let classes = self.num_classes(recipe)?;
@@ -507,6 +509,9 @@ impl Arch {
         let attn = attn_impl(self, recipe)?;
         let head = head.unwrap_or(Head::None);
         let tp = self.tp_plan(recipe, head)?;
+        if recipe.parallel.cp > 1 {
+            crate::context_parallel::check_model(self, recipe, head, attn)?;
+        }
         let g = match self {
             Arch::Mlp => {
                 let mut dims = mlp::MLP_DIMS;
@@ -553,12 +558,13 @@ impl Arch {
             Arch::Timm(c) => c.build(batch, image, classes)?,
             Arch::Llama(c) => {
                 if let (Some(w), AttnImpl::Sdpa(_)) = (c.sliding_window, attn) {
-                    if seq > w {
+                    if recipe.seq > w {
                         return Err(ZooError::Unsupported {
                             model: c.name.to_string(),
                             field: "sliding_window",
                             msg: format!(
-                                "{w} is shorter than seq {seq}: with SDPA, HF then passes an explicit [B, 1, S, S] window mask and PyTorch leaves the causal fused kernel, which vramsim does not model; use --attention eager (the same [B, 1, S, S] additive mask as full causal attention) or seq ≤ {w}"
+                                "{w} is shorter than seq {}: with SDPA, HF then passes an explicit [B, 1, S, S] window mask and PyTorch leaves the causal fused kernel, which vramsim does not model; use --attention eager (the same [B, 1, S, S] additive mask as full causal attention) or seq ≤ {w}",
+                                recipe.seq
                             ),
                         });
                     }
@@ -626,7 +632,7 @@ impl Arch {
                 if decoder { "--head lm and --loss hf" } else { "--head masked-lm" }
             )));
         }
-        plan.check(&dims, recipe.seq)
+        plan.check(&dims, recipe.parallel.local_seq(recipe.seq))
             .map_err(|(field, msg)| ZooError::Unsupported {
                 model: self.name().to_string(),
                 field,
