@@ -129,6 +129,21 @@ impl CompactTrace {
         }
     }
 
+    /// Whether `other` is this step at another accumulation count: the same lowered events (shared,
+    /// not equal: made from one lowering by [`CompactTrace::with_accum`]) and sizes, repeated in the
+    /// same places (their counts may differ).
+    pub fn same_lowering(&self, other: &CompactTrace) -> bool {
+        let places = |c: &CompactTrace| -> Vec<(usize, usize, u64, u64)> {
+            c.repeats
+                .iter()
+                .map(|r| (r.start, r.len, r.renamed_from, r.shift))
+                .collect()
+        };
+        Arc::ptr_eq(&self.lowered, &other.lowered)
+            && Arc::ptr_eq(&self.sizes, &other.sizes)
+            && places(self) == places(other)
+    }
+
     /// The lowered events in `range`, as a replay reads them: their sizes in this step, their ids
     /// renamed by `renames`.
     pub fn view<'a>(&'a self, range: (usize, usize), renames: &'a [(u64, u64)]) -> EventView<'a> {
