@@ -430,8 +430,8 @@ impl Lowered {
     }
 
     /// The same step with `accum` micro-batches per optimizer step, without lowering again, where one
-    /// lowering serves both counts (more than three micro-batches each:
-    /// [`CompactTrace::with_accum`]); `None` otherwise.
+    /// lowering serves both counts (a compact lowering, of more than three micro-batches, serves
+    /// every count from two: [`CompactTrace::with_accum`]); `None` otherwise.
     pub fn with_accum(&self, accum: u32) -> Option<Lowered> {
         let mut recipe = self.recipe.clone();
         recipe.accum = accum;

@@ -384,7 +384,7 @@ pub fn evaluate(
                 long != "accum" && long != "batch" && !set.find(long).is_some_and(|o| o.machine)
             })
             .collect();
-        let accum = if p.accum > SHARED_ACCUM_ABOVE {
+        let accum = if p.accum >= SHARED_ACCUM_FROM {
             0
         } else {
             p.accum
@@ -402,6 +402,11 @@ pub fn evaluate(
         groups[slot].push(i);
     }
     let args_of = |i: usize| parsed[i].as_ref().expect("grouped configurations parse");
+    // each group lowered for its largest accumulation count: the compact form of more than three
+    // serves the smaller ones too
+    for members in &mut groups {
+        members.sort_by_key(|&i| (std::cmp::Reverse(args_of(i).accum), i));
+    }
     let lowerings = lower_groups(&groups, &families, &args_of);
     let mut results: Vec<(usize, Result<Evaluated, String>)> = groups
         .par_iter()
@@ -560,9 +565,11 @@ fn lower_groups<'a>(
         .collect()
 }
 
-/// Accumulation counts above this share one lowering ([`vramsim_models::compact`]: three
-/// micro-batches lowered, the third standing for the rest).
-const SHARED_ACCUM_ABOVE: u32 = 3;
+/// Accumulation counts from this on share one lowering ([`vramsim_models::compact`]: three
+/// micro-batches lowered, the third standing for the third to the last, or for none with two), made
+/// for the largest count of a group (a count of three or fewer alone is lowered as it is, and its
+/// group gets its own lowerings).
+const SHARED_ACCUM_FROM: u32 = 2;
 
 /// What a configuration's lowering takes from its GPU: the choices the models crate makes from the
 /// target, or, when they cannot be told here (the error then comes from the lowering), the compute

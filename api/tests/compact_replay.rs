@@ -67,14 +67,14 @@ fn the_optimised_replay_equals_the_plain_one() {
     );
 }
 
-/// A sweep lowers once for every accumulation count above three (and every GPU getting the same
+/// A sweep lowers once for every accumulation count from two (and every GPU getting the same
 /// kernels), and replays the counts of one machine together (`predict::replay_step_variants`): each
 /// configuration's report equals the one it gets evaluated alone, out-of-memory points included, and
 /// so does its `--json` document.
 #[test]
 fn accumulation_counts_sharing_a_lowering_get_their_own_reports() {
     use vramsim_api::sweep::{evaluate, evaluate_one, Progress, Wants};
-    let configs: Vec<Vec<String>> = ["1", "4", "7", "16", "64"]
+    let configs: Vec<Vec<String>> = ["1", "2", "3", "4", "7", "16", "64"]
         .iter()
         .flat_map(|accum| {
             ["--gpu=h100-80gb", "--capacity=2GiB", "--capacity=1200MiB"].map(|machine| {

@@ -162,7 +162,7 @@ impl CompactTrace {
     fn renames(&self, j: usize) -> Vec<(u64, u64)> {
         self.repeats[..j]
             .iter()
-            .map(|r| (r.renamed_from, (r.times - 1) * r.shift))
+            .map(|r| (r.renamed_from, added_ids(r)))
             .collect()
     }
 
@@ -228,7 +228,7 @@ impl CompactTrace {
             for k in 0..r.times {
                 events.extend(body.iter().map(|e| rename_event(e, &renames, Some((r, k)))));
             }
-            renames.push((r.renamed_from, (r.times - 1) * r.shift));
+            renames.push((r.renamed_from, added_ids(r)));
             at = r.start + r.len;
         }
         events.extend(
@@ -241,6 +241,13 @@ impl CompactTrace {
             events,
         }
     }
+}
+
+/// The ids a repeat's later micro-batches allocate beyond the one written, `(times − 1) × shift`,
+/// modulo 2^64: a repeat done no time (two micro-batches) gives back the ids of the one written, and
+/// the later ids move back (the renames of [`renamed_id`] add modulo 2^64).
+fn added_ids(r: &RepeatSpan) -> u64 {
+    r.times.wrapping_sub(1).wrapping_mul(r.shift)
 }
 
 /// An event with the size it has in a step ([`CompactTrace::sized_events`]): borrowed where it is
@@ -467,12 +474,14 @@ fn compact(trace: Trace, recipe: &Recipe) -> Option<CompactTrace> {
 
 impl CompactTrace {
     /// The same step with `recipe.accum` micro-batches per optimizer step, where the compact form
-    /// stands for more than three (`None` otherwise): the lowering of three micro-batches does not
-    /// depend on how many there are beyond that (the loss is divided by the accumulation steps
-    /// whenever there are several, `fwd.rs`'s `finish_loss`), so one serves every count above three.
+    /// stands for several (`None` otherwise): the lowering of three micro-batches does not depend on
+    /// how many there are beyond the first (the loss is divided by the accumulation steps whenever
+    /// there are several, `fwd.rs`'s `finish_loss`), so one serves every count from two on — two
+    /// being the third micro-batch done no time, the later events' ids moved back by the ids it
+    /// allocates (test `compact_lowering`, against fresh lowerings of every count).
     /// `recipe` differs from the lowered one in `accum` only.
     pub fn with_accum(&self, recipe: &Recipe) -> Option<CompactTrace> {
-        if self.repeats.is_empty() || recipe.accum <= LOWERED_MICRO_BATCHES {
+        if self.repeats.is_empty() || recipe.accum < LOWERED_MICRO_BATCHES - 1 {
             return None;
         }
         // the meta but its phases, which `set_accum` writes anew (one entry per micro-batch's phase)
@@ -499,16 +508,19 @@ impl CompactTrace {
     /// Sets the repetitions, the event count and the whole step's meta (its accumulation, recipe name
     /// and phase list) for `recipe.accum` micro-batches.
     fn set_accum(&mut self, recipe: &Recipe) -> Option<()> {
-        let times = u64::from(recipe.accum - LOWERED_MICRO_BATCHES + 1);
+        // the third micro-batch stands for the third to the last: none of them with two
+        let times = u64::from((recipe.accum + 1).checked_sub(LOWERED_MICRO_BATCHES)?);
         for r in &mut self.repeats {
             r.times = times;
         }
         let repeats = &self.repeats;
-        let extra: usize = repeats.iter().map(|r| (r.times as usize - 1) * r.len).sum();
-        self.events = self.lowered.len() + extra;
+        // events the repetitions add to (or, done no time, take from) the lowered ones
+        let added = |r: &RepeatSpan| (r.times as isize - 1) * r.len as isize;
+        let extra: isize = repeats.iter().map(added).sum();
+        self.events = self.lowered.len().checked_add_signed(extra)?;
         let phases = &self.lowered_phases;
         let mut out = Vec::with_capacity(phases.len());
-        let mut moved = 0usize;
+        let mut moved = 0isize;
         let mut i = 0;
         for r in repeats {
             // the phases before the repeated micro-batch, then its own once per micro-batch it
@@ -524,10 +536,10 @@ impl CompactTrace {
             }
             for k in 0..r.times as usize {
                 for p in &phases[first..i] {
-                    out.push(moved_phase(p, moved + k * r.len, Some(k))?);
+                    out.push(moved_phase(p, moved + (k * r.len) as isize, Some(k))?);
                 }
             }
-            moved += (r.times as usize - 1) * r.len;
+            moved += added(r);
         }
         for p in &phases[i..] {
             out.push(moved_phase(p, moved, None)?);
@@ -540,11 +552,13 @@ impl CompactTrace {
     }
 }
 
-/// A `meta.phases` entry moved `by` events later (and, for the `k`-th repetition of the repeated
-/// micro-batch, numbered as that micro-batch).
-fn moved_phase(p: &Value, by: usize, k: Option<usize>) -> Option<Value> {
+/// A `meta.phases` entry moved `by` events later (earlier where negative) (and, for the `k`-th
+/// repetition of the repeated micro-batch, numbered as that micro-batch).
+fn moved_phase(p: &Value, by: isize, k: Option<usize>) -> Option<Value> {
     let mut q = p.clone();
-    q["event"] = (p.get("event")?.as_u64()? as usize + by).into();
+    q["event"] = (p.get("event")?.as_u64()? as usize)
+        .checked_add_signed(by)?
+        .into();
     if let Some(k) = k {
         q["micro_batch"] = (LOWERED_MICRO_BATCHES as usize - 1 + k).into();
     }

@@ -4,7 +4,7 @@
 //! (kept outputs, gradients zeroed in place, checkpointing of both kinds, AMP with a GradScaler,
 //! clipping, persistent cuBLAS workspaces, cudnn.benchmark, more iterations, inference).
 
-use vramsim_models::compact::lower_compact;
+use vramsim_models::compact::{lower_compact, CompactTrace};
 use vramsim_models::zoo::{self, NAMES};
 use vramsim_models::{
     lower, CheckpointImpl, Checkpointing, CublasWorkspaceMode, Precision, Recipe, ZeroGrad,
@@ -29,11 +29,28 @@ fn recipe(name: &str, accum: u32) -> Recipe {
     r
 }
 
-/// The expanded compact lowering equals the full one; returns whether micro-batches were repeated.
+/// The expanded compact lowering equals the full one, and so do its forms for two and three
+/// micro-batches (`with_accum`: the third micro-batch done no time, or once); returns whether
+/// micro-batches were repeated.
 fn check(name: &str, r: &Recipe) -> bool {
     let g = zoo::build(name, r).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let full = lower(&g, r).unwrap();
     let compact = lower_compact(&g, r).unwrap();
+    same(name, &compact, &lower(&g, r).unwrap(), r);
+    if !compact.repeats.is_empty() {
+        for accum in [2, 3] {
+            let fewer = Recipe { accum, ..r.clone() };
+            let made = compact
+                .with_accum(&fewer)
+                .expect("a compact form serves 2 and 3");
+            same(name, &made, &lower(&g, &fewer).unwrap(), &fewer);
+        }
+    }
+    !compact.repeats.is_empty()
+}
+
+/// Asserts that `compact` expands to `full` (`r`'s fresh lowering), event for event, in its meta
+/// and as JSON.
+fn same(name: &str, compact: &CompactTrace, full: &vramsim_traces::Trace, r: &Recipe) {
     let expanded = compact.expand();
     assert_eq!(compact.events, full.events.len(), "{name} {}", r.name());
     assert_eq!(expanded.meta, full.meta, "{name} {}: meta", r.name());
@@ -51,8 +68,7 @@ fn check(name: &str, r: &Recipe) -> bool {
         vramsim_traces::write_json(&mut out, t).unwrap();
         out
     };
-    assert!(json(&expanded) == json(&full), "{name} {}: JSON", r.name());
-    !compact.repeats.is_empty()
+    assert!(json(&expanded) == json(full), "{name} {}: JSON", r.name());
 }
 
 #[test]
@@ -120,22 +136,22 @@ fn loop_options_expand_to_their_full_lowering() {
     }
 }
 
-/// One compact lowering serves every accumulation above three.
+/// One compact lowering serves every accumulation from two on.
 #[test]
-fn one_compact_lowering_serves_every_accumulation_above_three() {
+fn one_compact_lowering_serves_every_accumulation_from_two() {
     for name in ["gpt2", "resnet18", "bert-base"] {
         let r4 = recipe(name, 4);
         let g = zoo::build(name, &r4).unwrap();
         let four = lower_compact(&g, &r4).unwrap();
-        for accum in [5, 8, 16, 64] {
+        for accum in [2, 3, 5, 8, 16, 64] {
             let r = recipe(name, accum);
-            let other = four.with_accum(&r).expect("more than three micro-batches");
+            let other = four.with_accum(&r).expect("several micro-batches");
             assert!(
                 other.expand() == lower(&g, &r).unwrap(),
                 "{name} accum {accum}"
             );
         }
-        assert!(four.with_accum(&recipe(name, 3)).is_none());
+        assert!(four.with_accum(&recipe(name, 1)).is_none());
     }
 }
 
@@ -144,4 +160,44 @@ fn three_micro_batches_or_fewer_are_lowered_as_they_are() {
     for accum in 1..=3 {
         assert!(!check("gpt2", &recipe("gpt2", accum)));
     }
+}
+
+/// Data-parallel layouts (buckets, sharded states, reduce-scatters, all-gathers, tensor-parallel
+/// ranks) repeat their micro-batches as a single device does: where the compact form of six
+/// micro-batches repeats, it and its forms for two, three and sixteen expand to fresh lowerings.
+#[test]
+fn data_parallel_layouts_serve_every_accumulation_from_one_lowering() {
+    use vramsim_models::{Precision, Shard};
+    let mut repeated = 0;
+    for (shard, dp, tp) in [
+        (Shard::Ddp, 4, 1),
+        (Shard::Zero1, 4, 1),
+        (Shard::Zero2, 4, 1),
+        (Shard::Zero3, 4, 1),
+        (Shard::ZeroRedundancy, 4, 1),
+        (Shard::Fsdp2, 4, 1),
+        (Shard::Fsdp2, 2, 2),
+        (Shard::None, 1, 2),
+    ] {
+        let mut r = recipe("gpt2", 6);
+        r.precision = Precision::Bf16;
+        r.parallel.shard = shard;
+        r.parallel.dp = dp;
+        r.parallel.tp = tp;
+        let what = format!("{shard} dp {dp} tp {tp}");
+        let g = zoo::build("gpt2", &r).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let compact = lower_compact(&g, &r).unwrap();
+        same(&what, &compact, &lower(&g, &r).unwrap(), &r);
+        if compact.repeats.is_empty() {
+            continue;
+        }
+        repeated += 1;
+        for accum in [2, 3, 16] {
+            let other = Recipe { accum, ..r.clone() };
+            let made = compact.with_accum(&other).expect("several micro-batches");
+            same(&what, &made, &lower(&g, &other).unwrap(), &other);
+        }
+    }
+    // ZeRO-2, FSDP2 (with and without TP) and TP alone repeat here; the others are lowered whole
+    assert!(repeated >= 4, "{repeated} layouts repeat");
 }

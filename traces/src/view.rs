@@ -20,13 +20,14 @@ pub struct EventView<'a> {
     pub renames: &'a [(u64, u64)],
 }
 
-/// `id` as `renames` name it: moved up by every `by` whose `from` it reaches.
+/// `id` as `renames` name it: moved up by every `by` whose `from` it reaches, modulo 2^64 (so that a
+/// `by` of 2^64 − n moves it down by n: the ids after a repetition done no time).
 #[inline]
 pub fn renamed_id(id: u64, renames: &[(u64, u64)]) -> u64 {
     let mut out = id;
     for &(from, by) in renames {
         if id >= from {
-            out += by;
+            out = out.wrapping_add(by);
         }
     }
     out
