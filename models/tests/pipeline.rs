@@ -516,3 +516,103 @@ fn fsdp2_stage_accumulates_unsharded_gradients_and_reduces_once() {
         assert_eq!(get(Category::Communication), 0, "{schedule:?} stage {rank}");
     }
 }
+
+/// A TinyLlama pipeline rank under FSDP2 at dp `n` (`r` already has its schedule), with the rank's
+/// graph: its parameters' numel, their padded shards' numel (`⌈dim0/n⌉` rows), its blocks, and
+/// the lowered trace.
+fn fsdp_rank(r: &Recipe, n: u64) -> (u64, u64, usize, Trace) {
+    let mut r = r.clone();
+    r.parallel.dp = n as u32;
+    r.parallel.shard = vramsim_models::Shard::Fsdp2;
+    let mut gr = r.clone();
+    gr.batch = r.parallel.replica_batch(r.batch);
+    let g = zoo::build("tinyllama-1.1b", &gr).expect("builds");
+    let h = rank_graph(&g, &r.parallel).expect("splits");
+    let numel: u64 = h
+        .params
+        .iter()
+        .map(|p| p.shape.iter().product::<u64>())
+        .sum();
+    let shard = |s: &[u64]| match s.split_first() {
+        Some((d0, rest)) => d0.div_ceil(n) * rest.iter().product::<u64>(),
+        None => 1,
+    };
+    let shards: u64 = h.params.iter().map(|p| shard(&p.shape)).sum();
+    let blocks = h
+        .regions
+        .iter()
+        .filter(|x| x.kind == vramsim_models::RegionKind::Block)
+        .count();
+    let t = lower(&h, &r).expect("lowers");
+    (numel, shards, blocks, t)
+}
+
+/// The allocations whose tag starts with `prefix`: their count and sizes.
+fn tagged_sizes(t: &Trace, prefix: &str) -> Vec<u64> {
+    t.events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Alloc { size, tag, .. }
+                if tag.as_deref().is_some_and(|x| x.starts_with(prefix)) =>
+            {
+                Some(*size)
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// torchtitan's FSDP2 + PP recipe: an fp32 model with `MixedPrecisionPolicy(param_dtype=bf16,
+/// reduce_dtype=fp32)`, and with `param_dtype=bf16` alone, by hand from PyTorch 2.15's rules for
+/// TinyLlama split in 2 stages at dp 2 (4 micro-batches, 2 steps). The unsharded parameter's
+/// `grad_dtype` is `unsharded_grad_dtype` (`_fsdp_param.py` `init_unsharded_param`: the reduce
+/// dtype, else the model's, fp32 both times), wider than the bf16 compute: with
+/// `reduce_grads` off (`stage.py` `backward_maybe_with_nosync`), `pre_backward`'s
+/// `_set_unsharded_grad_dtypes(defer_upcast=True)` keeps it for the first micro-batch, so the
+/// engine casts that gradient to fp32 and every later one is added in place: every stored
+/// gradient is fp32 (4 bytes × the parameter's numel), the most gradient bytes are 4 × the
+/// stage's numel; parameters: the fp32 padded shards plus the bf16 unsharded parameters (padded);
+/// the reduce-scatter runs in fp32 (`_get_reduce_dtype`: the reduce dtype, else the promotion of
+/// the `unsharded_grad_dtype`s), once per group and step, input 4 bytes × the group's padded
+/// numel, output the fp32 sharded gradient with no cast (the model's dtype); at the second
+/// optimizer step the fp32 shards, their fp32 gradients and AdamW's two fp32 moments.
+#[test]
+fn fsdp2_stage_mixed_precision_accumulates_in_the_reduce_dtype() {
+    use vramsim_models::DType;
+    let n = 2u64;
+    let cases = [
+        (PpSchedule::OneFOneB, Some(DType::F32)),
+        (PpSchedule::GPipe, None),
+    ];
+    for (schedule, reduce) in cases {
+        for rank in 0..2 {
+            let mut r = recipe(8, 64, 2, schedule, 4, rank);
+            r.precision = Precision::Fp32;
+            r.iterations = 2;
+            r.parallel.fsdp_param_dtype = Some(DType::BF16);
+            r.parallel.fsdp_reduce_dtype = reduce;
+            let (numel, shards, blocks, t) = fsdp_rank(&r, n);
+            let what = format!("{schedule:?} reduce {reduce:?} stage {rank}");
+            assert_eq!(max_live(&t, Category::Gradient), 4 * numel, "{what}");
+            assert_eq!(
+                max_live(&t, Category::Parameter),
+                4 * shards + 2 * n * shards,
+                "{what}"
+            );
+            // Each stored unsharded gradient is the fp32 cast of the first micro-batch's.
+            let grads = tagged_sizes(&t, "grad:");
+            assert_eq!(grads.iter().sum::<u64>(), 2 * 4 * numel, "{what}");
+            let rs = tagged_sizes(&t, "fsdp_reduce_scatter_input");
+            assert_eq!(rs.len(), 2 * (blocks + 1), "{what}");
+            assert_eq!(rs.iter().sum::<u64>(), 2 * 4 * n * shards, "{what}");
+            let out = tagged_sizes(&t, "fsdp_sharded_grads");
+            assert_eq!(out.iter().sum::<u64>(), 2 * 4 * shards, "{what}");
+            let live = live_at_phase(&t, "optimizer", 1);
+            let get = |c| live.get(&c).copied().unwrap_or(0);
+            assert_eq!(get(Category::Parameter), 4 * shards, "{what}");
+            assert_eq!(get(Category::Gradient), 4 * shards, "{what}");
+            assert_eq!(get(Category::OptimizerState), 8 * shards, "{what}");
+            assert_eq!(get(Category::Communication), 0, "{what}");
+        }
+    }
+}

@@ -95,11 +95,25 @@ struct Group {
     post_forward: Vec<Rt>,
 }
 
+/// One `fully_shard` root of the rank (one per pipeline stage it runs: torchtitan's
+/// `apply_fsdp` on each model part) and its blocks.
+struct StageGroups {
+    /// Global stage index (0 without a pipeline).
+    stage: u32,
+    /// The root's group.
+    root: usize,
+    /// The blocks' groups in forward order (`root.modules()` order after the root).
+    blocks: Vec<usize>,
+}
+
 /// FSDP2 state of the lowering.
 #[derive(Default)]
 pub(crate) struct FsdpState {
-    /// Groups: the blocks in forward order, then the root (last).
+    /// Groups: the blocks in forward order, then each stage's root (one, last, without a
+    /// pipeline or with one stage per rank).
     groups: Vec<Group>,
+    /// The rank's roots (stages) with their groups.
+    stages: Vec<StageGroups>,
     /// Op index → block group.
     op_group: Vec<Option<usize>>,
     /// Module id → block group (by module path).
@@ -143,12 +157,36 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// The reduce-scatter's dtype: `reduce_dtype`, else the param dtype.
+    /// The unsharded gradients' accumulation dtype (`FSDPParam.unsharded_grad_dtype`:
+    /// `reduce_dtype`, else the model's dtype), which is also the reduce-scatter's
+    /// (`FSDPParamGroup._get_reduce_dtype`: `reduce_dtype`, else the promotion of the
+    /// parameters' `unsharded_grad_dtype`s, all the model's dtype here).
     fn fsdp_reduce_dtype(&self) -> DType {
         self.r
             .parallel
             .fsdp_reduce_dtype
-            .unwrap_or(self.param_dtype)
+            .unwrap_or(self.fsdp_orig_dtype())
+    }
+
+    /// The dtype the engine gives graph parameter `p`'s incoming gradient before its
+    /// `AccumulateGrad` (the unsharded parameter's `grad_dtype`, which the engine's
+    /// `validate_outputs` casts to; `None`: any dtype, no cast). `init_unsharded_param` sets it to
+    /// `unsharded_grad_dtype`; for a parameter whose `unsharded_grad_dtype` is wider than its
+    /// compute dtype (`_fsdp_params_with_wider_grad_dtype`) `pre_backward` →
+    /// `_set_unsharded_grad_dtypes(defer_upcast=True)` clears it when the gradient exists or
+    /// the group reduces this backward, so the gradient stays in the compute dtype (added in
+    /// place into a wider one). Under a pipeline (`reduce_grads` off) the first micro-batch's
+    /// gradient is therefore cast to the wider dtype and accumulates there over the step.
+    pub(super) fn fsdp_grad_dtype(&self, p: usize) -> Option<DType> {
+        if !self.fsdp_on() || !self.params[p].dtype.is_float() {
+            return None;
+        }
+        let target = self.fsdp_reduce_dtype();
+        if target.size() > self.params[p].dtype.size() {
+            (self.fsdp_pp() && self.param_grads[p].is_none()).then_some(target)
+        } else {
+            Some(target)
+        }
     }
 
     /// `⌈dim0/N⌉` rows × the other dimensions: the padded shard of a parameter of `shape`.
@@ -194,13 +232,36 @@ impl<'g> Lowering<'g> {
                 }
             }
         }
-        // A parameter belongs to the one block all its uses are in, else to the root.
-        let root = blocks.len();
-        let mut groups: Vec<Group> = (0..=root).map(|_| Group::default()).collect();
+        // One root per stage of the rank (`apply_fsdp` on each model part); without a pipeline
+        // the whole graph is one. A block, and a root parameter, belong to the stage of the
+        // (first) op using them.
+        let chunks = crate::pipeline::chunks(g);
+        let stage_of = |op: usize| {
+            chunks
+                .iter()
+                .position(|c| (c.start..c.end).contains(&op))
+                .unwrap_or(0)
+        };
+        let n_roots = chunks.len().max(1);
+        let root0 = blocks.len();
+        let mut stages: Vec<StageGroups> = (0..n_roots)
+            .map(|c| StageGroups {
+                stage: chunks.get(c).map_or(0, |c| c.stage),
+                root: root0 + c,
+                blocks: Vec::new(),
+            })
+            .collect();
+        for (b, r) in blocks.iter().enumerate() {
+            stages[stage_of(r.start)].blocks.push(b);
+        }
+        // A parameter belongs to the one block all its uses are in, else to its stage's root.
+        let mut groups: Vec<Group> = (0..root0 + n_roots).map(|_| Group::default()).collect();
         for (p, param) in g.params.iter().enumerate() {
             let mut owner: Option<Option<usize>> = None;
+            let mut first_use = None;
             for (i, op) in g.ops.iter().enumerate() {
                 if op.inputs.contains(&param.value) {
+                    first_use.get_or_insert(i);
                     owner = match owner {
                         None => Some(op_group[i]),
                         Some(o) if o == op_group[i] => Some(o),
@@ -208,8 +269,10 @@ impl<'g> Lowering<'g> {
                     };
                 }
             }
+            let root = root0 + first_use.map_or(0, stage_of);
             groups[owner.flatten().unwrap_or(root)].params.push(p);
         }
+        self.fsdp.stages = stages;
         self.fsdp.groups = groups;
         self.fsdp.op_group = op_group;
         self.fsdp.module_group = module_group;
@@ -241,8 +304,10 @@ impl<'g> Lowering<'g> {
     /// already gathered. Its inputs (`_get_param_all_gather_inputs`): the GPU shards themselves,
     /// or with a `param_dtype` one flat foreach-copy temporary of the param dtype; with offload one
     /// H2D copy per parameter (cast per parameter with a `param_dtype`); resharded to a
-    /// post-forward mesh, the post-forward slices (already in the param dtype).
-    fn fsdp_all_gather(&mut self, gi: usize) {
+    /// post-forward mesh, the post-forward slices (already in the param dtype). `stream`: the
+    /// all-gather streams of an implicit prefetch, or the current stream (0) of an explicit
+    /// `unshard(async_op=True)` (`FSDPCommContext.get_all_gather_streams`).
+    fn fsdp_all_gather(&mut self, gi: usize, stream: u64) {
         let grp = &self.fsdp.groups[gi];
         if grp.flat.is_some() || !grp.unsharded.is_empty() || grp.params.is_empty() {
             return;
@@ -264,7 +329,7 @@ impl<'g> Lowering<'g> {
                     ModuleId(0),
                     "aten._to_copy",
                 );
-                self.set_stream(&h2d, ALL_GATHER_STREAM);
+                self.set_stream(&h2d, stream);
                 let input = if dtype != orig {
                     let c = self.alloc(
                         Layout::contiguous(&[shard]),
@@ -272,7 +337,7 @@ impl<'g> Lowering<'g> {
                         ModuleId(0),
                         "aten._to_copy",
                     );
-                    self.set_stream(&c, ALL_GATHER_STREAM);
+                    self.set_stream(&c, stream);
                     self.drop_rt(h2d);
                     c
                 } else {
@@ -293,7 +358,7 @@ impl<'g> Lowering<'g> {
                 ModuleId(0),
                 "aten._to_copy",
             );
-            self.set_stream(&c, ALL_GATHER_STREAM);
+            self.set_stream(&c, stream);
             inputs.push(c);
         }
         self.kind_now = Kind::Comm;
@@ -305,7 +370,7 @@ impl<'g> Lowering<'g> {
         );
         self.kind_now = prev;
         self.retag(&t, format!("fsdp_all_gather_output:group{gi}"));
-        self.set_stream(&t, ALL_GATHER_STREAM);
+        self.set_stream(&t, stream);
         for c in inputs {
             self.drop_rt(c);
         }
@@ -328,7 +393,7 @@ impl<'g> Lowering<'g> {
     /// output of the previous group freed first (`release_all_gather_state_for_comm_reuse`), each
     /// parameter's unsharded storage, then the flat output freed (backward) or parked (forward).
     fn fsdp_copy_out(&mut self, gi: usize, forward: bool) {
-        self.fsdp_all_gather(gi);
+        self.fsdp_all_gather(gi, ALL_GATHER_STREAM);
         let Some(flat) = self.fsdp.groups[gi].flat.take() else {
             return;
         };
@@ -467,8 +532,10 @@ impl<'g> Lowering<'g> {
         }
         if let Some(b) = g {
             self.fsdp_copy_out(b, false);
-            if b > 0 {
-                self.fsdp_all_gather(b - 1);
+            // Under a pipeline every group of the stage is unsharded: no prefetch (and the
+            // group before may be another stage's).
+            if b > 0 && !self.fsdp_pp() {
+                self.fsdp_all_gather(b - 1, ALL_GATHER_STREAM);
             }
         }
         self.fsdp.current = g;
@@ -569,14 +636,20 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// A pipeline stage's micro-batch forward begins: the root's pre-forward unshards it (a no-op
-    /// once unsharded in the step).
-    pub(super) fn fsdp_pp_pre_forward(&mut self) {
+    /// The groups of the rank's stage `stage` (its root and blocks), if FSDP2 runs on it.
+    fn fsdp_stage(&self, stage: u32) -> Option<&StageGroups> {
+        self.fsdp.stages.iter().find(|s| s.stage == stage)
+    }
+
+    /// A pipeline stage's micro-batch forward begins: its root's pre-forward unshards it (a
+    /// no-op once unsharded in the step).
+    pub(super) fn fsdp_pp_pre_forward(&mut self, stage: u32) {
         if !self.fsdp_pp() {
             return;
         }
-        let root = self.fsdp.groups.len() - 1;
-        self.fsdp_copy_out(root, true);
+        if let Some(root) = self.fsdp_stage(stage).map(|s| s.root) {
+            self.fsdp_copy_out(root, true);
+        }
     }
 
     /// A pipeline stage's micro-batch backward ends: nothing is resharded or reduced
@@ -587,18 +660,92 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// After the schedule's actions, `perform_reduce_grad` → `finalize_backward`: each group's
-    /// `post_backward` in `reversed(all_states)` order (the blocks from the last, then the
-    /// root), then `_end_backward_iteration` drops the last reduce-scatter input.
+    /// After the schedule's actions (`ScheduleGPipe`, `Schedule1F1B`), `perform_reduce_grad`
+    /// of the rank's one stage.
     pub(super) fn fsdp_pp_reduce(&mut self) {
         if !self.fsdp_pp() {
             return;
         }
-        for gi in (0..self.fsdp.groups.len()).rev() {
+        let stages: Vec<u32> = self.fsdp.stages.iter().map(|s| s.stage).collect();
+        for stage in stages {
+            self.fsdp_reduce_stage(stage);
+            self.fsdp_wait_reduce();
+        }
+    }
+
+    /// `perform_reduce_grad` / `REDUCE_GRAD` of `stage` (`start_gradient_reduction` →
+    /// `FSDPModule.finalize_backward` on its root): each pending group's `post_backward` in
+    /// `reversed(all_states)` order (the stage's blocks from the last, then its root): reshard
+    /// and reduce-scatter.
+    pub(super) fn fsdp_reduce_stage(&mut self, stage: u32) {
+        if !self.fsdp_pp() {
+            return;
+        }
+        let Some(st) = self.fsdp_stage(stage) else {
+            return;
+        };
+        let order: Vec<usize> = st.blocks.iter().rev().copied().chain([st.root]).collect();
+        for gi in order {
             self.fsdp_post_backward_group(gi);
         }
+    }
+
+    /// `wait_for_gradient_reduction` (`WAIT_REDUCE_GRAD`): `_end_backward_iteration` drops the
+    /// last reduce-scatter input.
+    pub(super) fn fsdp_wait_reduce(&mut self) {
         if let Some(t) = self.fsdp.rs_input.take() {
             self.drop_rt(t);
+        }
+    }
+
+    /// `UNSHARD` of `stage` (`_PipelineScheduleRuntime._perform_action`): `unshard(async_op=True)`
+    /// of every `FSDPModule` in `stage.submod.modules()` (the root, then its blocks): each
+    /// group's all-gather on the current stream, its output held until the stage's next
+    /// compute action waits for it ([`Self::fsdp_assert_unsharded`]).
+    pub(super) fn fsdp_unshard_stage(&mut self, stage: u32) {
+        if !self.fsdp_pp() {
+            return;
+        }
+        let Some(st) = self.fsdp_stage(stage) else {
+            return;
+        };
+        let order: Vec<usize> = [st.root].into_iter().chain(st.blocks.clone()).collect();
+        for gi in order {
+            self.fsdp_all_gather(gi, 0);
+        }
+    }
+
+    /// `_assert_unsharded(stage)` before a compute action: each pending unshard handle waited
+    /// in order (`wait_for_unshard` outside forward: the copy-out, then the all-gather output
+    /// freed at once).
+    pub(super) fn fsdp_assert_unsharded(&mut self, stage: u32) {
+        if !self.fsdp_pp() {
+            return;
+        }
+        let Some(st) = self.fsdp_stage(stage) else {
+            return;
+        };
+        let order: Vec<usize> = [st.root].into_iter().chain(st.blocks.clone()).collect();
+        for gi in order {
+            if self.fsdp.groups[gi].flat.is_some() {
+                self.fsdp_copy_out(gi, false);
+            }
+        }
+    }
+
+    /// `RESHARD` of `stage`: `reshard()` of every `FSDPModule` of the stage (its unsharded
+    /// parameters freed; the unsharded gradients stay on the parameters); a no-op for a stage
+    /// whose `REDUCE_GRAD` already ran (`_finalized_stages`), which resharded it.
+    pub(super) fn fsdp_reshard_stage(&mut self, stage: u32) {
+        if !self.fsdp_pp() {
+            return;
+        }
+        let Some(st) = self.fsdp_stage(stage) else {
+            return;
+        };
+        let order: Vec<usize> = [st.root].into_iter().chain(st.blocks.clone()).collect();
+        for gi in order {
+            self.fsdp_reshard(gi);
         }
     }
 

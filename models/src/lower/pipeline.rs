@@ -35,7 +35,9 @@
 //! `RECV_B` allocate their buffers where the communication pass put them (as soon as the sender's
 //! action is scheduled, often ahead of the forward that reads them), a forward output is held by
 //! its send until `WAIT_SEND_F` right after that micro-batch's backward on this rank, and the input
-//! gradients sent back are held until the `WAIT_SEND_B`s at the end of the step.
+//! gradients sent back are held until the `WAIT_SEND_B`s at the end of the step. With FSDP2 each
+//! of the rank's stages is its own root, and the schedule's `UNSHARD`, `RESHARD`, `REDUCE_GRAD`
+//! and `WAIT_REDUCE_GRAD` actions all-gather, reshard and reduce it (`fsdp.rs`).
 
 use super::{Edge, Kind, LowerError, Lowering, Rt};
 use crate::graph::{ModuleId, ValueId};
@@ -161,6 +163,7 @@ impl<'g> Lowering<'g> {
                 R::Compute(Action::Forward { stage, mb }) => {
                     self.micro = mb;
                     self.phase("forward");
+                    self.fsdp_assert_unsharded(stage);
                     let bufs = recv_f.remove(&(stage, mb)).unwrap_or_default();
                     // The send (`SEND_F`, next in the list) holds the output until its wait.
                     if let Some(out) = self.pp_forward(stage, mb, Some(bufs))? {
@@ -170,6 +173,7 @@ impl<'g> Lowering<'g> {
                 R::Compute(Action::Backward { stage, mb }) => {
                     self.micro = mb;
                     self.phase("backward");
+                    self.fsdp_assert_unsharded(stage);
                     let grad = recv_b.remove(&(stage, mb));
                     let sent = self.pp_backward(stage, mb, grad);
                     sent_b.insert((stage, mb), sent);
@@ -184,6 +188,10 @@ impl<'g> Lowering<'g> {
                         self.drop_rt(t);
                     }
                 }
+                R::Unshard { stage } => self.fsdp_unshard_stage(stage),
+                R::Reshard { stage } => self.fsdp_reshard_stage(stage),
+                R::ReduceGrad { stage } => self.fsdp_reduce_stage(stage),
+                R::WaitReduceGrad => self.fsdp_wait_reduce(),
                 R::Other => {}
             }
         }
@@ -344,7 +352,7 @@ impl<'g> Lowering<'g> {
         if last {
             self.pp.hold = c.model_outputs.clone();
         }
-        self.fsdp_pp_pre_forward();
+        self.fsdp_pp_pre_forward(stage);
         let out = self.forward_ops(c.start..c.end, c.output)?;
         self.fsdp_post_forward();
         self.pp.hold.clear();
