@@ -616,3 +616,111 @@ fn fsdp2_stage_mixed_precision_accumulates_in_the_reduce_dtype() {
         }
     }
 }
+
+/// `--pp-schedule interleaved:2` with FSDP2 (torchtitan's `apply_fsdp` on each model part: each
+/// of a rank's two stages is its own `fully_shard` root), by hand from PyTorch 2.15's
+/// `_PipelineScheduleRuntime` for TinyLlama in 4 stages over pp 2 at dp 2 (bf16, 4 micro-batches,
+/// 2 steps). `_add_unshard_reshard` (`max_active_stages` 3) puts an `UNSHARD` of both of a rank's
+/// stages before its first action: `unshard(async_op=True)` of every group, so every group's
+/// all-gather output (2 bytes × its padded numel) is live at once, n × the shards' numel × 2 bytes
+/// in all, until each stage's first compute waits for its handles; each group is gathered once a
+/// step. Nothing is resharded or reduced until the stage's `REDUCE_GRAD` after its last backward
+/// (`_add_reduce_grad`), which reduce-scatters each of its groups once: blocks + one root per
+/// stage with parameters (the first stage's embedding on rank 0, the last's norm and head on
+/// rank 1; the middle stages' roots hold none). Parameters peak at the shards plus every
+/// unsharded parameter, gradients at the rank's numel × 2.
+#[test]
+fn fsdp2_interleaved_stages_are_roots_unsharded_and_reduced_by_the_runtime() {
+    let n = 2u64;
+    for rank in 0..2 {
+        let mut r = recipe(8, 64, 2, PpSchedule::Interleaved(2), 4, rank);
+        r.iterations = 2;
+        let (numel, shards, blocks, t) = fsdp_rank(&r, n);
+        let what = format!("stage rank {rank}");
+        let groups = blocks + 1;
+        assert_eq!(
+            max_live_tagged(&t, "fsdp_all_gather_output"),
+            (groups, 2 * n * shards),
+            "{what}"
+        );
+        assert_eq!(
+            tagged_sizes(&t, "fsdp_all_gather_output").len(),
+            2 * groups,
+            "{what}"
+        );
+        assert_eq!(
+            tagged_sizes(&t, "fsdp_reduce_scatter_input").len(),
+            2 * groups,
+            "{what}"
+        );
+        assert_eq!(max_live(&t, Category::Gradient), 2 * numel, "{what}");
+        assert_eq!(
+            max_live(&t, Category::Parameter),
+            2 * shards + 2 * n * shards,
+            "{what}"
+        );
+        let live = live_at_phase(&t, "optimizer", 1);
+        let get = |c| live.get(&c).copied().unwrap_or(0);
+        assert_eq!(get(Category::Parameter), 2 * shards, "{what}");
+        assert_eq!(get(Category::Gradient), 2 * shards, "{what}");
+        assert_eq!(get(Category::Communication), 0, "{what}");
+    }
+}
+
+/// FSDP2's `CPUOffloadPolicy` on a pipeline stage (TinyLlama, 2 stages, dp 2, bf16, 1F1B, 4
+/// micro-batches, 2 steps), by hand: the padded shards, their gradients and the optimizer live on
+/// the host (`_init_sharded_param`, `foreach_reduce`'s `.to("cpu")`), so the GPU's parameter
+/// bytes peak at the unsharded parameters alone (2 bytes × n × the shards' numel, all unsharded
+/// from the step's first forward to the reduce), gradients at the accumulated unsharded ones
+/// (numel × 2), and nothing of the model's states is on the GPU at the optimizer step.
+#[test]
+fn fsdp2_stage_with_cpu_offload_keeps_only_unsharded_states_on_the_gpu() {
+    let n = 2u64;
+    for rank in 0..2 {
+        let mut r = recipe(8, 64, 2, PpSchedule::OneFOneB, 4, rank);
+        r.iterations = 2;
+        r.parallel.offload = vramsim_models::Offload::Params;
+        let (numel, shards, blocks, t) = fsdp_rank(&r, n);
+        let what = format!("stage {rank}");
+        assert_eq!(max_live(&t, Category::Parameter), 2 * n * shards, "{what}");
+        assert_eq!(max_live(&t, Category::Gradient), 2 * numel, "{what}");
+        assert_eq!(
+            tagged_sizes(&t, "fsdp_reduce_scatter_input").len(),
+            2 * (blocks + 1),
+            "{what}"
+        );
+        let live = live_at_phase(&t, "optimizer", 1);
+        let get = |c| live.get(&c).copied().unwrap_or(0);
+        assert_eq!(get(Category::Parameter), 0, "{what}");
+        assert_eq!(get(Category::Gradient), 0, "{what}");
+        assert_eq!(get(Category::OptimizerState), 0, "{what}");
+        assert_eq!(get(Category::Communication), 0, "{what}");
+    }
+}
+
+/// `interleaved:4` with FSDP2: four stages per rank, more than `_add_unshard_reshard`'s
+/// `max_active_stages` (3), so the runtime's `RESHARD` evicts a stage (freeing its unsharded
+/// parameters; its unsharded gradients stay) before the `UNSHARD` of the next one it fetches:
+/// never more than three stages unsharded. By hand for TinyLlama (22 layers) in 8 stages over pp 2
+/// at dp 2 (bf16, 8 micro-batches): torchtitan's split gives stages 0 and 7 two layers (plus the
+/// embedding, resp. the norm and head), the others three; each rank's peak of parameters is its
+/// shards plus the unsharded parameters of all its stages but one three-layer stage (rank 0
+/// fetches stages 0, 2, 4 first; rank 1 holds 3, 5, 7 after evicting 1). A layer's numel:
+/// q, o 2048², k, v 256 × 2048, gate, up, down 5632 × 2048, two norms 2048, all rows even (the
+/// shard of a layer is half of it).
+#[test]
+fn fsdp2_interleaved_four_stages_keeps_three_unsharded() {
+    let n = 2u64;
+    let layer: u64 = 2 * 2048 * 2048 + 2 * 256 * 2048 + 3 * 5632 * 2048 + 2 * 2048;
+    for rank in 0..2 {
+        let r = recipe(8, 64, 2, PpSchedule::Interleaved(4), 8, rank);
+        let (numel, shards, _, t) = fsdp_rank(&r, n);
+        let evicted = 3 * layer / 2;
+        assert_eq!(
+            max_live(&t, Category::Parameter),
+            2 * shards + 2 * n * (shards - evicted),
+            "rank {rank}"
+        );
+        assert_eq!(max_live(&t, Category::Gradient), 2 * numel, "rank {rank}");
+    }
+}

@@ -37,13 +37,18 @@
 //!   padded shards) allocated on the reduce-scatter stream is the sharded gradient (its parameters'
 //!   `.grad` are views of it) until `zero_grad`. With accumulation the new output is added into the
 //!   existing sharded gradient and dies. The last input dies at the end of the backward.
-//! * **Mixed precision** (`_fsdp_param.py` `init_dtype_attrs`: a `param_dtype` equal to the model's
-//!   and a `reduce_dtype` equal to the `param_dtype` are dropped): the copy-in first casts the
-//!   shards into one flat temporary of the param dtype (freed once copied into the all-gather
-//!   input); the reduce-scatter input and output are in the reduce dtype (the unsharded gradients,
-//!   in the param dtype, are upcast by `chunk_cat`), and an output whose dtype is not the model's is
-//!   cast into a new tensor on the reduce-scatter stream, which becomes the sharded gradient.
-//!   Module buffers are left in the model's dtype by FSDP2 but follow the compute dtype here.
+//! * **Mixed precision** (`_fsdp_param.py` `init_dtype_attrs`: a `param_dtype` equal to the
+//!   model's is dropped): the copy-in first casts the shards into one flat temporary of the param
+//!   dtype (freed once copied into the all-gather input). The unsharded gradient dtype
+//!   (`unsharded_grad_dtype`: `reduce_dtype`, else the model's) is the unsharded parameter's
+//!   `grad_dtype` (`init_unsharded_param`), to which the engine casts the incoming gradient; one
+//!   wider than the param dtype is cleared by `pre_backward` when the group reduces this backward
+//!   or a gradient exists (`_set_unsharded_grad_dtypes(defer_upcast=True)`), so the gradients stay
+//!   in the param dtype then. The reduce-scatter input and output are in the reduce dtype, else
+//!   the model's (`_get_reduce_dtype`; `chunk_cat` casts the gradients into the input), and an
+//!   output whose dtype is not the model's is cast into a new tensor on the reduce-scatter stream,
+//!   which becomes the sharded gradient. Module buffers are left in the model's dtype by FSDP2 but
+//!   follow the compute dtype here.
 //! * **Optimizer**: the torch optimizer steps the sharded parameters (state of the shards' sizes
 //!   and the model's dtype).
 //! * **CPU offload** (`CPUOffloadPolicy(pin_memory=True)`): the padded shards live in pinned host
@@ -55,21 +60,29 @@
 //!   and freed when `foreach_all_gather` returns. The reduce-scatter output (or its cast) is copied
 //!   to the host (`foreach_reduce`: `new_sharded_grad.to("cpu")`) and freed on the GPU when
 //!   `foreach_reduce` returns. Shards resharded to a post-forward mesh stay on the GPU.
-//! * **Under a pipeline schedule** (`--pp`, one stage per rank; the rank's graph is the stage's,
-//!   so its blocks and root are the stage's `fully_shard` modules as torchtitan's
-//!   `apply_fsdp` wraps each model part): torchtitan's `reshard_after_forward_policy` "default"
-//!   is `not pp_enabled`, so the blocks keep their unsharded parameters after forward, and
-//!   `_PipelineStageBase.backward_maybe_with_nosync` (`torch/distributed/pipelining/stage.py`)
+//! * **Under a pipeline schedule** (`--pp`): the rank's graph is its stages', each stage's blocks
+//!   and root its own `fully_shard` modules (torchtitan's `apply_fsdp` on each model part; one root
+//!   per stage, so `interleaved:V` gives V roots). torchtitan's `reshard_after_forward_policy`
+//!   "default" is `not pp_enabled`, so the blocks keep their unsharded parameters after forward,
+//!   and `_PipelineStageBase.backward_maybe_with_nosync` (`torch/distributed/pipelining/stage.py`)
 //!   runs every micro-batch's backward with `set_reshard_after_backward(False)` and
-//!   `set_requires_gradient_sync(False)`: `FSDPParamGroup.post_backward` then only marks the
-//!   group pending, so parameters stay unsharded from the step's first forward (each group is
-//!   all-gathered once) and the unsharded gradients accumulate in `.grad` over the micro-batches
-//!   (in the model's dtype: `_set_unsharded_grad_dtypes` casts only to a wider `reduce_dtype`).
-//!   After the schedule's last action `perform_reduce_grad` → `start_gradient_reduction` turns
-//!   both back on and calls `FSDPModule.finalize_backward`, whose `FSDPState.finalize_backward`
-//!   runs each pending group's `post_backward` in `reversed(all_states)` order (the blocks from
-//!   the last, then the root): reshard and reduce-scatter as above; the last input dies in
-//!   `_end_backward_iteration`.
+//!   `set_requires_gradient_sync(False)`: `FSDPParamGroup.post_backward` then only marks the group
+//!   pending, so parameters stay unsharded and the unsharded gradients accumulate over the
+//!   micro-batches, in the unsharded gradient dtype (with `reduce_grads` off the `grad_dtype` of a
+//!   wider one is kept for the first micro-batch, whose gradient the engine casts; the later ones
+//!   are added in place). `ScheduleGPipe`/`Schedule1F1B`: each group is unsharded by its first
+//!   forward; after the schedule's last action `perform_reduce_grad` → `start_gradient_reduction`
+//!   turns sync back on and calls `FSDPModule.finalize_backward`, whose
+//!   `FSDPState.finalize_backward` runs each pending group's `post_backward` in
+//!   `reversed(all_states)` order (the blocks from the last, then the root): reshard and
+//!   reduce-scatter as above; the last input dies in `_end_backward_iteration`.
+//!   `_PipelineScheduleRuntime` (interleaved) drives the stages with its own actions
+//!   (`schedules.py` `_add_unshard_reshard`, `_add_reduce_grad`, `_perform_action`): `UNSHARD`
+//!   all-gathers every group of the stage at once (`unshard(async_op=True)`: current stream), the
+//!   stage's next compute waits for them in `modules()` order (root first: copy-out, then the
+//!   output freed), `RESHARD` evicts a stage (unsharded parameters freed, gradients kept; a no-op
+//!   once reduced), `REDUCE_GRAD` is the stage's `finalize_backward` and `WAIT_REDUCE_GRAD` drops
+//!   its last reduce-scatter input.
 
 use super::{Kind, Lowering, Rt};
 use crate::dtype::DType;
