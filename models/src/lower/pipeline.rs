@@ -21,7 +21,11 @@
 //! * **Backward** (`backward_one_chunk` → `_backward.py` `stage_backward`): the last stage from
 //!   its loss (`torch.autograd.backward(loss)`, a `ones_like` seed); the others from the gradient
 //!   received into a buffer allocated before the backward (`get_bwd_recv_ops`) and held until
-//!   `backward_one_chunk` returns. The gradient of each received input is taken from `.grad`
+//!   `backward_one_chunk` returns (GPipe: until the next receive is waited for, the last until the
+//!   backward sends are, or the step's end on the first stage: `ScheduleGPipe._step_microbatches`'
+//!   loop variable `work` holds the receive's `Work`, which keeps its tensor: `_batch_p2p` posts a
+//!   batch of receives as plain `irecv`s, and `ProcessGroupNCCL::pointToPoint` stores the tensor in
+//!   the work's `outputs_`, as gloo's `RecvWork` does). The gradient of each received input is taken from `.grad`
 //!   (`val.grad = None`) and held by its send (`bwd_cache`, then the `P2POp` list): 1F1B drops it
 //!   when the next backward's sends replace the list (after that backward), GPipe when it waits
 //!   for every backward send at the end. Then the micro-batch's graph is freed (only its nodes:
@@ -81,6 +85,9 @@ pub(crate) struct PpState {
     /// Values whose handles the running forward keeps (the last stage's model outputs).
     hold: Vec<ValueId>,
     held: Vec<Rt>,
+    /// `ScheduleGPipe`: the received output gradient the loop variable `work` still holds (its
+    /// receive's `Work`) after `backward_one_chunk` returns.
+    recv_work: Option<Rt>,
 }
 
 impl<'g> Lowering<'g> {
@@ -125,6 +132,9 @@ impl<'g> Lowering<'g> {
         }
         // `_step_microbatches` ends with `perform_reduce_grad` (an FSDP2 stage's one reduce).
         self.fsdp_pp_reduce();
+        if let Some(t) = self.pp.recv_work.take() {
+            self.drop_rt(t);
+        }
         // `_update_losses`; the loop's `losses` list dies after the step.
         for t in std::mem::take(&mut self.pp.losses) {
             self.drop_rt(t);
@@ -228,6 +238,14 @@ impl<'g> Lowering<'g> {
                     self.micro = mb;
                     self.phase("backward");
                     let grad = self.pp_recv_grad(stage, mb);
+                    if gpipe {
+                        // `for work in works.values(): _wait_batch_p2p(work)` rebinds `work` to this
+                        // receive: the previous one's buffer dies, this one's outlives the backward.
+                        let kept = grad.as_ref().map(|g| self.dup(g));
+                        if let Some(old) = std::mem::replace(&mut self.pp.recv_work, kept) {
+                            self.drop_rt(old);
+                        }
+                    }
                     if !gpipe {
                         // `fwd_send_bwd_recv`: the pending forward send is waited here.
                         self.pp_release_sends(0);
@@ -243,6 +261,14 @@ impl<'g> Lowering<'g> {
             }
         }
         self.pp_release_sends(0);
+        // GPipe's `for work in bwd_sends_to_wait` rebinds `work` (a stage that sends gradients
+        // back); the first stage sends none, so its last receive lives until `_step_microbatches`
+        // returns, after `perform_reduce_grad` (`pp_step`).
+        if !self.pp.grad_sends.is_empty() {
+            if let Some(old) = self.pp.recv_work.take() {
+                self.drop_rt(old);
+            }
+        }
         self.pp_release_grad_sends(None);
         Ok(())
     }
