@@ -313,3 +313,31 @@ fn fsdp2_interleaved_pp2_v4_m4() {
         assert_eq!(ours.1, theirs.1, "rank {rank}");
     }
 }
+
+/// torchtitan's mixed precision with `interleaved:2` (Llama, 4 stages over pp 2, dp 2, 4
+/// micro-batches): every stage but stage 0 is a non-first stage, where Llama's first RMSNorm of a
+/// micro-batch in flight keeps 33,024 bytes the CPU recording does not (above); each rank's
+/// first-step peak is PyTorch's plus a whole number of those, at most one per micro-batch its
+/// non-first stages hold at once. By hand from `ScheduleInterleaved1F1B` (2 micro-batches a round,
+/// warm-up `(V − 1)·2 + 2·(pp − 1 − rank)` forwards): rank 0 runs F0.0 F0.1 F2.0 F2.1, then 1F1B,
+/// so stage 2 holds at most 2; rank 1 runs F1.0 F1.1 then F3.0 before any backward: 3.
+#[test]
+fn llama_fsdp2_mixed_precision_interleaved() {
+    let p = peaks_with(
+        "llama-fsdp2-mp-interleaved2-pp2-dp2-m4",
+        PpSchedule::Interleaved(2),
+        2,
+        4,
+        Checkpointing::None,
+        |par| {
+            fsdp2(par);
+            par.fsdp_param_dtype = Some(vramsim_models::DType::BF16);
+            par.fsdp_reduce_dtype = Some(vramsim_models::DType::F32);
+        },
+    );
+    let norm = 64 * 128 * 4 + 64 * 4;
+    for (rank, ((ours, theirs), most)) in p.into_iter().zip([2, 3]).enumerate() {
+        let d = ours.1 - theirs.1;
+        assert!(d % norm == 0 && d / norm <= most, "rank {rank}: {d}");
+    }
+}
