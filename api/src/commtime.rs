@@ -103,8 +103,10 @@ impl CommWork {
             Precision::Bf16 => 2.0,
             _ => 4.0,
         };
-        let reduce_width = match (par.shard, par.fsdp_reduce_dtype, par.fsdp_param_dtype) {
-            (Shard::Fsdp2, Some(d), _) | (Shard::Fsdp2, None, Some(d)) => d.size() as f64,
+        // FSDP2 reduces in `reduce_dtype`, else in the model's dtype (2.15's
+        // `FSDPParamGroup._get_reduce_dtype`, `lower/fsdp.rs`).
+        let reduce_width = match (par.shard, par.fsdp_reduce_dtype) {
+            (Shard::Fsdp2, Some(d)) => d.size() as f64,
             _ => width,
         };
         let gather_width = match (par.shard, par.fsdp_param_dtype) {

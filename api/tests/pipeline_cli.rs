@@ -149,14 +149,17 @@ fn bad_pipelines_fail_with_the_reason() {
             "8",
             "--pp",
             "2",
-            "--pp-schedule",
-            "interleaved:2",
             "--dp",
-            "2",
+            "4",
             "--shard",
             "fsdp2",
+            "--reshard-after-forward",
+            "2",
         ],
-        &["one stage per rank"],
+        &[
+            "--reshard-after-forward 2 is not modelled",
+            "unsharded after forward",
+        ],
     );
     fails(
         &["--batch", "8", "--pp", "2", "--precision", "amp-fp16"],

@@ -665,24 +665,11 @@ impl Parallel {
             )));
         }
         if self.shard == Shard::Fsdp2 {
-            if matches!(self.pp_schedule, PpSchedule::Interleaved(_)) {
-                return Err(bad(format!(
-                    "--pp {} --shard fsdp2 is modelled for one stage per rank (gpipe, 1f1b): with --pp-schedule {} each of a rank's stages is its own fully_shard root, which is not modelled yet",
-                    self.pp, self.pp_schedule
-                )));
-            }
-            if self.fsdp_param_dtype.is_some() || self.fsdp_reduce_dtype.is_some() {
-                return Err(bad(format!(
-                    "--pp {} --shard fsdp2 with a MixedPrecisionPolicy (--fsdp-param-dtype/--fsdp-reduce-dtype) is not modelled yet (the unsharded gradients then accumulate in the reduce dtype: _fsdp_param_group.py _set_unsharded_grad_dtypes); give the model's dtype with --precision",
-                    self.pp
-                )));
-            }
-            if self.offload != Offload::None {
-                return Err(bad(format!(
-                    "--pp {} --shard fsdp2 with --offload {} is not modelled yet; give --offload none",
-                    self.pp, self.offload
-                )));
-            }
+            // A MixedPrecisionPolicy (the unsharded gradients accumulate in the reduce dtype
+            // over the micro-batches: `_set_unsharded_grad_dtypes`), the interleaved schedule
+            // (each of a rank's stages its own root, all-gathered, resharded and reduced by the
+            // runtime's UNSHARD/RESHARD/REDUCE_GRAD actions) and CPUOffloadPolicy are lowered
+            // (`lower/fsdp.rs`).
             // torchtitan (`parallelize.py` `apply_fsdp`, `reshard_after_forward_policy`
             // "default": `reshard_after_forward = not pp_enabled`) keeps the blocks unsharded
             // after forward under a pipeline; the default `true` is read as that policy.

@@ -300,8 +300,26 @@ pub enum RuntimeAction {
         /// Micro-batch.
         mb: u32,
     },
-    /// Anything without memory of its own here (`SEND_F`, `SEND_B`, `UNSHARD`, `RESHARD`,
-    /// `REDUCE_GRAD`, `WAIT_REDUCE_GRAD` of stages without FSDP).
+    /// `UNSHARD`: an FSDP2 stage's groups all-gathered (`unshard(async_op=True)`).
+    Unshard {
+        /// Global stage index.
+        stage: u32,
+    },
+    /// `RESHARD`: an FSDP2 stage's unsharded parameters freed.
+    Reshard {
+        /// Global stage index.
+        stage: u32,
+    },
+    /// `REDUCE_GRAD`: an FSDP2 stage's accumulated gradients reduce-scattered
+    /// (`start_gradient_reduction`).
+    ReduceGrad {
+        /// Global stage index.
+        stage: u32,
+    },
+    /// `WAIT_REDUCE_GRAD`: the reduction waited for (`wait_for_gradient_reduction`).
+    WaitReduceGrad,
+    /// Anything without memory of its own here (`SEND_F`, `SEND_B`; the FSDP actions of
+    /// stages without FSDP are the variants above, no-ops there).
     Other,
 }
 
@@ -316,7 +334,10 @@ enum Slot {
     SendB(u32, u32),
     WaitSendF(u32, u32),
     WaitSendB(u32, u32),
-    Other,
+    Unshard(u32),
+    Reshard(u32),
+    ReduceGrad(u32),
+    WaitReduceGrad(u32),
 }
 
 /// `_add_unshard_reshard(actions, max_active_stages=3, unshard_lookahead=3)` ("full", the
@@ -354,15 +375,15 @@ fn add_unshard_reshard(actions: &[Action]) -> Vec<Slot> {
             .collect();
         for s in evict {
             active.retain(|x| *x != s);
-            out.push(Slot::Other);
+            out.push(Slot::Reshard(s));
         }
         for s in fetch {
             active.push(s);
-            out.push(Slot::Other);
+            out.push(Slot::Unshard(s));
         }
         out.push(Slot::Compute(*a));
     }
-    out.extend(active.iter().map(|_| Slot::Other));
+    out.extend(active.iter().map(|&s| Slot::Reshard(s)));
     out
 }
 
@@ -377,8 +398,8 @@ fn add_reduce_grad(slots: Vec<Slot>, m: u32) -> Vec<Slot> {
             let c = count.entry(stage).or_insert(0);
             *c += 1;
             if *c == m {
-                out.push(Slot::Other);
-                out.push(Slot::Other);
+                out.push(Slot::ReduceGrad(stage));
+                out.push(Slot::WaitReduceGrad(stage));
             }
         }
     }
@@ -499,7 +520,11 @@ pub fn runtime_actions(pp: u32, rank: u32, m: u32, v: u32) -> Vec<RuntimeAction>
             Slot::RecvB(stage, mb) => RuntimeAction::RecvB { stage, mb },
             Slot::WaitSendF(stage, mb) => RuntimeAction::WaitSendF { stage, mb },
             Slot::WaitSendB(stage, mb) => RuntimeAction::WaitSendB { stage, mb },
-            _ => RuntimeAction::Other,
+            Slot::Unshard(stage) => RuntimeAction::Unshard { stage },
+            Slot::Reshard(stage) => RuntimeAction::Reshard { stage },
+            Slot::ReduceGrad(stage) => RuntimeAction::ReduceGrad { stage },
+            Slot::WaitReduceGrad(_) => RuntimeAction::WaitReduceGrad,
+            Slot::SendF(..) | Slot::SendB(..) => RuntimeAction::Other,
         })
         .collect()
 }

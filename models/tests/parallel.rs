@@ -939,3 +939,38 @@ fn zero3_coalesced_fetch_holds_the_submodule_twice() {
     assert_eq!(peak, 2 * 2 * 2_049_000);
     assert!(peak > 2 * 2_359_296);
 }
+
+/// `MixedPrecisionPolicy(param_dtype=bf16)` alone on an fp32 model: PyTorch 2.15's
+/// `FSDPParamGroup._get_reduce_dtype` reduces in the promotion of the parameters'
+/// `unsharded_grad_dtype`s (the model's dtype without a `reduce_dtype`: `_fsdp_param.py`), so every
+/// reduce-scatter input is fp32 (4 bytes × the group's padded numel: Σ over a step = 4 × N × the
+/// padded shards' numel; `chunk_cat` upcasts the bf16 gradients) and its output is the sharded
+/// gradient itself (no cast: 4 bytes × the shards' numel a step). GPT-2 at N = 4, 2 steps.
+#[test]
+fn fsdp2_param_dtype_alone_reduces_in_the_models_dtype() {
+    let n = 4u64;
+    let mut r = recipe(2, 128, n as u32, Shard::Fsdp2);
+    r.parallel.fsdp_param_dtype = Some(DType::BF16);
+    let g = zoo::build("gpt2", &r).unwrap();
+    let padded = |shape: &[u64]| match shape.split_first() {
+        Some((d0, rest)) => d0.div_ceil(n) * rest.iter().product::<u64>(),
+        None => 1,
+    };
+    let shards: u64 = g.params.iter().map(|p| padded(&p.shape)).sum();
+    let t = lower(&g, &r).unwrap();
+    let sizes = |prefix: &str| -> u64 {
+        t.events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Alloc { size, tag, .. }
+                    if tag.as_deref().is_some_and(|x| x.starts_with(prefix)) =>
+                {
+                    Some(*size)
+                }
+                _ => None,
+            })
+            .sum()
+    };
+    assert_eq!(sizes("fsdp_reduce_scatter_input"), 2 * 4 * n * shards);
+    assert_eq!(sizes("fsdp_sharded_grads"), 2 * 4 * shards);
+}

@@ -516,3 +516,211 @@ fn fsdp2_stage_accumulates_unsharded_gradients_and_reduces_once() {
         assert_eq!(get(Category::Communication), 0, "{schedule:?} stage {rank}");
     }
 }
+
+/// A TinyLlama pipeline rank under FSDP2 at dp `n` (`r` already has its schedule), with the rank's
+/// graph: its parameters' numel, their padded shards' numel (`⌈dim0/n⌉` rows), its blocks, and
+/// the lowered trace.
+fn fsdp_rank(r: &Recipe, n: u64) -> (u64, u64, usize, Trace) {
+    let mut r = r.clone();
+    r.parallel.dp = n as u32;
+    r.parallel.shard = vramsim_models::Shard::Fsdp2;
+    let mut gr = r.clone();
+    gr.batch = r.parallel.replica_batch(r.batch);
+    let g = zoo::build("tinyllama-1.1b", &gr).expect("builds");
+    let h = rank_graph(&g, &r.parallel).expect("splits");
+    let numel: u64 = h
+        .params
+        .iter()
+        .map(|p| p.shape.iter().product::<u64>())
+        .sum();
+    let shard = |s: &[u64]| match s.split_first() {
+        Some((d0, rest)) => d0.div_ceil(n) * rest.iter().product::<u64>(),
+        None => 1,
+    };
+    let shards: u64 = h.params.iter().map(|p| shard(&p.shape)).sum();
+    let blocks = h
+        .regions
+        .iter()
+        .filter(|x| x.kind == vramsim_models::RegionKind::Block)
+        .count();
+    let t = lower(&h, &r).expect("lowers");
+    (numel, shards, blocks, t)
+}
+
+/// The allocations whose tag starts with `prefix`: their count and sizes.
+fn tagged_sizes(t: &Trace, prefix: &str) -> Vec<u64> {
+    t.events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Alloc { size, tag, .. }
+                if tag.as_deref().is_some_and(|x| x.starts_with(prefix)) =>
+            {
+                Some(*size)
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// torchtitan's FSDP2 + PP recipe: an fp32 model with `MixedPrecisionPolicy(param_dtype=bf16,
+/// reduce_dtype=fp32)`, and with `param_dtype=bf16` alone, by hand from PyTorch 2.15's rules for
+/// TinyLlama split in 2 stages at dp 2 (4 micro-batches, 2 steps). The unsharded parameter's
+/// `grad_dtype` is `unsharded_grad_dtype` (`_fsdp_param.py` `init_unsharded_param`: the reduce
+/// dtype, else the model's, fp32 both times), wider than the bf16 compute: with
+/// `reduce_grads` off (`stage.py` `backward_maybe_with_nosync`), `pre_backward`'s
+/// `_set_unsharded_grad_dtypes(defer_upcast=True)` keeps it for the first micro-batch, so the
+/// engine casts that gradient to fp32 and every later one is added in place: every stored
+/// gradient is fp32 (4 bytes × the parameter's numel), the most gradient bytes are 4 × the
+/// stage's numel; parameters: the fp32 padded shards plus the bf16 unsharded parameters (padded);
+/// the reduce-scatter runs in fp32 (`_get_reduce_dtype`: the reduce dtype, else the promotion of
+/// the `unsharded_grad_dtype`s), once per group and step, input 4 bytes × the group's padded
+/// numel, output the fp32 sharded gradient with no cast (the model's dtype); at the second
+/// optimizer step the fp32 shards, their fp32 gradients and AdamW's two fp32 moments.
+#[test]
+fn fsdp2_stage_mixed_precision_accumulates_in_the_reduce_dtype() {
+    use vramsim_models::DType;
+    let n = 2u64;
+    let cases = [
+        (PpSchedule::OneFOneB, Some(DType::F32)),
+        (PpSchedule::GPipe, None),
+    ];
+    for (schedule, reduce) in cases {
+        for rank in 0..2 {
+            let mut r = recipe(8, 64, 2, schedule, 4, rank);
+            r.precision = Precision::Fp32;
+            r.iterations = 2;
+            r.parallel.fsdp_param_dtype = Some(DType::BF16);
+            r.parallel.fsdp_reduce_dtype = reduce;
+            let (numel, shards, blocks, t) = fsdp_rank(&r, n);
+            let what = format!("{schedule:?} reduce {reduce:?} stage {rank}");
+            assert_eq!(max_live(&t, Category::Gradient), 4 * numel, "{what}");
+            assert_eq!(
+                max_live(&t, Category::Parameter),
+                4 * shards + 2 * n * shards,
+                "{what}"
+            );
+            // Each stored unsharded gradient is the fp32 cast of the first micro-batch's.
+            let grads = tagged_sizes(&t, "grad:");
+            assert_eq!(grads.iter().sum::<u64>(), 2 * 4 * numel, "{what}");
+            let rs = tagged_sizes(&t, "fsdp_reduce_scatter_input");
+            assert_eq!(rs.len(), 2 * (blocks + 1), "{what}");
+            assert_eq!(rs.iter().sum::<u64>(), 2 * 4 * n * shards, "{what}");
+            let out = tagged_sizes(&t, "fsdp_sharded_grads");
+            assert_eq!(out.iter().sum::<u64>(), 2 * 4 * shards, "{what}");
+            let live = live_at_phase(&t, "optimizer", 1);
+            let get = |c| live.get(&c).copied().unwrap_or(0);
+            assert_eq!(get(Category::Parameter), 4 * shards, "{what}");
+            assert_eq!(get(Category::Gradient), 4 * shards, "{what}");
+            assert_eq!(get(Category::OptimizerState), 8 * shards, "{what}");
+            assert_eq!(get(Category::Communication), 0, "{what}");
+        }
+    }
+}
+
+/// `--pp-schedule interleaved:2` with FSDP2 (torchtitan's `apply_fsdp` on each model part: each
+/// of a rank's two stages is its own `fully_shard` root), by hand from PyTorch 2.15's
+/// `_PipelineScheduleRuntime` for TinyLlama in 4 stages over pp 2 at dp 2 (bf16, 4 micro-batches,
+/// 2 steps). `_add_unshard_reshard` (`max_active_stages` 3) puts an `UNSHARD` of both of a rank's
+/// stages before its first action: `unshard(async_op=True)` of every group, so every group's
+/// all-gather output (2 bytes × its padded numel) is live at once, n × the shards' numel × 2 bytes
+/// in all, until each stage's first compute waits for its handles; each group is gathered once a
+/// step. Nothing is resharded or reduced until the stage's `REDUCE_GRAD` after its last backward
+/// (`_add_reduce_grad`), which reduce-scatters each of its groups once: blocks + one root per
+/// stage with parameters (the first stage's embedding on rank 0, the last's norm and head on
+/// rank 1; the middle stages' roots hold none). Parameters peak at the shards plus every
+/// unsharded parameter, gradients at the rank's numel × 2.
+#[test]
+fn fsdp2_interleaved_stages_are_roots_unsharded_and_reduced_by_the_runtime() {
+    let n = 2u64;
+    for rank in 0..2 {
+        let mut r = recipe(8, 64, 2, PpSchedule::Interleaved(2), 4, rank);
+        r.iterations = 2;
+        let (numel, shards, blocks, t) = fsdp_rank(&r, n);
+        let what = format!("stage rank {rank}");
+        let groups = blocks + 1;
+        assert_eq!(
+            max_live_tagged(&t, "fsdp_all_gather_output"),
+            (groups, 2 * n * shards),
+            "{what}"
+        );
+        assert_eq!(
+            tagged_sizes(&t, "fsdp_all_gather_output").len(),
+            2 * groups,
+            "{what}"
+        );
+        assert_eq!(
+            tagged_sizes(&t, "fsdp_reduce_scatter_input").len(),
+            2 * groups,
+            "{what}"
+        );
+        assert_eq!(max_live(&t, Category::Gradient), 2 * numel, "{what}");
+        assert_eq!(
+            max_live(&t, Category::Parameter),
+            2 * shards + 2 * n * shards,
+            "{what}"
+        );
+        let live = live_at_phase(&t, "optimizer", 1);
+        let get = |c| live.get(&c).copied().unwrap_or(0);
+        assert_eq!(get(Category::Parameter), 2 * shards, "{what}");
+        assert_eq!(get(Category::Gradient), 2 * shards, "{what}");
+        assert_eq!(get(Category::Communication), 0, "{what}");
+    }
+}
+
+/// FSDP2's `CPUOffloadPolicy` on a pipeline stage (TinyLlama, 2 stages, dp 2, bf16, 1F1B, 4
+/// micro-batches, 2 steps), by hand: the padded shards, their gradients and the optimizer live on
+/// the host (`_init_sharded_param`, `foreach_reduce`'s `.to("cpu")`), so the GPU's parameter
+/// bytes peak at the unsharded parameters alone (2 bytes × n × the shards' numel, all unsharded
+/// from the step's first forward to the reduce), gradients at the accumulated unsharded ones
+/// (numel × 2), and nothing of the model's states is on the GPU at the optimizer step.
+#[test]
+fn fsdp2_stage_with_cpu_offload_keeps_only_unsharded_states_on_the_gpu() {
+    let n = 2u64;
+    for rank in 0..2 {
+        let mut r = recipe(8, 64, 2, PpSchedule::OneFOneB, 4, rank);
+        r.iterations = 2;
+        r.parallel.offload = vramsim_models::Offload::Params;
+        let (numel, shards, blocks, t) = fsdp_rank(&r, n);
+        let what = format!("stage {rank}");
+        assert_eq!(max_live(&t, Category::Parameter), 2 * n * shards, "{what}");
+        assert_eq!(max_live(&t, Category::Gradient), 2 * numel, "{what}");
+        assert_eq!(
+            tagged_sizes(&t, "fsdp_reduce_scatter_input").len(),
+            2 * (blocks + 1),
+            "{what}"
+        );
+        let live = live_at_phase(&t, "optimizer", 1);
+        let get = |c| live.get(&c).copied().unwrap_or(0);
+        assert_eq!(get(Category::Parameter), 0, "{what}");
+        assert_eq!(get(Category::Gradient), 0, "{what}");
+        assert_eq!(get(Category::OptimizerState), 0, "{what}");
+        assert_eq!(get(Category::Communication), 0, "{what}");
+    }
+}
+
+/// `interleaved:4` with FSDP2: four stages per rank, more than `_add_unshard_reshard`'s
+/// `max_active_stages` (3), so the runtime's `RESHARD` evicts a stage (freeing its unsharded
+/// parameters; its unsharded gradients stay) before the `UNSHARD` of the next one it fetches:
+/// never more than three stages unsharded. By hand for TinyLlama (22 layers) in 8 stages over pp 2
+/// at dp 2 (bf16, 8 micro-batches): torchtitan's split gives stages 0 and 7 two layers (plus the
+/// embedding, resp. the norm and head), the others three; each rank's peak of parameters is its
+/// shards plus the unsharded parameters of all its stages but one three-layer stage (rank 0
+/// fetches stages 0, 2, 4 first; rank 1 holds 3, 5, 7 after evicting 1). A layer's numel:
+/// q, o 2048², k, v 256 × 2048, gate, up, down 5632 × 2048, two norms 2048, all rows even (the
+/// shard of a layer is half of it).
+#[test]
+fn fsdp2_interleaved_four_stages_keeps_three_unsharded() {
+    let n = 2u64;
+    let layer: u64 = 2 * 2048 * 2048 + 2 * 256 * 2048 + 3 * 5632 * 2048 + 2 * 2048;
+    for rank in 0..2 {
+        let r = recipe(8, 64, 2, PpSchedule::Interleaved(4), 8, rank);
+        let (numel, shards, _, t) = fsdp_rank(&r, n);
+        let evicted = 3 * layer / 2;
+        assert_eq!(
+            max_live(&t, Category::Parameter),
+            2 * shards + 2 * n * (shards - evicted),
+            "rank {rank}"
+        );
+        assert_eq!(max_live(&t, Category::Gradient), 2 * numel, "rank {rank}");
+    }
+}

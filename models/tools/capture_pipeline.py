@@ -14,6 +14,17 @@ Stages are built in static mode (``input_args``/``output_args``): no metadata in
 
     python3 models/tools/capture_pipeline.py OUT_DIR [--model gpt2|llama]
         [--schedule 1f1b|gpipe|interleaved:V] [--pp 2] [--m 4] [--checkpoint]
+        [--dp N [--fsdp-param-dtype bf16] [--fsdp-reduce-dtype fp32]] [--layers N]
+
+With ``--dp N`` (N ≥ 2) the ``pp × dp`` processes form torchtitan's ``("pp", "dp")`` device mesh and
+each stage module is wrapped as the FSDP2 lowering models it (``lower/fsdp.rs``): ``fully_shard`` on
+every block, then on the stage module (its root), all with ``reshard_after_forward=False``
+(torchtitan's default policy under PP) and the ``MixedPrecisionPolicy`` given; the stage's
+activations then travel in the param dtype. Only the first data-parallel rank of each stage writes
+its trace (``torch.chunk`` gives it the largest shards). The trace holds one step: the optimizer
+steps DTensors, whose local allocations a dispatch mode does not see. FSDP2's ``resize_`` of the
+unsharded parameters' storages (``_fsdp_param.py`` ``alloc_storage``/``free_storage``) is not an op:
+it is recorded by wrapping those two functions.
 
 writes ``OUT_DIR/rank{R}.jsonl.gz`` and ``OUT_DIR/config.json`` (the model's config, for
 ``vramsim predict --hf-config``). ``models/tests/pipeline_capture.rs`` compares them with the
@@ -146,11 +157,53 @@ class LlamaStage(torch.nn.Module):
         return hidden
 
 
+def _with_layers(cfg: dict, layers: int | None) -> dict:
+    """The config with ``layers`` blocks (``--layers``), else as it is."""
+    cfg = dict(cfg)
+    if layers is not None:
+        cfg["n_layer" if cfg["model_type"] == "gpt2" else "num_hidden_layers"] = layers
+    return cfg
+
+
+def _record_fsdp_resizes(rec) -> None:
+    """Report FSDP2's storage ``resize_`` calls to the recorder as the allocation or free they are."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    def wrap(fn):
+        def resized(tensor):
+            st = tensor.untyped_storage()
+            before = st.nbytes()
+            fn(tensor)
+            old = rec._by_storage.get(st)
+            if st.nbytes() == before:
+                return
+            if old is None:
+                rec._new_alloc(st, "parameter", "fsdp_unsharded")
+            else:
+                rec._realloc(st, old)
+        return resized
+
+    for mod in (_fsdp_param, _fsdp_param_group):
+        if hasattr(mod, "alloc_storage"):
+            mod.alloc_storage = wrap(_fsdp_param.alloc_storage)
+    _fsdp_param.free_storage = wrap(_fsdp_param.free_storage)
+
+
 def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt: bool,
-        model: str = "gpt2") -> None:
+        model: str = "gpt2", dp: int = 1, param_dtype: str | None = None,
+        reduce_dtype: str | None = None, layers: int | None = None) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world * dp)
+    pp_group, dp_mesh, dp_rank = None, None, 0
+    if dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (world, dp), mesh_dim_names=("pp", "dp"))
+        pp_group, dp_mesh = mesh.get_group("pp"), mesh["dp"]
+        dp_rank = rank % dp
+        rank = rank // dp  # the pipeline rank
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
+    act_dtype = dtypes[param_dtype] or torch.float32
     from transformers import GPT2Config, GPT2LMHeadModel
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B)
@@ -158,11 +211,11 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt:
     torch.manual_seed(0)
     if model == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
-        cfg = LlamaConfig(**LLAMA_CONFIG)
+        cfg = LlamaConfig(**_with_layers(LLAMA_CONFIG, layers))
         full = LlamaForCausalLM(cfg)
         stage_cls, n_layers, width = LlamaStage, cfg.num_hidden_layers, cfg.hidden_size
     else:
-        cfg = GPT2Config(**CONFIG)
+        cfg = GPT2Config(**_with_layers(CONFIG, layers))
         full = GPT2LMHeadModel(cfg)
         stage_cls, n_layers, width = Stage, cfg.n_layer, cfg.n_embd
     full.train()
@@ -181,10 +234,17 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt:
     for s_idx in range(rank, n_stages, world):
         first, last = s_idx == 0, s_idx == n_stages - 1
         mod = stage_cls(copy.deepcopy(full), first, last, splits[s_idx])
+        if dp > 1:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            mp = MixedPrecisionPolicy(param_dtype=dtypes[param_dtype], reduce_dtype=dtypes[reduce_dtype])
+            blocks = mod.h if hasattr(mod, "h") else mod.layers
+            for block in blocks:
+                fully_shard(block, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+            fully_shard(mod, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
         mb_in = (torch.empty(1, SEQ, dtype=torch.long, device="meta") if first
-                 else torch.empty(1, SEQ, width, device="meta"))
-        mb_out = torch.empty(1, SEQ, vocab if last else width, device="meta")
-        stages.append(PipelineStage(mod, s_idx, n_stages, torch.device("cpu"),
+                 else torch.empty(1, SEQ, width, device="meta", dtype=act_dtype))
+        mb_out = torch.empty(1, SEQ, vocab if last else width, device="meta", dtype=act_dtype)
+        stages.append(PipelineStage(mod, s_idx, n_stages, torch.device("cpu"), group=pp_group,
                                     input_args=(mb_in,), output_args=(mb_out,),
                                     output_grads=None if last else (mb_out,),
                                     input_grads=None if first else (mb_in,)))
@@ -192,6 +252,9 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt:
     del full
     first = rank == 0
     last = (n_stages - 1) % world == rank
+    if dp > 1:
+        # The dp ranks of a stage read the same batch shape (their own samples).
+        torch.manual_seed(1 + dp_rank)
     stage_mod = torch.nn.ModuleList(mods)
 
     def loss_fn(logits, labels):
@@ -208,10 +271,12 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt:
     names = {id(mod): n for n, mod in stage_mod.named_modules(remove_duplicate=False)}
     rec = vramsim_capture.Recorder(dev, names)
     for name, p in stage_mod.named_parameters():
-        rec.track(p, "parameter", name)
+        rec.track(p.to_local() if hasattr(p, "to_local") else p, "parameter", name)
+    if dp > 1:
+        _record_fsdp_resizes(rec)
     # CUDA's fused dropout (a bool mask), as the capture tool's own runs take it.
     with rec, vramsim_capture.cuda_like_dropout():
-        for it in range(2):
+        for it in range(1 if dp > 1 else 2):
             rec.mark_phase("forward")
             rec.context = "input"
             # The zoo's loop: input_ids, attention_mask (all ones) and labels, each on the ranks
@@ -235,8 +300,11 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt:
     cap = vramsim_capture.Capture(meta={"tool": "capture_pipeline.py", "rank": rank, "pp": world,
                                         "schedule": schedule, "microbatches": m, "seq": SEQ,
                                         "checkpoint": "full" if ckpt else "none", "model": model,
+                                        "dp": dp, "fsdp_param_dtype": param_dtype,
+                                        "fsdp_reduce_dtype": reduce_dtype,
                                         "torch": torch.__version__}, events=events)
-    cap.write(os.path.join(out, f"rank{rank}.jsonl.gz"))
+    if dp_rank == 0:
+        cap.write(os.path.join(out, f"rank{rank}.jsonl.gz"))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -257,13 +325,18 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=29517)
     ap.add_argument("--checkpoint", action="store_true", help="HF gradient checkpointing (non-reentrant)")
     ap.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
+    ap.add_argument("--dp", type=int, default=1, help="FSDP2 over N ranks inside each stage")
+    ap.add_argument("--fsdp-param-dtype", choices=["bf16", "fp32"])
+    ap.add_argument("--fsdp-reduce-dtype", choices=["bf16", "fp32"])
+    ap.add_argument("--layers", type=int, help="the model's number of blocks (6 by default)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    cfg = dict(LLAMA_CONFIG if a.model == "llama" else CONFIG)
+    cfg = _with_layers(LLAMA_CONFIG if a.model == "llama" else CONFIG, a.layers)
     cfg.pop("attn_implementation")
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    mp.spawn(run, args=(a.pp, a.out, a.schedule, a.m, a.port, a.checkpoint, a.model), nprocs=a.pp,
+    mp.spawn(run, args=(a.pp, a.out, a.schedule, a.m, a.port, a.checkpoint, a.model, a.dp,
+                         a.fsdp_param_dtype, a.fsdp_reduce_dtype, a.layers), nprocs=a.pp * a.dp,
              join=True)
     return 0
 

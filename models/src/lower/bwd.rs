@@ -464,6 +464,21 @@ impl<'g> Lowering<'g> {
                     continue;
                 }
             };
+            // An FSDP2 unsharded parameter's `grad_dtype` is the next node's input dtype.
+            let acc = self.nodes[n as usize].next[i].and_then(|e| {
+                match self.nodes[e.node as usize].kind {
+                    NodeKind::Accumulate(p) => Some(p),
+                    _ => None,
+                }
+            });
+            let g = match acc.and_then(|p| self.fsdp_grad_dtype(p)) {
+                Some(d) if d != g.dtype => {
+                    let o = self.alloc(g.layout.empty_like(), d, m, "aten._to_copy");
+                    self.drop_rt(g);
+                    o
+                }
+                _ => g,
+            };
             *slot = Some(g);
         }
         self.nodes[n as usize].ins = ins;
@@ -1377,7 +1392,8 @@ impl<'g> Lowering<'g> {
                     g.layout.strides[d] != 0
                 }
             });
-        let pd = self.params[p].dtype;
+        // The parameter's dtype, or the FSDP2 unsharded gradient's (`fsdp.rs`).
+        let pd = self.fsdp_grad_dtype(p).unwrap_or(self.params[p].dtype);
         let grad = if self.refs(&g) == 1 && obeys && g.dtype == pd {
             g
         } else {

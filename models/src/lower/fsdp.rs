@@ -37,13 +37,18 @@
 //!   padded shards) allocated on the reduce-scatter stream is the sharded gradient (its parameters'
 //!   `.grad` are views of it) until `zero_grad`. With accumulation the new output is added into the
 //!   existing sharded gradient and dies. The last input dies at the end of the backward.
-//! * **Mixed precision** (`_fsdp_param.py` `init_dtype_attrs`: a `param_dtype` equal to the model's
-//!   and a `reduce_dtype` equal to the `param_dtype` are dropped): the copy-in first casts the
-//!   shards into one flat temporary of the param dtype (freed once copied into the all-gather
-//!   input); the reduce-scatter input and output are in the reduce dtype (the unsharded gradients,
-//!   in the param dtype, are upcast by `chunk_cat`), and an output whose dtype is not the model's is
-//!   cast into a new tensor on the reduce-scatter stream, which becomes the sharded gradient.
-//!   Module buffers are left in the model's dtype by FSDP2 but follow the compute dtype here.
+//! * **Mixed precision** (`_fsdp_param.py` `init_dtype_attrs`: a `param_dtype` equal to the
+//!   model's is dropped): the copy-in first casts the shards into one flat temporary of the param
+//!   dtype (freed once copied into the all-gather input). The unsharded gradient dtype
+//!   (`unsharded_grad_dtype`: `reduce_dtype`, else the model's) is the unsharded parameter's
+//!   `grad_dtype` (`init_unsharded_param`), to which the engine casts the incoming gradient; one
+//!   wider than the param dtype is cleared by `pre_backward` when the group reduces this backward
+//!   or a gradient exists (`_set_unsharded_grad_dtypes(defer_upcast=True)`), so the gradients stay
+//!   in the param dtype then. The reduce-scatter input and output are in the reduce dtype, else
+//!   the model's (`_get_reduce_dtype`; `chunk_cat` casts the gradients into the input), and an
+//!   output whose dtype is not the model's is cast into a new tensor on the reduce-scatter stream,
+//!   which becomes the sharded gradient. Module buffers are left in the model's dtype by FSDP2 but
+//!   follow the compute dtype here.
 //! * **Optimizer**: the torch optimizer steps the sharded parameters (state of the shards' sizes
 //!   and the model's dtype).
 //! * **CPU offload** (`CPUOffloadPolicy(pin_memory=True)`): the padded shards live in pinned host
@@ -55,21 +60,29 @@
 //!   and freed when `foreach_all_gather` returns. The reduce-scatter output (or its cast) is copied
 //!   to the host (`foreach_reduce`: `new_sharded_grad.to("cpu")`) and freed on the GPU when
 //!   `foreach_reduce` returns. Shards resharded to a post-forward mesh stay on the GPU.
-//! * **Under a pipeline schedule** (`--pp`, one stage per rank; the rank's graph is the stage's,
-//!   so its blocks and root are the stage's `fully_shard` modules as torchtitan's
-//!   `apply_fsdp` wraps each model part): torchtitan's `reshard_after_forward_policy` "default"
-//!   is `not pp_enabled`, so the blocks keep their unsharded parameters after forward, and
-//!   `_PipelineStageBase.backward_maybe_with_nosync` (`torch/distributed/pipelining/stage.py`)
+//! * **Under a pipeline schedule** (`--pp`): the rank's graph is its stages', each stage's blocks
+//!   and root its own `fully_shard` modules (torchtitan's `apply_fsdp` on each model part; one root
+//!   per stage, so `interleaved:V` gives V roots). torchtitan's `reshard_after_forward_policy`
+//!   "default" is `not pp_enabled`, so the blocks keep their unsharded parameters after forward,
+//!   and `_PipelineStageBase.backward_maybe_with_nosync` (`torch/distributed/pipelining/stage.py`)
 //!   runs every micro-batch's backward with `set_reshard_after_backward(False)` and
-//!   `set_requires_gradient_sync(False)`: `FSDPParamGroup.post_backward` then only marks the
-//!   group pending, so parameters stay unsharded from the step's first forward (each group is
-//!   all-gathered once) and the unsharded gradients accumulate in `.grad` over the micro-batches
-//!   (in the model's dtype: `_set_unsharded_grad_dtypes` casts only to a wider `reduce_dtype`).
-//!   After the schedule's last action `perform_reduce_grad` → `start_gradient_reduction` turns
-//!   both back on and calls `FSDPModule.finalize_backward`, whose `FSDPState.finalize_backward`
-//!   runs each pending group's `post_backward` in `reversed(all_states)` order (the blocks from
-//!   the last, then the root): reshard and reduce-scatter as above; the last input dies in
-//!   `_end_backward_iteration`.
+//!   `set_requires_gradient_sync(False)`: `FSDPParamGroup.post_backward` then only marks the group
+//!   pending, so parameters stay unsharded and the unsharded gradients accumulate over the
+//!   micro-batches, in the unsharded gradient dtype (with `reduce_grads` off the `grad_dtype` of a
+//!   wider one is kept for the first micro-batch, whose gradient the engine casts; the later ones
+//!   are added in place). `ScheduleGPipe`/`Schedule1F1B`: each group is unsharded by its first
+//!   forward; after the schedule's last action `perform_reduce_grad` → `start_gradient_reduction`
+//!   turns sync back on and calls `FSDPModule.finalize_backward`, whose
+//!   `FSDPState.finalize_backward` runs each pending group's `post_backward` in
+//!   `reversed(all_states)` order (the blocks from the last, then the root): reshard and
+//!   reduce-scatter as above; the last input dies in `_end_backward_iteration`.
+//!   `_PipelineScheduleRuntime` (interleaved) drives the stages with its own actions
+//!   (`schedules.py` `_add_unshard_reshard`, `_add_reduce_grad`, `_perform_action`): `UNSHARD`
+//!   all-gathers every group of the stage at once (`unshard(async_op=True)`: current stream), the
+//!   stage's next compute waits for them in `modules()` order (root first: copy-out, then the
+//!   output freed), `RESHARD` evicts a stage (unsharded parameters freed, gradients kept; a no-op
+//!   once reduced), `REDUCE_GRAD` is the stage's `finalize_backward` and `WAIT_REDUCE_GRAD` drops
+//!   its last reduce-scatter input.
 
 use super::{Kind, Lowering, Rt};
 use crate::dtype::DType;
@@ -95,11 +108,25 @@ struct Group {
     post_forward: Vec<Rt>,
 }
 
+/// One `fully_shard` root of the rank (one per pipeline stage it runs: torchtitan's
+/// `apply_fsdp` on each model part) and its blocks.
+struct StageGroups {
+    /// Global stage index (0 without a pipeline).
+    stage: u32,
+    /// The root's group.
+    root: usize,
+    /// The blocks' groups in forward order (`root.modules()` order after the root).
+    blocks: Vec<usize>,
+}
+
 /// FSDP2 state of the lowering.
 #[derive(Default)]
 pub(crate) struct FsdpState {
-    /// Groups: the blocks in forward order, then the root (last).
+    /// Groups: the blocks in forward order, then each stage's root (one, last, without a
+    /// pipeline or with one stage per rank).
     groups: Vec<Group>,
+    /// The rank's roots (stages) with their groups.
+    stages: Vec<StageGroups>,
     /// Op index → block group.
     op_group: Vec<Option<usize>>,
     /// Module id → block group (by module path).
@@ -143,12 +170,36 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// The reduce-scatter's dtype: `reduce_dtype`, else the param dtype.
+    /// The unsharded gradients' accumulation dtype (`FSDPParam.unsharded_grad_dtype`:
+    /// `reduce_dtype`, else the model's dtype), which is also the reduce-scatter's
+    /// (`FSDPParamGroup._get_reduce_dtype`: `reduce_dtype`, else the promotion of the
+    /// parameters' `unsharded_grad_dtype`s, all the model's dtype here).
     fn fsdp_reduce_dtype(&self) -> DType {
         self.r
             .parallel
             .fsdp_reduce_dtype
-            .unwrap_or(self.param_dtype)
+            .unwrap_or(self.fsdp_orig_dtype())
+    }
+
+    /// The dtype the engine gives graph parameter `p`'s incoming gradient before its
+    /// `AccumulateGrad` (the unsharded parameter's `grad_dtype`, which the engine's
+    /// `validate_outputs` casts to; `None`: any dtype, no cast). `init_unsharded_param` sets it to
+    /// `unsharded_grad_dtype`; for a parameter whose `unsharded_grad_dtype` is wider than its
+    /// compute dtype (`_fsdp_params_with_wider_grad_dtype`) `pre_backward` →
+    /// `_set_unsharded_grad_dtypes(defer_upcast=True)` clears it when the gradient exists or
+    /// the group reduces this backward, so the gradient stays in the compute dtype (added in
+    /// place into a wider one). Under a pipeline (`reduce_grads` off) the first micro-batch's
+    /// gradient is therefore cast to the wider dtype and accumulates there over the step.
+    pub(super) fn fsdp_grad_dtype(&self, p: usize) -> Option<DType> {
+        if !self.fsdp_on() || !self.params[p].dtype.is_float() {
+            return None;
+        }
+        let target = self.fsdp_reduce_dtype();
+        if target.size() > self.params[p].dtype.size() {
+            (self.fsdp_pp() && self.param_grads[p].is_none()).then_some(target)
+        } else {
+            Some(target)
+        }
     }
 
     /// `⌈dim0/N⌉` rows × the other dimensions: the padded shard of a parameter of `shape`.
@@ -194,13 +245,36 @@ impl<'g> Lowering<'g> {
                 }
             }
         }
-        // A parameter belongs to the one block all its uses are in, else to the root.
-        let root = blocks.len();
-        let mut groups: Vec<Group> = (0..=root).map(|_| Group::default()).collect();
+        // One root per stage of the rank (`apply_fsdp` on each model part); without a pipeline
+        // the whole graph is one. A block, and a root parameter, belong to the stage of the
+        // (first) op using them.
+        let chunks = crate::pipeline::chunks(g);
+        let stage_of = |op: usize| {
+            chunks
+                .iter()
+                .position(|c| (c.start..c.end).contains(&op))
+                .unwrap_or(0)
+        };
+        let n_roots = chunks.len().max(1);
+        let root0 = blocks.len();
+        let mut stages: Vec<StageGroups> = (0..n_roots)
+            .map(|c| StageGroups {
+                stage: chunks.get(c).map_or(0, |c| c.stage),
+                root: root0 + c,
+                blocks: Vec::new(),
+            })
+            .collect();
+        for (b, r) in blocks.iter().enumerate() {
+            stages[stage_of(r.start)].blocks.push(b);
+        }
+        // A parameter belongs to the one block all its uses are in, else to its stage's root.
+        let mut groups: Vec<Group> = (0..root0 + n_roots).map(|_| Group::default()).collect();
         for (p, param) in g.params.iter().enumerate() {
             let mut owner: Option<Option<usize>> = None;
+            let mut first_use = None;
             for (i, op) in g.ops.iter().enumerate() {
                 if op.inputs.contains(&param.value) {
+                    first_use.get_or_insert(i);
                     owner = match owner {
                         None => Some(op_group[i]),
                         Some(o) if o == op_group[i] => Some(o),
@@ -208,8 +282,10 @@ impl<'g> Lowering<'g> {
                     };
                 }
             }
+            let root = root0 + first_use.map_or(0, stage_of);
             groups[owner.flatten().unwrap_or(root)].params.push(p);
         }
+        self.fsdp.stages = stages;
         self.fsdp.groups = groups;
         self.fsdp.op_group = op_group;
         self.fsdp.module_group = module_group;
@@ -241,8 +317,10 @@ impl<'g> Lowering<'g> {
     /// already gathered. Its inputs (`_get_param_all_gather_inputs`): the GPU shards themselves,
     /// or with a `param_dtype` one flat foreach-copy temporary of the param dtype; with offload one
     /// H2D copy per parameter (cast per parameter with a `param_dtype`); resharded to a
-    /// post-forward mesh, the post-forward slices (already in the param dtype).
-    fn fsdp_all_gather(&mut self, gi: usize) {
+    /// post-forward mesh, the post-forward slices (already in the param dtype). `stream`: the
+    /// all-gather streams of an implicit prefetch, or the current stream (0) of an explicit
+    /// `unshard(async_op=True)` (`FSDPCommContext.get_all_gather_streams`).
+    fn fsdp_all_gather(&mut self, gi: usize, stream: u64) {
         let grp = &self.fsdp.groups[gi];
         if grp.flat.is_some() || !grp.unsharded.is_empty() || grp.params.is_empty() {
             return;
@@ -264,7 +342,7 @@ impl<'g> Lowering<'g> {
                     ModuleId(0),
                     "aten._to_copy",
                 );
-                self.set_stream(&h2d, ALL_GATHER_STREAM);
+                self.set_stream(&h2d, stream);
                 let input = if dtype != orig {
                     let c = self.alloc(
                         Layout::contiguous(&[shard]),
@@ -272,7 +350,7 @@ impl<'g> Lowering<'g> {
                         ModuleId(0),
                         "aten._to_copy",
                     );
-                    self.set_stream(&c, ALL_GATHER_STREAM);
+                    self.set_stream(&c, stream);
                     self.drop_rt(h2d);
                     c
                 } else {
@@ -293,7 +371,7 @@ impl<'g> Lowering<'g> {
                 ModuleId(0),
                 "aten._to_copy",
             );
-            self.set_stream(&c, ALL_GATHER_STREAM);
+            self.set_stream(&c, stream);
             inputs.push(c);
         }
         self.kind_now = Kind::Comm;
@@ -305,7 +383,7 @@ impl<'g> Lowering<'g> {
         );
         self.kind_now = prev;
         self.retag(&t, format!("fsdp_all_gather_output:group{gi}"));
-        self.set_stream(&t, ALL_GATHER_STREAM);
+        self.set_stream(&t, stream);
         for c in inputs {
             self.drop_rt(c);
         }
@@ -328,7 +406,7 @@ impl<'g> Lowering<'g> {
     /// output of the previous group freed first (`release_all_gather_state_for_comm_reuse`), each
     /// parameter's unsharded storage, then the flat output freed (backward) or parked (forward).
     fn fsdp_copy_out(&mut self, gi: usize, forward: bool) {
-        self.fsdp_all_gather(gi);
+        self.fsdp_all_gather(gi, ALL_GATHER_STREAM);
         let Some(flat) = self.fsdp.groups[gi].flat.take() else {
             return;
         };
@@ -467,8 +545,10 @@ impl<'g> Lowering<'g> {
         }
         if let Some(b) = g {
             self.fsdp_copy_out(b, false);
-            if b > 0 {
-                self.fsdp_all_gather(b - 1);
+            // Under a pipeline every group of the stage is unsharded: no prefetch (and the
+            // group before may be another stage's).
+            if b > 0 && !self.fsdp_pp() {
+                self.fsdp_all_gather(b - 1, ALL_GATHER_STREAM);
             }
         }
         self.fsdp.current = g;
@@ -569,14 +649,20 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// A pipeline stage's micro-batch forward begins: the root's pre-forward unshards it (a no-op
-    /// once unsharded in the step).
-    pub(super) fn fsdp_pp_pre_forward(&mut self) {
+    /// The groups of the rank's stage `stage` (its root and blocks), if FSDP2 runs on it.
+    fn fsdp_stage(&self, stage: u32) -> Option<&StageGroups> {
+        self.fsdp.stages.iter().find(|s| s.stage == stage)
+    }
+
+    /// A pipeline stage's micro-batch forward begins: its root's pre-forward unshards it (a
+    /// no-op once unsharded in the step).
+    pub(super) fn fsdp_pp_pre_forward(&mut self, stage: u32) {
         if !self.fsdp_pp() {
             return;
         }
-        let root = self.fsdp.groups.len() - 1;
-        self.fsdp_copy_out(root, true);
+        if let Some(root) = self.fsdp_stage(stage).map(|s| s.root) {
+            self.fsdp_copy_out(root, true);
+        }
     }
 
     /// A pipeline stage's micro-batch backward ends: nothing is resharded or reduced
@@ -587,18 +673,92 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// After the schedule's actions, `perform_reduce_grad` → `finalize_backward`: each group's
-    /// `post_backward` in `reversed(all_states)` order (the blocks from the last, then the
-    /// root), then `_end_backward_iteration` drops the last reduce-scatter input.
+    /// After the schedule's actions (`ScheduleGPipe`, `Schedule1F1B`), `perform_reduce_grad`
+    /// of the rank's one stage.
     pub(super) fn fsdp_pp_reduce(&mut self) {
         if !self.fsdp_pp() {
             return;
         }
-        for gi in (0..self.fsdp.groups.len()).rev() {
+        let stages: Vec<u32> = self.fsdp.stages.iter().map(|s| s.stage).collect();
+        for stage in stages {
+            self.fsdp_reduce_stage(stage);
+            self.fsdp_wait_reduce();
+        }
+    }
+
+    /// `perform_reduce_grad` / `REDUCE_GRAD` of `stage` (`start_gradient_reduction` →
+    /// `FSDPModule.finalize_backward` on its root): each pending group's `post_backward` in
+    /// `reversed(all_states)` order (the stage's blocks from the last, then its root): reshard
+    /// and reduce-scatter.
+    pub(super) fn fsdp_reduce_stage(&mut self, stage: u32) {
+        if !self.fsdp_pp() {
+            return;
+        }
+        let Some(st) = self.fsdp_stage(stage) else {
+            return;
+        };
+        let order: Vec<usize> = st.blocks.iter().rev().copied().chain([st.root]).collect();
+        for gi in order {
             self.fsdp_post_backward_group(gi);
         }
+    }
+
+    /// `wait_for_gradient_reduction` (`WAIT_REDUCE_GRAD`): `_end_backward_iteration` drops the
+    /// last reduce-scatter input.
+    pub(super) fn fsdp_wait_reduce(&mut self) {
         if let Some(t) = self.fsdp.rs_input.take() {
             self.drop_rt(t);
+        }
+    }
+
+    /// `UNSHARD` of `stage` (`_PipelineScheduleRuntime._perform_action`): `unshard(async_op=True)`
+    /// of every `FSDPModule` in `stage.submod.modules()` (the root, then its blocks): each
+    /// group's all-gather on the current stream, its output held until the stage's next
+    /// compute action waits for it ([`Self::fsdp_assert_unsharded`]).
+    pub(super) fn fsdp_unshard_stage(&mut self, stage: u32) {
+        if !self.fsdp_pp() {
+            return;
+        }
+        let Some(st) = self.fsdp_stage(stage) else {
+            return;
+        };
+        let order: Vec<usize> = [st.root].into_iter().chain(st.blocks.clone()).collect();
+        for gi in order {
+            self.fsdp_all_gather(gi, 0);
+        }
+    }
+
+    /// `_assert_unsharded(stage)` before a compute action: each pending unshard handle waited
+    /// in order (`wait_for_unshard` outside forward: the copy-out, then the all-gather output
+    /// freed at once).
+    pub(super) fn fsdp_assert_unsharded(&mut self, stage: u32) {
+        if !self.fsdp_pp() {
+            return;
+        }
+        let Some(st) = self.fsdp_stage(stage) else {
+            return;
+        };
+        let order: Vec<usize> = [st.root].into_iter().chain(st.blocks.clone()).collect();
+        for gi in order {
+            if self.fsdp.groups[gi].flat.is_some() {
+                self.fsdp_copy_out(gi, false);
+            }
+        }
+    }
+
+    /// `RESHARD` of `stage`: `reshard()` of every `FSDPModule` of the stage (its unsharded
+    /// parameters freed; the unsharded gradients stay on the parameters); a no-op for a stage
+    /// whose `REDUCE_GRAD` already ran (`_finalized_stages`), which resharded it.
+    pub(super) fn fsdp_reshard_stage(&mut self, stage: u32) {
+        if !self.fsdp_pp() {
+            return;
+        }
+        let Some(st) = self.fsdp_stage(stage) else {
+            return;
+        };
+        let order: Vec<usize> = [st.root].into_iter().chain(st.blocks.clone()).collect();
+        for gi in order {
+            self.fsdp_reshard(gi);
         }
     }
 

@@ -21,7 +21,11 @@
 //! * **Backward** (`backward_one_chunk` → `_backward.py` `stage_backward`): the last stage from
 //!   its loss (`torch.autograd.backward(loss)`, a `ones_like` seed); the others from the gradient
 //!   received into a buffer allocated before the backward (`get_bwd_recv_ops`) and held until
-//!   `backward_one_chunk` returns. The gradient of each received input is taken from `.grad`
+//!   `backward_one_chunk` returns (GPipe: until the next receive is waited for, the last until the
+//!   backward sends are, or the step's end on the first stage: `ScheduleGPipe._step_microbatches`'
+//!   loop variable `work` holds the receive's `Work`, which keeps its tensor: `_batch_p2p` posts a
+//!   batch of receives as plain `irecv`s, and `ProcessGroupNCCL::pointToPoint` stores the tensor in
+//!   the work's `outputs_`, as gloo's `RecvWork` does). The gradient of each received input is taken from `.grad`
 //!   (`val.grad = None`) and held by its send (`bwd_cache`, then the `P2POp` list): 1F1B drops it
 //!   when the next backward's sends replace the list (after that backward), GPipe when it waits
 //!   for every backward send at the end. Then the micro-batch's graph is freed (only its nodes:
@@ -35,7 +39,9 @@
 //! `RECV_B` allocate their buffers where the communication pass put them (as soon as the sender's
 //! action is scheduled, often ahead of the forward that reads them), a forward output is held by
 //! its send until `WAIT_SEND_F` right after that micro-batch's backward on this rank, and the input
-//! gradients sent back are held until the `WAIT_SEND_B`s at the end of the step.
+//! gradients sent back are held until the `WAIT_SEND_B`s at the end of the step. With FSDP2 each
+//! of the rank's stages is its own root, and the schedule's `UNSHARD`, `RESHARD`, `REDUCE_GRAD`
+//! and `WAIT_REDUCE_GRAD` actions all-gather, reshard and reduce it (`fsdp.rs`).
 
 use super::{Edge, Kind, LowerError, Lowering, Rt};
 use crate::graph::{ModuleId, ValueId};
@@ -79,6 +85,9 @@ pub(crate) struct PpState {
     /// Values whose handles the running forward keeps (the last stage's model outputs).
     hold: Vec<ValueId>,
     held: Vec<Rt>,
+    /// `ScheduleGPipe`: the received output gradient the loop variable `work` still holds (its
+    /// receive's `Work`) after `backward_one_chunk` returns.
+    recv_work: Option<Rt>,
 }
 
 impl<'g> Lowering<'g> {
@@ -123,6 +132,9 @@ impl<'g> Lowering<'g> {
         }
         // `_step_microbatches` ends with `perform_reduce_grad` (an FSDP2 stage's one reduce).
         self.fsdp_pp_reduce();
+        if let Some(t) = self.pp.recv_work.take() {
+            self.drop_rt(t);
+        }
         // `_update_losses`; the loop's `losses` list dies after the step.
         for t in std::mem::take(&mut self.pp.losses) {
             self.drop_rt(t);
@@ -161,6 +173,7 @@ impl<'g> Lowering<'g> {
                 R::Compute(Action::Forward { stage, mb }) => {
                     self.micro = mb;
                     self.phase("forward");
+                    self.fsdp_assert_unsharded(stage);
                     let bufs = recv_f.remove(&(stage, mb)).unwrap_or_default();
                     // The send (`SEND_F`, next in the list) holds the output until its wait.
                     if let Some(out) = self.pp_forward(stage, mb, Some(bufs))? {
@@ -170,6 +183,7 @@ impl<'g> Lowering<'g> {
                 R::Compute(Action::Backward { stage, mb }) => {
                     self.micro = mb;
                     self.phase("backward");
+                    self.fsdp_assert_unsharded(stage);
                     let grad = recv_b.remove(&(stage, mb));
                     let sent = self.pp_backward(stage, mb, grad);
                     sent_b.insert((stage, mb), sent);
@@ -184,6 +198,10 @@ impl<'g> Lowering<'g> {
                         self.drop_rt(t);
                     }
                 }
+                R::Unshard { stage } => self.fsdp_unshard_stage(stage),
+                R::Reshard { stage } => self.fsdp_reshard_stage(stage),
+                R::ReduceGrad { stage } => self.fsdp_reduce_stage(stage),
+                R::WaitReduceGrad => self.fsdp_wait_reduce(),
                 R::Other => {}
             }
         }
@@ -220,6 +238,14 @@ impl<'g> Lowering<'g> {
                     self.micro = mb;
                     self.phase("backward");
                     let grad = self.pp_recv_grad(stage, mb);
+                    if gpipe {
+                        // `for work in works.values(): _wait_batch_p2p(work)` rebinds `work` to this
+                        // receive: the previous one's buffer dies, this one's outlives the backward.
+                        let kept = grad.as_ref().map(|g| self.dup(g));
+                        if let Some(old) = std::mem::replace(&mut self.pp.recv_work, kept) {
+                            self.drop_rt(old);
+                        }
+                    }
                     if !gpipe {
                         // `fwd_send_bwd_recv`: the pending forward send is waited here.
                         self.pp_release_sends(0);
@@ -235,6 +261,14 @@ impl<'g> Lowering<'g> {
             }
         }
         self.pp_release_sends(0);
+        // GPipe's `for work in bwd_sends_to_wait` rebinds `work` (a stage that sends gradients
+        // back); the first stage sends none, so its last receive lives until `_step_microbatches`
+        // returns, after `perform_reduce_grad` (`pp_step`).
+        if !self.pp.grad_sends.is_empty() {
+            if let Some(old) = self.pp.recv_work.take() {
+                self.drop_rt(old);
+            }
+        }
         self.pp_release_grad_sends(None);
         Ok(())
     }
@@ -344,7 +378,7 @@ impl<'g> Lowering<'g> {
         if last {
             self.pp.hold = c.model_outputs.clone();
         }
-        self.fsdp_pp_pre_forward();
+        self.fsdp_pp_pre_forward(stage);
         let out = self.forward_ops(c.start..c.end, c.output)?;
         self.fsdp_post_forward();
         self.pp.hold.clear();
