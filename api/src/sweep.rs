@@ -407,64 +407,70 @@ pub fn evaluate(
     for members in &mut groups {
         members.sort_by_key(|&i| (std::cmp::Reverse(args_of(i).accum), i));
     }
-    let lowerings = lower_groups(&groups, &families, &args_of);
-    let mut results: Vec<(usize, Result<Evaluated, String>)> = groups
-        .par_iter()
-        .zip(lowerings)
-        .flat_map_iter(|(members, lowered)| {
-            let first = args_of(members[0]);
-            // the other accumulation counts of the group: the same compact lowering where it serves
-            // them, else their own
-            let mut accums: Vec<u32> = members.iter().map(|&i| args_of(i).accum).collect();
-            accums.sort_unstable();
-            accums.dedup();
-            let variants: Vec<(u32, Result<Lowered, String>)> = accums
-                .into_par_iter()
-                .filter(|&a| a != first.accum)
-                .map(|a| {
-                    let member = members
-                        .iter()
-                        .map(|&i| args_of(i))
-                        .find(|p| p.accum == a)
-                        .expect("a member has it");
-                    let shared = lowered.as_ref().ok().and_then(|l| l.with_accum(a));
-                    let l = match shared {
-                        Some(l) => Ok(l),
-                        None => predict::lower_step(member).map_err(|e| format!("{e:#}")),
-                    };
-                    (a, l)
-                })
-                .collect();
-            let prepare = |l: &Result<Lowered, String>| Some(prepare(l.as_ref().ok()?));
-            let work = prepare(&lowered);
-            let variant_work: Vec<Option<StepWork>> =
-                variants.iter().map(|(_, l)| prepare(l)).collect();
-            let chosen = |i: usize| -> (&Result<Lowered, String>, &Option<StepWork>) {
-                match variants.iter().position(|(a, _)| *a == args_of(i).accum) {
-                    Some(v) => (&variants[v].1, &variant_work[v]),
-                    None => (&lowered, &work),
-                }
-            };
-            // the members on one machine replay their accumulation counts together
-            let mut by_machine: Vec<(Vec<&str>, Vec<usize>)> = Vec::new();
-            for &i in members {
-                let machine = machine_options(&configs[i]);
-                match by_machine.iter_mut().find(|(m, _)| *m == machine) {
-                    Some((_, list)) => list.push(i),
-                    None => by_machine.push((machine, vec![i])),
-                }
+    // family by family, each group replayed as soon as it is lowered, its lowering dropped once
+    // replayed: the sweep holds the lowerings of the families in flight, not of the whole grid
+    let evaluate_group = |members: &Vec<usize>, lowered: Result<Lowered, String>| {
+        let first = args_of(members[0]);
+        // the other accumulation counts of the group: the same compact lowering where it serves
+        // them, else their own
+        let mut accums: Vec<u32> = members.iter().map(|&i| args_of(i).accum).collect();
+        accums.sort_unstable();
+        accums.dedup();
+        let variants: Vec<(u32, Result<Lowered, String>)> = accums
+            .into_par_iter()
+            .filter(|&a| a != first.accum)
+            .map(|a| {
+                let member = members
+                    .iter()
+                    .map(|&i| args_of(i))
+                    .find(|p| p.accum == a)
+                    .expect("a member has it");
+                let shared = lowered.as_ref().ok().and_then(|l| l.with_accum(a));
+                let l = match shared {
+                    Some(l) => Ok(l),
+                    None => predict::lower_step(member).map_err(|e| format!("{e:#}")),
+                };
+                (a, l)
+            })
+            .collect();
+        let prepare = |l: &Result<Lowered, String>| Some(prepare(l.as_ref().ok()?));
+        let work = prepare(&lowered);
+        let variant_work: Vec<Option<StepWork>> =
+            variants.iter().map(|(_, l)| prepare(l)).collect();
+        let chosen = |i: usize| -> (&Result<Lowered, String>, &Option<StepWork>) {
+            match variants.iter().position(|(a, _)| *a == args_of(i).accum) {
+                Some(v) => (&variants[v].1, &variant_work[v]),
+                None => (&lowered, &work),
             }
-            let out: Vec<(usize, Result<Evaluated, String>)> = by_machine
-                .par_iter()
-                .flat_map_iter(|(_, on_machine)| {
-                    let out = replay_on_machine(on_machine, &chosen, &args_of, wants);
-                    for _ in on_machine {
-                        progress.inc();
-                    }
-                    out
-                })
-                .collect();
-            out
+        };
+        // the members on one machine replay their accumulation counts together
+        let mut by_machine: Vec<(Vec<&str>, Vec<usize>)> = Vec::new();
+        for &i in members {
+            let machine = machine_options(&configs[i]);
+            match by_machine.iter_mut().find(|(m, _)| *m == machine) {
+                Some((_, list)) => list.push(i),
+                None => by_machine.push((machine, vec![i])),
+            }
+        }
+        let out: Vec<(usize, Result<Evaluated, String>)> = by_machine
+            .par_iter()
+            .flat_map_iter(|(_, on_machine)| {
+                let out = replay_on_machine(on_machine, &chosen, &args_of, wants);
+                for _ in on_machine {
+                    progress.inc();
+                }
+                out
+            })
+            .collect();
+        out
+    };
+    let mut results: Vec<(usize, Result<Evaluated, String>)> = families
+        .par_iter()
+        .flat_map_iter(|family| {
+            lower_family(family, &groups, &args_of)
+                .into_par_iter()
+                .flat_map_iter(|(g, lowered)| evaluate_group(&groups[g], lowered))
+                .collect::<Vec<_>>()
         })
         .collect();
     for (i, p) in parsed.into_iter().enumerate() {
@@ -497,72 +503,60 @@ pub fn evaluate_lowered(
 /// needs this many batches of at least 2 for the template to save a lowering.
 const TEMPLATE_FROM_BATCHES: usize = 4;
 
-/// One lowering per group (`groups[g]`'s first configuration): lowered afresh, or, in a family of
+/// One lowering per group of `family` (`groups[g]`'s first configuration, for each `g` of it), by
+/// group: lowered afresh, or, in a family of
 /// [`TEMPLATE_FROM_BATCHES`] batches or more, written by the family's [`BatchTemplate`] — fitted
 /// through its two smallest batches of at least 2 (batch 1 is a structure of its own: dimensions of 1
 /// change kernels and copies) and trusted only when it reproduces a fresh lowering of its largest
 /// batch, byte for byte. A structure that changes inside the range (a kernel chosen by size) fails
 /// that check, and the family is lowered afresh. DataParallel layouts, whose devices take chunks of
 /// the batch, are always lowered afresh.
-fn lower_groups<'a>(
+fn lower_family<'a>(
+    family: &[usize],
     groups: &[Vec<usize>],
-    families: &[Vec<usize>],
     args_of: &(dyn Fn(usize) -> &'a PredictArgs + Sync),
-) -> Vec<Result<Lowered, String>> {
+) -> Vec<(usize, Result<Lowered, String>)> {
     let first = |g: usize| args_of(groups[g][0]);
     let fresh = |g: usize| predict::lower_step(first(g)).map_err(|e| format!("{e:#}"));
-    let lowered: Vec<Vec<(usize, Result<Lowered, String>)>> = families
-        .par_iter()
-        .map(|family| {
-            let mut sized: Vec<(u64, usize)> = family
-                .iter()
-                .map(|&g| (first(g).batch, g))
-                .filter(|&(batch, _)| batch >= 2)
-                .collect();
-            sized.sort_unstable();
-            if sized.len() < TEMPLATE_FROM_BATCHES {
-                return family.par_iter().map(|&g| (g, fresh(g))).collect();
-            }
-            let ends = [sized[0], sized[1], sized[sized.len() - 1]];
-            let mut out: Vec<(usize, Result<Lowered, String>)> =
-                ends.par_iter().map(|&(_, g)| (g, fresh(g))).collect();
-            let template = match (&out[0].1, &out[1].1, &out[2].1) {
-                (Ok(a), Ok(b), Ok(last))
-                    if !crate::dataparallel::is_multi(&a.recipe)
-                        && !crate::pipeline::is_rank_by_rank(&a.recipe) =>
-                {
-                    BatchTemplate::fit(&a.compact, ends[0].0, &b.compact, ends[1].0).filter(|t| {
-                        t.instantiate(ends[2].0)
-                            .is_some_and(|made| made.same_as(&last.compact))
-                    })
-                }
-                _ => None,
-            };
-            let rest: Vec<usize> = family
-                .iter()
-                .copied()
-                .filter(|g| !ends.iter().any(|(_, e)| e == g))
-                .collect();
-            out.par_extend(rest.into_par_iter().map(|g| {
-                let made = match &template {
-                    Some(t) if first(g).batch >= 2 => {
-                        predict::lower_step_instance(first(g), t).map_err(|e| format!("{e:#}"))
-                    }
-                    _ => fresh(g),
-                };
-                (g, made)
-            }));
-            out
-        })
+    let mut sized: Vec<(u64, usize)> = family
+        .iter()
+        .map(|&g| (first(g).batch, g))
+        .filter(|&(batch, _)| batch >= 2)
         .collect();
-    let mut slots: Vec<Option<Result<Lowered, String>>> = groups.iter().map(|_| None).collect();
-    for (g, l) in lowered.into_iter().flatten() {
-        slots[g] = Some(l);
+    sized.sort_unstable();
+    if sized.len() < TEMPLATE_FROM_BATCHES {
+        return family.par_iter().map(|&g| (g, fresh(g))).collect();
     }
-    slots
-        .into_iter()
-        .map(|l| l.expect("every group is lowered"))
-        .collect()
+    let ends = [sized[0], sized[1], sized[sized.len() - 1]];
+    let mut out: Vec<(usize, Result<Lowered, String>)> =
+        ends.par_iter().map(|&(_, g)| (g, fresh(g))).collect();
+    let template = match (&out[0].1, &out[1].1, &out[2].1) {
+        (Ok(a), Ok(b), Ok(last))
+            if !crate::dataparallel::is_multi(&a.recipe)
+                && !crate::pipeline::is_rank_by_rank(&a.recipe) =>
+        {
+            BatchTemplate::fit(&a.compact, ends[0].0, &b.compact, ends[1].0).filter(|t| {
+                t.instantiate(ends[2].0)
+                    .is_some_and(|made| made.same_as(&last.compact))
+            })
+        }
+        _ => None,
+    };
+    let rest: Vec<usize> = family
+        .iter()
+        .copied()
+        .filter(|g| !ends.iter().any(|(_, e)| e == g))
+        .collect();
+    out.par_extend(rest.into_par_iter().map(|g| {
+        let made = match &template {
+            Some(t) if first(g).batch >= 2 => {
+                predict::lower_step_instance(first(g), t).map_err(|e| format!("{e:#}"))
+            }
+            _ => fresh(g),
+        };
+        (g, made)
+    }));
+    out
 }
 
 /// Accumulation counts from this on share one lowering ([`vramsim_models::compact`]: three
