@@ -6,6 +6,7 @@ mod common;
 use common::{live_at, phase_index};
 
 use std::collections::HashMap;
+use vramsim_models::finetune::LoraConfig;
 use vramsim_models::zoo::tp::TpPlan;
 use vramsim_models::zoo::{self, gpt2, nn::Activation, nn::AttnImpl};
 use vramsim_models::{lower, Attention, Fidelity, Head, Loss, Precision, Recipe};
@@ -309,6 +310,30 @@ fn capture_recipe(fx: &serde_json::Value) -> Recipe {
 #[test]
 fn tensor_parallel_ranks_agree_with_pytorch_captures() {
     common::check_captures("captures/tp", 7, capture_recipe);
+}
+
+/// The recipe of a capture in models/tests/captures/tp_finetune/
+/// (`models/tools/make_tp_finetune_captures.py`): the TP recipe plus `--freeze` or `--lora`.
+fn finetune_capture_recipe(fx: &serde_json::Value) -> Recipe {
+    let mut r = capture_recipe(fx);
+    let rc = &fx["recipe"];
+    if let Some(f) = rc["freeze"].as_str() {
+        r.freeze = f.split(',').map(String::from).collect();
+    }
+    if let Some(l) = rc["lora"].as_str() {
+        r.lora = Some(l.parse::<LoraConfig>().unwrap());
+    }
+    r
+}
+
+/// Fine-tuning on one tensor-parallel rank against PyTorch: frozen shards (`requires_grad_(False)`
+/// under `--freeze` patterns) and NVIDIA Megatron-Bridge's LoRA (`ParallelLinearAdapter` on each
+/// column- and row-parallel layer, written after its code in the capture tool), recorded on the
+/// meta device under PyTorch's fake process group. Parameter and trainable counts, the peak and
+/// every phase segment's peak equal PyTorch's to the byte.
+#[test]
+fn tensor_parallel_finetuning_agrees_with_pytorch_captures() {
+    common::check_captures("captures/tp_finetune", 10, finetune_capture_recipe);
 }
 
 /// `(+size | -size)` of the allocations and frees of the `nth` `phase` segment whose allocation

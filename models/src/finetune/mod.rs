@@ -9,13 +9,14 @@
 
 pub mod freeze;
 pub mod lora;
+pub mod lora_tp;
 pub mod quant;
 
 use crate::graph::Graph;
 use crate::recipe::Recipe;
 
 pub use freeze::{freeze, module_listing};
-pub use lora::{apply_lora, linear_modules, LoraConfig, LoraTargets};
+pub use lora::{apply_lora, apply_lora_tp, linear_modules, LoraConfig, LoraTargets};
 pub use quant::{apply_quant, Quant};
 
 /// Why a fine-tuning option cannot apply to a model.
@@ -49,6 +50,14 @@ pub enum FinetuneError {
         /// The option (`--lora`, `--quant nf4`).
         what: String,
     },
+    /// A fine-tuning option that the tensor-parallel split does not take as given.
+    #[error("{model}: {msg}")]
+    Tp {
+        /// Model.
+        model: String,
+        /// Why, and what to give instead.
+        msg: String,
+    },
     /// The adapters' ops do not fit the layer's shapes.
     #[error(transparent)]
     Graph(#[from] crate::graph::GraphError),
@@ -62,7 +71,7 @@ pub fn apply(mut g: Graph, recipe: &Recipe) -> Result<Graph, FinetuneError> {
         g = apply_quant(g, q)?;
     }
     if let Some(cfg) = &recipe.lora {
-        g = apply_lora(g, cfg)?;
+        g = apply_lora_tp(g, cfg, crate::zoo::tp::TpPlan::of(recipe))?;
     }
     if !recipe.freeze.is_empty() {
         freeze(&mut g, &recipe.freeze)?;

@@ -109,7 +109,8 @@ impl TpPlan {
 }
 
 impl GraphBuilder {
-    fn tp_comm(&mut self, c: TpComm, x: T, shape: Vec<u64>) -> T {
+    /// A [`TpComm`] on `x` giving a value of `shape` (its dtype).
+    pub(crate) fn tp_comm(&mut self, c: TpComm, x: T, shape: Vec<u64>) -> T {
         let d = self.dtype(x);
         self.op1(OpKind::TpComm(c), &[x], shape, d)
     }
