@@ -221,7 +221,14 @@ fn bad_layouts_fail_with_the_reason() {
     fails(&["--tp", "5"], &["5 does not divide n_head (12)"]);
     // QLoRA under --tp: no framework quantizes a tensor-parallel shard.
     fails(
-        &["--tp", "2", "--quant", "nf4", "--lora", "r=8,targets=c_attn"],
+        &[
+            "--tp",
+            "2",
+            "--quant",
+            "nf4",
+            "--lora",
+            "r=8,targets=c_attn",
+        ],
         &["--tp 2 with --quant nf4", "Linear4bit"],
     );
     // LoRA under --tp: Megatron-Bridge's column-parallel linear_in splits r over the ranks.
@@ -230,12 +237,25 @@ fn bad_layouts_fail_with_the_reason() {
         &["r % tp == 0", "multiple of 4"],
     );
     fails(
-        &["--tp", "2", "--dp", "2", "--shard", "ddp", "--freeze", "transformer.wte"],
+        &[
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--shard",
+            "ddp",
+            "--freeze",
+            "transformer.wte",
+        ],
         &["with fine-tuning", "--tp alone"],
     );
     fails(
-        &["--tp", "2", "--head", "none"],
-        &["language-model head", "--head lm"],
+        &["--tp", "2", "--sp", "--head", "none"],
+        &["with --sp is not modelled yet", "--head lm"],
+    );
+    fails(
+        &["--tp", "2", "--loss", "plain"],
+        &["vocab_parallel_cross_entropy", "--loss hf"],
     );
     let model = |name: &str, seq: &str, extra: &[&str], fragments: &[&str]| {
         let mut all = vec!["predict", "--model", name, "--batch", "1", "--seq", seq];
@@ -257,7 +277,7 @@ fn bad_layouts_fail_with_the_reason() {
     model(
         "bert-base",
         "64",
-        &["--tp", "2", "--head", "seq-cls:2"],
+        &["--tp", "2", "--sp", "--head", "seq-cls:2"],
         &["--head masked-lm"],
     );
     model(

@@ -323,17 +323,21 @@ fn finetune_capture_recipe(fx: &serde_json::Value) -> Recipe {
     if let Some(l) = rc["lora"].as_str() {
         r.lora = Some(l.parse::<LoraConfig>().unwrap());
     }
+    if let Some(h) = rc["head"].as_str() {
+        r.head = Some(h.parse().unwrap());
+    }
     r
 }
 
 /// Fine-tuning on one tensor-parallel rank against PyTorch: frozen shards (`requires_grad_(False)`
 /// under `--freeze` patterns) and NVIDIA Megatron-Bridge's LoRA (`ParallelLinearAdapter` on each
-/// column- and row-parallel layer, written after its code in the capture tool), recorded on the
+/// column- and row-parallel layer, written after its code in the capture tool) and the replicated
+/// classification heads and base model (`--head seq-cls:N|token-cls:N|none`), recorded on the
 /// meta device under PyTorch's fake process group. Parameter and trainable counts, the peak and
 /// every phase segment's peak equal PyTorch's to the byte.
 #[test]
 fn tensor_parallel_finetuning_agrees_with_pytorch_captures() {
-    common::check_captures("captures/tp_finetune", 10, finetune_capture_recipe);
+    common::check_captures("captures/tp_finetune", 18, finetune_capture_recipe);
 }
 
 /// `(+size | -size)` of the allocations and frees of the `nth` `phase` segment whose allocation

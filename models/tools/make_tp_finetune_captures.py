@@ -61,6 +61,14 @@ CASES = [
     ("tinyllama-1.1b", 2, 128, "bf16", 2, False, "lora", "r=16,alpha=32,dropout=0,targets=all-linear"),
     ("tinyllama-1.1b", 2, 128, "fp32", 4, False, "lora", "r=8,alpha=16,dropout=0.1,targets=q_proj,v_proj"),
     ("bert-base", 2, 128, "bf16", 2, True, "lora", "r=8,alpha=16,dropout=0.1,targets=all-linear"),
+    ("gpt2", 2, 128, "bf16", 2, False, "head", "seq-cls:2"),
+    ("gpt2", 2, 128, "fp32", 2, False, "head", "token-cls:5"),
+    ("gpt2", 2, 128, "bf16", 2, False, "head", "none"),
+    ("tinyllama-1.1b", 2, 128, "bf16", 2, False, "head", "seq-cls:2"),
+    ("tinyllama-1.1b", 2, 128, "bf16", 2, False, "head", "token-cls:5"),
+    ("bert-base", 2, 128, "bf16", 2, False, "head", "seq-cls:3"),
+    ("bert-base", 2, 128, "fp32", 2, False, "head", "token-cls:9"),
+    ("bert-base", 2, 128, "fp32", 2, False, "head", "none"),
 ]
 
 torch = vc.torch
@@ -262,6 +270,66 @@ def apply_lora(m, model: str, spec: str, t: int, sp: bool, dtype):
     return m
 
 
+def head_model(model: str, head: str, B: int, S: int, t: int, sp: bool, recipe):
+    """``(model_fn, inputs_fn, loss_fn, optimizer_fn)``: HF's head class (as
+    ``make_head_captures.py`` builds it) on the rank's split base model of ``make_tp_captures.py``;
+    the head itself replicated, whole on every rank (Megatron's ``get_linear_layer``)."""
+    import transformers as tf
+    import transformers.models.bert.modeling_bert as mb
+
+    make = {"gpt2": tpc.tp_gpt2, "tinyllama-1.1b": tpc.tp_llama, "bert-base": tpc.tp_bert}[model]
+    lm_fn, _, _, optimizer_fn = make(recipe, t, sp)
+    # make_tp_captures swaps BERT's CrossEntropyLoss for the vocabulary-parallel one (its MLM
+    # head); a classifier's loss is the plain one.
+    mb.CrossEntropyLoss = torch.nn.CrossEntropyLoss
+    dtype = getattr(torch, vc.DTYPES[recipe.dtype])
+    kind, _, n = head.partition(":")
+    n = int(n) if n else 2
+    kw = dict(attn_implementation="eager", use_cache=False, num_labels=n)
+    if model == "gpt2":
+        cfg = tf.GPT2Config(pad_token_id=50256, **kw)
+    elif model == "bert-base":
+        cfg = tf.BertConfig(**kw)
+    else:
+        cfg = tf.LlamaConfig(pad_token_id=0, **vc.TINYLLAMA, **kw)
+    vocab = cfg.vocab_size
+
+    def model_fn():
+        lm = lm_fn()
+        base = {"gpt2": "transformer", "tinyllama-1.1b": "model", "bert-base": "bert"}[model]
+        split = getattr(lm, base)
+        if kind == "none":
+            m = tf.AutoModel.from_config(cfg)
+            if model == "bert-base":
+                split.pooler = m.pooler
+            return split.to(dtype)
+        if kind == "seq-cls":
+            m = tf.AutoModelForSequenceClassification.from_config(cfg)
+        else:
+            m = tf.AutoModelForTokenClassification.from_config(cfg)
+        if model == "bert-base" and kind == "seq-cls":
+            split.pooler = m.bert.pooler
+        setattr(m, base, split)
+        return m.to(dtype)
+
+    def inputs_fn():
+        inp = {"input_ids": torch.randint(0, vocab, (B, S))}
+        if model != "bert-base":
+            inp["attention_mask"] = torch.ones(B, S, dtype=torch.long)
+        if kind == "seq-cls":
+            inp["labels"] = torch.randint(0, n, (B,))
+        elif kind == "token-cls":
+            inp["labels"] = torch.randint(0, n, (B, S))
+        return inp
+
+    def loss_fn(m, inp):
+        if kind == "none":
+            return m(**inp).last_hidden_state.mean()
+        return m(**inp).loss
+
+    return model_fn, inputs_fn, loss_fn, optimizer_fn
+
+
 def main() -> int:
     if torch is None:
         print("error: make_tp_finetune_captures needs torch: pip install torch transformers",
@@ -275,7 +343,7 @@ def main() -> int:
     only = sys.argv[1:]
     for model, B, S, dtype_name, t, sp, kind, spec in CASES:
         recipe = vc.Recipe(model, B, S, dtype_name, "adamw", "none", 1, 2, attention="eager")
-        tag = spec.replace(",", "+").replace("=", "").replace(".", "_")
+        tag = spec.replace(",", "+").replace("=", "").replace(".", "_").replace(":", "")
         base = f"{model}__b{B}s{S}__{recipe.name()}__tp{t}" + ("-sp" if sp else "") + f"__{kind}-{tag}"
         if only and base not in only:
             continue
@@ -283,13 +351,18 @@ def main() -> int:
             dist.destroy_process_group()
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=t)
         make = {"gpt2": tpc.tp_gpt2, "tinyllama-1.1b": tpc.tp_llama, "bert-base": tpc.tp_bert}[model]
-        model_fn, inputs_fn, loss_fn, optimizer_fn = make(recipe, t, sp)
+        if kind == "head":
+            model_fn, inputs_fn, loss_fn, optimizer_fn = head_model(model, spec, B, S, t, sp, recipe)
+        else:
+            model_fn, inputs_fn, loss_fn, optimizer_fn = make(recipe, t, sp)
         dtype = getattr(torch, vc.DTYPES[dtype_name])
         built = {}
 
         def mfn(model_fn=model_fn, kind=kind, spec=spec, model=model, t=t, sp=sp, dtype=dtype):
             m = model_fn()
-            if kind == "freeze":
+            if kind == "head":
+                pass
+            elif kind == "freeze":
                 pats = spec.split(",")
                 for name, p in m.named_parameters():
                     if any(matches(pat, name) for pat in pats):

@@ -581,8 +581,10 @@ impl Arch {
     }
 
     /// The tensor-parallel split of the recipe's layout for this model (`--tp`, `--sp`; see
-    /// [`tp`]): the GPT-2, LLaMA and BERT families with their language-model head, whose heads, KV heads and
-    /// FFN width `--tp` divides; any other model, head or loss is refused with the reason.
+    /// [`tp`]): the GPT-2, LLaMA and BERT families, whose heads, KV heads and FFN width `--tp`
+    /// divides, with their vocabulary-parallel language-model head or a replicated head
+    /// (classifiers, the base model; not yet with `--sp`); any other model, head or loss is
+    /// refused with the reason.
     pub fn tp_plan(&self, recipe: &Recipe, head: Head) -> Result<tp::TpPlan, ZooError> {
         let plan = tp::TpPlan::of(recipe);
         if !plan.on() {
@@ -619,13 +621,27 @@ impl Arch {
             }
         };
         let decoder = lm == Head::Lm;
-        if head != lm || (decoder && recipe.loss != crate::recipe::Loss::Hf) {
+        if head == lm {
+            if decoder && recipe.loss != crate::recipe::Loss::Hf {
+                return Err(unsupported(format!(
+                    "{}: the tensor-parallel language-model head is vocabulary-parallel, its loss Megatron's vocab_parallel_cross_entropy on the rank's logits (HF's ForCausalLMLoss steps): give --loss hf",
+                    recipe.parallel.tp
+                )));
+            }
+        } else if plan.sp {
+            // A replicated head reads the whole sequence: Megatron gathers the shard first
+            // (`gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=False)`, as
+            // its Pooler does), which is not lowered yet.
             return Err(unsupported(format!(
-                "{}: tensor parallelism is modelled with the language-model head and its loss (vocab_parallel_cross_entropy): give {}",
+                "{}: --head {head} with --sp is not modelled yet (the replicated head needs the sequence shard gathered first, gather_from_sequence_parallel_region with tensor_parallel_output_grad=False as Megatron's Pooler does); give --tp without --sp, or {}",
                 recipe.parallel.tp,
-                if decoder { "--head lm and --loss hf" } else { "--head masked-lm" }
+                if decoder { "--head lm" } else { "--head masked-lm" }
             )));
         }
+        // Any other head (classifiers, the base model) is replicated on every rank on the
+        // hidden state every rank holds whole: a plain `nn.Linear` (Megatron's
+        // `get_linear_layer`, as its classification and pooler heads are), its gradient the same
+        // on each rank, so no collective (the base model's output is not split without --sp).
         plan.check(&dims, recipe.seq)
             .map_err(|(field, msg)| ZooError::Unsupported {
                 model: self.name().to_string(),
