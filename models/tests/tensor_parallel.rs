@@ -340,6 +340,51 @@ fn tensor_parallel_finetuning_agrees_with_pytorch_captures() {
     common::check_captures("captures/tp_finetune", 18, finetune_capture_recipe);
 }
 
+/// Megatron-Bridge's adapters per rank by hand (`ParallelLinearAdapter`): on a column-parallel
+/// layer `linear_in` `[r/t, in]` and `linear_out` `[out/t, r]`; on a row-parallel one `linear_in`
+/// `[r, in/t]` and `linear_out` `[out/t, r]`. Llama-2-7B (h 4096, FFN 11008, 32 layers, MHA) and
+/// TinyLlama (h 2048, FFN 5632, 4 KV heads of 64) with `all-linear`, every base parameter frozen.
+#[test]
+fn lora_adapters_per_rank_are_megatron_bridges_split() {
+    let per_layer = |h: u64, kv: u64, i: u64, r: u64, t: u64| {
+        let col = |out: u64| r / t * h + out / t * r; // q, k, v, gate, up
+        let row = |inp: u64| r * inp / t + h / t * r; // o, down
+        col(h) + 2 * col(kv) + 2 * col(i) + row(h) + row(i)
+    };
+    for (name, layers, h, kv, i, r, t) in [
+        ("llama2-7b", 32u64, 4096u64, 4096u64, 11008u64, 16u64, 8u64),
+        ("tinyllama-1.1b", 22, 2048, 256, 5632, 8, 4),
+        ("tinyllama-1.1b", 22, 2048, 256, 5632, 16, 2),
+    ] {
+        let mut rc = Recipe::new(1, 64);
+        rc.precision = Precision::Bf16;
+        rc.parallel.tp = t as u32;
+        rc.lora = Some(
+            format!("r={r},alpha=16,targets=all-linear")
+                .parse::<LoraConfig>()
+                .unwrap(),
+        );
+        let g = zoo::build(name, &rc).unwrap();
+        assert_eq!(
+            g.param_count(),
+            layers * per_layer(h, kv, i, r, t),
+            "{name} r {r} tp {t}"
+        );
+    }
+    // r = 6 does not split over 4 ranks (ColumnParallelLinear(in, r): `divide` asserts).
+    let mut rc = Recipe::new(1, 64);
+    rc.parallel.tp = 4;
+    rc.lora = Some("r=6,targets=q_proj".parse::<LoraConfig>().unwrap());
+    let e = zoo::build("tinyllama-1.1b", &rc).unwrap_err().to_string();
+    assert!(e.contains("r % tp == 0"), "{e}");
+    // A replicated layer is not adapted under --tp.
+    let mut rc = Recipe::new(1, 64);
+    rc.parallel.tp = 2;
+    rc.lora = Some("r=8,targets=transform.dense".parse::<LoraConfig>().unwrap());
+    let e = zoo::build("bert-base", &rc).unwrap_err().to_string();
+    assert!(e.contains("replicated"), "{e}");
+}
+
 /// `(+size | -size)` of the allocations and frees of the `nth` `phase` segment whose allocation
 /// was tagged inside a transformer layer (`transformer.h.`, `model.layers.`, `bert.encoder.layer.`).
 fn layer_events(t: &Trace, phase: &str, nth: u32) -> Vec<i64> {
