@@ -254,6 +254,8 @@ fn tp_bytes(graph: &Graph, recipe: &Recipe) -> f64 {
                         // backward only (forward is a view).
                         TpComm::SeqGather => 2.0,
                         TpComm::GatherLast | TpComm::SeqSplitView => 1.0,
+                        // the gather before a replicated head (backward slices)
+                        TpComm::SeqGatherReplicated => 1.0,
                     };
                     // the collective's full tensor is its largest operand (a sequence shard
                     // is 1/t of it)

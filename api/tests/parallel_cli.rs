@@ -250,10 +250,6 @@ fn bad_layouts_fail_with_the_reason() {
         &["with fine-tuning", "--tp alone"],
     );
     fails(
-        &["--tp", "2", "--sp", "--head", "none"],
-        &["with --sp is not modelled yet", "--head lm"],
-    );
-    fails(
         &["--tp", "2", "--loss", "plain"],
         &["vocab_parallel_cross_entropy", "--loss hf"],
     );
@@ -273,12 +269,6 @@ fn bad_layouts_fail_with_the_reason() {
         "64",
         &["--tp", "8"],
         &["8 does not divide num_key_value_heads (4)"],
-    );
-    model(
-        "bert-base",
-        "64",
-        &["--tp", "2", "--sp", "--head", "seq-cls:2"],
-        &["--head masked-lm"],
     );
     model(
         "resnet50",

@@ -382,6 +382,11 @@ pub enum TpComm {
     /// contiguous, so `.contiguous()` returns a view of the full tensor; backward all-gathers into
     /// a new full tensor.
     SeqSplitView,
+    /// `gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)` before a
+    /// module replicated on every rank (Megatron's `Pooler`): a new full-sequence tensor forward;
+    /// backward keeps the rank's slice of the gradient (`_split_along_first_dim`, a view of
+    /// Megatron's sequence-first tensor: nothing allocated, the full gradient kept alive by it).
+    SeqGatherReplicated,
 }
 
 impl TpComm {
@@ -396,6 +401,7 @@ impl TpComm {
             TpComm::SeqGather => "megatron.gather_from_sequence_parallel_region",
             TpComm::GatherLast => "megatron.gather_from_tensor_model_parallel_region",
             TpComm::SeqSplitView => "megatron.split_along_first_dim",
+            TpComm::SeqGatherReplicated => "megatron.gather_from_sequence_parallel_region",
         }
     }
 }

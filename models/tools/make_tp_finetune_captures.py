@@ -69,6 +69,12 @@ CASES = [
     ("bert-base", 2, 128, "bf16", 2, False, "head", "seq-cls:3"),
     ("bert-base", 2, 128, "fp32", 2, False, "head", "token-cls:9"),
     ("bert-base", 2, 128, "fp32", 2, False, "head", "none"),
+    ("gpt2", 2, 128, "bf16", 2, True, "head", "seq-cls:2"),
+    ("gpt2", 2, 128, "fp32", 2, True, "head", "token-cls:5"),
+    ("gpt2", 2, 128, "bf16", 2, True, "head", "none"),
+    ("bert-base", 2, 128, "bf16", 2, True, "head", "seq-cls:3"),
+    ("bert-base", 2, 128, "fp32", 2, True, "head", "token-cls:9"),
+    ("bert-base", 2, 128, "fp32", 2, True, "head", "none"),
 ]
 
 torch = vc.torch
@@ -294,10 +300,49 @@ def head_model(model: str, head: str, B: int, S: int, t: int, sp: bool, recipe):
         cfg = tf.LlamaConfig(pad_token_id=0, **vc.TINYLLAMA, **kw)
     vocab = cfg.vocab_size
 
+    import torch.distributed as dist
+
+    class GatherReplicated(torch.autograd.Function):
+        # gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False), as
+        # Megatron's Pooler: forward _gather_along_first_dim (a new tensor); backward
+        # _split_along_first_dim, the rank's first-dimension slice of a sequence-first tensor
+        # (a view): written batch-first as the first numel/t elements of the gradient.
+        @staticmethod
+        def forward(ctx, x):
+            shape = list(x.shape)
+            ctx.shard = list(x.shape)
+            shape[1] *= t
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x.contiguous())
+            return out
+
+        @staticmethod
+        def backward(ctx, g):
+            n = 1
+            for d in ctx.shard:
+                n *= d
+            return g.reshape(-1)[0:n].view(ctx.shard)
+
+    def gather_output(module, args, output):
+        # After the final norm (GPT-2's ln_f, LLaMA's norm): the shard dies when replaced.
+        return GatherReplicated.apply(output)
+
+    def gather_encoder(module, args, output):
+        # BERT: the encoder's last hidden state, before the pooler and the classifiers.
+        output.last_hidden_state = GatherReplicated.apply(output.last_hidden_state)
+        return output
+
     def model_fn():
         lm = lm_fn()
         base = {"gpt2": "transformer", "tinyllama-1.1b": "model", "bert-base": "bert"}[model]
         split = getattr(lm, base)
+        if sp:
+            if model == "gpt2":
+                split.ln_f.register_forward_hook(gather_output)
+            elif model == "bert-base":
+                split.encoder.register_forward_hook(gather_encoder)
+            else:
+                split.norm.register_forward_hook(gather_output)
         if kind == "none":
             m = tf.AutoModel.from_config(cfg)
             if model == "bert-base":

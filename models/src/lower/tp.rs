@@ -102,7 +102,7 @@ impl<'g> Lowering<'g> {
                 Fwd::New(vec![o], nk, vec![])
             }
             // `_gather_along_first_dim`: `output = torch.empty(dim_size)`, all-gathered into.
-            TpComm::SeqGather => {
+            TpComm::SeqGather | TpComm::SeqGatherReplicated => {
                 let o = self.alloc(Layout::contiguous(out), x.dtype, m, c.name());
                 self.collective_uses(&o);
                 self.collective_uses(x);
@@ -147,6 +147,8 @@ impl<'g> Lowering<'g> {
             // Backward of the sequence-parallel linear: the input is re-gathered into the same
             // persistent buffer (no allocation), and `sub_grad_input = torch.empty(dim_size)`
             // receives the reduce-scatter of the input's gradient.
+            // `_split_along_first_dim(grad_output)`: on sequence-first tensors a view.
+            TpComm::SeqGatherReplicated => self.view(g, Layout::contiguous(&input.layout.shape)),
             // `_split_along_last_dim(grad_output)`: the rank's slice, made contiguous (a copy).
             TpComm::GatherLast => self.alloc(
                 Layout::contiguous(&input.layout.shape),

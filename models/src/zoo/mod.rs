@@ -583,8 +583,8 @@ impl Arch {
     /// The tensor-parallel split of the recipe's layout for this model (`--tp`, `--sp`; see
     /// [`tp`]): the GPT-2, LLaMA and BERT families, whose heads, KV heads and FFN width `--tp`
     /// divides, with their vocabulary-parallel language-model head or a replicated head
-    /// (classifiers, the base model; not yet with `--sp`); any other model, head or loss is
-    /// refused with the reason.
+    /// (classifiers, the base model); any other model, or the plain causal-LM loss, is refused
+    /// with the reason.
     pub fn tp_plan(&self, recipe: &Recipe, head: Head) -> Result<tp::TpPlan, ZooError> {
         let plan = tp::TpPlan::of(recipe);
         if !plan.on() {
@@ -620,28 +620,17 @@ impl Arch {
                 )))
             }
         };
-        let decoder = lm == Head::Lm;
-        if head == lm {
-            if decoder && recipe.loss != crate::recipe::Loss::Hf {
-                return Err(unsupported(format!(
-                    "{}: the tensor-parallel language-model head is vocabulary-parallel, its loss Megatron's vocab_parallel_cross_entropy on the rank's logits (HF's ForCausalLMLoss steps): give --loss hf",
-                    recipe.parallel.tp
-                )));
-            }
-        } else if plan.sp {
-            // A replicated head reads the whole sequence: Megatron gathers the shard first
-            // (`gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=False)`, as
-            // its Pooler does), which is not lowered yet.
+        if head == lm && lm == Head::Lm && recipe.loss != crate::recipe::Loss::Hf {
             return Err(unsupported(format!(
-                "{}: --head {head} with --sp is not modelled yet (the replicated head needs the sequence shard gathered first, gather_from_sequence_parallel_region with tensor_parallel_output_grad=False as Megatron's Pooler does); give --tp without --sp, or {}",
-                recipe.parallel.tp,
-                if decoder { "--head lm" } else { "--head masked-lm" }
+                "{}: the tensor-parallel language-model head is vocabulary-parallel, its loss Megatron's vocab_parallel_cross_entropy on the rank's logits (HF's ForCausalLMLoss steps): give --loss hf",
+                recipe.parallel.tp
             )));
         }
         // Any other head (classifiers, the base model) is replicated on every rank on the
-        // hidden state every rank holds whole: a plain `nn.Linear` (Megatron's
+        // hidden state every rank holds whole (gathered first under --sp:
+        // `GraphBuilder::tp_gather_for_replicated`): a plain `nn.Linear` (Megatron's
         // `get_linear_layer`, as its classification and pooler heads are), its gradient the same
-        // on each rank, so no collective (the base model's output is not split without --sp).
+        // on each rank.
         plan.check(&dims, recipe.seq)
             .map_err(|(field, msg)| ZooError::Unsupported {
                 model: self.name().to_string(),
