@@ -340,6 +340,106 @@ fn tensor_parallel_finetuning_agrees_with_pytorch_captures() {
     common::check_captures("captures/tp_finetune", 24, finetune_capture_recipe);
 }
 
+/// `(+size | -size)` events with each run of frees between two allocations in a fixed order: frees
+/// with no allocation between them leave the caching allocator in the same state whatever their
+/// order (a freed block merges with its free neighbours either way).
+fn free_runs_sorted(mut v: Vec<i64>) -> Vec<i64> {
+    let mut start = 0;
+    for i in 0..=v.len() {
+        if i == v.len() || v[i] > 0 {
+            v[start..i].sort_unstable();
+            start = i + 1;
+        }
+    }
+    v
+}
+
+/// The same captures event by event: every allocation of each backward (sizes, in PyTorch's
+/// order) with the frees between two allocations (as a multiset: the seq-cls heads free their
+/// last saved tensors at the graph's end in another order, on one GPU too), and each optimizer
+/// step's events (as a multiset for LLaMA, whose parameter order differs as on one GPU) equal
+/// PyTorch's.
+#[test]
+fn tensor_parallel_finetuning_backward_events_agree_with_pytorch() {
+    let mut failures = Vec::new();
+    for path in common::json_files("captures/tp_finetune") {
+        let fx: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let r = finetune_capture_recipe(&fx);
+        let g = zoo::build(fx["model"].as_str().unwrap(), &r).unwrap();
+        let ours = lower(&g, &r).unwrap();
+        let theirs =
+            vramsim_traces::read_trace(path.with_file_name(fx["trace"].as_str().unwrap())).unwrap();
+        let file = path.file_name().unwrap().to_string_lossy();
+        for nth in 1..=2 {
+            let (_, a) = common::signed_sizes(&ours, "backward", Some(nth));
+            let (_, b) = common::signed_sizes(&theirs, "backward", Some(nth));
+            let (a, b) = (free_runs_sorted(a), free_runs_sorted(b));
+            if a != b {
+                let i = a.iter().zip(&b).position(|(x, y)| x != y).unwrap_or(0);
+                failures.push(format!(
+                    "{file}: backward {nth} at event {i}: ours {:?} theirs {:?}",
+                    &a[i..(i + 6).min(a.len())],
+                    &b[i..(i + 6).min(b.len())]
+                ));
+            }
+            let (_, mut a) = common::signed_sizes(&ours, "optimizer", Some(nth));
+            let (_, mut b) = common::signed_sizes(&theirs, "optimizer", Some(nth));
+            if fx["model"] == "tinyllama-1.1b" {
+                a.sort_unstable();
+                b.sort_unstable();
+            }
+            if a != b {
+                failures.push(format!("{file}: optimizer {nth}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Frozen shards hold no gradient and no optimizer state: GPT-2 at tp 2 in bf16 with the
+/// embeddings and blocks 0–5 frozen trains blocks 6–11 and `ln_f` — by hand 6 × 3,546,240 + 1,536 =
+/// 21,278,976 elements on the rank (the sharded block of `gpt2_rank_params`) — so before the second
+/// step the rank holds AdamW's two bf16 states of those elements only, and at the first optimizer
+/// step their bf16 gradients only, next to every parameter's bf16 shard.
+#[test]
+fn frozen_shards_hold_no_gradients_or_optimizer_state() {
+    let (h, t) = (768u64, 2u64);
+    let block = 2 * h
+        + h * 3 * h / t
+        + 3 * h / t
+        + (h / t) * h
+        + h
+        + 2 * h
+        + h * 4 * h / t
+        + 4 * h / t
+        + (4 * h / t) * h
+        + h;
+    let trainable = 6 * block + 2 * h;
+    assert_eq!(trainable, 21_278_976);
+    for sp in [false, true] {
+        let mut r = Recipe::new(2, 128);
+        r.precision = Precision::Bf16;
+        r.parallel.tp = t as u32;
+        r.parallel.sp = sp;
+        r.freeze = ["transformer.wte", "transformer.wpe", "transformer.h.0-5"]
+            .map(String::from)
+            .to_vec();
+        let g = zoo::build("gpt2", &r).unwrap();
+        assert_eq!(g.param_count(), trainable);
+        let tr = lower(&g, &r).unwrap();
+        let live = live_at(&tr, phase_index(&tr, "optimizer", 0));
+        let by = |c: Category| sum_where(&live, |x| x.1 == c);
+        assert_eq!(by(Category::Gradient), 2 * trainable, "sp {sp}");
+        assert_eq!(by(Category::OptimizerState), 0, "sp {sp}");
+        assert_eq!(by(Category::Parameter), 2 * gpt2_rank_params(h, 12, t));
+        let live = live_at(&tr, phase_index(&tr, "forward", 1));
+        let by = |c: Category| sum_where(&live, |x| x.1 == c);
+        assert_eq!(by(Category::OptimizerState), 2 * 2 * trainable, "sp {sp}");
+        assert_eq!(by(Category::Gradient), 0, "sp {sp}");
+    }
+}
+
 /// Megatron-Bridge's adapters per rank by hand (`ParallelLinearAdapter`): on a column-parallel
 /// layer `linear_in` `[r/t, in]` and `linear_out` `[out/t, r]`; on a row-parallel one `linear_in`
 /// `[r, in/t]` and `linear_out` `[out/t, r]`. Llama-2-7B (h 4096, FFN 11008, 32 layers, MHA) and
