@@ -9,7 +9,9 @@ use std::collections::HashMap;
 use vramsim_models::finetune::LoraConfig;
 use vramsim_models::zoo::tp::TpPlan;
 use vramsim_models::zoo::{self, gpt2, nn::Activation, nn::AttnImpl};
-use vramsim_models::{lower, Attention, Fidelity, Head, Loss, Precision, Recipe};
+use vramsim_models::{
+    lower, Attention, CheckpointImpl, Checkpointing, Fidelity, Head, Loss, Precision, Recipe,
+};
 use vramsim_traces::{AllocId, Category, Event, Trace};
 
 fn sum_where(
@@ -326,6 +328,11 @@ fn finetune_capture_recipe(fx: &serde_json::Value) -> Recipe {
     if let Some(h) = rc["head"].as_str() {
         r.head = Some(h.parse().unwrap());
     }
+    if rc["checkpoint"].as_str() == Some("full") {
+        // HF's own per-layer wrapper, use_reentrant=False.
+        r.checkpointing = Checkpointing::Full;
+        r.checkpoint_impl = CheckpointImpl::NonReentrant;
+    }
     r
 }
 
@@ -337,7 +344,7 @@ fn finetune_capture_recipe(fx: &serde_json::Value) -> Recipe {
 /// every phase segment's peak equal PyTorch's to the byte.
 #[test]
 fn tensor_parallel_finetuning_agrees_with_pytorch_captures() {
-    common::check_captures("captures/tp_finetune", 24, finetune_capture_recipe);
+    common::check_captures("captures/tp_finetune", 27, finetune_capture_recipe);
 }
 
 /// `(+size | -size)` events with each run of frees between two allocations in a fixed order: frees
@@ -371,11 +378,15 @@ fn tensor_parallel_finetuning_backward_events_agree_with_pytorch() {
         let theirs =
             vramsim_traces::read_trace(path.with_file_name(fx["trace"].as_str().unwrap())).unwrap();
         let file = path.file_name().unwrap().to_string_lossy();
+        // Checkpointed steps agree at every phase segment's peak (above), not event by event:
+        // the recomputation's temporaries die in another order, as in the one-GPU checkpointed
+        // fine-tuning captures (tests/captures/finetune/, also compared at the peaks only).
+        let checkpointed = fx["recipe"]["checkpoint"].as_str() == Some("full");
         for nth in 1..=2 {
             let (_, a) = common::signed_sizes(&ours, "backward", Some(nth));
             let (_, b) = common::signed_sizes(&theirs, "backward", Some(nth));
             let (a, b) = (free_runs_sorted(a), free_runs_sorted(b));
-            if a != b {
+            if !checkpointed && a != b {
                 let i = a.iter().zip(&b).position(|(x, y)| x != y).unwrap_or(0);
                 failures.push(format!(
                     "{file}: backward {nth} at event {i}: ours {:?} theirs {:?}",

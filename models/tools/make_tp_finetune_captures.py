@@ -25,8 +25,9 @@ splits them, rank 0 of PyTorch's fake process group), then:
   ``x * (alpha / dim)``. Adapter weights in the model's dtype (``self.bfloat16()`` under a bf16
   config), every base parameter frozen (``PEFT.freeze_model``), the adapters' linears without
   sequence parallelism. LLaMA's and BERT's column-parallel linears take their input through their
-  parent's forward pre-hook; a second pre-hook keeps the parent's input before the collective for
-  the adapters (and drops it when the parent returns, so it outlives nothing).
+  parent's forward pre-hook; a second pre-hook keeps a weak reference to the parent's input before
+  the collective for the adapters (so it keeps nothing alive, also when a checkpoint's
+  recomputation stops early).
 
 Run from the repository root (torch, transformers; no GPU, no network)::
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "traces", "python"))
@@ -49,7 +51,7 @@ from make_finetune_captures import matches, parse_lora  # noqa: E402
 
 OUT_DIR = os.path.join(ROOT, "models", "tests", "captures", "tp_finetune")
 
-# (model, batch, seq, dtype, tp, sp, kind, spec)
+# (model, batch, seq, dtype, tp, sp, kind, spec[, checkpoint])
 CASES = [
     ("gpt2", 2, 128, "bf16", 2, False, "freeze", "transformer.wte,transformer.wpe,transformer.h.0-5"),
     ("gpt2", 2, 128, "bf16", 2, True, "freeze", "transformer.wte,transformer.wpe,transformer.h.0-5"),
@@ -75,6 +77,12 @@ CASES = [
     ("bert-base", 2, 128, "bf16", 2, True, "head", "seq-cls:3"),
     ("bert-base", 2, 128, "fp32", 2, True, "head", "token-cls:9"),
     ("bert-base", 2, 128, "fp32", 2, True, "head", "none"),
+    # HF's activation checkpointing (non-reentrant) of every block, whose
+    # `activation_checkpointing_enable` also marks the (vocabulary-parallel) input embedding's output
+    # as requiring grad (`enable_input_require_grads`).
+    ("gpt2", 2, 128, "bf16", 2, False, "freeze", "transformer.wte,transformer.wpe,transformer.h.0-5", "full"),
+    ("gpt2", 2, 128, "bf16", 2, True, "lora", "r=8,alpha=16,dropout=0.05,targets=all-linear", "full"),
+    ("tinyllama-1.1b", 2, 128, "bf16", 2, False, "lora", "r=8,alpha=16,dropout=0,targets=q_proj,v_proj", "full"),
 ]
 
 torch = vc.torch
@@ -211,7 +219,7 @@ def _adapters(t: int, sp: bool, dtype):
 
         def forward(self, x, *args, **kwargs):
             linear_output = self.to_wrap(x, *args, **kwargs)
-            layernorm_output = x if self._owner[0] is None else self._owner[0]._tp_pre
+            layernorm_output = x if self._owner[0] is None else self._owner[0]._tp_pre()
             adapter_output = self.adapter(layernorm_output.contiguous())
             adapter_output = adapter_output.reshape(linear_output.shape)
             return linear_output + adapter_output
@@ -220,7 +228,11 @@ def _adapters(t: int, sp: bool, dtype):
 
 
 def _stash_pre(module, args, kwargs):
-    module._tp_pre = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    # A weak reference: the caller holds the input for the whole forward (and a checkpoint's
+    # recomputation, which may stop early, before `_stash_clear` runs), so the stash keeps nothing
+    # alive.
+    x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    module._tp_pre = weakref.ref(x)
     return None
 
 
@@ -386,8 +398,10 @@ def main() -> int:
     os.makedirs(OUT_DIR, exist_ok=True)
     rows = []
     only = sys.argv[1:]
-    for model, B, S, dtype_name, t, sp, kind, spec in CASES:
-        recipe = vc.Recipe(model, B, S, dtype_name, "adamw", "none", 1, 2, attention="eager")
+    for case in CASES:
+        model, B, S, dtype_name, t, sp, kind, spec = case[:8]
+        ckpt = case[8] if len(case) > 8 else "none"
+        recipe = vc.Recipe(model, B, S, dtype_name, "adamw", ckpt, 1, 2, attention="eager")
         tag = spec.replace(",", "+").replace("=", "").replace(".", "_").replace(":", "")
         base = f"{model}__b{B}s{S}__{recipe.name()}__tp{t}" + ("-sp" if sp else "") + f"__{kind}-{tag}"
         if only and base not in only:
@@ -403,7 +417,8 @@ def main() -> int:
         dtype = getattr(torch, vc.DTYPES[dtype_name])
         built = {}
 
-        def mfn(model_fn=model_fn, kind=kind, spec=spec, model=model, t=t, sp=sp, dtype=dtype):
+        def mfn(model_fn=model_fn, kind=kind, spec=spec, model=model, t=t, sp=sp, dtype=dtype,
+                ckpt=ckpt):
             m = model_fn()
             if kind == "head":
                 pass
@@ -414,11 +429,13 @@ def main() -> int:
                         p.requires_grad_(False)
             else:
                 m = apply_lora(m, model, spec, t, sp, dtype)
+            if ckpt == "full":
+                m.activation_checkpointing_enable({"use_reentrant": False})
             built["m"] = m
             return m
 
         meta = {"model": model, "recipe": recipe.name(), "batch": B, "seq": S, "dtype": dtype_name,
-                "optimizer": "adamw", "foreach": True, "checkpoint": "none",
+                "optimizer": "adamw", "foreach": True, "checkpoint": ckpt,
                 "attn_implementation": "eager", "tp": t, "sp": sp, kind: spec}
         cap = vc.capture(mfn, inputs_fn, loss_fn, optimizer_fn, 2, meta=meta)
         m = built["m"]
