@@ -482,6 +482,36 @@ fn lora_adapters_per_rank_are_megatron_bridges_split() {
             "{name} r {r} tp {t}"
         );
     }
+    // Their gradients and AdamW states, in the model's dtype (bf16: `self.bfloat16()`), are the
+    // rank's only ones; the adapters' linears run without sequence parallelism, so under --sp the
+    // one communication buffer is still the base layers' persistent all-gather buffer of s·b·h
+    // bf16 elements (Megatron's GlobalMemoryBuffer "mpu").
+    let (layers, h, kv, i, r, t) = (22u64, 2048u64, 256u64, 5632u64, 16u64, 2u64);
+    let trainable = layers * per_layer(h, kv, i, r, t);
+    for sp in [false, true] {
+        let (b, s) = (2u64, 64u64);
+        let mut rc = Recipe::new(b, s);
+        rc.precision = Precision::Bf16;
+        rc.parallel.tp = t as u32;
+        rc.parallel.sp = sp;
+        rc.lora = Some(
+            format!("r={r},alpha=32,targets=all-linear")
+                .parse::<LoraConfig>()
+                .unwrap(),
+        );
+        let g = zoo::build("tinyllama-1.1b", &rc).unwrap();
+        let tr = lower(&g, &rc).unwrap();
+        let live = live_at(&tr, phase_index(&tr, "optimizer", 0));
+        let by = |c: Category| sum_where(&live, |x| x.1 == c);
+        assert_eq!(by(Category::Gradient), 2 * trainable, "sp {sp}");
+        assert_eq!(by(Category::OptimizerState), 0, "sp {sp}");
+        let live = live_at(&tr, phase_index(&tr, "forward", 1));
+        let by = |c: Category| sum_where(&live, |x| x.1 == c);
+        assert_eq!(by(Category::OptimizerState), 2 * 2 * trainable, "sp {sp}");
+        let live = live_at(&tr, phase_index(&tr, "backward", 0));
+        let comm = sum_where(&live, |x| x.1 == Category::Communication);
+        assert_eq!(comm, if sp { 2 * s * b * h } else { 0 }, "sp {sp}");
+    }
     // r = 6 does not split over 4 ranks (ColumnParallelLinear(in, r): `divide` asserts).
     let mut rc = Recipe::new(1, 64);
     rc.parallel.tp = 4;
