@@ -611,28 +611,39 @@ fn tensor_parallel_ranks_allocate_as_pytorch_does_event_by_event() {
 
 /// Lowering once per structure holds for a tensor-parallel rank: a template fitted through the
 /// lowerings at batch 2 and 3 writes the step a fresh lowering writes at larger batches, byte for
-/// byte, for each family with and without sequence parallelism.
+/// byte, for each family with and without sequence parallelism, with LoRA adapters and with a
+/// replicated head.
 #[test]
 fn tensor_parallel_batch_templates_equal_fresh_lowerings() {
     use vramsim_models::compact::lower_compact;
     use vramsim_models::template::BatchTemplate;
-    for name in ["gpt2", "tinyllama-1.1b", "bert-base"] {
+    // (model, LoRA spec, head): the plain split, Megatron-Bridge's adapters, a replicated head.
+    let cases: [(&str, Option<&str>, Option<&str>); 5] = [
+        ("gpt2", None, None),
+        ("tinyllama-1.1b", None, None),
+        ("bert-base", None, None),
+        ("gpt2", Some("r=8,dropout=0.1,targets=all-linear"), None),
+        ("bert-base", None, Some("seq-cls:3")),
+    ];
+    for (name, lora, head) in cases {
         for sp in [false, true] {
             let lowered = |batch: u64| {
                 let mut r = Recipe::new(batch, 64);
                 r.precision = Precision::Bf16;
                 r.parallel.tp = 2;
                 r.parallel.sp = sp;
+                r.lora = lora.map(|l| l.parse::<LoraConfig>().unwrap());
+                r.head = head.map(|h| h.parse().unwrap());
                 let g = zoo::build(name, &r).unwrap();
                 lower_compact(&g, &r).unwrap()
             };
             let t = BatchTemplate::fit(&lowered(2), 2, &lowered(3), 3)
-                .unwrap_or_else(|| panic!("{name} sp {sp}: no template"));
+                .unwrap_or_else(|| panic!("{name} {lora:?} {head:?} sp {sp}: no template"));
             for batch in [4, 7] {
                 let inst = t.instantiate(batch).unwrap();
                 assert!(
                     inst.same_as(&lowered(batch)),
-                    "{name} sp {sp} batch {batch}"
+                    "{name} {lora:?} {head:?} sp {sp} batch {batch}"
                 );
             }
         }
