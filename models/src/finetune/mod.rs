@@ -11,6 +11,7 @@ pub mod freeze;
 pub mod lora;
 pub mod lora_tp;
 pub mod quant;
+pub mod tp_frozen;
 
 use crate::graph::Graph;
 use crate::recipe::Recipe;
@@ -65,7 +66,9 @@ pub enum FinetuneError {
 
 /// Applies the recipe's fine-tuning options to `g`: quantized linear layers (as
 /// `from_pretrained(quantization_config=...)` loads them), LoRA adapters (which freeze every base
-/// parameter, as `get_peft_model` does), then the `--freeze` patterns.
+/// parameter, as `get_peft_model` does), then the `--freeze` patterns; under `--tp --sp`, the
+/// gathers of frozen column-parallel layers become Megatron's frozen-weight path
+/// ([`tp_frozen`]).
 pub fn apply(mut g: Graph, recipe: &Recipe) -> Result<Graph, FinetuneError> {
     if let Some(q) = recipe.quant {
         g = apply_quant(g, q)?;
@@ -75,6 +78,10 @@ pub fn apply(mut g: Graph, recipe: &Recipe) -> Result<Graph, FinetuneError> {
     }
     if !recipe.freeze.is_empty() {
         freeze(&mut g, &recipe.freeze)?;
+    }
+    let plan = crate::zoo::tp::TpPlan::of(recipe);
+    if plan.sp && (recipe.lora.is_some() || !recipe.freeze.is_empty()) {
+        tp_frozen::frozen_gathers(&mut g);
     }
     Ok(g)
 }
