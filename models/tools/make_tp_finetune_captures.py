@@ -5,7 +5,8 @@ The rank's model is ``make_tp_captures.py``'s (HF's GPT-2, TinyLlama and BERT sp
 splits them, rank 0 of PyTorch's fake process group), then:
 
 * **freeze**: ``requires_grad_(False)`` on the parameters under vramsim's ``--freeze`` patterns
-  (``make_finetune_captures.matches``);
+  (``make_finetune_captures.matches``); a frozen column-parallel layer takes Megatron's
+  ``linear_with_frozen_weight`` path (``make_tp_captures.column_input(x, frozen=True)``);
 * **lora**: NVIDIA Megatron-Bridge's LoRA (``megatron/bridge/peft/lora.py``, ``lora_layers.py``
   ``LoRALinear``, ``peft/utils.py`` ``ParallelLinearAdapter``) written here operation by
   operation after its code: each target layer wrapped so that ``linear_output = to_wrap(x)``,
@@ -28,6 +29,13 @@ splits them, rank 0 of PyTorch's fake process group), then:
   parent's forward pre-hook; a second pre-hook keeps a weak reference to the parent's input before
   the collective for the adapters (so it keeps nothing alive, also when a checkpoint's
   recomputation stops early).
+* **head**: HF's ``*ForSequenceClassification`` / ``*ForTokenClassification`` / base model (as
+  ``make_head_captures.py`` builds them) on the rank's split base model, the head replicated whole
+  on every rank; with sequence parallelism the final hidden state gathered first
+  (``gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)``, as Megatron's
+  ``Pooler``; backward a view of the gradient's first ``numel / t`` elements, the bytes of Megatron's
+  sequence-first slice).
+* a ninth field ``"full"``: HF's ``activation_checkpointing_enable`` (non-reentrant) on top.
 
 Run from the repository root (torch, transformers; no GPU, no network)::
 
