@@ -30,7 +30,7 @@
 //!
 //! PEFT's own `LoraParallelLinear` (`peft/tuners/lora/tp_layer.py`, lora_A replicated on a
 //! column-parallel base, lora_B replicated on a row-parallel one) is not what is modelled: since
-//! PEFT 0.13 (`338aeff`, "Faster DoRA") its forward is `lora_B(lora_A(dropout(x)))`, which hands
+//! PEFT 0.14 (`338aeff`, "Faster DoRA") its forward is `lora_B(lora_A(dropout(x)))`, which hands
 //! Megatron's `(output, bias)` tuple to the next layer, so it does not run on Megatron-core's
 //! parallel layers.
 //!
