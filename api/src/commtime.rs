@@ -251,6 +251,13 @@ fn tp_bytes(graph: &Graph, recipe: &Recipe) -> f64 {
                         TpComm::GatherToBuffer => 3.0,
                         TpComm::ReduceScatter => 2.0,
                         TpComm::Scatter => 1.0,
+                        // LoRA's adapters under --tp: all-gather forward and reduce-scatter
+                        // backward; all-gather forward only (backward slices); all-gather
+                        // backward only (forward is a view).
+                        TpComm::SeqGather => 2.0,
+                        TpComm::GatherLast | TpComm::SeqSplitView => 1.0,
+                        // the gather before a replicated head (backward slices)
+                        TpComm::SeqGatherReplicated => 1.0,
                     };
                     // the collective's full tensor is its largest operand (a sequence shard
                     // is 1/t of it)

@@ -219,13 +219,39 @@ fn bad_layouts_fail_with_the_reason() {
     fails(&["--sp"], &["--tp 2 or more"]);
     // Tensor parallelism: what --tp must divide, and the models it splits (issue 12).
     fails(&["--tp", "5"], &["5 does not divide n_head (12)"]);
+    // QLoRA under --tp: no framework quantizes a tensor-parallel shard.
     fails(
-        &["--tp", "2", "--lora", "r=8,targets=c_attn"],
-        &["--tp 2 with fine-tuning", "not modelled yet"],
+        &[
+            "--tp",
+            "2",
+            "--quant",
+            "nf4",
+            "--lora",
+            "r=8,targets=c_attn",
+        ],
+        &["--tp 2 with --quant nf4", "Linear4bit"],
+    );
+    // LoRA under --tp: Megatron-Bridge's column-parallel linear_in splits r over the ranks.
+    fails(
+        &["--tp", "4", "--lora", "r=6,targets=c_attn"],
+        &["r % tp == 0", "multiple of 4"],
     );
     fails(
-        &["--tp", "2", "--head", "none"],
-        &["language-model head", "--head lm"],
+        &[
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--shard",
+            "ddp",
+            "--freeze",
+            "transformer.wte",
+        ],
+        &["with fine-tuning", "--tp alone"],
+    );
+    fails(
+        &["--tp", "2", "--loss", "plain"],
+        &["vocab_parallel_cross_entropy", "--loss hf"],
     );
     let model = |name: &str, seq: &str, extra: &[&str], fragments: &[&str]| {
         let mut all = vec!["predict", "--model", name, "--batch", "1", "--seq", seq];
@@ -243,12 +269,6 @@ fn bad_layouts_fail_with_the_reason() {
         "64",
         &["--tp", "8"],
         &["8 does not divide num_key_value_heads (4)"],
-    );
-    model(
-        "bert-base",
-        "64",
-        &["--tp", "2", "--head", "seq-cls:2"],
-        &["--head masked-lm"],
     );
     model(
         "resnet50",

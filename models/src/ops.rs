@@ -368,6 +368,25 @@ pub enum TpComm {
     /// `LanguageModelEmbedding` (`clone_scatter_output_in_embedding`): a new shard; backward
     /// all-gathers into a new full tensor.
     Scatter,
+    /// `gather_from_sequence_parallel_region` (`_GatherFromSequenceParallelRegion`,
+    /// `_gather_along_first_dim`): a new `torch.empty` full-sequence tensor forward; backward
+    /// reduce-scatters the gradient into a new shard (`tensor_parallel_output_grad=True`).
+    SeqGather,
+    /// `gather_from_tensor_model_parallel_region` (`_GatherFromModelParallelRegion`,
+    /// `_gather_along_last_dim`): `torch.empty` of t × the input, all-gathered into, then
+    /// `torch.cat(output.chunk(t), dim=-1)` (the output); backward keeps the rank's slice of the
+    /// gradient's last dimension (`_split_along_last_dim`: `input_list[rank].contiguous()`, a copy).
+    GatherLast,
+    /// `scatter_to_sequence_parallel_region` without a clone (`_split_along_first_dim`): on
+    /// Megatron's sequence-first `[s, b, h]` the rank's slice of the first dimension is already
+    /// contiguous, so `.contiguous()` returns a view of the full tensor; backward all-gathers into
+    /// a new full tensor.
+    SeqSplitView,
+    /// `gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)` before a
+    /// module replicated on every rank (Megatron's `Pooler`): a new full-sequence tensor forward;
+    /// backward keeps the rank's slice of the gradient (`_split_along_first_dim`, a view of
+    /// Megatron's sequence-first tensor: nothing allocated, the full gradient kept alive by it).
+    SeqGatherReplicated,
 }
 
 impl TpComm {
@@ -379,6 +398,10 @@ impl TpComm {
             TpComm::GatherToBuffer => "megatron.all_gather_into_tensor",
             TpComm::ReduceScatter => "megatron.reduce_scatter_tensor",
             TpComm::Scatter => "megatron.scatter_to_sequence_parallel_region",
+            TpComm::SeqGather => "megatron.gather_from_sequence_parallel_region",
+            TpComm::GatherLast => "megatron.gather_from_tensor_model_parallel_region",
+            TpComm::SeqSplitView => "megatron.split_along_first_dim",
+            TpComm::SeqGatherReplicated => "megatron.gather_from_sequence_parallel_region",
         }
     }
 }

@@ -481,21 +481,32 @@ impl Parallel {
         }
         // Frozen parameters change what each mechanism holds (DDP buckets only parameters that
         // require grad, `reducer.cpp`; ZeRO and FSDP2 shard trainable and frozen ones apart), and
-        // the layouts above are lowered for a model whose every parameter trains.
+        // the data-parallel and pipeline layouts are lowered for a model whose every parameter
+        // trains. Tensor parallelism alone is lowered with them: a rank's shards are frozen as
+        // the whole model's parameters are (`finetune::freeze`), LoRA's adapters are
+        // Megatron-Bridge's ParallelLinearAdapter (`finetune::lora_tp`).
         let finetune = !r.freeze.is_empty() || r.lora.is_some() || r.quant.is_some();
-        if self.tp > 1 && finetune {
-            return Err(RecipeError::Invalid {
-                field: "tp",
-                msg: format!(
-                    "--tp {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet: the split is modelled for every parameter training; predict the fine-tuning step with --tp 1",
-                    self.tp
-                ),
-            });
+        if self.tp > 1 {
+            if let Some(q) = r.quant {
+                return Err(RecipeError::Invalid {
+                    field: "tp",
+                    msg: format!(
+                        "--tp {} with --quant {q} is not something a framework runs: bitsandbytes quantizes whole nn.Linear layers (Linear4bit/Linear8bitLt from from_pretrained), Megatron-core's ColumnParallelLinear/RowParallelLinear shards are never quantized by it, and neither Megatron-Bridge's LoRA nor PEFT's LoraParallelLinear wraps a quantized parallel layer; give --tp 1 for QLoRA, or LoRA without --quant under --tp",
+                        self.tp
+                    ),
+                });
+            }
         }
-        if !self.is_single() && (!r.freeze.is_empty() || r.lora.is_some() || r.quant.is_some()) {
+        let tp_only = Parallel {
+            tp: 1,
+            sp: false,
+            ..*self
+        }
+        .is_single();
+        if finetune && !tp_only {
             return Err(bad(format!(
-                "--shard {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet: predict the fine-tuning step on one GPU (--shard none)",
-                self.shard
+                "--shard {} (--dp {}, --pp {}, --offload {}) with fine-tuning (--freeze, --lora, --quant) is not modelled yet: predict the fine-tuning step on one GPU or with --tp alone (--dp 1 --shard none --pp 1)",
+                self.shard, self.dp, self.pp, self.offload
             )));
         }
         if self.gradient_as_bucket_view && !self.shard.uses_ddp() {

@@ -6,9 +6,12 @@ mod common;
 use common::{live_at, phase_index};
 
 use std::collections::HashMap;
+use vramsim_models::finetune::LoraConfig;
 use vramsim_models::zoo::tp::TpPlan;
 use vramsim_models::zoo::{self, gpt2, nn::Activation, nn::AttnImpl};
-use vramsim_models::{lower, Attention, Fidelity, Head, Loss, Precision, Recipe};
+use vramsim_models::{
+    lower, Attention, CheckpointImpl, Checkpointing, Fidelity, Head, Loss, Precision, Recipe,
+};
 use vramsim_traces::{AllocId, Category, Event, Trace};
 
 fn sum_where(
@@ -311,6 +314,222 @@ fn tensor_parallel_ranks_agree_with_pytorch_captures() {
     common::check_captures("captures/tp", 7, capture_recipe);
 }
 
+/// The recipe of a capture in models/tests/captures/tp_finetune/
+/// (`models/tools/make_tp_finetune_captures.py`): the TP recipe plus `--freeze` or `--lora`.
+fn finetune_capture_recipe(fx: &serde_json::Value) -> Recipe {
+    let mut r = capture_recipe(fx);
+    let rc = &fx["recipe"];
+    if let Some(f) = rc["freeze"].as_str() {
+        r.freeze = f.split(',').map(String::from).collect();
+    }
+    if let Some(l) = rc["lora"].as_str() {
+        r.lora = Some(l.parse::<LoraConfig>().unwrap());
+    }
+    if let Some(h) = rc["head"].as_str() {
+        r.head = Some(h.parse().unwrap());
+    }
+    if rc["checkpoint"].as_str() == Some("full") {
+        // HF's own per-layer wrapper, use_reentrant=False.
+        r.checkpointing = Checkpointing::Full;
+        r.checkpoint_impl = CheckpointImpl::NonReentrant;
+    }
+    r
+}
+
+/// Fine-tuning on one tensor-parallel rank against PyTorch: frozen shards (`requires_grad_(False)`
+/// under `--freeze` patterns) and NVIDIA Megatron-Bridge's LoRA (`ParallelLinearAdapter` on each
+/// column- and row-parallel layer, written after its code in the capture tool) and the replicated
+/// classification heads and base model (`--head seq-cls:N|token-cls:N|none`), recorded on the
+/// meta device under PyTorch's fake process group. Parameter and trainable counts, the peak and
+/// every phase segment's peak equal PyTorch's to the byte.
+#[test]
+fn tensor_parallel_finetuning_agrees_with_pytorch_captures() {
+    common::check_captures("captures/tp_finetune", 27, finetune_capture_recipe);
+}
+
+/// `(+size | -size)` events with each run of frees between two allocations in a fixed order: frees
+/// with no allocation between them leave the caching allocator in the same state whatever their
+/// order (a freed block merges with its free neighbours either way).
+fn free_runs_sorted(mut v: Vec<i64>) -> Vec<i64> {
+    let mut start = 0;
+    for i in 0..=v.len() {
+        if i == v.len() || v[i] > 0 {
+            v[start..i].sort_unstable();
+            start = i + 1;
+        }
+    }
+    v
+}
+
+/// The same captures event by event: every allocation of each backward (sizes, in PyTorch's
+/// order) with the frees between two allocations (as a multiset: the seq-cls heads free their
+/// last saved tensors at the graph's end in another order, on one GPU too), and each optimizer
+/// step's events (as a multiset for LLaMA, whose parameter order differs as on one GPU) equal
+/// PyTorch's.
+#[test]
+fn tensor_parallel_finetuning_backward_events_agree_with_pytorch() {
+    let mut failures = Vec::new();
+    for path in common::json_files("captures/tp_finetune") {
+        let fx: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let r = finetune_capture_recipe(&fx);
+        let g = zoo::build(fx["model"].as_str().unwrap(), &r).unwrap();
+        let ours = lower(&g, &r).unwrap();
+        let theirs =
+            vramsim_traces::read_trace(path.with_file_name(fx["trace"].as_str().unwrap())).unwrap();
+        let file = path.file_name().unwrap().to_string_lossy();
+        // Checkpointed steps agree at every phase segment's peak (above), not event by event:
+        // the recomputation's temporaries die in another order, as in the one-GPU checkpointed
+        // fine-tuning captures (tests/captures/finetune/, also compared at the peaks only).
+        let checkpointed = fx["recipe"]["checkpoint"].as_str() == Some("full");
+        for nth in 1..=2 {
+            let (_, a) = common::signed_sizes(&ours, "backward", Some(nth));
+            let (_, b) = common::signed_sizes(&theirs, "backward", Some(nth));
+            let (a, b) = (free_runs_sorted(a), free_runs_sorted(b));
+            if !checkpointed && a != b {
+                let i = a.iter().zip(&b).position(|(x, y)| x != y).unwrap_or(0);
+                failures.push(format!(
+                    "{file}: backward {nth} at event {i}: ours {:?} theirs {:?}",
+                    &a[i..(i + 6).min(a.len())],
+                    &b[i..(i + 6).min(b.len())]
+                ));
+            }
+            let (_, mut a) = common::signed_sizes(&ours, "optimizer", Some(nth));
+            let (_, mut b) = common::signed_sizes(&theirs, "optimizer", Some(nth));
+            if fx["model"] == "tinyllama-1.1b" {
+                a.sort_unstable();
+                b.sort_unstable();
+            }
+            if a != b {
+                failures.push(format!("{file}: optimizer {nth}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Frozen shards hold no gradient and no optimizer state: GPT-2 at tp 2 in bf16 with the
+/// embeddings and blocks 0–5 frozen trains blocks 6–11 and `ln_f` — by hand 6 × 3,546,240 + 1,536 =
+/// 21,278,976 elements on the rank (the sharded block of `gpt2_rank_params`) — so before the second
+/// step the rank holds AdamW's two bf16 states of those elements only, and at the first optimizer
+/// step their bf16 gradients only, next to every parameter's bf16 shard.
+#[test]
+fn frozen_shards_hold_no_gradients_or_optimizer_state() {
+    let (h, t) = (768u64, 2u64);
+    let block = 2 * h
+        + h * 3 * h / t
+        + 3 * h / t
+        + (h / t) * h
+        + h
+        + 2 * h
+        + h * 4 * h / t
+        + 4 * h / t
+        + (4 * h / t) * h
+        + h;
+    let trainable = 6 * block + 2 * h;
+    assert_eq!(trainable, 21_278_976);
+    for sp in [false, true] {
+        let mut r = Recipe::new(2, 128);
+        r.precision = Precision::Bf16;
+        r.parallel.tp = t as u32;
+        r.parallel.sp = sp;
+        r.freeze = ["transformer.wte", "transformer.wpe", "transformer.h.0-5"]
+            .map(String::from)
+            .to_vec();
+        let g = zoo::build("gpt2", &r).unwrap();
+        assert_eq!(g.param_count(), trainable);
+        let tr = lower(&g, &r).unwrap();
+        let live = live_at(&tr, phase_index(&tr, "optimizer", 0));
+        let by = |c: Category| sum_where(&live, |x| x.1 == c);
+        assert_eq!(by(Category::Gradient), 2 * trainable, "sp {sp}");
+        assert_eq!(by(Category::OptimizerState), 0, "sp {sp}");
+        assert_eq!(by(Category::Parameter), 2 * gpt2_rank_params(h, 12, t));
+        // The trainable blocks 6–11 keep the persistent all-gather buffer (s·b·h bf16) under
+        // --sp; the frozen ones and the tied, frozen lm_head gather into new tensors.
+        let comm = by(Category::Communication);
+        assert_eq!(comm, if sp { 2 * 128 * 2 * h } else { 0 }, "sp {sp}");
+        let live = live_at(&tr, phase_index(&tr, "forward", 1));
+        let by = |c: Category| sum_where(&live, |x| x.1 == c);
+        assert_eq!(by(Category::OptimizerState), 2 * 2 * trainable, "sp {sp}");
+        assert_eq!(by(Category::Gradient), 0, "sp {sp}");
+    }
+}
+
+/// Megatron-Bridge's adapters per rank by hand (`ParallelLinearAdapter`): on a column-parallel
+/// layer `linear_in` `[r/t, in]` and `linear_out` `[out/t, r]`; on a row-parallel one `linear_in`
+/// `[r, in/t]` and `linear_out` `[out/t, r]`. Llama-2-7B (h 4096, FFN 11008, 32 layers, MHA) and
+/// TinyLlama (h 2048, FFN 5632, 4 KV heads of 64) with `all-linear`, every base parameter frozen.
+#[test]
+fn lora_adapters_per_rank_are_megatron_bridges_split() {
+    let per_layer = |h: u64, kv: u64, i: u64, r: u64, t: u64| {
+        let col = |out: u64| r / t * h + out / t * r; // q, k, v, gate, up
+        let row = |inp: u64| r * inp / t + h / t * r; // o, down
+        col(h) + 2 * col(kv) + 2 * col(i) + row(h) + row(i)
+    };
+    for (name, layers, h, kv, i, r, t) in [
+        ("llama2-7b", 32u64, 4096u64, 4096u64, 11008u64, 16u64, 8u64),
+        ("tinyllama-1.1b", 22, 2048, 256, 5632, 8, 4),
+        ("tinyllama-1.1b", 22, 2048, 256, 5632, 16, 2),
+    ] {
+        let mut rc = Recipe::new(1, 64);
+        rc.precision = Precision::Bf16;
+        rc.parallel.tp = t as u32;
+        rc.lora = Some(
+            format!("r={r},alpha=16,targets=all-linear")
+                .parse::<LoraConfig>()
+                .unwrap(),
+        );
+        let g = zoo::build(name, &rc).unwrap();
+        assert_eq!(
+            g.param_count(),
+            layers * per_layer(h, kv, i, r, t),
+            "{name} r {r} tp {t}"
+        );
+    }
+    // Their gradients and AdamW states, in the model's dtype (bf16: `self.bfloat16()`), are the
+    // rank's only ones. No persistent communication buffer even under --sp: the adapters' linears
+    // run without sequence parallelism, and every base layer is frozen, so Megatron's
+    // `linear_with_frozen_weight` gathers into new tensors, never into the "mpu" buffer.
+    let (layers, h, kv, i, r, t) = (22u64, 2048u64, 256u64, 5632u64, 16u64, 2u64);
+    let trainable = layers * per_layer(h, kv, i, r, t);
+    for sp in [false, true] {
+        let (b, s) = (2u64, 64u64);
+        let mut rc = Recipe::new(b, s);
+        rc.precision = Precision::Bf16;
+        rc.parallel.tp = t as u32;
+        rc.parallel.sp = sp;
+        rc.lora = Some(
+            format!("r={r},alpha=32,targets=all-linear")
+                .parse::<LoraConfig>()
+                .unwrap(),
+        );
+        let g = zoo::build("tinyllama-1.1b", &rc).unwrap();
+        let tr = lower(&g, &rc).unwrap();
+        let live = live_at(&tr, phase_index(&tr, "optimizer", 0));
+        let by = |c: Category| sum_where(&live, |x| x.1 == c);
+        assert_eq!(by(Category::Gradient), 2 * trainable, "sp {sp}");
+        assert_eq!(by(Category::OptimizerState), 0, "sp {sp}");
+        let live = live_at(&tr, phase_index(&tr, "forward", 1));
+        let by = |c: Category| sum_where(&live, |x| x.1 == c);
+        assert_eq!(by(Category::OptimizerState), 2 * 2 * trainable, "sp {sp}");
+        let live = live_at(&tr, phase_index(&tr, "backward", 0));
+        let comm = sum_where(&live, |x| x.1 == Category::Communication);
+        assert_eq!(comm, 0, "sp {sp}");
+    }
+    // r = 6 does not split over 4 ranks (ColumnParallelLinear(in, r): `divide` asserts).
+    let mut rc = Recipe::new(1, 64);
+    rc.parallel.tp = 4;
+    rc.lora = Some("r=6,targets=q_proj".parse::<LoraConfig>().unwrap());
+    let e = zoo::build("tinyllama-1.1b", &rc).unwrap_err().to_string();
+    assert!(e.contains("r % tp == 0"), "{e}");
+    // A replicated layer is not adapted under --tp.
+    let mut rc = Recipe::new(1, 64);
+    rc.parallel.tp = 2;
+    rc.lora = Some("r=8,targets=transform.dense".parse::<LoraConfig>().unwrap());
+    let e = zoo::build("bert-base", &rc).unwrap_err().to_string();
+    assert!(e.contains("replicated"), "{e}");
+}
+
 /// `(+size | -size)` of the allocations and frees of the `nth` `phase` segment whose allocation
 /// was tagged inside a transformer layer (`transformer.h.`, `model.layers.`, `bert.encoder.layer.`).
 fn layer_events(t: &Trace, phase: &str, nth: u32) -> Vec<i64> {
@@ -396,28 +615,39 @@ fn tensor_parallel_ranks_allocate_as_pytorch_does_event_by_event() {
 
 /// Lowering once per structure holds for a tensor-parallel rank: a template fitted through the
 /// lowerings at batch 2 and 3 writes the step a fresh lowering writes at larger batches, byte for
-/// byte, for each family with and without sequence parallelism.
+/// byte, for each family with and without sequence parallelism, with LoRA adapters and with a
+/// replicated head.
 #[test]
 fn tensor_parallel_batch_templates_equal_fresh_lowerings() {
     use vramsim_models::compact::lower_compact;
     use vramsim_models::template::BatchTemplate;
-    for name in ["gpt2", "tinyllama-1.1b", "bert-base"] {
+    // (model, LoRA spec, head): the plain split, Megatron-Bridge's adapters, a replicated head.
+    let cases: [(&str, Option<&str>, Option<&str>); 5] = [
+        ("gpt2", None, None),
+        ("tinyllama-1.1b", None, None),
+        ("bert-base", None, None),
+        ("gpt2", Some("r=8,dropout=0.1,targets=all-linear"), None),
+        ("bert-base", None, Some("seq-cls:3")),
+    ];
+    for (name, lora, head) in cases {
         for sp in [false, true] {
             let lowered = |batch: u64| {
                 let mut r = Recipe::new(batch, 64);
                 r.precision = Precision::Bf16;
                 r.parallel.tp = 2;
                 r.parallel.sp = sp;
+                r.lora = lora.map(|l| l.parse::<LoraConfig>().unwrap());
+                r.head = head.map(|h| h.parse().unwrap());
                 let g = zoo::build(name, &r).unwrap();
                 lower_compact(&g, &r).unwrap()
             };
             let t = BatchTemplate::fit(&lowered(2), 2, &lowered(3), 3)
-                .unwrap_or_else(|| panic!("{name} sp {sp}: no template"));
+                .unwrap_or_else(|| panic!("{name} {lora:?} {head:?} sp {sp}: no template"));
             for batch in [4, 7] {
                 let inst = t.instantiate(batch).unwrap();
                 assert!(
                     inst.same_as(&lowered(batch)),
-                    "{name} sp {sp} batch {batch}"
+                    "{name} {lora:?} {head:?} sp {sp} batch {batch}"
                 );
             }
         }

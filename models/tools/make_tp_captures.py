@@ -13,7 +13,9 @@ their modules split as Megatron-LM splits a transformer (``megatron/core/tensor_
   BERT's ``query/key/value`` and ``intermediate.dense``) behind
   ``copy_to_tensor_model_parallel_region`` (identity; all-reduce of the input gradient) or, with
   sequence parallelism, the all-gather into Megatron's persistent ``GlobalMemoryBuffer`` that
-  saves the local shard and reduce-scatters the input gradient into a new shard;
+  saves the local shard and reduce-scatters the input gradient into a new shard (a frozen weight
+  takes ``linear_with_frozen_weight``: ``gather_from_sequence_parallel_region`` into a new tensor,
+  the shard not saved);
 * row-parallel ``c_proj`` (``nx/t`` rows; LLaMA's ``o_proj``, ``down_proj``; BERT's
   ``attention.output.dense``, ``output.dense``): the product, the in-place all-reduce (or the reduce-scatter
   into a new sequence shard), then the whole bias added;
@@ -151,15 +153,41 @@ def _functions(t: int, sp: bool):
             dist.all_gather_into_tensor(full, g.contiguous())
             return full
 
-    def column_input(x):
+    class SeqGather(torch.autograd.Function):
+        # gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True): a new
+        # tensor; backward reduce-scatters into a new shard.
+        @staticmethod
+        def forward(ctx, x):
+            out = torch.empty(seq_scaled(x.shape, t, 1), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x.contiguous())
+            return out
+
+        @staticmethod
+        def backward(ctx, g):
+            out = torch.empty(seq_scaled(g.shape, 1, t), dtype=g.dtype, device=g.device)
+            dist.reduce_scatter_tensor(out, g.contiguous())
+            return out
+
+    def column_input(x, frozen=False):
+        # A frozen weight takes Megatron's `linear_with_frozen_weight` (ColumnParallelLinear.forward:
+        # `if not weight.requires_grad`), which under sequence parallelism gathers with
+        # `gather_from_sequence_parallel_region` (a new tensor) and saves only the weight.
+        if sp and frozen:
+            return SeqGather.apply(x)
         return GatherToBuffer.apply(x) if sp else CopyToTp.apply(x)
+
+    def frozen(*linears):
+        # The base weights (a LoRA wrapper's `to_wrap`) of the column-parallel linears reading one
+        # input are all frozen.
+        ws = [getattr(m, "to_wrap", m).weight for m in linears]
+        return bool(ws) and not any(w.requires_grad for w in ws)
 
     def row_output(x):
         return ReduceScatter.apply(x) if sp else ReduceFromTp.apply(x)
 
     class ColumnConv1D(Conv1D):
         def forward(self, x):
-            return super().forward(column_input(x))
+            return super().forward(column_input(x, frozen(self)))
 
     class RowConv1D(nn.Module):
         def __init__(self, nf, nx):
@@ -202,17 +230,21 @@ def _functions(t: int, sp: bool):
                 return row_output(output_parallel)
             return row_output(output_parallel) + self.bias
 
+    column_names = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "query", "key", "value",
+                    "dense")
+
     def column_input_hook(module, args, kwargs):
         # The one input of a module's column-parallel linears (LLaMA's attention and MLP).
+        fz = frozen(*[c for n, c in module.named_children() if n in column_names])
         if "hidden_states" in kwargs:
-            kwargs["hidden_states"] = column_input(kwargs["hidden_states"])
+            kwargs["hidden_states"] = column_input(kwargs["hidden_states"], fz)
         else:
-            args = (column_input(args[0]),) + tuple(args[1:])
+            args = (column_input(args[0], fz),) + tuple(args[1:])
         return args, kwargs
 
     class ColumnLmHead(nn.Linear):
         def forward(self, x):
-            return F.linear(column_input(x), self.weight, self.bias)
+            return F.linear(column_input(x, frozen(self)), self.weight, self.bias)
 
     class ScatterDropout(nn.Dropout):
         def forward(self, x):

@@ -13,10 +13,12 @@
 //! new result.
 
 use super::freeze::condense;
+use super::lora_tp::TpSide;
 use super::FinetuneError;
 use crate::dtype::DType;
 use crate::graph::{DTypeSpec, Graph, GraphBuilder, OpId, Source, ValueId};
 use crate::ops::OpKind;
+use crate::zoo::tp::TpPlan;
 use std::collections::HashMap;
 
 /// Which linear layers get adapters.
@@ -331,7 +333,21 @@ pub fn targets(g: &Graph, cfg: &LoraConfig) -> Result<Vec<LinearLayer>, Finetune
 
 /// Wraps the target layers of `g` in LoRA adapters and freezes every other parameter.
 pub fn apply_lora(g: Graph, cfg: &LoraConfig) -> Result<Graph, FinetuneError> {
-    let layers = targets(&g, cfg)?;
+    apply_lora_tp(g, cfg, TpPlan::NONE)
+}
+
+/// [`apply_lora`] on one rank of a tensor-parallel split (`plan`): PEFT's adapters when the
+/// model is whole, Megatron-Bridge's `ParallelLinearAdapter` on the tensor-parallel layers when
+/// it is split ([`super::lora_tp`]).
+pub fn apply_lora_tp(g: Graph, cfg: &LoraConfig, plan: TpPlan) -> Result<Graph, FinetuneError> {
+    let layers: Vec<(LinearLayer, Option<TpSide>)> = if plan.on() {
+        super::lora_tp::targets(&g, cfg, plan)?
+            .into_iter()
+            .map(|(l, s)| (l, Some(s)))
+            .collect()
+    } else {
+        targets(&g, cfg)?.into_iter().map(|l| (l, None)).collect()
+    };
     let n_ops = g.ops.len();
     let n_params = g.params.len();
     let mut b = GraphBuilder::resume(g);
@@ -353,7 +369,7 @@ pub fn apply_lora(g: Graph, cfg: &LoraConfig) -> Result<Graph, FinetuneError> {
         after_param: usize,
     }
     let mut inserts = Vec::new();
-    for l in &layers {
+    for (l, side) in &layers {
         let g = b.graph();
         let Some((x, y)) = l.input_output(g) else {
             continue;
@@ -368,6 +384,18 @@ pub fn apply_lora(g: Graph, cfg: &LoraConfig) -> Result<Graph, FinetuneError> {
             _ => None,
         });
         let (op0, p0) = (g.ops.len(), g.params.len());
+        if let Some(side) = *side {
+            let y_new = super::lora_tp::adapter(&mut b, l, side, (x, y), cfg, plan);
+            inserts.push(Insert {
+                after_op: l.ops.1,
+                y,
+                y_new,
+                ops: (op0, b.graph().ops.len()),
+                params: (p0, b.graph().params.len()),
+                after_param,
+            });
+            continue;
+        }
         // PEFT's module names: `<layer>.lora_A.default`, ...
         b.set_path(&format!("{}.lora_A.default", l.path));
         let a = b.param_typed("weight", &[cfg.r, l.in_features], adapter);
@@ -445,8 +473,10 @@ pub(crate) fn replace_uses(
             }
         }
     }
-    for (v, _) in g.holds.iter_mut().chain(g.kept_outputs.iter_mut()) {
-        if *v == y {
+    // A hold released inside the layer (a local of its forward, such as RowParallelLinear's
+    // `output_`) stays on `y`.
+    for (v, op) in g.holds.iter_mut().chain(g.kept_outputs.iter_mut()) {
+        if *v == y && op.0 as usize > after_op {
             *v = y_new;
         }
     }

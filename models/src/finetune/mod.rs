@@ -9,13 +9,15 @@
 
 pub mod freeze;
 pub mod lora;
+pub mod lora_tp;
 pub mod quant;
+pub mod tp_frozen;
 
 use crate::graph::Graph;
 use crate::recipe::Recipe;
 
 pub use freeze::{freeze, module_listing};
-pub use lora::{apply_lora, linear_modules, LoraConfig, LoraTargets};
+pub use lora::{apply_lora, apply_lora_tp, linear_modules, LoraConfig, LoraTargets};
 pub use quant::{apply_quant, Quant};
 
 /// Why a fine-tuning option cannot apply to a model.
@@ -49,6 +51,14 @@ pub enum FinetuneError {
         /// The option (`--lora`, `--quant nf4`).
         what: String,
     },
+    /// A fine-tuning option that the tensor-parallel split does not take as given.
+    #[error("{model}: {msg}")]
+    Tp {
+        /// Model.
+        model: String,
+        /// Why, and what to give instead.
+        msg: String,
+    },
     /// The adapters' ops do not fit the layer's shapes.
     #[error(transparent)]
     Graph(#[from] crate::graph::GraphError),
@@ -56,16 +66,22 @@ pub enum FinetuneError {
 
 /// Applies the recipe's fine-tuning options to `g`: quantized linear layers (as
 /// `from_pretrained(quantization_config=...)` loads them), LoRA adapters (which freeze every base
-/// parameter, as `get_peft_model` does), then the `--freeze` patterns.
+/// parameter, as `get_peft_model` does), then the `--freeze` patterns; under `--tp --sp`, the
+/// gathers of frozen column-parallel layers become Megatron's frozen-weight path
+/// ([`tp_frozen`]).
 pub fn apply(mut g: Graph, recipe: &Recipe) -> Result<Graph, FinetuneError> {
     if let Some(q) = recipe.quant {
         g = apply_quant(g, q)?;
     }
     if let Some(cfg) = &recipe.lora {
-        g = apply_lora(g, cfg)?;
+        g = apply_lora_tp(g, cfg, crate::zoo::tp::TpPlan::of(recipe))?;
     }
     if !recipe.freeze.is_empty() {
         freeze(&mut g, &recipe.freeze)?;
+    }
+    let plan = crate::zoo::tp::TpPlan::of(recipe);
+    if plan.sp && (recipe.lora.is_some() || !recipe.freeze.is_empty()) {
+        tp_frozen::frozen_gathers(&mut g);
     }
     Ok(g)
 }

@@ -341,10 +341,36 @@ fn input_grad_hook(g: &Graph, r: &Recipe) -> Option<ValueId> {
         return None;
     }
     let ids = g.inputs.iter().find(|i| i.name == "input_ids")?.value;
-    g.ops
+    if r.parallel.tp < 2 {
+        return g
+            .ops
+            .iter()
+            .find(|op| op.kind == OpKind::Embedding && op.inputs.contains(&ids))
+            .and_then(|op| op.outputs.first().copied());
+    }
+    // Under --tp the input embedding is `VocabParallelEmbedding` (the module of the first op
+    // reading the ids: its range mask), which looks up the masked ids and returns the lookup
+    // after `masked_fill_` and the all-reduce (or, LLaMA with --sp, the copy reduce-scattered):
+    // the hook marks that output.
+    let m = g.ops.iter().find(|op| op.inputs.contains(&ids))?.module;
+    let k = g
+        .ops
         .iter()
-        .find(|op| op.kind == OpKind::Embedding && op.inputs.contains(&ids))
-        .and_then(|op| op.outputs.first().copied())
+        .position(|op| op.kind == OpKind::Embedding && op.module == m)?;
+    let mut out = *g.ops[k].outputs.first()?;
+    {
+        for op in &g.ops[k + 1..] {
+            let follows = matches!(
+                op.kind,
+                OpKind::MaskedFillInplace | OpKind::TpComm(_) | OpKind::Clone { .. }
+            );
+            if op.module != g.ops[k].module || !follows || op.inputs.first() != Some(&out) {
+                break;
+            }
+            out = *op.outputs.first()?;
+        }
+    }
+    Some(out)
 }
 
 /// The tag of an allocation made by `name` in module `path`: `path:name`, or `name` at the root

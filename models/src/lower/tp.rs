@@ -101,6 +101,36 @@ impl<'g> Lowering<'g> {
                 let o = self.alloc(Layout::contiguous(out), x.dtype, m, "aten.clone");
                 Fwd::New(vec![o], nk, vec![])
             }
+            // `_gather_along_first_dim`: `output = torch.empty(dim_size)`, all-gathered into.
+            TpComm::SeqGather | TpComm::SeqGatherReplicated => {
+                let o = self.alloc(Layout::contiguous(out), x.dtype, m, c.name());
+                self.collective_uses(&o);
+                self.collective_uses(x);
+                Fwd::New(vec![o], nk, vec![])
+            }
+            // `_gather_along_last_dim`: `output = torch.empty(dim_size)` (t × the input along the
+            // first dimension), all-gathered into, then `torch.cat(output.chunk(t, dim=0),
+            // dim=-1)`; the gathered buffer dies when the function returns.
+            TpComm::GatherLast => {
+                let t = Layout::contiguous(out).numel() / x.layout.numel().max(1);
+                let n = x.layout.numel() * t;
+                let buf = self.alloc(
+                    Layout::contiguous(&[n]),
+                    x.dtype,
+                    m,
+                    "megatron.all_gather_into_tensor",
+                );
+                self.collective_uses(&buf);
+                self.collective_uses(x);
+                let o = self.alloc(Layout::contiguous(out), x.dtype, m, "aten.cat");
+                self.drop_rt(buf);
+                Fwd::New(vec![o], nk, vec![])
+            }
+            // `input_[offset:offset + n].contiguous()` on a sequence-first tensor: a view.
+            TpComm::SeqSplitView => {
+                let v = self.view(x, Layout::contiguous(out));
+                Fwd::New(vec![v], nk, vec![])
+            }
         }
     }
 
@@ -117,9 +147,25 @@ impl<'g> Lowering<'g> {
             // Backward of the sequence-parallel linear: the input is re-gathered into the same
             // persistent buffer (no allocation), and `sub_grad_input = torch.empty(dim_size)`
             // receives the reduce-scatter of the input's gradient.
-            TpComm::GatherToBuffer | TpComm::ReduceScatter | TpComm::Scatter => {
+            // `_split_along_first_dim(grad_output)`: on sequence-first tensors a view.
+            TpComm::SeqGatherReplicated => self.view(g, Layout::contiguous(&input.layout.shape)),
+            // `_split_along_last_dim(grad_output)`: the rank's slice, made contiguous (a copy).
+            TpComm::GatherLast => self.alloc(
+                Layout::contiguous(&input.layout.shape),
+                g.dtype,
+                m,
+                "aten.clone",
+            ),
+            // The other three: `_reduce_scatter_along_first_dim` of the gradient (SeqGather, and
+            // GatherToBuffer's `sub_grad_input`) or `_gather_along_first_dim` (ReduceScatter,
+            // Scatter, SeqSplitView), each into a new `torch.empty` tensor.
+            TpComm::GatherToBuffer
+            | TpComm::ReduceScatter
+            | TpComm::Scatter
+            | TpComm::SeqGather
+            | TpComm::SeqSplitView => {
                 let (name, shape) = match c {
-                    TpComm::GatherToBuffer => {
+                    TpComm::GatherToBuffer | TpComm::SeqGather => {
                         ("megatron.reduce_scatter_tensor", &input.layout.shape)
                     }
                     // `_gather_along_first_dim(grad_output)`: `torch.empty(dim_size * world_size)`.

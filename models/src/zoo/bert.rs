@@ -266,6 +266,13 @@ pub fn bert_with_head_mask(
             });
         }
         b.pop_module("encoder");
+        // A replicated head (pooler, classifiers) reads the whole sequence; the MLM head is
+        // vocabulary-parallel and gathers in its own linear.
+        let x = if head == Head::MaskedLm {
+            x
+        } else {
+            b.tp_gather_for_replicated(tp, x)
+        };
         // `sequence_output` is a local of BertModel.forward; BertPooler: `hidden[:, 0]`, dense,
         // tanh.
         b.hold(x);

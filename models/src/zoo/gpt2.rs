@@ -249,7 +249,14 @@ pub fn gpt2_with_head(
                 x
             });
         }
-        (b.layer_norm("ln_f", x), wte, cache)
+        let y = b.layer_norm("ln_f", x);
+        // A replicated head reads the whole sequence (the LM head gathers in its own linear).
+        let y = if head == Head::Lm {
+            y
+        } else {
+            b.tp_gather_for_replicated(tp, y)
+        };
+        (y, wte, cache)
     });
     let tied = cfg.tie_embeddings.then_some(wte);
     if let (true, Head::Lm, Some(labels)) = (tp.on(), head, labels) {

@@ -328,6 +328,12 @@ pub fn llama_with_head(
         // the norm returns.
         let out = b.rms_norm("norm", x);
         b.hold_through(x);
+        // A replicated head reads the whole sequence (the LM head gathers in its own linear).
+        let out = if head == Head::Lm {
+            out
+        } else {
+            b.tp_gather_for_replicated(tp, out)
+        };
         (out, w, cache)
     });
     let tied = cfg.tie_embeddings.then_some(embed_w);

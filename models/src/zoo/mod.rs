@@ -587,8 +587,10 @@ impl Arch {
     }
 
     /// The tensor-parallel split of the recipe's layout for this model (`--tp`, `--sp`; see
-    /// [`tp`]): the GPT-2, LLaMA and BERT families with their language-model head, whose heads, KV heads and
-    /// FFN width `--tp` divides; any other model, head or loss is refused with the reason.
+    /// [`tp`]): the GPT-2, LLaMA and BERT families, whose heads, KV heads and FFN width `--tp`
+    /// divides, with their vocabulary-parallel language-model head or a replicated head
+    /// (classifiers, the base model); any other model, or the plain causal-LM loss, is refused
+    /// with the reason.
     pub fn tp_plan(&self, recipe: &Recipe, head: Head) -> Result<tp::TpPlan, ZooError> {
         let plan = tp::TpPlan::of(recipe);
         if !plan.on() {
@@ -624,14 +626,17 @@ impl Arch {
                 )))
             }
         };
-        let decoder = lm == Head::Lm;
-        if head != lm || (decoder && recipe.loss != crate::recipe::Loss::Hf) {
+        if head == lm && lm == Head::Lm && recipe.loss != crate::recipe::Loss::Hf {
             return Err(unsupported(format!(
-                "{}: tensor parallelism is modelled with the language-model head and its loss (vocab_parallel_cross_entropy): give {}",
-                recipe.parallel.tp,
-                if decoder { "--head lm and --loss hf" } else { "--head masked-lm" }
+                "{}: the tensor-parallel language-model head is vocabulary-parallel, its loss Megatron's vocab_parallel_cross_entropy on the rank's logits (HF's ForCausalLMLoss steps): give --loss hf",
+                recipe.parallel.tp
             )));
         }
+        // Any other head (classifiers, the base model) is replicated on every rank on the
+        // hidden state every rank holds whole (gathered first under --sp:
+        // `GraphBuilder::tp_gather_for_replicated`): a plain `nn.Linear` (Megatron's
+        // `get_linear_layer`, as its classification and pooler heads are), its gradient the same
+        // on each rank.
         plan.check(&dims, recipe.parallel.local_seq(recipe.seq))
             .map_err(|(field, msg)| ZooError::Unsupported {
                 model: self.name().to_string(),

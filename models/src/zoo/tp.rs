@@ -109,7 +109,8 @@ impl TpPlan {
 }
 
 impl GraphBuilder {
-    fn tp_comm(&mut self, c: TpComm, x: T, shape: Vec<u64>) -> T {
+    /// A [`TpComm`] on `x` giving a value of `shape` (its dtype).
+    pub(crate) fn tp_comm(&mut self, c: TpComm, x: T, shape: Vec<u64>) -> T {
         let d = self.dtype(x);
         self.op1(OpKind::TpComm(c), &[x], shape, d)
     }
@@ -146,6 +147,18 @@ impl GraphBuilder {
             let s = self.shape(x);
             self.tp_comm(TpComm::Reduce, x, s)
         }
+    }
+
+    /// The full sequence for a head replicated on every rank, under `--sp` (`x` itself without):
+    /// `gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)`, as Megatron's
+    /// `Pooler` gathers before its replicated dense (`megatron/legacy/model/language_model.py`):
+    /// every rank computes the head on the whole sequence, so the gradient is split, not reduced.
+    pub fn tp_gather_for_replicated(&mut self, plan: TpPlan, x: T) -> T {
+        if !plan.sp {
+            return x;
+        }
+        let s = self.seq_scaled(x, plan.t, 1);
+        self.tp_comm(TpComm::SeqGatherReplicated, x, s)
     }
 
     /// `scatter_to_sequence_parallel_region` and the clone after it: the rank's sequence shard.
