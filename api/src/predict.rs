@@ -24,8 +24,8 @@ use vramsim_models::{
 };
 use vramsim_models::{DType, Offload, Parallel, PpSchedule, ReshardAfterForward, Shard};
 use vramsim_sim::allocator::Allocator;
-use vramsim_sim::device::{find_preset, ContextChoice, UnknownGpu, DEFAULT_GPU};
-use vramsim_sim::engine::{Flow, Repeat, Replay, ReplayOptions};
+use vramsim_sim::device::{find_preset, ContextChoice, Device, UnknownGpu, DEFAULT_GPU};
+use vramsim_sim::engine::{Flow, Repeat, Replay, ReplayOptions, ReplayOutcome};
 use vramsim_sim::format::format_size;
 use vramsim_sim::report::{group_digits, Report};
 use vramsim_traces::{Event, Trace};
@@ -938,28 +938,78 @@ pub fn replay_step_variants(
         .into_iter()
         .map(Some)
         .collect();
-    let mut out = Vec::with_capacity(variants.len());
-    for (i, l) in variants.iter().enumerate() {
-        let slot = counts.binary_search(&repeat_of(l)).expect("every count");
-        // a count two variants share (the same step twice) gets a copy for all but its last
-        let last_of_count = variants[i + 1..]
+    // The counts whose replays carried the repeat's steady state are one run with more or fewer
+    // repetitions: the smallest replays its rest, and tells the others' outcomes
+    // (`Replay::outcome_with_more`, exact where every later repeat is carried too); the counts that
+    // ended before the steady state replay their own rest.
+    let carried: Vec<usize> = (0..counts.len())
+        .filter(|&slot| {
+            forks[slot]
+                .as_ref()
+                .is_some_and(|(r, flow)| *flow == Flow::Continue && r.carried_repeats() == 1)
+        })
+        .collect();
+    let mut shared: Option<(u64, StepReplay)> = None;
+    if carried.len() >= 2 {
+        let slot = carried[0];
+        let count = counts[slot];
+        let l = variants
             .iter()
-            .all(|m| repeat_of(m) != repeat_of(l));
-        let (mut r, flow) = match last_of_count {
-            true => forks[slot]
-                .take()
-                .expect("each count's replay is taken once"),
-            false => {
-                let (r, flow) = forks[slot].as_ref().expect("kept until its last variant");
-                (r.fork_with(r.allocator().fork().expect("checked")), *flow)
+            .find(|l| repeat_of(l) == count)
+            .expect("a variant has it");
+        let (mut r, _) = forks[slot].take().expect("not taken yet");
+        replay_pieces(&mut r, l, &l.pieces()[2..])?;
+        shared = Some((count, r));
+    }
+    let repeats = first.compact.repeats.len();
+    let mut out: Vec<Option<(Report, Prediction)>> = variants.iter().map(|_| None).collect();
+    for (i, l) in variants.iter().enumerate() {
+        let count = repeat_of(l);
+        if let Some((from, r)) = &shared {
+            if count == *from {
+                continue;
             }
+            if count > *from {
+                if let Some(outcome) = r.outcome_with_more(count - from, repeats) {
+                    let device = r.allocator().device().clone();
+                    out[i] = Some(step.report_outcome(l, outcome, device, breakdown, t1));
+                    continue;
+                }
+            }
+        }
+        let slot = counts.binary_search(&count).expect("every count");
+        // a count two variants share (the same step twice) gets a copy for all but its last
+        let last_of_count = variants[i + 1..].iter().all(|m| repeat_of(m) != count);
+        let (mut r, flow) = match (last_of_count, forks[slot].take()) {
+            (true, Some(fork)) => fork,
+            (false, Some((r, flow))) => {
+                let copy = (r.fork_with(r.allocator().fork().expect("checked")), flow);
+                forks[slot] = Some((r, flow));
+                copy
+            }
+            (_, None) => unreachable!("each count's replay is taken once, by its last variant"),
         };
         if flow == Flow::Continue {
             replay_pieces(&mut r, l, &l.pieces()[2..])?;
         }
-        out.push(step.report(l, r, breakdown, t1));
+        out[i] = Some(step.report(l, r, breakdown, t1));
     }
-    Ok(out)
+    // the shared replay is the smallest carried count's own
+    if let Some((from, r)) = shared {
+        let mine: Vec<usize> = (0..variants.len())
+            .filter(|&i| repeat_of(variants[i]) == from)
+            .collect();
+        let (&last, others) = mine.split_last().expect("a variant has it");
+        for &i in others {
+            let copy = r.fork_with(r.allocator().fork().expect("checked"));
+            out[i] = Some(step.report(variants[i], copy, breakdown, t1));
+        }
+        out[last] = Some(step.report(variants[last], r, breakdown, t1));
+    }
+    Ok(out
+        .into_iter()
+        .map(|o| o.expect("every variant is reported"))
+        .collect())
 }
 
 /// The machine a lowered step replays on: `machine` with the device memory the step's libraries
@@ -1032,8 +1082,19 @@ impl StepMachine<'_> {
         t1: Instant,
     ) -> (Report, Prediction) {
         let device = replay.allocator().device().clone();
-        let oom_at = replay.oom().map(|o| o.event_index as usize);
-        let outcome = replay.finish();
+        self.report_outcome(lowered, replay.finish(), device, breakdown, t1)
+    }
+
+    /// [`StepMachine::report`] from a replay's outcome on `device`.
+    fn report_outcome(
+        &self,
+        lowered: &Lowered,
+        outcome: ReplayOutcome,
+        device: Device,
+        breakdown: bool,
+        t1: Instant,
+    ) -> (Report, Prediction) {
+        let oom_at = outcome.oom.as_ref().map(|o| o.event_index as usize);
         // What is live at the step's peak, or, when it runs out of memory, when the error is raised.
         let (breakdown, oom_tag) = match oom_at {
             _ if !breakdown => (peak_breakdown_until(&Trace::default(), 0), None),

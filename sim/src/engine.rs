@@ -198,6 +198,8 @@ pub struct Replay<A: Allocator> {
     oom: Option<OomEvent>,
     /// The op and index of the first event that was not a `segment`.
     started: Option<(&'static str, u64)>,
+    /// What each skipped steady state carried, in order ([`Replay::outcome_with_more`]).
+    carried: Vec<repeat::Carried>,
 }
 
 impl<A: Allocator> Replay<A> {
@@ -224,6 +226,7 @@ impl<A: Allocator> Replay<A> {
             sampler: Sampler::new(options.timeline_points),
             oom: None,
             started: None,
+            carried: Vec::new(),
         }
     }
 
@@ -251,6 +254,7 @@ impl<A: Allocator> Replay<A> {
             sampler: self.sampler.clone(),
             oom: self.oom.clone(),
             started: self.started,
+            carried: self.carried.clone(),
         }
     }
 

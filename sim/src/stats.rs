@@ -201,30 +201,65 @@ impl MemoryStats {
     /// `num_*` counters) grows by `n` times its growth since then; peaks stay, since the repetitions
     /// reach what the last one reached.
     pub fn carry_repetitions(&mut self, before: &MemoryStats, n: u64) {
+        let now = self.clone();
+        self.add_repetitions(before, &now, n);
+    }
+
+    /// Adds `n` repetitions of the growth from `before` to `after` (two states with the same blocks)
+    /// to each running total (`allocated`, `freed`, the `num_*` counters); peaks and current values
+    /// stay.
+    pub fn add_repetitions(&mut self, before: &MemoryStats, after: &MemoryStats, n: u64) {
         let n = n as i64;
-        let carry = |now: &mut Stat, then: &Stat| {
-            now.allocated += (now.allocated - then.allocated) * n;
-            now.freed += (now.freed - then.freed) * n;
+        let carry = |now: &mut Stat, after: &Stat, then: &Stat| {
+            now.allocated += (after.allocated - then.allocated) * n;
+            now.freed += (after.freed - then.freed) * n;
         };
-        for (now, then) in self.arrays_mut().into_iter().zip(before.arrays()) {
-            for (now, then) in now.each_mut().into_iter().zip([
-                &then.1.all,
-                &then.1.small_pool,
-                &then.1.large_pool,
-            ]) {
-                carry(now, then);
+        for ((now, after), then) in self
+            .arrays_mut()
+            .into_iter()
+            .zip(after.arrays())
+            .zip(before.arrays())
+        {
+            let after = [&after.1.all, &after.1.small_pool, &after.1.large_pool];
+            let then = [&then.1.all, &then.1.small_pool, &then.1.large_pool];
+            for ((now, after), then) in now.each_mut().into_iter().zip(after).zip(then) {
+                carry(now, after, then);
             }
         }
-        carry(&mut self.oversize_allocations, &before.oversize_allocations);
-        carry(&mut self.oversize_segments, &before.oversize_segments);
-        for (now, then) in [
-            (&mut self.num_alloc_retries, before.num_alloc_retries),
-            (&mut self.num_ooms, before.num_ooms),
-            (&mut self.num_sync_all_streams, before.num_sync_all_streams),
-            (&mut self.num_device_alloc, before.num_device_alloc),
-            (&mut self.num_device_free, before.num_device_free),
+        carry(
+            &mut self.oversize_allocations,
+            &after.oversize_allocations,
+            &before.oversize_allocations,
+        );
+        carry(
+            &mut self.oversize_segments,
+            &after.oversize_segments,
+            &before.oversize_segments,
+        );
+        for (now, after, then) in [
+            (
+                &mut self.num_alloc_retries,
+                after.num_alloc_retries,
+                before.num_alloc_retries,
+            ),
+            (&mut self.num_ooms, after.num_ooms, before.num_ooms),
+            (
+                &mut self.num_sync_all_streams,
+                after.num_sync_all_streams,
+                before.num_sync_all_streams,
+            ),
+            (
+                &mut self.num_device_alloc,
+                after.num_device_alloc,
+                before.num_device_alloc,
+            ),
+            (
+                &mut self.num_device_free,
+                after.num_device_free,
+                before.num_device_free,
+            ),
         ] {
-            *now += (*now - then) * n;
+            *now += (after - then) * n;
         }
     }
 

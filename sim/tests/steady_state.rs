@@ -395,3 +395,154 @@ fn a_billion_repetitions_are_carried_exactly() {
     );
     assert_eq!(outcome.phase_marks[999].0, 999 * 5);
 }
+
+/// `events` with every integer id in `ids` moved by `by` (wrapping: a negative `by`).
+fn moved_ids(events: &[Event], ids: std::ops::Range<u64>, by: u64) -> Vec<Event> {
+    let id = |id: &AllocId| match id {
+        AllocId::Int(i) if ids.contains(i) => AllocId::Int(i.wrapping_add(by)),
+        other => other.clone(),
+    };
+    events
+        .iter()
+        .map(|e| match e {
+            Event::Alloc {
+                id: i,
+                size,
+                stream,
+                category,
+                tag,
+            } => Event::Alloc {
+                id: id(i),
+                size: *size,
+                stream: *stream,
+                category: *category,
+                tag: tag.clone(),
+            },
+            Event::Free { id: i } => Event::Free { id: id(i) },
+            Event::RecordStream { id: i, stream } => Event::RecordStream {
+                id: id(i),
+                stream: *stream,
+            },
+            other => other.clone(),
+        })
+        .collect()
+}
+
+/// How far the second repeat's ids are moved from the first's: above every id before them (the
+/// first suffix's large ones included), as a lowering hands ids out in order.
+const SECOND: u64 = u64::MAX / 2 + (1 << 40) - FROM;
+
+/// A program of two iterations: the program's prefix, warm-up and body repeated `p.times` times,
+/// its suffix, then a second warm-up and body (ids moved up by [`SECOND`]) repeated as often, and
+/// the suffix again for them. Replayed with `apply_repeated` (`skip`) or every event applied;
+/// returns the replay, finished or not.
+fn two_iterations(
+    p: &Program,
+    settings: &str,
+    capacity: u64,
+    skip: bool,
+) -> Replay<CachingAllocator> {
+    let big = u64::MAX / 2;
+    let repeated_ids = FROM..big;
+    let warmup2 = moved_ids(&p.warmup, repeated_ids.clone(), SECOND);
+    let body2 = moved_ids(&p.body, repeated_ids.clone(), SECOND);
+    // the second suffix frees the second body's kept ids, and its own large ids come after them
+    let suffix2 = moved_ids(
+        &moved_ids(&p.suffix, repeated_ids, SECOND),
+        big..big + 100,
+        (u64::MAX - 100).wrapping_sub(big),
+    );
+    let mut r = Replay::new(allocator(settings, capacity), &ReplayOptions::default());
+    let plain = |r: &mut Replay<CachingAllocator>, events: &[Event]| -> Flow {
+        for e in events {
+            if r.apply(e.clone()).unwrap() == Flow::Stopped {
+                return Flow::Stopped;
+            }
+        }
+        Flow::Continue
+    };
+    let repeated = |r: &mut Replay<CachingAllocator>, body: &[Event], from: u64| -> Flow {
+        let repeat = Repeat {
+            view: EventView {
+                events: body,
+                ..Default::default()
+            },
+            times: p.times,
+            renamed_from: from,
+            shift: p.shift,
+        };
+        if skip {
+            r.apply_repeated(&repeat).unwrap()
+        } else {
+            let all: Vec<Event> = repeat.expand().collect();
+            plain(r, &all)
+        }
+    };
+    let _ = plain(&mut r, &p.prefix) == Flow::Continue
+        && plain(&mut r, &p.warmup) == Flow::Continue
+        && repeated(&mut r, &p.body, FROM) == Flow::Continue
+        && plain(&mut r, &p.suffix) == Flow::Continue
+        && plain(&mut r, &warmup2) == Flow::Continue
+        && repeated(&mut r, &body2, FROM + SECOND) == Flow::Continue
+        && plain(&mut r, &suffix2) == Flow::Continue;
+    r
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, .. ProptestConfig::default() })]
+
+    /// A replay that carried its repeats tells the outcome of the same run with more repetitions
+    /// (`outcome_with_more`), exactly as a replay of that run, every event applied, ends.
+    #[test]
+    fn more_repetitions_follow_from_the_carried_ones(
+        settings in settings(),
+        capacity in prop_oneof![Just(256 * MIB), Just(1024 * MIB), Just(16384 * MIB)],
+        prefix in prop::collection::vec(1u64..(64 * MIB), 0..6),
+        ops in prop::collection::vec(op(), 1..40),
+        times in 2u64..10,
+        more in 1u64..9,
+        last in prop_oneof![Just(1u64), Just(30 * MIB), Just(90 * MIB), Just(4096 * MIB)],
+    ) {
+        let few = program(&prefix, &ops, times, last);
+        let many = program(&prefix, &ops, times + more, last);
+        let carried = two_iterations(&few, &settings, capacity, true);
+        if let Some(derived) = carried.outcome_with_more(more, 2) {
+            let full = two_iterations(&many, &settings, capacity, false).finish();
+            prop_assert_eq!(format!("{derived:#?}"), format!("{full:#?}"));
+        }
+    }
+}
+
+/// A body that reaches its steady state in both iterations: the outcome with more repetitions is
+/// told (not `None`), and is the full replay's.
+#[test]
+fn a_steady_run_tells_the_outcome_of_a_longer_one() {
+    let ops = [
+        Op::Phase("forward"),
+        Op::Alloc {
+            size: 3 * MIB,
+            stream: 0,
+            kept: Some(false),
+        },
+        Op::Alloc {
+            size: 100,
+            stream: 0,
+            kept: Some(false),
+        },
+        Op::FreeOwn,
+        Op::FreeOwn,
+    ];
+    for settings in [
+        "",
+        "expandable_segments:True",
+        "garbage_collection_threshold:0.6,per_process_memory_fraction:0.9",
+    ] {
+        let few = program(&[5 * MIB], &ops, 4, 30 * MIB);
+        let many = program(&[5 * MIB], &ops, 4 + 57, 30 * MIB);
+        let derived = two_iterations(&few, settings, 16384 * MIB, true)
+            .outcome_with_more(57, 2)
+            .expect("both repeats carried");
+        let full = two_iterations(&many, settings, 16384 * MIB, false).finish();
+        assert_eq!(format!("{derived:#?}"), format!("{full:#?}"), "{settings}");
+    }
+}

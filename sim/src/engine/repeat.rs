@@ -15,8 +15,9 @@
 use rustc_hash::FxHashMap;
 use vramsim_traces::{AllocId, Event};
 
-use super::{Flow, Live, Replay, ReplayError, MAX_PHASE_MARKS};
+use super::{Flow, Live, Replay, ReplayError, ReplayOutcome, MAX_PHASE_MARKS};
 use crate::allocator::{Allocator, Counters};
+use crate::stats::MemoryStats;
 use vramsim_traces::{renamed_id, EventView};
 
 /// Events that repeat: `view`'s events `times` times in a row, the `k`-th repetition (from 0) being
@@ -91,6 +92,26 @@ impl Repeat<'_> {
     fn times(&self, times: u64) -> Self {
         Repeat { times, ..*self }
     }
+}
+
+/// What a steady state's skip carried, per repetition: enough to tell the outcome of a run with more
+/// repetitions of the same events ([`Replay::outcome_with_more`]).
+#[derive(Clone, Debug)]
+pub(super) struct Carried {
+    /// The event index where the repetitions ended: more of them would go in here.
+    at: u64,
+    /// Events of one repetition.
+    len: u64,
+    /// `alloc` and `free` events of one repetition.
+    allocs: u64,
+    frees: u64,
+    /// The allocator's statistics at two consecutive repetition boundaries (one repetition's growth).
+    before: MemoryStats,
+    after: MemoryStats,
+    /// Each phase's starts in one repetition, by phase slot.
+    occurrences: Vec<u64>,
+    /// The phase starts of one repetition: (offset in it, name).
+    marks: Vec<(u64, String)>,
 }
 
 /// The state and counters at a repetition boundary.
@@ -184,6 +205,88 @@ impl<A: Allocator> Replay<A> {
         Ok(out)
     }
 
+    /// How many repeats this replay carried (skipped from a steady state) so far.
+    pub fn carried_repeats(&self) -> usize {
+        self.carried.len()
+    }
+
+    /// The outcome this replay would reach, its remaining events applied as they were, if each
+    /// repeat it carried had had `more` more repetitions — where that follows exactly from what the
+    /// carried steady states did: every one of the run's `repeats` repeats carried (reached its
+    /// steady state and skipped: more repetitions of a steady state do what the last one did, so
+    /// each running total grows by `more` repetitions' growth and the events after it move on by
+    /// `more` repetitions' length, peaks staying), no out-of-memory error, no timeline, phase marks
+    /// below their cap. `None` otherwise. What [`Replay::finish`] would report for a run of the
+    /// same events with every repeat `more` repetitions longer (proptest `steady_state`).
+    pub fn outcome_with_more(&self, more: u64, repeats: usize) -> Option<ReplayOutcome> {
+        if self.carried.len() != repeats
+            || self.oom.is_some()
+            || self.sampler.capacity > 0
+            || self.phase_marks.len() >= MAX_PHASE_MARKS
+        {
+            return None;
+        }
+        let mut stats = self.allocator.stats().clone();
+        let (mut allocs, mut frees, mut events) = (self.allocs, self.frees, self.next_index);
+        let mut phases = self.phases.clone();
+        for c in &self.carried {
+            stats.add_repetitions(&c.before, &c.after, more);
+            allocs += c.allocs * more;
+            frees += c.frees * more;
+            events += c.len * more;
+            for (phase, grown) in phases.iter_mut().zip(&c.occurrences) {
+                phase.occurrences += grown * more;
+            }
+        }
+        // the event indices after each carried repeat move on by the repetitions added before them
+        let moved = |index: u64| -> u64 {
+            let before: u64 = self
+                .carried
+                .iter()
+                .filter(|c| index >= c.at)
+                .map(|c| c.len * more)
+                .sum();
+            index + before
+        };
+        let mut marks: Vec<(u64, String)> = Vec::with_capacity(self.phase_marks.len());
+        let mut carried = self.carried.iter().peekable();
+        for (index, name) in &self.phase_marks {
+            while let Some(c) = carried.next_if(|c| c.at <= *index) {
+                let start = moved(c.at) - c.len * more;
+                for j in 0..more {
+                    for (offset, name) in &c.marks {
+                        marks.push((start + j * c.len + offset, name.clone()));
+                    }
+                }
+            }
+            marks.push((moved(*index), name.clone()));
+        }
+        for c in carried {
+            let start = moved(c.at) - c.len * more;
+            for j in 0..more {
+                for (offset, name) in &c.marks {
+                    marks.push((start + j * c.len + offset, name.clone()));
+                }
+            }
+        }
+        marks.truncate(MAX_PHASE_MARKS);
+        Some(ReplayOutcome {
+            stats,
+            events,
+            allocs,
+            frees,
+            peak_device_used: self.peak_device_used,
+            categories_at_peak: self.categories_at_peak,
+            peak_allocated_event: moved(self.peak_allocated_event),
+            allocated_at_reserved_peak: self.allocated_at_reserved_peak,
+            phases,
+            phase_marks: marks,
+            timeline: Vec::new(),
+            oom: None,
+            host_time_ns: self.timeline.now(),
+        })
+    }
+
     /// The state before repetition `k`, or `None` where it cannot be described.
     fn boundary(&self, repeat: &Repeat, k: u64) -> Option<Boundary> {
         if self.sampler.capacity > 0 {
@@ -230,6 +333,30 @@ impl<A: Allocator> Replay<A> {
     fn skip(&mut self, repeat: &Repeat, k: u64, start: u64, before: &Boundary) {
         let n = repeat.times - k;
         let len = repeat.view.events.len() as u64;
+        self.carried.push(Carried {
+            at: self.next_index + n * len,
+            len,
+            allocs: self.allocs - before.allocs,
+            frees: self.frees - before.frees,
+            before: before.counters.stats.clone(),
+            after: self.allocator.counters().stats,
+            occurrences: self
+                .phases
+                .iter()
+                .enumerate()
+                .map(|(i, p)| p.occurrences - before.occurrences.get(i).copied().unwrap_or(0))
+                .collect(),
+            marks: repeat
+                .view
+                .events
+                .iter()
+                .enumerate()
+                .filter_map(|(offset, e)| match e {
+                    Event::Phase { name } => Some((offset as u64, name.to_string())),
+                    _ => None,
+                })
+                .collect(),
+        });
         self.allocs += (self.allocs - before.allocs) * n;
         self.frees += (self.frees - before.frees) * n;
         self.allocator.carry_repetitions(&before.counters, n);
