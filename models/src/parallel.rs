@@ -616,14 +616,50 @@ impl Parallel {
         // torchtitan runs it (`lower/fsdp.rs`: parameters kept unsharded from the first forward,
         // unsharded gradients accumulated over the micro-batches, one reduce-scatter per group
         // after the last backward: `stage.py` `backward_maybe_with_nosync`,
-        // `perform_reduce_grad`). DDP and ZeRO over the stages are not yet: a DDP stage's
-        // non-last backwards run under `no_sync()` (`backward_maybe_with_nosync`), which the DDP
-        // lowering (one backward per micro-step) does not model.
-        if self.shard != Shard::None && self.shard != Shard::Fsdp2 {
-            return Err(bad(format!(
-                "--pp {} with --shard {} is not modelled yet: FSDP2 is the data-parallel mode modelled inside a pipeline stage (a DDP stage's non-last micro-batch backwards run under no_sync, stage.py backward_maybe_with_nosync; ZeRO under a schedule is not modelled); give --shard fsdp2, or --dp 1 --shard none",
-                self.pp, self.shard
-            )));
+        // `perform_reduce_grad`). A DDP stage (`ddp`, and `zero1-torch`'s DDP model) runs its
+        // forwards and non-last backwards under `no_sync()` and all-reduces its buckets in the
+        // last backward (`forward_maybe_with_nosync`, `backward_maybe_with_nosync`: lowered in
+        // `lower/parallel.rs`).
+        match self.shard {
+            Shard::None | Shard::Fsdp2 => {}
+            Shard::Ddp | Shard::ZeroRedundancy => {
+                // Each of a rank's stages is its own DDP module with its own Reducer and buckets
+                // (torchtitan wraps every model part); the lowering keeps one Reducer per rank.
+                if matches!(self.pp_schedule, PpSchedule::Interleaved(_)) {
+                    return Err(bad(format!(
+                        "--pp {} --shard {} is modelled for one stage per rank (gpipe, 1f1b): with --pp-schedule {} each of a rank's stages is its own DistributedDataParallel module with its own Reducer and buckets, which is not modelled yet",
+                        self.pp, self.shard, self.pp_schedule
+                    )));
+                }
+            }
+            // DeepSpeed's pipeline engine refuses stages 2 and 3 (`deepspeed/runtime/pipe/
+            // engine.py`, `PipelineEngine.__init__`: `assert self.zero_optimization_stage() <
+            // ZeroStageEnum.gradients, "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+            // parallelism"`).
+            Shard::Zero2 | Shard::Zero3 => {
+                return Err(bad(format!(
+                    "--pp {} with --shard {}: DeepSpeed refuses it (\"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\", deepspeed/runtime/pipe/engine.py PipelineEngine.__init__); give --shard zero1-torch, ddp or fsdp2, or --pp 1",
+                    self.pp, self.shard
+                )));
+            }
+            // ZeRO-1 under a pipeline is DeepSpeed's own runtime, not `torch.distributed.
+            // pipelining`: `PipelineEngine` (a `PipelineModule`) runs `TrainSchedule`, whose
+            // in-flight micro-batches are 1F1B's (`num_pipe_buffers`: `min(stages - stage_id,
+            // micro_batches)`, at least 2), but on `PipelineModule`'s partition
+            // (`partition_method="parameters"`), with its own pipe buffers (`_exec_recv_*`), its
+            // backward outside `DeepSpeedZeroOptimizer.backward` on all but the last stage
+            // (`_exec_backward_pass`: `torch.autograd.backward(tensors, grad_tensors)`), and its
+            // reduce at the boundary (`_exec_reduce_grads`); in bf16 with an fp32
+            // `grad_accum_dtype` it is `BF16_Optimizer`, not the ZeRO optimizer (`engine.py`
+            // `_do_optimizer_sanity_check`).
+            Shard::Zero1 => {
+                return Err(bad(format!(
+                    "--pp {} with --shard zero1 is DeepSpeed's PipelineEngine, which is not modelled: its TrainSchedule keeps 1F1B's micro-batches in flight, but on PipelineModule's partition (partition_method \"parameters\"), with DeepSpeed's pipe buffers, its backward outside the ZeRO optimizer's on all but the last stage and its reduce at the batch's end (deepspeed/runtime/pipe/engine.py), none of which --pp lowers (torch.distributed.pipelining under torchtitan's split); give --shard zero1-torch (ZeroRedundancyOptimizer over DDP stages), ddp or fsdp2",
+                    self.pp
+                )));
+            }
+            // Refused with --pp by `validate_model_parallel`.
+            Shard::DataParallel => {}
         }
         if self.shard == Shard::Fsdp2 {
             if matches!(self.pp_schedule, PpSchedule::Interleaved(_)) {

@@ -15,7 +15,7 @@ use std::path::Path;
 use vramsim_models::hf::{read, ImportOptions};
 use vramsim_models::pipeline::rank_graph;
 use vramsim_models::{
-    lower, Attention, CheckpointImpl, Checkpointing, Fidelity, Parallel, PpSchedule, Recipe,
+    lower, Attention, CheckpointImpl, Checkpointing, Fidelity, Parallel, PpSchedule, Recipe, Shard,
 };
 use vramsim_traces::{read_trace, Event, Trace};
 
@@ -69,13 +69,48 @@ fn peaks(
     m: u32,
     checkpointing: Checkpointing,
 ) -> Vec<(Peaks, Peaks)> {
+    peaks_dp(dir, schedule, pp, m, checkpointing, &Dp::none())
+}
+
+/// The data-parallel side of a recording: `--dp`, `--shard`, `--ddp-bucket-view`, and the
+/// data-parallel rank whose file is compared.
+struct Dp {
+    dp: u32,
+    shard: Shard,
+    bucket_view: bool,
+    rank: u32,
+}
+
+impl Dp {
+    fn none() -> Self {
+        Dp {
+            dp: 1,
+            shard: Shard::None,
+            bucket_view: false,
+            rank: 0,
+        }
+    }
+}
+
+fn peaks_dp(
+    dir: &str,
+    schedule: PpSchedule,
+    pp: u32,
+    m: u32,
+    checkpointing: Checkpointing,
+    dp: &Dp,
+) -> Vec<(Peaks, Peaks)> {
     let mut out = Vec::new();
     let base = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/pipeline")
         .join(dir);
     let cfg = read(&base.join("config.json"), &ImportOptions::default()).expect("config");
     for rank in 0..pp {
-        let path = base.join(format!("rank{rank}.jsonl.gz"));
+        let path = if dp.dp == 1 {
+            base.join(format!("rank{rank}.jsonl.gz"))
+        } else {
+            base.join(format!("rank{rank}.dp{}.jsonl.gz", dp.rank))
+        };
         let captured = read_trace(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let mut r = Recipe::new(u64::from(m), 64);
         r.attention = Attention::Eager;
@@ -89,6 +124,9 @@ fn peaks(
             pp_schedule: schedule,
             microbatches: Some(m),
             stage: rank,
+            dp: dp.dp,
+            shard: dp.shard,
+            gradient_as_bucket_view: dp.bucket_view,
             ..Parallel::default()
         };
         let mut gr = r.clone();
@@ -97,8 +135,8 @@ fn peaks(
         let t = lower(&rank_graph(&g, &r.parallel).expect("splits"), &r).expect("lowers");
         let (ours, theirs) = (peak(&t), peak(&captured));
         eprintln!(
-            "{dir} rank {rank}: vramsim {} B (first schedule {} B), PyTorch {} B ({} B)",
-            ours.0, ours.1, theirs.0, theirs.1
+            "{dir} rank {rank}.dp{}: vramsim {} B (first schedule {} B), PyTorch {} B ({} B)",
+            dp.rank, ours.0, ours.1, theirs.0, theirs.1
         );
         out.push((ours, theirs));
     }
@@ -191,5 +229,86 @@ fn llama_micro_batches_in_flight_add_what_pytorch_adds() {
         let d = |p: &[(Peaks, Peaks)]| p[rank].0 .1 as i64 - p[rank].1 .1 as i64;
         assert_eq!(d(&four), d(&one), "rank {rank}: first step's schedule");
         assert!(d(&one).abs() <= 256, "rank {rank}: {}", d(&one));
+    }
+}
+
+/// Each stage wrapped in `DistributedDataParallel` over its data-parallel group (pp 2 × dp 2,
+/// gloo; `stage.py` `forward_maybe_with_nosync` / `backward_maybe_with_nosync`): the Reducer's
+/// bucket (all the stage's fp32 gradients) from the constructor on, the micro-batches' backwards
+/// but the last under `no_sync()` (gradients accumulated in `.grad` only), the last one filling
+/// the buckets, and the buckets rebuilt (1 MiB first, 25 MiB cap) at the next step's first
+/// forward. Both data-parallel ranks of each stage play one role.
+fn check_ddp(dir: &str, schedule: PpSchedule, m: u32, shard: Shard, bucket_view: bool) {
+    for dp_rank in 0..2 {
+        let dp = Dp {
+            dp: 2,
+            shard,
+            bucket_view,
+            rank: dp_rank,
+        };
+        let got = peaks_dp(dir, schedule, 2, m, Checkpointing::None, &dp);
+        for (rank, (ours, theirs)) in got.into_iter().enumerate() {
+            assert_eq!(ours, theirs, "{dir} rank {rank}.dp{dp_rank}");
+        }
+    }
+}
+
+#[test]
+fn ddp_one_f_one_b_pp2_m4() {
+    check_ddp(
+        "ddp2-1f1b-pp2-m4",
+        PpSchedule::OneFOneB,
+        4,
+        Shard::Ddp,
+        false,
+    );
+}
+
+#[test]
+fn ddp_gpipe_pp2_m2() {
+    check_ddp("ddp2-gpipe-pp2-m2", PpSchedule::GPipe, 2, Shard::Ddp, false);
+}
+
+/// `gradient_as_bucket_view=True`: the last backward's hook copies each accumulated `.grad`
+/// into its bucket view and re-points `.grad` there (`mark_variable_ready_dense`).
+#[test]
+fn ddp_bucket_view_one_f_one_b_pp2_m4() {
+    check_ddp(
+        "ddp2-bucketview-1f1b-pp2-m4",
+        PpSchedule::OneFOneB,
+        4,
+        Shard::Ddp,
+        true,
+    );
+}
+
+/// `ZeroRedundancyOptimizer(AdamW, process_group=dp group)` over DDP stages: DDP's buckets and
+/// `no_sync()` as above; each data-parallel rank's AdamW holds the state of its greedy share of
+/// the stage's parameters (`_partition_parameters`), and the lowering writes the rank holding
+/// the most (the larger of the two recorded peaks; the first step's schedule, before any state,
+/// is the same on both).
+#[test]
+fn zero1_torch_one_f_one_b_pp2_m4() {
+    let dir = "zero1torch2-1f1b-pp2-m4";
+    let per_dp: Vec<Vec<(Peaks, Peaks)>> = (0..2)
+        .map(|dp_rank| {
+            let dp = Dp {
+                dp: 2,
+                shard: Shard::ZeroRedundancy,
+                bucket_view: false,
+                rank: dp_rank,
+            };
+            peaks_dp(dir, PpSchedule::OneFOneB, 2, 4, Checkpointing::None, &dp)
+        })
+        .collect();
+    for rank in 0..2 {
+        let ours = per_dp[0][rank].0;
+        let theirs: Vec<Peaks> = per_dp.iter().map(|p| p[rank].1).collect();
+        assert_eq!(
+            theirs[0].1, theirs[1].1,
+            "rank {rank}: first step's schedule"
+        );
+        let worst = *theirs.iter().max().expect("two ranks");
+        assert_eq!(ours, worst, "{dir} rank {rank}");
     }
 }

@@ -14,10 +14,20 @@ Stages are built in static mode (``input_args``/``output_args``): no metadata in
 
     python3 models/tools/capture_pipeline.py OUT_DIR [--model gpt2|llama]
         [--schedule 1f1b|gpipe|interleaved:V] [--pp 2] [--m 4] [--checkpoint]
+        [--dp 2 --shard ddp|zero1-torch [--bucket-view]]
 
 writes ``OUT_DIR/rank{R}.jsonl.gz`` and ``OUT_DIR/config.json`` (the model's config, for
 ``vramsim predict --hf-config``). ``models/tests/pipeline_capture.rs`` compares them with the
 lowering of each rank.
+
+With ``--dp N`` the world is ``pp × N`` processes on torchtitan's mesh order (``pp`` outer,
+``dp`` inner: global rank ``pp_rank · N + dp_rank``); each stage module is wrapped in
+``DistributedDataParallel(process_group=dp group)`` (its defaults, or
+``gradient_as_bucket_view=True``), which ``stage.py``'s ``forward_maybe_with_nosync`` /
+``backward_maybe_with_nosync`` drive; ``--shard zero1-torch`` steps it with a
+``ZeroRedundancyOptimizer(AdamW, process_group=dp group)``. Every global rank is written as
+``rank{pp_rank}.dp{dp_rank}.jsonl.gz`` (the DDP wrapper is built under the recorder, so its
+Reducer's bucket tensors are recorded).
 """
 
 import argparse
@@ -146,11 +156,23 @@ class LlamaStage(torch.nn.Module):
         return hidden
 
 
-def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt: bool,
-        model: str = "gpt2") -> None:
+def run(grank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt: bool,
+        model: str = "gpt2", dp: int = 1, shard: str = "none", bucket_view: bool = False) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=grank, world_size=world * dp)
+    # torchtitan's mesh ("pp", "dp"): pp outer. Every rank creates every group, in the same order.
+    rank, dp_rank = divmod(grank, dp)
+    pp_group = dp_group = None
+    if dp > 1:
+        for d in range(dp):
+            g = dist.new_group([p * dp + d for p in range(world)])
+            if d == dp_rank:
+                pp_group = g
+        for p in range(world):
+            g = dist.new_group([p * dp + d for d in range(dp)])
+            if p == rank:
+                dp_group = g
     from transformers import GPT2Config, GPT2LMHeadModel
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B)
@@ -184,11 +206,8 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt:
         mb_in = (torch.empty(1, SEQ, dtype=torch.long, device="meta") if first
                  else torch.empty(1, SEQ, width, device="meta"))
         mb_out = torch.empty(1, SEQ, vocab if last else width, device="meta")
-        stages.append(PipelineStage(mod, s_idx, n_stages, torch.device("cpu"),
-                                    input_args=(mb_in,), output_args=(mb_out,),
-                                    output_grads=None if last else (mb_out,),
-                                    input_grads=None if first else (mb_in,)))
         mods.append(mod)
+        stages.append((mod, s_idx, first, last, mb_in, mb_out))
     del full
     first = rank == 0
     last = (n_stages - 1) % world == rank
@@ -197,18 +216,35 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt:
     def loss_fn(logits, labels):
         return _causal_lm_loss(logits, labels, vocab)
 
-    if v > 1:
-        sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
-    else:
-        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-        sched = cls(stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
-    opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-4, foreach=True)
-
     dev = torch.device("cpu")
     names = {id(mod): n for n, mod in stage_mod.named_modules(remove_duplicate=False)}
     rec = vramsim_capture.Recorder(dev, names)
     for name, p in stage_mod.named_parameters():
         rec.track(p, "parameter", name)
+    # The stages, each wrapped in DDP under the recorder (the Reducer's buckets are made there).
+    subs = [mod for mod, *_ in stages]
+    if dp > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        with rec:
+            subs = [DDP(mod, process_group=dp_group, gradient_as_bucket_view=bucket_view)
+                    for mod in subs]
+    stages = [PipelineStage(sub, s_idx, n_stages, torch.device("cpu"),
+                            input_args=(mb_in,), output_args=(mb_out,),
+                            output_grads=None if s_last else (mb_out,),
+                            input_grads=None if s_first else (mb_in,), group=pp_group)
+              for sub, (_, s_idx, s_first, s_last, mb_in, mb_out) in zip(subs, stages)]
+
+    if v > 1:
+        sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    else:
+        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        sched = cls(stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    if shard == "zero1-torch":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(stage_mod.parameters(), optimizer_class=torch.optim.AdamW,
+                                      process_group=dp_group, lr=1e-4, foreach=True)
+    else:
+        opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-4, foreach=True)
     # CUDA's fused dropout (a bool mask), as the capture tool's own runs take it.
     with rec, vramsim_capture.cuda_like_dropout():
         for it in range(2):
@@ -235,8 +271,11 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt:
     cap = vramsim_capture.Capture(meta={"tool": "capture_pipeline.py", "rank": rank, "pp": world,
                                         "schedule": schedule, "microbatches": m, "seq": SEQ,
                                         "checkpoint": "full" if ckpt else "none", "model": model,
+                                        "dp": dp, "dp_rank": dp_rank, "shard": shard,
+                                        "gradient_as_bucket_view": bucket_view,
                                         "torch": torch.__version__}, events=events)
-    cap.write(os.path.join(out, f"rank{rank}.jsonl.gz"))
+    name = f"rank{rank}.jsonl.gz" if dp == 1 else f"rank{rank}.dp{dp_rank}.jsonl.gz"
+    cap.write(os.path.join(out, name))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -257,14 +296,19 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=29517)
     ap.add_argument("--checkpoint", action="store_true", help="HF gradient checkpointing (non-reentrant)")
     ap.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks per stage")
+    ap.add_argument("--shard", default="none", choices=["none", "ddp", "zero1-torch"])
+    ap.add_argument("--bucket-view", action="store_true", help="DDP gradient_as_bucket_view=True")
     a = ap.parse_args()
+    if (a.dp > 1) != (a.shard != "none"):
+        ap.error("--dp N (N > 1) goes with --shard ddp or zero1-torch")
     os.makedirs(a.out, exist_ok=True)
     cfg = dict(LLAMA_CONFIG if a.model == "llama" else CONFIG)
     cfg.pop("attn_implementation")
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    mp.spawn(run, args=(a.pp, a.out, a.schedule, a.m, a.port, a.checkpoint, a.model), nprocs=a.pp,
-             join=True)
+    mp.spawn(run, args=(a.pp, a.out, a.schedule, a.m, a.port, a.checkpoint, a.model, a.dp, a.shard,
+                        a.bucket_view), nprocs=a.pp * a.dp, join=True)
     return 0
 
 

@@ -41,6 +41,9 @@ pub(crate) struct ParState {
     ready_order: Vec<usize>,
     /// DDP: the buckets were rebuilt (`has_rebuilt_bucket_`).
     rebuilt: bool,
+    /// DDP: the Reducer expects no autograd hooks (`expect_autograd_hooks_` false): a pipeline
+    /// stage's backward under `no_sync()` (`stage.py` `backward_maybe_with_nosync`).
+    ddp_no_sync: bool,
     /// ZeRO: `bit16_groups_flat`, the flat padded bf16 parameters.
     pub(super) flat: Option<Rt>,
     /// ZeRO: elements of one partition (`partition_size`).
@@ -228,6 +231,11 @@ impl<'g> Lowering<'g> {
             Shard::None | Shard::Zero1 | Shard::Fsdp2 | Shard::DataParallel => {}
             Shard::Zero3 => self.zero3_grad_ready(p),
             Shard::Ddp | Shard::ZeroRedundancy => {
+                // `Reducer::autograd_hook`: `if (!expect_autograd_hooks_) return;` comes before
+                // anything else (the gradient stays where AccumulateGrad put it).
+                if self.par.ddp_no_sync {
+                    return;
+                }
                 if !self.par.rebuilt && !self.par.ready_order.contains(&p) {
                     self.par.ready_order.push(p);
                 }
@@ -264,12 +272,7 @@ impl<'g> Lowering<'g> {
         match self.shard() {
             Shard::None | Shard::Fsdp2 | Shard::DataParallel => {}
             Shard::Zero3 => self.zero3_post_backward(),
-            Shard::Ddp | Shard::ZeroRedundancy => {
-                for b in &mut self.par.buckets {
-                    b.pending = b.params.len();
-                }
-                self.par.next_bucket = 0;
-            }
+            Shard::Ddp | Shard::ZeroRedundancy => self.ddp_finalize_backward(),
             Shard::Zero1 => {
                 if boundary {
                     // `reduce_gradients` without overlap_comm: every gradient through the IPG path.
@@ -285,6 +288,39 @@ impl<'g> Lowering<'g> {
                 self.zero_ipg_reduce();
                 self.zero_release_ipg();
             }
+        }
+    }
+
+    /// `Reducer::finalize_backward`: the buckets' all-reduces waited for and copied back into
+    /// `.grad` in place; the buckets re-armed for the next backward.
+    fn ddp_finalize_backward(&mut self) {
+        for b in &mut self.par.buckets {
+            b.pending = b.params.len();
+        }
+        self.par.next_bucket = 0;
+    }
+
+    /// A DDP pipeline stage's `backward_one_chunk` begins (`stage.py`
+    /// `backward_maybe_with_nosync`): the last micro-batch's backward calls
+    /// `reducer.prepare_for_backward` (hooks expected: buckets filled and all-reduced as its
+    /// gradients become ready, the first one also recording the ready order the buckets are
+    /// rebuilt in); every other runs under `no_sync()`, its gradients only accumulating in
+    /// `.grad`. The stage's forwards all run under `no_sync()` too (`forward_maybe_with_nosync`),
+    /// which changes nothing in memory: `_pre_forward` rebuilds the buckets either way.
+    pub(super) fn ddp_pp_pre_backward(&mut self, last: bool) {
+        if self.shard().uses_ddp() {
+            self.par.ddp_no_sync = !last;
+        }
+    }
+
+    /// A DDP pipeline stage's backward ends: after the last micro-batch's, the Reducer's
+    /// `finalize_backward` (queued by its last bucket); then `no_sync()` again.
+    pub(super) fn ddp_pp_post_backward(&mut self, last: bool) {
+        if self.shard().uses_ddp() {
+            if last {
+                self.ddp_finalize_backward();
+            }
+            self.par.ddp_no_sync = true;
         }
     }
 

@@ -57,6 +57,9 @@ struct InFlight {
     loss: Option<Rt>,
     /// The last stage's model outputs, alive until the backward.
     held: Vec<Rt>,
+    /// A DDP stage's output, which its chunk state keeps until the backward returns
+    /// (`_output_slot_is_releasable`: "DDP reducer requires live outputs").
+    live_output: Option<Rt>,
     /// The autograd nodes, checkpoint frames and leaf slots its forward made.
     nodes: Range<usize>,
     frames: Range<usize>,
@@ -79,6 +82,8 @@ pub(crate) struct PpState {
     /// Values whose handles the running forward keeps (the last stage's model outputs).
     hold: Vec<ValueId>,
     held: Vec<Rt>,
+    /// Micro-batches of the step.
+    m: u32,
 }
 
 impl<'g> Lowering<'g> {
@@ -115,6 +120,7 @@ impl<'g> Lowering<'g> {
     pub(super) fn pp_step(&mut self) -> Result<(), LowerError> {
         let p = self.r.parallel;
         let m = pipeline::microbatches(&p, self.r.batch)?;
+        self.pp.m = m;
         self.pp_batch_inputs(m);
         if let PpSchedule::Interleaved(v) = p.pp_schedule {
             self.pp_runtime(&pipeline::runtime_actions(p.pp, p.stage, m, v))?;
@@ -344,6 +350,9 @@ impl<'g> Lowering<'g> {
         if last {
             self.pp.hold = c.model_outputs.clone();
         }
+        // A DDP stage's `_pre_forward` (under `no_sync()`): the buckets rebuilt once, at the first
+        // forward after a backward that recorded the gradients' ready order.
+        self.par_pre_forward();
         self.fsdp_pp_pre_forward();
         let out = self.forward_ops(c.start..c.end, c.output)?;
         self.fsdp_post_forward();
@@ -361,6 +370,7 @@ impl<'g> Lowering<'g> {
             root: None,
             loss: None,
             held,
+            live_output: None,
             nodes: node0..self.nodes.len(),
             frames: frame0..self.frames.len(),
             leaves: leaf0..self.leaf_grads.len(),
@@ -370,6 +380,9 @@ impl<'g> Lowering<'g> {
             None
         } else {
             state.root = out.edge;
+            if self.r.parallel.shard.uses_ddp() {
+                state.live_output = Some(self.dup(&out));
+            }
             Some(out)
         };
         self.pp.inflight.insert((stage, mb), state);
@@ -430,6 +443,11 @@ impl<'g> Lowering<'g> {
             .remove(&(stage, mb))
             .expect("a backward follows its forward");
         let (node0, frame0, leaf0) = (self.nodes.len(), self.frames.len(), self.leaf_grads.len());
+        // `last_backward=bwd_mb_index == self._n_microbatches - 1` (`schedules.py`; the
+        // runtime's `backward_counter[stage_idx] == self._n_microbatches`): a stage's backwards
+        // run in micro-batch order.
+        let last_backward = mb + 1 == self.pp.m;
+        self.ddp_pp_pre_backward(last_backward);
         if let Some(loss) = st.loss {
             let (loss, unscaled) = self.finish_loss(loss);
             self.backward_run(&loss);
@@ -442,7 +460,12 @@ impl<'g> Lowering<'g> {
             self.run_backward(root, into_engine, None);
         }
         self.fsdp_pp_end_backward();
-        // `grads_output` lives until `backward_one_chunk` returns.
+        self.ddp_pp_post_backward(last_backward);
+        // `backward_one_chunk` returns: its `bwd_kwargs` (holding a DDP stage's output) dies
+        // before its `grads_output`, which lives until then.
+        if let Some(t) = st.live_output {
+            self.drop_rt(t);
+        }
         if let Some(g) = grad {
             self.drop_rt(g);
         }
