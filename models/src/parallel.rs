@@ -24,6 +24,10 @@
 //!   BERT families, built into the rank's graph (`zoo/tp.rs`) and lowered with Megatron's collectives
 //!   (`lower/tp.rs`); the data-parallel modes above then act on the rank's sharded parameters.
 //!
+//! * `--pp` with `--dp`: FSDP2, DDP and `zero1-torch` inside the stages, as `torch.distributed.
+//!   pipelining`'s `stage.py` drives them (`lower/pipeline.rs`); DeepSpeed's ZeRO and a
+//!   GradScaler under the schedule are refused with the source's reason.
+//!
 //! The layout's other dimensions and options are parsed and checked here (`--pp`,
 //! `--pp-schedule`, `--microbatches`); a combination whose mechanism is not modelled
 //! yet is refused with the reason rather than approximated.
@@ -698,9 +702,15 @@ impl Parallel {
         if r.keep_outputs {
             return Err(bad("--keep-outputs is the single-GPU training loop's names; the pipeline schedule holds the outputs itself (give it without --keep-outputs)".into()));
         }
+        // A GradScaler cannot run under the schedule as it is: the schedule calls `loss_fn` on
+        // the last stage only (`schedules.py` `_maybe_compute_loss`: `if stage.is_last and
+        // self._loss_fn is not None`), so a `loss_fn` returning `scaler.scale(loss)` makes the
+        // scale on that rank alone, and every other rank's `unscale_`/`step`/`update` raise
+        // (`torch/amp/grad_scaler.py` `_check_scale_growth_tracker`; `ShardedGradScaler` too);
+        // nor do the stages' scalers share `found_inf` (GradScaler has no process group).
         if r.uses_grad_scaler() {
             return Err(bad(format!(
-                "torch.distributed.pipelining's schedule calls backward on the loss itself: a GradScaler (--precision {} or --grad-scaler) is not modelled with --pp; give --precision bf16, amp-bf16 or fp32",
+                "a GradScaler (--precision {} or --grad-scaler) does not run under torch.distributed.pipelining's schedule: it calls loss_fn on the last stage only (schedules.py _maybe_compute_loss: `if stage.is_last and self._loss_fn is not None`), so scaler.scale(loss) in the loss_fn makes the scale on that rank alone, and every other rank's scaler.unscale_/step/update raise \"Attempted unscale_ but _scale is None.  This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration.\" (torch/amp/grad_scaler.py _check_scale_growth_tracker), nor do the stages' scalers share found_inf; give --precision bf16, amp-bf16 or fp32",
                 r.precision
             )));
         }

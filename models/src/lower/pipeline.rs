@@ -28,7 +28,11 @@
 //!   the others are in flight) and its inputs die with its chunk state.
 //! * **Gradients** accumulate in `.grad` over the micro-batches; the optimizer steps once. An
 //!   FSDP2 stage (`--shard fsdp2`) keeps its parameters unsharded and accumulates unsharded
-//!   gradients over the micro-batches, then reduces once after the schedule (`fsdp.rs`).
+//!   gradients over the micro-batches, then reduces once after the schedule (`fsdp.rs`). A DDP
+//!   stage (`--shard ddp`, `zero1-torch`) runs every backward but the last micro-batch's under
+//!   `no_sync()` and fills its buckets in the last (`backward_maybe_with_nosync`,
+//!   `parallel.rs`), and keeps each output until that micro-batch's backward returns
+//!   (`_output_slot_is_releasable`: "DDP reducer requires live outputs").
 //!
 //! `ScheduleInterleaved1F1B` runs through `_PipelineScheduleRuntime`, whose actions
 //! `crate::pipeline::runtime_actions` lowers as `_prepare_schedule_with_comms` does: `RECV_F` and
