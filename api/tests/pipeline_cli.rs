@@ -158,21 +158,6 @@ fn bad_pipelines_fail_with_the_reason() {
             "--dp",
             "2",
             "--shard",
-            "ddp",
-        ],
-        &["one stage per rank", "own Reducer"],
-    );
-    fails(
-        &[
-            "--batch",
-            "8",
-            "--pp",
-            "2",
-            "--pp-schedule",
-            "interleaved:2",
-            "--dp",
-            "2",
-            "--shard",
             "fsdp2",
         ],
         &["one stage per rank"],

@@ -626,16 +626,10 @@ impl Parallel {
         // `lower/parallel.rs`).
         match self.shard {
             Shard::None | Shard::Fsdp2 => {}
-            Shard::Ddp | Shard::ZeroRedundancy => {
-                // Each of a rank's stages is its own DDP module with its own Reducer and buckets
-                // (torchtitan wraps every model part); the lowering keeps one Reducer per rank.
-                if matches!(self.pp_schedule, PpSchedule::Interleaved(_)) {
-                    return Err(bad(format!(
-                        "--pp {} --shard {} is modelled for one stage per rank (gpipe, 1f1b): with --pp-schedule {} each of a rank's stages is its own DistributedDataParallel module with its own Reducer and buckets, which is not modelled yet",
-                        self.pp, self.shard, self.pp_schedule
-                    )));
-                }
-            }
+            // Each of a rank's stages (interleaved) is its own DDP module with its own Reducer and
+            // buckets (torchtitan wraps every model part); `zero1-torch` is one
+            // ZeroRedundancyOptimizer over the rank's parameters.
+            Shard::Ddp | Shard::ZeroRedundancy => {}
             // DeepSpeed's pipeline engine refuses stages 2 and 3 (`deepspeed/runtime/pipe/
             // engine.py`, `PipelineEngine.__init__`: `assert self.zero_optimization_stage() <
             // ZeroStageEnum.gradients, "ZeRO-2 and ZeRO-3 are incompatible with pipeline

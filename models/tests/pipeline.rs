@@ -529,11 +529,19 @@ fn fsdp2_stage_accumulates_unsharded_gradients_and_reduces_once() {
 ///   the last micro-batch's backward, whose hooks copy each into its bucket view and re-point
 ///   `.grad` there (`mark_variable_ready_dense`): at most 2Ψs of gradient storage during the
 ///   schedule, none of their own at the optimizer.
+///
+/// With `interleaved:2` each of the rank's two stages is its own DDP module: the same totals over
+/// the rank's parameters, made as one constructor bucket per stage.
 #[test]
 fn ddp_stage_buckets_hold_the_stage_gradients() {
-    for bucket_view in [false, true] {
+    let cases = [
+        (PpSchedule::OneFOneB, false),
+        (PpSchedule::OneFOneB, true),
+        (PpSchedule::Interleaved(2), false),
+    ];
+    for (schedule, bucket_view) in cases {
         for rank in 0..2 {
-            let mut r = recipe(8, 64, 2, PpSchedule::OneFOneB, 4, rank);
+            let mut r = recipe(8, 64, 2, schedule, 4, rank);
             r.parallel.dp = 2;
             r.parallel.shard = vramsim_models::Shard::Ddp;
             r.parallel.gradient_as_bucket_view = bucket_view;
@@ -550,7 +558,21 @@ fn ddp_stage_buckets_hold_the_stage_gradients() {
             let t = lower(&h, &r).expect("lowers");
             let at = |phase: &str, it: usize| live_at_phase(&t, phase, it);
             let get = |m: &HashMap<Category, u64>, c| m.get(&c).copied().unwrap_or(0);
-            let label = format!("bucket view {bucket_view}, stage {rank}");
+            let label = format!("{schedule}, bucket view {bucket_view}, rank {rank}");
+            if let PpSchedule::Interleaved(v) = schedule {
+                let made = t
+                    .events
+                    .iter()
+                    .take_while(|e| !matches!(e, Event::Phase { name } if &**name == "forward"))
+                    .filter(|e| {
+                        matches!(e, Event::Alloc { tag: Some(x), .. } if x.starts_with("ddp_stage"))
+                    })
+                    .count();
+                assert_eq!(
+                    made, v as usize,
+                    "{label}: one constructor bucket per stage"
+                );
+            }
             // The constructor's bucket, before any step.
             let first_forward = at("forward", 0);
             assert_eq!(

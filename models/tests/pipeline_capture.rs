@@ -101,6 +101,30 @@ fn peaks_dp(
     dp: &Dp,
 ) -> Vec<(Peaks, Peaks)> {
     let mut out = Vec::new();
+    for (rank, (t, captured)) in traces(dir, schedule, pp, m, checkpointing, dp)
+        .into_iter()
+        .enumerate()
+    {
+        let (ours, theirs) = (peak(&t), peak(&captured));
+        eprintln!(
+            "{dir} rank {rank}.dp{}: vramsim {} B (first schedule {} B), PyTorch {} B ({} B)",
+            dp.rank, ours.0, ours.1, theirs.0, theirs.1
+        );
+        out.push((ours, theirs));
+    }
+    out
+}
+
+/// Per rank: (the lowering, the recording).
+fn traces(
+    dir: &str,
+    schedule: PpSchedule,
+    pp: u32,
+    m: u32,
+    checkpointing: Checkpointing,
+    dp: &Dp,
+) -> Vec<(Trace, Trace)> {
+    let mut out = Vec::new();
     let base = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/pipeline")
         .join(dir);
@@ -133,12 +157,7 @@ fn peaks_dp(
         gr.batch = r.parallel.replica_batch(r.batch);
         let g = cfg.arch.build(&gr).expect("builds");
         let t = lower(&rank_graph(&g, &r.parallel).expect("splits"), &r).expect("lowers");
-        let (ours, theirs) = (peak(&t), peak(&captured));
-        eprintln!(
-            "{dir} rank {rank}.dp{}: vramsim {} B (first schedule {} B), PyTorch {} B ({} B)",
-            dp.rank, ours.0, ours.1, theirs.0, theirs.1
-        );
-        out.push((ours, theirs));
+        out.push((t, captured));
     }
     out
 }
@@ -299,6 +318,94 @@ fn zero1_torch_one_f_one_b_pp2_m4() {
                 rank: dp_rank,
             };
             peaks_dp(dir, PpSchedule::OneFOneB, 2, 4, Checkpointing::None, &dp)
+        })
+        .collect();
+    for rank in 0..2 {
+        let ours = per_dp[0][rank].0;
+        let theirs: Vec<Peaks> = per_dp.iter().map(|p| p[rank].1).collect();
+        assert_eq!(
+            theirs[0].1, theirs[1].1,
+            "rank {rank}: first step's schedule"
+        );
+        let worst = *theirs.iter().max().expect("two ranks");
+        assert_eq!(ours, worst, "{dir} rank {rank}");
+    }
+}
+
+/// `ScheduleInterleaved1F1B` with DDP stages (pp 2 × V 2 × dp 2): each of a rank's two stages is
+/// its own `DistributedDataParallel` with its own Reducer and bucket, whose hooks run in that
+/// stage's last backward only (`_PipelineScheduleRuntime`: `last_backward =
+/// backward_counter[stage_idx] == n_microbatches`), and whose buckets are rebuilt at that stage's
+/// next forward.
+#[test]
+fn ddp_interleaved_pp2_v2_m4() {
+    check_ddp(
+        "ddp2-interleaved2-pp2-m4",
+        PpSchedule::Interleaved(2),
+        4,
+        Shard::Ddp,
+        false,
+    );
+    // The buckets themselves, in the order they are made: in the recording the Reducers' flat
+    // `at::empty` tensors are its only `aten.empty.memory_format` allocations above 64 KiB (the
+    // others are masks and shape metadata): per stage module one at construction (its gradients'
+    // bytes), then the rebuilt ones (1 MiB first, 25 MiB cap) at that stage's next forward.
+    let dp = Dp {
+        dp: 2,
+        shard: Shard::Ddp,
+        bucket_view: false,
+        rank: 0,
+    };
+    let sizes = |t: &Trace, pick: &dyn Fn(&str, u64) -> bool| -> Vec<u64> {
+        t.events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Alloc { size, tag, .. } if pick(tag.as_deref().unwrap_or(""), *size) => {
+                    Some(*size)
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    let got = traces(
+        "ddp2-interleaved2-pp2-m4",
+        PpSchedule::Interleaved(2),
+        2,
+        4,
+        Checkpointing::None,
+        &dp,
+    );
+    for (rank, (ours, theirs)) in got.iter().enumerate() {
+        let a = sizes(ours, &|tag, _| tag.starts_with("ddp_stage"));
+        let b = sizes(theirs, &|tag, size| {
+            tag == "aten.empty.memory_format" && size > 64 * 1024
+        });
+        assert_eq!(a, b, "rank {rank}: bucket sizes");
+        assert!(a.len() >= 4, "rank {rank}: {a:?}");
+    }
+}
+
+/// `zero1-torch` with the interleaved schedule: one `ZeroRedundancyOptimizer` over the rank's
+/// two stage modules' parameters, each stage its own DDP module.
+#[test]
+fn zero1_torch_interleaved_pp2_v2_m4() {
+    let dir = "zero1torch2-interleaved2-pp2-m4";
+    let per_dp: Vec<Vec<(Peaks, Peaks)>> = (0..2)
+        .map(|dp_rank| {
+            let dp = Dp {
+                dp: 2,
+                shard: Shard::ZeroRedundancy,
+                bucket_view: false,
+                rank: dp_rank,
+            };
+            peaks_dp(
+                dir,
+                PpSchedule::Interleaved(2),
+                2,
+                4,
+                Checkpointing::None,
+                &dp,
+            )
         })
         .collect();
     for rank in 0..2 {

@@ -356,7 +356,7 @@ impl<'g> Lowering<'g> {
         }
         // A DDP stage's `_pre_forward` (under `no_sync()`): the buckets rebuilt once, at the first
         // forward after a backward that recorded the gradients' ready order.
-        self.par_pre_forward();
+        self.ddp_stage_pre_forward(stage);
         self.fsdp_pp_pre_forward();
         let out = self.forward_ops(c.start..c.end, c.output)?;
         self.fsdp_post_forward();
@@ -451,7 +451,7 @@ impl<'g> Lowering<'g> {
         // runtime's `backward_counter[stage_idx] == self._n_microbatches`): a stage's backwards
         // run in micro-batch order.
         let last_backward = mb + 1 == self.pp.m;
-        self.ddp_pp_pre_backward(last_backward);
+        self.ddp_pp_pre_backward(stage, last_backward);
         if let Some(loss) = st.loss {
             let (loss, unscaled) = self.finish_loss(loss);
             self.backward_run(&loss);
@@ -464,7 +464,7 @@ impl<'g> Lowering<'g> {
             self.run_backward(root, into_engine, None);
         }
         self.fsdp_pp_end_backward();
-        self.ddp_pp_post_backward(last_backward);
+        self.ddp_pp_post_backward(stage, last_backward);
         // `backward_one_chunk` returns: its `bwd_kwargs` (holding a DDP stage's output) dies
         // before its `grads_output`, which lives until then.
         if let Some(t) = st.live_output {
