@@ -8,6 +8,12 @@
 //! step's schedule (before any optimizer state), must be PyTorch's to the byte: the
 //! micro-batches in flight, the receive buffers, the outputs held for their sends and the gradients
 //! sent back are where the schedule puts them.
+//!
+//! The `ddp2-*` and `zero1torch2-*` recordings run pp 2 × dp 2 (four gloo processes, torchtitan's
+//! mesh order `pp, dp`) with every stage module in `DistributedDataParallel` over its data-parallel
+//! group: `capture_pipeline.py OUT --dp 2 --shard ddp|zero1-torch [--bucket-view]
+//! [--schedule gpipe --m 2 | --schedule interleaved:2]`, one file per global rank
+//! (`rank{pp_rank}.dp{dp_rank}.jsonl.gz`).
 
 use std::collections::HashMap;
 use std::path::Path;
