@@ -140,8 +140,12 @@ fn bad_pipelines_fail_with_the_reason() {
         &["16 stages for 12 layers"],
     );
     fails(
-        &["--batch", "8", "--pp", "2", "--dp", "2", "--shard", "ddp"],
-        &["not modelled yet", "no_sync"],
+        &["--batch", "8", "--pp", "2", "--dp", "2", "--shard", "zero2"],
+        &["ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"],
+    );
+    fails(
+        &["--batch", "8", "--pp", "2", "--dp", "2", "--shard", "zero1"],
+        &["DeepSpeed's PipelineEngine", "zero1-torch"],
     );
     fails(
         &[
@@ -163,7 +167,7 @@ fn bad_pipelines_fail_with_the_reason() {
     );
     fails(
         &["--batch", "8", "--pp", "2", "--precision", "amp-fp16"],
-        &["GradScaler"],
+        &["GradScaler", "_maybe_compute_loss", "_scale is None"],
     );
 }
 
@@ -204,4 +208,48 @@ fn max_batch_of_a_pipeline_walks_the_micro_batch_multiples() {
         &["max-batch", "--model", "gpt2", "--seq", "128", "--pp", "2"],
         &["needs --microbatches M"],
     );
+}
+
+/// `--pp 2 --dp 2 --shard ddp` (and `zero1-torch`, over DDP): each pipeline rank is one role
+/// played by its stage's two data-parallel ranks (torchtitan's mesh `pp, dp`: global ranks
+/// `2·stage`, `2·stage + 1`); at the peak (the optimizer step) DDP's buckets hold the stage's
+/// gradient bytes (bf16: the same bytes as its parameters and its gradients), and
+/// `zero1-torch`'s AdamW holds less state than DDP's (a share of the stage's parameters).
+#[test]
+fn ddp_stages_are_roles_of_their_data_parallel_ranks() {
+    let run = |shard: &str| {
+        json(&[
+            "predict",
+            "--model",
+            "gpt2",
+            "--batch",
+            "8",
+            "--seq",
+            "128",
+            "--precision",
+            "bf16",
+            "--pp",
+            "2",
+            "--dp",
+            "2",
+            "--shard",
+            shard,
+        ])
+    };
+    let ddp = run("ddp");
+    assert_eq!(ddp["layout"]["world_size"], 4);
+    let ranks = ddp["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 2);
+    for (s, role) in ranks.iter().enumerate() {
+        let s = s as u64;
+        assert_eq!(role["ranks"], serde_json::json!([2 * s, 2 * s + 1]));
+        let by = &role["by_category"];
+        assert_eq!(by["communication"], by["gradient"], "stage {s}");
+        assert_eq!(by["communication"], by["parameter"], "stage {s}");
+    }
+    let zr = run("zero1-torch");
+    for s in 0..2 {
+        let state = |d: &Value| d["ranks"][s]["by_category"]["optimizer_state"].as_u64();
+        assert!(state(&zr) < state(&ddp), "stage {s}");
+    }
 }

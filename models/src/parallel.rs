@@ -24,6 +24,10 @@
 //!   BERT families, built into the rank's graph (`zoo/tp.rs`) and lowered with Megatron's collectives
 //!   (`lower/tp.rs`); the data-parallel modes above then act on the rank's sharded parameters.
 //!
+//! * `--pp` with `--dp`: FSDP2, DDP and `zero1-torch` inside the stages, as `torch.distributed.
+//!   pipelining`'s `stage.py` drives them (`lower/pipeline.rs`); DeepSpeed's ZeRO and a
+//!   GradScaler under the schedule are refused with the source's reason.
+//!
 //! The layout's other dimensions and options are parsed and checked here (`--pp`,
 //! `--pp-schedule`, `--microbatches`); a combination whose mechanism is not modelled
 //! yet is refused with the reason rather than approximated.
@@ -666,14 +670,44 @@ impl Parallel {
         // torchtitan runs it (`lower/fsdp.rs`: parameters kept unsharded from the first forward,
         // unsharded gradients accumulated over the micro-batches, one reduce-scatter per group
         // after the last backward: `stage.py` `backward_maybe_with_nosync`,
-        // `perform_reduce_grad`). DDP and ZeRO over the stages are not yet: a DDP stage's
-        // non-last backwards run under `no_sync()` (`backward_maybe_with_nosync`), which the DDP
-        // lowering (one backward per micro-step) does not model.
-        if self.shard != Shard::None && self.shard != Shard::Fsdp2 {
-            return Err(bad(format!(
-                "--pp {} with --shard {} is not modelled yet: FSDP2 is the data-parallel mode modelled inside a pipeline stage (a DDP stage's non-last micro-batch backwards run under no_sync, stage.py backward_maybe_with_nosync; ZeRO under a schedule is not modelled); give --shard fsdp2, or --dp 1 --shard none",
-                self.pp, self.shard
-            )));
+        // `perform_reduce_grad`). A DDP stage (`ddp`, and `zero1-torch`'s DDP model) runs its
+        // forwards and non-last backwards under `no_sync()` and all-reduces its buckets in the
+        // last backward (`forward_maybe_with_nosync`, `backward_maybe_with_nosync`: lowered in
+        // `lower/parallel.rs`).
+        match self.shard {
+            Shard::None | Shard::Fsdp2 => {}
+            // Each of a rank's stages (interleaved) is its own DDP module with its own Reducer and
+            // buckets (torchtitan wraps every model part); `zero1-torch` is one
+            // ZeroRedundancyOptimizer over the rank's parameters.
+            Shard::Ddp | Shard::ZeroRedundancy => {}
+            // DeepSpeed's pipeline engine refuses stages 2 and 3 (`deepspeed/runtime/pipe/
+            // engine.py`, `PipelineEngine.__init__`: `assert self.zero_optimization_stage() <
+            // ZeroStageEnum.gradients, "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+            // parallelism"`).
+            Shard::Zero2 | Shard::Zero3 => {
+                return Err(bad(format!(
+                    "--pp {} with --shard {}: DeepSpeed refuses it (\"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\", deepspeed/runtime/pipe/engine.py PipelineEngine.__init__); give --shard zero1-torch, ddp or fsdp2, or --pp 1",
+                    self.pp, self.shard
+                )));
+            }
+            // ZeRO-1 under a pipeline is DeepSpeed's own runtime, not `torch.distributed.
+            // pipelining`: `PipelineEngine` (a `PipelineModule`) runs `TrainSchedule`, whose
+            // in-flight micro-batches are 1F1B's (`num_pipe_buffers`: `min(stages - stage_id,
+            // micro_batches)`, at least 2), but on `PipelineModule`'s partition
+            // (`partition_method="parameters"`), with its own pipe buffers (`_exec_recv_*`), its
+            // backward outside `DeepSpeedZeroOptimizer.backward` on all but the last stage
+            // (`_exec_backward_pass`: `torch.autograd.backward(tensors, grad_tensors)`), and its
+            // reduce at the boundary (`_exec_reduce_grads`); in bf16 with an fp32
+            // `grad_accum_dtype` it is `BF16_Optimizer`, not the ZeRO optimizer (`engine.py`
+            // `_do_optimizer_sanity_check`).
+            Shard::Zero1 => {
+                return Err(bad(format!(
+                    "--pp {} with --shard zero1 is DeepSpeed's PipelineEngine, which is not modelled: its TrainSchedule keeps 1F1B's micro-batches in flight, but on PipelineModule's partition (partition_method \"parameters\"), with DeepSpeed's pipe buffers, its backward outside the ZeRO optimizer's on all but the last stage and its reduce at the batch's end (deepspeed/runtime/pipe/engine.py), none of which --pp lowers (torch.distributed.pipelining under torchtitan's split); give --shard zero1-torch (ZeroRedundancyOptimizer over DDP stages), ddp or fsdp2",
+                    self.pp
+                )));
+            }
+            // Refused with --pp by `validate_model_parallel`.
+            Shard::DataParallel => {}
         }
         if self.shard == Shard::Fsdp2 {
             // A MixedPrecisionPolicy (the unsharded gradients accumulate in the reduce dtype
@@ -699,9 +733,15 @@ impl Parallel {
         if r.keep_outputs {
             return Err(bad("--keep-outputs is the single-GPU training loop's names; the pipeline schedule holds the outputs itself (give it without --keep-outputs)".into()));
         }
+        // A GradScaler cannot run under the schedule as it is: the schedule calls `loss_fn` on
+        // the last stage only (`schedules.py` `_maybe_compute_loss`: `if stage.is_last and
+        // self._loss_fn is not None`), so a `loss_fn` returning `scaler.scale(loss)` makes the
+        // scale on that rank alone, and every other rank's `unscale_`/`step`/`update` raise
+        // (`torch/amp/grad_scaler.py` `_check_scale_growth_tracker`; `ShardedGradScaler` too);
+        // nor do the stages' scalers share `found_inf` (GradScaler has no process group).
         if r.uses_grad_scaler() {
             return Err(bad(format!(
-                "torch.distributed.pipelining's schedule calls backward on the loss itself: a GradScaler (--precision {} or --grad-scaler) is not modelled with --pp; give --precision bf16, amp-bf16 or fp32",
+                "a GradScaler (--precision {} or --grad-scaler) does not run under torch.distributed.pipelining's schedule: it calls loss_fn on the last stage only (schedules.py _maybe_compute_loss: `if stage.is_last and self._loss_fn is not None`), so scaler.scale(loss) in the loss_fn makes the scale on that rank alone, and every other rank's scaler.unscale_/step/update raise \"Attempted unscale_ but _scale is None.  This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration.\" (torch/amp/grad_scaler.py _check_scale_growth_tracker), nor do the stages' scalers share found_inf; give --precision bf16, amp-bf16 or fp32",
                 r.precision
             )));
         }

@@ -724,3 +724,84 @@ fn fsdp2_interleaved_four_stages_keeps_three_unsharded() {
         assert_eq!(max_live(&t, Category::Gradient), 2 * numel, "rank {rank}");
     }
 }
+
+/// DDP on a pipeline stage (PyTorch 2.15 `stage.py` `forward_maybe_with_nosync` /
+/// `backward_maybe_with_nosync`), by hand for GPT-2 split over 2 stages (bf16, 4 micro-batches,
+/// dp 2, two steps), Ψs the stage's parameter count:
+/// * the Reducer's buckets hold the stage's gradient bytes, 2Ψs, from the DDP constructor on
+///   (`initialize_buckets` at setup; rebuilt, same total, at the second step's first forward):
+///   the closed form, bucket bytes = gradient bytes;
+/// * without `gradient_as_bucket_view`, the optimizer sees 2Ψs of gradients (accumulated in
+///   `.grad` under `no_sync()`, the buckets copied back in place) beside the 2Ψs of buckets;
+/// * with it, the gradients accumulated under `no_sync()` are AccumulateGrad's own tensors until
+///   the last micro-batch's backward, whose hooks copy each into its bucket view and re-point
+///   `.grad` there (`mark_variable_ready_dense`): at most 2Ψs of gradient storage during the
+///   schedule, none of their own at the optimizer.
+///
+/// With `interleaved:2` each of the rank's two stages is its own DDP module: the same totals over
+/// the rank's parameters, made as one constructor bucket per stage.
+#[test]
+fn ddp_stage_buckets_hold_the_stage_gradients() {
+    let cases = [
+        (PpSchedule::OneFOneB, false),
+        (PpSchedule::OneFOneB, true),
+        (PpSchedule::Interleaved(2), false),
+    ];
+    for (schedule, bucket_view) in cases {
+        for rank in 0..2 {
+            let mut r = recipe(8, 64, 2, schedule, 4, rank);
+            r.parallel.dp = 2;
+            r.parallel.shard = vramsim_models::Shard::Ddp;
+            r.parallel.gradient_as_bucket_view = bucket_view;
+            r.iterations = 2;
+            let mut gr = r.clone();
+            gr.batch = r.parallel.replica_batch(r.batch);
+            let g = zoo::build("gpt2", &gr).expect("builds");
+            let h = rank_graph(&g, &r.parallel).expect("splits");
+            let psi: u64 = h
+                .params
+                .iter()
+                .map(|p| p.shape.iter().product::<u64>())
+                .sum();
+            let t = lower(&h, &r).expect("lowers");
+            let at = |phase: &str, it: usize| live_at_phase(&t, phase, it);
+            let get = |m: &HashMap<Category, u64>, c| m.get(&c).copied().unwrap_or(0);
+            let label = format!("{schedule}, bucket view {bucket_view}, rank {rank}");
+            if let PpSchedule::Interleaved(v) = schedule {
+                let made = t
+                    .events
+                    .iter()
+                    .take_while(|e| !matches!(e, Event::Phase { name } if &**name == "forward"))
+                    .filter(|e| {
+                        matches!(e, Event::Alloc { tag: Some(x), .. } if x.starts_with("ddp_stage"))
+                    })
+                    .count();
+                assert_eq!(
+                    made, v as usize,
+                    "{label}: one constructor bucket per stage"
+                );
+            }
+            // The constructor's bucket, before any step.
+            let first_forward = at("forward", 0);
+            assert_eq!(
+                get(&first_forward, Category::Communication),
+                2 * psi,
+                "{label}"
+            );
+            assert_eq!(get(&first_forward, Category::Gradient), 0, "{label}");
+            for it in 0..2 {
+                let opt = at("optimizer", it);
+                // Buckets (and, on the first stage, no receive buffer; the last stage none
+                // either): the communication category is the buckets alone.
+                assert_eq!(
+                    get(&opt, Category::Communication),
+                    2 * psi,
+                    "{label} it {it}"
+                );
+                let grads = if bucket_view { 0 } else { 2 * psi };
+                assert_eq!(get(&opt, Category::Gradient), grads, "{label} it {it}");
+            }
+            assert_eq!(max_live(&t, Category::Gradient), 2 * psi, "{label}");
+        }
+    }
+}

@@ -9,12 +9,19 @@
 //! micro-batches in flight, the receive buffers, the outputs held for their sends and the gradients
 //! sent back are where the schedule puts them.
 //!
-//! With `--dp 2` the same tool ran `pp × 2` processes on torchtitan's `("pp", "dp")` mesh, each
-//! stage `fully_shard` per block and at its root (`reshard_after_forward=False`, optionally
-//! torchtitan's `MixedPrecisionPolicy(bf16, fp32)`), and recorded the first data-parallel rank of
-//! each stage for one step (`tests/fixtures/pipeline/*fsdp2*`): the first step's schedule (the
-//! unsharded parameters, the unsharded gradients accumulated over the micro-batches, the
-//! interleaved runtime's UNSHARD/RESHARD/REDUCE_GRAD, the reduce-scatters) is compared.
+//! With `--dp 2 --shard fsdp2` the same tool ran `pp × 2` processes on torchtitan's `("pp", "dp")`
+//! mesh, each stage `fully_shard` per block and at its root (`reshard_after_forward=False`,
+//! optionally torchtitan's `MixedPrecisionPolicy(bf16, fp32)`: `--fsdp-param-dtype bf16
+//! --fsdp-reduce-dtype fp32`), and recorded the first data-parallel rank of each stage for one step
+//! (`tests/fixtures/pipeline/*fsdp2*/rankR.jsonl.gz`): the first step's schedule (the unsharded
+//! parameters, the unsharded gradients accumulated over the micro-batches, the interleaved
+//! runtime's UNSHARD/RESHARD/REDUCE_GRAD, the reduce-scatters) is compared.
+//!
+//! The `ddp2-*` and `zero1torch2-*` recordings run pp 2 × dp 2 (four gloo processes, torchtitan's
+//! mesh order `pp, dp`) with every stage module in `DistributedDataParallel` over its data-parallel
+//! group: `capture_pipeline.py OUT --dp 2 --shard ddp|zero1-torch [--bucket-view]
+//! [--schedule gpipe --m 2 | --schedule interleaved:2]`, one file per global rank
+//! (`rank{pp_rank}.dp{dp_rank}.jsonl.gz`).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -22,7 +29,8 @@ use std::path::Path;
 use vramsim_models::hf::{read, ImportOptions};
 use vramsim_models::pipeline::rank_graph;
 use vramsim_models::{
-    lower, Attention, CheckpointImpl, Checkpointing, Fidelity, Parallel, PpSchedule, Recipe,
+    lower, Attention, CheckpointImpl, Checkpointing, DType, Fidelity, Parallel, PpSchedule, Recipe,
+    Shard,
 };
 use vramsim_traces::{read_trace, Event, Trace};
 
@@ -76,25 +84,103 @@ fn peaks(
     m: u32,
     checkpointing: Checkpointing,
 ) -> Vec<(Peaks, Peaks)> {
-    peaks_with(dir, schedule, pp, m, checkpointing, |_| {})
+    peaks_dp(dir, schedule, pp, m, checkpointing, &Dp::none())
 }
 
-/// [`peaks`] with the layout changed by `layout` (FSDP2 over the stages).
-fn peaks_with(
+/// The data-parallel side of a recording: `--dp`, `--shard` and its options, and the
+/// data-parallel rank whose file is compared.
+#[derive(Clone, Copy)]
+struct Dp {
+    dp: u32,
+    shard: Shard,
+    /// DDP's `gradient_as_bucket_view` (`--ddp-bucket-view`).
+    bucket_view: bool,
+    /// FSDP2's `MixedPrecisionPolicy` (`param_dtype`, `reduce_dtype`).
+    mixed: Option<(DType, DType)>,
+    /// The data-parallel rank whose file (`rankR.dpD.jsonl.gz`) is compared; `None`: the file
+    /// `rankR.jsonl.gz` (no data parallelism, or an FSDP2 recording, which keeps the first
+    /// data-parallel rank of each stage only).
+    rank: Option<u32>,
+}
+
+impl Dp {
+    fn none() -> Self {
+        Dp {
+            dp: 1,
+            shard: Shard::None,
+            bucket_view: false,
+            mixed: None,
+            rank: None,
+        }
+    }
+
+    /// FSDP2 over 2 data-parallel ranks inside each stage (`--dp 2 --shard fsdp2`).
+    fn fsdp2(mixed: Option<(DType, DType)>) -> Self {
+        Dp {
+            dp: 2,
+            shard: Shard::Fsdp2,
+            mixed,
+            ..Dp::none()
+        }
+    }
+
+    /// Each stage in `DistributedDataParallel` over 2 data-parallel ranks (`--dp 2 --shard
+    /// ddp|zero1-torch`), data-parallel rank `rank`'s file.
+    fn ddp(shard: Shard, bucket_view: bool, rank: u32) -> Self {
+        Dp {
+            dp: 2,
+            shard,
+            bucket_view,
+            rank: Some(rank),
+            ..Dp::none()
+        }
+    }
+}
+
+/// [`peaks`] of a recording with data parallelism inside the stages (`dp`).
+fn peaks_dp(
     dir: &str,
     schedule: PpSchedule,
     pp: u32,
     m: u32,
     checkpointing: Checkpointing,
-    layout: impl Fn(&mut Parallel),
+    dp: &Dp,
 ) -> Vec<(Peaks, Peaks)> {
+    let mut out = Vec::new();
+    for (rank, (t, captured)) in traces(dir, schedule, pp, m, checkpointing, dp)
+        .into_iter()
+        .enumerate()
+    {
+        let (ours, theirs) = (peak(&t), peak(&captured));
+        let file = dp.rank.map_or(String::new(), |d| format!(".dp{d}"));
+        eprintln!(
+            "{dir} rank {rank}{file}: vramsim {} B (first schedule {} B), PyTorch {} B ({} B)",
+            ours.0, ours.1, theirs.0, theirs.1
+        );
+        out.push((ours, theirs));
+    }
+    out
+}
+
+/// Per rank: (the lowering, the recording).
+fn traces(
+    dir: &str,
+    schedule: PpSchedule,
+    pp: u32,
+    m: u32,
+    checkpointing: Checkpointing,
+    dp: &Dp,
+) -> Vec<(Trace, Trace)> {
     let mut out = Vec::new();
     let base = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/pipeline")
         .join(dir);
     let cfg = read(&base.join("config.json"), &ImportOptions::default()).expect("config");
     for rank in 0..pp {
-        let path = base.join(format!("rank{rank}.jsonl.gz"));
+        let path = match dp.rank {
+            None => base.join(format!("rank{rank}.jsonl.gz")),
+            Some(d) => base.join(format!("rank{rank}.dp{d}.jsonl.gz")),
+        };
         let captured = read_trace(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let mut r = Recipe::new(u64::from(m), 64);
         r.attention = Attention::Eager;
@@ -108,19 +194,18 @@ fn peaks_with(
             pp_schedule: schedule,
             microbatches: Some(m),
             stage: rank,
+            dp: dp.dp,
+            shard: dp.shard,
+            gradient_as_bucket_view: dp.bucket_view,
+            fsdp_param_dtype: dp.mixed.map(|(param, _)| param),
+            fsdp_reduce_dtype: dp.mixed.map(|(_, reduce)| reduce),
             ..Parallel::default()
         };
-        layout(&mut r.parallel);
         let mut gr = r.clone();
         gr.batch = r.parallel.replica_batch(r.batch);
         let g = cfg.arch.build(&gr).expect("builds");
         let t = lower(&rank_graph(&g, &r.parallel).expect("splits"), &r).expect("lowers");
-        let (ours, theirs) = (peak(&t), peak(&captured));
-        eprintln!(
-            "{dir} rank {rank}: vramsim {} B (first schedule {} B), PyTorch {} B ({} B)",
-            ours.0, ours.1, theirs.0, theirs.1
-        );
-        out.push((ours, theirs));
+        out.push((t, captured));
     }
     out
 }
@@ -214,9 +299,9 @@ fn llama_micro_batches_in_flight_add_what_pytorch_adds() {
     }
 }
 
-/// FSDP2 inside the stages with torchtitan's mixed precision (`capture_pipeline.py --dp 2
-/// --fsdp-param-dtype bf16 --fsdp-reduce-dtype fp32`): HF Llama (fp32 model, bf16 compute) in 2
-/// stages over 2 data-parallel ranks, 1F1B over 4 micro-batches and GPipe over 1. The first
+/// FSDP2 inside the stages with torchtitan's mixed precision (`capture_pipeline.py --dp 2 --shard
+/// fsdp2 --fsdp-param-dtype bf16 --fsdp-reduce-dtype fp32`): HF Llama (fp32 model, bf16 compute)
+/// in 2 stages over 2 data-parallel ranks, 1F1B over 4 micro-batches and GPipe over 1. The first
 /// stage's first-step peak (at the first reduce-scatter input, with every unsharded gradient
 /// accumulated in fp32) is PyTorch's to the byte with both; with GPipe it includes the received
 /// output gradient, which `ScheduleGPipe._step_microbatches` keeps past `backward_one_chunk` (its
@@ -229,26 +314,22 @@ fn llama_micro_batches_in_flight_add_what_pytorch_adds() {
 /// four micro-batches under FSDP2 add what PyTorch adds.
 #[test]
 fn llama_fsdp2_mixed_precision_1f1b() {
-    let fsdp = |par: &mut Parallel| {
-        fsdp2(par);
-        par.fsdp_param_dtype = Some(vramsim_models::DType::BF16);
-        par.fsdp_reduce_dtype = Some(vramsim_models::DType::F32);
-    };
-    let one = peaks_with(
+    let fsdp = Dp::fsdp2(Some((DType::BF16, DType::F32)));
+    let one = peaks_dp(
         "llama-fsdp2-mp-gpipe-pp2-dp2-m1",
         PpSchedule::GPipe,
         2,
         1,
         Checkpointing::None,
-        fsdp,
+        &fsdp,
     );
-    let four = peaks_with(
+    let four = peaks_dp(
         "llama-fsdp2-mp-1f1b-pp2-dp2-m4",
         PpSchedule::OneFOneB,
         2,
         4,
         Checkpointing::None,
-        fsdp,
+        &fsdp,
     );
     let d = |p: &[(Peaks, Peaks)], rank: usize| p[rank].0 .1 as i64 - p[rank].1 .1 as i64;
     assert_eq!(d(&four, 0), 0, "rank 0, 1F1B");
@@ -258,20 +339,15 @@ fn llama_fsdp2_mixed_precision_1f1b() {
 }
 
 /// FSDP2 over 2 data-parallel ranks inside each stage: HF GPT-2 (fp32, no mixed precision).
-fn fsdp2(par: &mut Parallel) {
-    par.dp = 2;
-    par.shard = vramsim_models::Shard::Fsdp2;
-}
-
 #[test]
 fn fsdp2_one_f_one_b_pp2_m4() {
-    for (rank, (ours, theirs)) in peaks_with(
+    for (rank, (ours, theirs)) in peaks_dp(
         "fsdp2-1f1b-pp2-dp2-m4",
         PpSchedule::OneFOneB,
         2,
         4,
         Checkpointing::None,
-        fsdp2,
+        &Dp::fsdp2(None),
     )
     .into_iter()
     .enumerate()
@@ -282,13 +358,13 @@ fn fsdp2_one_f_one_b_pp2_m4() {
 
 #[test]
 fn fsdp2_interleaved_pp2_v2_m4() {
-    for (rank, (ours, theirs)) in peaks_with(
+    for (rank, (ours, theirs)) in peaks_dp(
         "fsdp2-interleaved2-pp2-dp2-m4",
         PpSchedule::Interleaved(2),
         2,
         4,
         Checkpointing::None,
-        fsdp2,
+        &Dp::fsdp2(None),
     )
     .into_iter()
     .enumerate()
@@ -299,13 +375,13 @@ fn fsdp2_interleaved_pp2_v2_m4() {
 
 #[test]
 fn fsdp2_interleaved_pp2_v4_m4() {
-    for (rank, (ours, theirs)) in peaks_with(
+    for (rank, (ours, theirs)) in peaks_dp(
         "fsdp2-interleaved4-pp2-dp2-m4-l14",
         PpSchedule::Interleaved(4),
         2,
         4,
         Checkpointing::None,
-        fsdp2,
+        &Dp::fsdp2(None),
     )
     .into_iter()
     .enumerate()
@@ -323,21 +399,166 @@ fn fsdp2_interleaved_pp2_v4_m4() {
 /// so stage 2 holds at most 2; rank 1 runs F1.0 F1.1 then F3.0 before any backward: 3.
 #[test]
 fn llama_fsdp2_mixed_precision_interleaved() {
-    let p = peaks_with(
+    let p = peaks_dp(
         "llama-fsdp2-mp-interleaved2-pp2-dp2-m4",
         PpSchedule::Interleaved(2),
         2,
         4,
         Checkpointing::None,
-        |par| {
-            fsdp2(par);
-            par.fsdp_param_dtype = Some(vramsim_models::DType::BF16);
-            par.fsdp_reduce_dtype = Some(vramsim_models::DType::F32);
-        },
+        &Dp::fsdp2(Some((DType::BF16, DType::F32))),
     );
     let norm = 64 * 128 * 4 + 64 * 4;
     for (rank, ((ours, theirs), most)) in p.into_iter().zip([2, 3]).enumerate() {
         let d = ours.1 - theirs.1;
         assert!(d % norm == 0 && d / norm <= most, "rank {rank}: {d}");
+    }
+}
+
+/// Each stage wrapped in `DistributedDataParallel` over its data-parallel group (pp 2 × dp 2,
+/// gloo; `stage.py` `forward_maybe_with_nosync` / `backward_maybe_with_nosync`): the Reducer's
+/// bucket (all the stage's fp32 gradients) from the constructor on, the micro-batches' backwards
+/// but the last under `no_sync()` (gradients accumulated in `.grad` only), the last one filling
+/// the buckets, and the buckets rebuilt (1 MiB first, 25 MiB cap) at the next step's first
+/// forward. Both data-parallel ranks of each stage play one role.
+fn check_ddp(dir: &str, schedule: PpSchedule, m: u32, shard: Shard, bucket_view: bool) {
+    for dp_rank in 0..2 {
+        let dp = Dp::ddp(shard, bucket_view, dp_rank);
+        let got = peaks_dp(dir, schedule, 2, m, Checkpointing::None, &dp);
+        for (rank, (ours, theirs)) in got.into_iter().enumerate() {
+            assert_eq!(ours, theirs, "{dir} rank {rank}.dp{dp_rank}");
+        }
+    }
+}
+
+#[test]
+fn ddp_one_f_one_b_pp2_m4() {
+    check_ddp(
+        "ddp2-1f1b-pp2-m4",
+        PpSchedule::OneFOneB,
+        4,
+        Shard::Ddp,
+        false,
+    );
+}
+
+#[test]
+fn ddp_gpipe_pp2_m2() {
+    check_ddp("ddp2-gpipe-pp2-m2", PpSchedule::GPipe, 2, Shard::Ddp, false);
+}
+
+/// `gradient_as_bucket_view=True`: the last backward's hook copies each accumulated `.grad`
+/// into its bucket view and re-points `.grad` there (`mark_variable_ready_dense`).
+#[test]
+fn ddp_bucket_view_one_f_one_b_pp2_m4() {
+    check_ddp(
+        "ddp2-bucketview-1f1b-pp2-m4",
+        PpSchedule::OneFOneB,
+        4,
+        Shard::Ddp,
+        true,
+    );
+}
+
+/// `ZeroRedundancyOptimizer(AdamW, process_group=dp group)` over DDP stages: DDP's buckets and
+/// `no_sync()` as above; each data-parallel rank's AdamW holds the state of its greedy share of
+/// the stage's parameters (`_partition_parameters`), and the lowering writes the rank holding
+/// the most (the larger of the two recorded peaks; the first step's schedule, before any state,
+/// is the same on both).
+#[test]
+fn zero1_torch_one_f_one_b_pp2_m4() {
+    let dir = "zero1torch2-1f1b-pp2-m4";
+    let per_dp: Vec<Vec<(Peaks, Peaks)>> = (0..2)
+        .map(|dp_rank| {
+            let dp = Dp::ddp(Shard::ZeroRedundancy, false, dp_rank);
+            peaks_dp(dir, PpSchedule::OneFOneB, 2, 4, Checkpointing::None, &dp)
+        })
+        .collect();
+    for rank in 0..2 {
+        let ours = per_dp[0][rank].0;
+        let theirs: Vec<Peaks> = per_dp.iter().map(|p| p[rank].1).collect();
+        assert_eq!(
+            theirs[0].1, theirs[1].1,
+            "rank {rank}: first step's schedule"
+        );
+        let worst = *theirs.iter().max().expect("two ranks");
+        assert_eq!(ours, worst, "{dir} rank {rank}");
+    }
+}
+
+/// `ScheduleInterleaved1F1B` with DDP stages (pp 2 × V 2 × dp 2): each of a rank's two stages is
+/// its own `DistributedDataParallel` with its own Reducer and bucket, whose hooks run in that
+/// stage's last backward only (`_PipelineScheduleRuntime`: `last_backward =
+/// backward_counter[stage_idx] == n_microbatches`), and whose buckets are rebuilt at that stage's
+/// next forward.
+#[test]
+fn ddp_interleaved_pp2_v2_m4() {
+    check_ddp(
+        "ddp2-interleaved2-pp2-m4",
+        PpSchedule::Interleaved(2),
+        4,
+        Shard::Ddp,
+        false,
+    );
+    // The buckets themselves, in the order they are made: in the recording the Reducers' flat
+    // `at::empty` tensors are its only `aten.empty.memory_format` allocations above 64 KiB (the
+    // others are masks and shape metadata): per stage module one at construction (its gradients'
+    // bytes), then the rebuilt ones (1 MiB first, 25 MiB cap) at that stage's next forward.
+    let dp = Dp::ddp(Shard::Ddp, false, 0);
+    let sizes = |t: &Trace, pick: &dyn Fn(&str, u64) -> bool| -> Vec<u64> {
+        t.events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Alloc { size, tag, .. } if pick(tag.as_deref().unwrap_or(""), *size) => {
+                    Some(*size)
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    let got = traces(
+        "ddp2-interleaved2-pp2-m4",
+        PpSchedule::Interleaved(2),
+        2,
+        4,
+        Checkpointing::None,
+        &dp,
+    );
+    for (rank, (ours, theirs)) in got.iter().enumerate() {
+        let a = sizes(ours, &|tag, _| tag.starts_with("ddp_stage"));
+        let b = sizes(theirs, &|tag, size| {
+            tag == "aten.empty.memory_format" && size > 64 * 1024
+        });
+        assert_eq!(a, b, "rank {rank}: bucket sizes");
+        assert!(a.len() >= 4, "rank {rank}: {a:?}");
+    }
+}
+
+/// `zero1-torch` with the interleaved schedule: one `ZeroRedundancyOptimizer` over the rank's
+/// two stage modules' parameters, each stage its own DDP module.
+#[test]
+fn zero1_torch_interleaved_pp2_v2_m4() {
+    let dir = "zero1torch2-interleaved2-pp2-m4";
+    let per_dp: Vec<Vec<(Peaks, Peaks)>> = (0..2)
+        .map(|dp_rank| {
+            let dp = Dp::ddp(Shard::ZeroRedundancy, false, dp_rank);
+            peaks_dp(
+                dir,
+                PpSchedule::Interleaved(2),
+                2,
+                4,
+                Checkpointing::None,
+                &dp,
+            )
+        })
+        .collect();
+    for rank in 0..2 {
+        let ours = per_dp[0][rank].0;
+        let theirs: Vec<Peaks> = per_dp.iter().map(|p| p[rank].1).collect();
+        assert_eq!(
+            theirs[0].1, theirs[1].1,
+            "rank {rank}: first step's schedule"
+        );
+        let worst = *theirs.iter().max().expect("two ranks");
+        assert_eq!(ours, worst, "{dir} rank {rank}");
     }
 }

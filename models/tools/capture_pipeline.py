@@ -14,21 +14,32 @@ Stages are built in static mode (``input_args``/``output_args``): no metadata in
 
     python3 models/tools/capture_pipeline.py OUT_DIR [--model gpt2|llama]
         [--schedule 1f1b|gpipe|interleaved:V] [--pp 2] [--m 4] [--checkpoint]
-        [--dp N [--fsdp-param-dtype bf16] [--fsdp-reduce-dtype fp32]] [--layers N]
+        [--dp N --shard ddp|zero1-torch [--bucket-view]]
+        [--dp N --shard fsdp2 [--fsdp-param-dtype bf16] [--fsdp-reduce-dtype fp32]] [--layers N]
 
-With ``--dp N`` (N ≥ 2) the ``pp × dp`` processes form torchtitan's ``("pp", "dp")`` device mesh and
-each stage module is wrapped as the FSDP2 lowering models it (``lower/fsdp.rs``): ``fully_shard`` on
-every block, then on the stage module (its root), all with ``reshard_after_forward=False``
-(torchtitan's default policy under PP) and the ``MixedPrecisionPolicy`` given; the stage's
-activations then travel in the param dtype. Only the first data-parallel rank of each stage writes
-its trace (``torch.chunk`` gives it the largest shards). The trace holds one step: the optimizer
-steps DTensors, whose local allocations a dispatch mode does not see. FSDP2's ``resize_`` of the
+With ``--dp N`` (N ≥ 2, with ``--shard``) the world is ``pp × N`` processes on torchtitan's mesh
+order (``pp`` outer, ``dp`` inner: global rank ``pp_rank · N + dp_rank``).
+
+``--shard ddp`` wraps each stage module in ``DistributedDataParallel(process_group=dp group)`` (its
+defaults, or ``gradient_as_bucket_view=True`` with ``--bucket-view``), which ``stage.py``'s
+``forward_maybe_with_nosync`` / ``backward_maybe_with_nosync`` drive; ``--shard zero1-torch`` steps it
+with a ``ZeroRedundancyOptimizer(AdamW, process_group=dp group)``. Every global rank is written as
+``rank{pp_rank}.dp{dp_rank}.jsonl.gz`` (the DDP wrapper is built under the recorder, so its
+Reducer's bucket tensors are recorded).
+
+``--shard fsdp2`` forms torchtitan's ``("pp", "dp")`` device mesh and wraps each stage module as the
+FSDP2 lowering models it (``lower/fsdp.rs``): ``fully_shard`` on every block, then on the stage
+module (its root), all with ``reshard_after_forward=False`` (torchtitan's default policy under PP)
+and the ``MixedPrecisionPolicy`` given; the stage's activations then travel in the param dtype. Only
+the first data-parallel rank of each stage writes its trace, as ``rank{pp_rank}.jsonl.gz``
+(``torch.chunk`` gives it the largest shards). The trace holds one step: the optimizer steps
+DTensors, whose local allocations a dispatch mode does not see. FSDP2's ``resize_`` of the
 unsharded parameters' storages (``_fsdp_param.py`` ``alloc_storage``/``free_storage``) is not an op:
 it is recorded by wrapping those two functions.
 
-writes ``OUT_DIR/rank{R}.jsonl.gz`` and ``OUT_DIR/config.json`` (the model's config, for
-``vramsim predict --hf-config``). ``models/tests/pipeline_capture.rs`` compares them with the
-lowering of each rank.
+Without ``--dp`` every rank writes ``OUT_DIR/rank{R}.jsonl.gz``; the run also writes
+``OUT_DIR/config.json`` (the model's config, for ``vramsim predict --hf-config``).
+``models/tests/pipeline_capture.rs`` compares them with the lowering of each rank.
 """
 
 import argparse
@@ -189,19 +200,30 @@ def _record_fsdp_resizes(rec) -> None:
     _fsdp_param.free_storage = wrap(_fsdp_param.free_storage)
 
 
-def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt: bool,
-        model: str = "gpt2", dp: int = 1, param_dtype: str | None = None,
-        reduce_dtype: str | None = None, layers: int | None = None) -> None:
+def run(grank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt: bool,
+        model: str = "gpt2", dp: int = 1, shard: str = "none", bucket_view: bool = False,
+        param_dtype: str | None = None, reduce_dtype: str | None = None,
+        layers: int | None = None) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world * dp)
-    pp_group, dp_mesh, dp_rank = None, None, 0
-    if dp > 1:
+    dist.init_process_group("gloo", rank=grank, world_size=world * dp)
+    # torchtitan's mesh ("pp", "dp"): pp outer.
+    rank, dp_rank = divmod(grank, dp)
+    pp_group = dp_group = dp_mesh = None
+    if shard == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (world, dp), mesh_dim_names=("pp", "dp"))
         pp_group, dp_mesh = mesh.get_group("pp"), mesh["dp"]
-        dp_rank = rank % dp
-        rank = rank // dp  # the pipeline rank
+    elif dp > 1:
+        # Every rank creates every group, in the same order.
+        for d in range(dp):
+            g = dist.new_group([p * dp + d for p in range(world)])
+            if d == dp_rank:
+                pp_group = g
+        for p in range(world):
+            g = dist.new_group([p * dp + d for d in range(dp)])
+            if p == rank:
+                dp_group = g
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
     act_dtype = dtypes[param_dtype] or torch.float32
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -234,25 +256,23 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt:
     for s_idx in range(rank, n_stages, world):
         first, last = s_idx == 0, s_idx == n_stages - 1
         mod = stage_cls(copy.deepcopy(full), first, last, splits[s_idx])
-        if dp > 1:
+        if shard == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-            mp = MixedPrecisionPolicy(param_dtype=dtypes[param_dtype], reduce_dtype=dtypes[reduce_dtype])
+            policy = MixedPrecisionPolicy(param_dtype=dtypes[param_dtype],
+                                          reduce_dtype=dtypes[reduce_dtype])
             blocks = mod.h if hasattr(mod, "h") else mod.layers
             for block in blocks:
-                fully_shard(block, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
-            fully_shard(mod, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+                fully_shard(block, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+            fully_shard(mod, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
         mb_in = (torch.empty(1, SEQ, dtype=torch.long, device="meta") if first
                  else torch.empty(1, SEQ, width, device="meta", dtype=act_dtype))
         mb_out = torch.empty(1, SEQ, vocab if last else width, device="meta", dtype=act_dtype)
-        stages.append(PipelineStage(mod, s_idx, n_stages, torch.device("cpu"), group=pp_group,
-                                    input_args=(mb_in,), output_args=(mb_out,),
-                                    output_grads=None if last else (mb_out,),
-                                    input_grads=None if first else (mb_in,)))
         mods.append(mod)
+        stages.append((mod, s_idx, first, last, mb_in, mb_out))
     del full
     first = rank == 0
     last = (n_stages - 1) % world == rank
-    if dp > 1:
+    if shard == "fsdp2":
         # The dp ranks of a stage read the same batch shape (their own samples).
         torch.manual_seed(1 + dp_rank)
     stage_mod = torch.nn.ModuleList(mods)
@@ -260,23 +280,40 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt:
     def loss_fn(logits, labels):
         return _causal_lm_loss(logits, labels, vocab)
 
-    if v > 1:
-        sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
-    else:
-        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-        sched = cls(stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
-    opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-4, foreach=True)
-
     dev = torch.device("cpu")
     names = {id(mod): n for n, mod in stage_mod.named_modules(remove_duplicate=False)}
     rec = vramsim_capture.Recorder(dev, names)
     for name, p in stage_mod.named_parameters():
         rec.track(p.to_local() if hasattr(p, "to_local") else p, "parameter", name)
-    if dp > 1:
+    if shard == "fsdp2":
         _record_fsdp_resizes(rec)
+    # The stages, each wrapped in DDP under the recorder (the Reducer's buckets are made there).
+    subs = [mod for mod, *_ in stages]
+    if shard in ("ddp", "zero1-torch"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        with rec:
+            subs = [DDP(mod, process_group=dp_group, gradient_as_bucket_view=bucket_view)
+                    for mod in subs]
+    stages = [PipelineStage(sub, s_idx, n_stages, torch.device("cpu"),
+                            input_args=(mb_in,), output_args=(mb_out,),
+                            output_grads=None if s_last else (mb_out,),
+                            input_grads=None if s_first else (mb_in,), group=pp_group)
+              for sub, (_, s_idx, s_first, s_last, mb_in, mb_out) in zip(subs, stages)]
+
+    if v > 1:
+        sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    else:
+        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        sched = cls(stages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    if shard == "zero1-torch":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(stage_mod.parameters(), optimizer_class=torch.optim.AdamW,
+                                      process_group=dp_group, lr=1e-4, foreach=True)
+    else:
+        opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-4, foreach=True)
     # CUDA's fused dropout (a bool mask), as the capture tool's own runs take it.
     with rec, vramsim_capture.cuda_like_dropout():
-        for it in range(1 if dp > 1 else 2):
+        for it in range(1 if shard == "fsdp2" else 2):
             rec.mark_phase("forward")
             rec.context = "input"
             # The zoo's loop: input_ids, attention_mask (all ones) and labels, each on the ranks
@@ -300,11 +337,18 @@ def run(rank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt:
     cap = vramsim_capture.Capture(meta={"tool": "capture_pipeline.py", "rank": rank, "pp": world,
                                         "schedule": schedule, "microbatches": m, "seq": SEQ,
                                         "checkpoint": "full" if ckpt else "none", "model": model,
-                                        "dp": dp, "fsdp_param_dtype": param_dtype,
+                                        "dp": dp, "dp_rank": dp_rank, "shard": shard,
+                                        "gradient_as_bucket_view": bucket_view,
+                                        "fsdp_param_dtype": param_dtype,
                                         "fsdp_reduce_dtype": reduce_dtype,
                                         "torch": torch.__version__}, events=events)
-    if dp_rank == 0:
-        cap.write(os.path.join(out, f"rank{rank}.jsonl.gz"))
+    if shard == "fsdp2":
+        # the first data-parallel rank holds the largest shards (torch.chunk)
+        if dp_rank == 0:
+            cap.write(os.path.join(out, f"rank{rank}.jsonl.gz"))
+    else:
+        name = f"rank{rank}.jsonl.gz" if dp == 1 else f"rank{rank}.dp{dp_rank}.jsonl.gz"
+        cap.write(os.path.join(out, name))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -325,19 +369,27 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=29517)
     ap.add_argument("--checkpoint", action="store_true", help="HF gradient checkpointing (non-reentrant)")
     ap.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
-    ap.add_argument("--dp", type=int, default=1, help="FSDP2 over N ranks inside each stage")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks per stage")
+    ap.add_argument("--shard", default="none", choices=["none", "ddp", "zero1-torch", "fsdp2"])
+    ap.add_argument("--bucket-view", action="store_true", help="DDP gradient_as_bucket_view=True")
     ap.add_argument("--fsdp-param-dtype", choices=["bf16", "fp32"])
     ap.add_argument("--fsdp-reduce-dtype", choices=["bf16", "fp32"])
     ap.add_argument("--layers", type=int, help="the model's number of blocks (6 by default)")
     a = ap.parse_args()
+    if (a.dp > 1) != (a.shard != "none"):
+        ap.error("--dp N (N > 1) goes with --shard ddp, zero1-torch or fsdp2")
+    if a.bucket_view and a.shard not in ("ddp", "zero1-torch"):
+        ap.error("--bucket-view is DDP's gradient_as_bucket_view: give it with --shard ddp or zero1-torch")
+    if (a.fsdp_param_dtype or a.fsdp_reduce_dtype) and a.shard != "fsdp2":
+        ap.error("--fsdp-param-dtype / --fsdp-reduce-dtype are FSDP2's MixedPrecisionPolicy: give them with --shard fsdp2")
     os.makedirs(a.out, exist_ok=True)
     cfg = _with_layers(LLAMA_CONFIG if a.model == "llama" else CONFIG, a.layers)
     cfg.pop("attn_implementation")
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    mp.spawn(run, args=(a.pp, a.out, a.schedule, a.m, a.port, a.checkpoint, a.model, a.dp,
-                         a.fsdp_param_dtype, a.fsdp_reduce_dtype, a.layers), nprocs=a.pp * a.dp,
-             join=True)
+    mp.spawn(run, args=(a.pp, a.out, a.schedule, a.m, a.port, a.checkpoint, a.model, a.dp, a.shard,
+                         a.bucket_view, a.fsdp_param_dtype, a.fsdp_reduce_dtype, a.layers),
+             nprocs=a.pp * a.dp, join=True)
     return 0
 
 

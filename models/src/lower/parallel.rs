@@ -29,18 +29,35 @@ struct Bucket {
     pending: usize,
 }
 
+/// One `DistributedDataParallel` module's `Reducer`: the whole model's, or under an interleaved
+/// pipeline each of the rank's stage modules' (torchtitan wraps every model part).
+#[derive(Default)]
+struct Reducer {
+    /// The pipeline stage whose module it reduces (`None`: the rank's whole model).
+    stage: Option<u32>,
+    /// Its trainable parameters, in registration order.
+    params: Vec<usize>,
+    /// Its buckets, in reduction order.
+    buckets: Vec<Bucket>,
+    /// The next bucket to all-reduce (`next_bucket_`).
+    next_bucket: usize,
+    /// Parameters in the order their gradients became ready in the first backward that ran its
+    /// hooks (`rebuilt_params_`).
+    ready_order: Vec<usize>,
+    /// The buckets were rebuilt (`has_rebuilt_bucket_`).
+    rebuilt: bool,
+    /// It expects no autograd hooks (`expect_autograd_hooks_` false): a pipeline stage's backward
+    /// under `no_sync()` (`stage.py` `backward_maybe_with_nosync`).
+    no_sync: bool,
+}
+
 /// Parallel state of the lowering.
 #[derive(Default)]
 pub(crate) struct ParState {
-    /// DDP: the Reducer's buckets, in reduction order.
-    buckets: Vec<Bucket>,
-    /// DDP: the next bucket to all-reduce (`next_bucket_`).
-    next_bucket: usize,
-    /// DDP: parameters in the order their gradients became ready in the first backward
-    /// (`rebuilt_params_`).
-    ready_order: Vec<usize>,
-    /// DDP: the buckets were rebuilt (`has_rebuilt_bucket_`).
-    rebuilt: bool,
+    /// DDP: the Reducers (one per DDP module).
+    reducers: Vec<Reducer>,
+    /// DDP: the Reducer of each parameter.
+    reducer_of: Vec<Option<usize>>,
     /// ZeRO: `bit16_groups_flat`, the flat padded bf16 parameters.
     pub(super) flat: Option<Rt>,
     /// ZeRO: elements of one partition (`partition_size`).
@@ -118,12 +135,49 @@ impl<'g> Lowering<'g> {
                 // `_ddp_init_helper`: without find_unused_parameters (and without static_graph)
                 // the limits are `[sys.maxsize]`, one bucket per dtype; the Reducer gets the
                 // buckets reversed ("approximate the order in which their gradients are produced").
-                let ps = self.trainable();
-                let buckets = self.assign(&ps, &[u64::MAX], true);
-                self.make_buckets(buckets.into_iter().rev().collect());
+                // One DDP module per stage of the rank, in stage order, under a pipeline.
+                self.par.reducer_of = vec![None; self.params.len()];
+                for (stage, ps) in self.ddp_modules() {
+                    let r = self.par.reducers.len();
+                    for &p in &ps {
+                        self.par.reducer_of[p] = Some(r);
+                    }
+                    let buckets = self.assign(&ps, &[u64::MAX], true);
+                    self.par.reducers.push(Reducer {
+                        stage,
+                        params: ps,
+                        ..Reducer::default()
+                    });
+                    self.make_buckets(r, buckets.into_iter().rev().collect());
+                }
             }
             Shard::Zero1 | Shard::Zero2 => self.zero_setup(),
         }
+    }
+
+    /// The DDP modules of the rank and their trainable parameters: the whole model, or under a
+    /// pipeline each of the rank's stages (the parameters its ops read), in stage order.
+    fn ddp_modules(&self) -> Vec<(Option<u32>, Vec<usize>)> {
+        let all = self.trainable();
+        let chunks = crate::pipeline::chunks(self.g);
+        if chunks.len() < 2 {
+            return vec![(chunks.first().map(|c| c.stage), all)];
+        }
+        chunks
+            .iter()
+            .map(|c| {
+                let read: std::collections::HashSet<u32> = self.g.ops[c.start..c.end]
+                    .iter()
+                    .flat_map(|op| op.inputs.iter().map(|v| v.0))
+                    .collect();
+                let ps = all
+                    .iter()
+                    .copied()
+                    .filter(|&p| read.contains(&self.g.params[p].value.0))
+                    .collect();
+                (Some(c.stage), ps)
+            })
+            .collect()
     }
 
     /// `compute_bucket_assignment_by_size` over `ps` (parameter indices), as parameter lists.
@@ -144,25 +198,30 @@ impl<'g> Lowering<'g> {
     /// `Reducer::initialize_buckets`: `buckets_.clear()` first (the old gradients tensors die:
     /// nothing else holds them without `gradient_as_bucket_view`), then per bucket one flat
     /// `at::empty({Σ numel})` in the parameters' dtype.
-    fn make_buckets(&mut self, assignment: Vec<Vec<usize>>) {
-        for b in std::mem::take(&mut self.par.buckets) {
+    fn make_buckets(&mut self, r: usize, assignment: Vec<Vec<usize>>) {
+        for b in std::mem::take(&mut self.par.reducers[r].buckets) {
             self.drop_rt(b.grads);
         }
+        let interleaved = crate::pipeline::chunks_per_rank(self.r.parallel.pp_schedule) > 1;
+        let prefix = match self.par.reducers[r].stage {
+            Some(s) if interleaved => format!("ddp_stage{s}_bucket"),
+            _ => "ddp_bucket".to_string(),
+        };
         for (i, params) in assignment.into_iter().enumerate() {
             let numel: u64 = params.iter().map(|&p| self.params[p].layout.numel()).sum();
             let dtype = self.params[params[0]].dtype;
-            let grads = self.comm_alloc(numel, dtype, format!("ddp_bucket{i}"));
-            self.par.buckets.push(Bucket {
+            let grads = self.comm_alloc(numel, dtype, format!("{prefix}{i}"));
+            self.par.reducers[r].buckets.push(Bucket {
                 pending: params.len(),
                 params,
                 grads,
             });
         }
-        self.par.next_bucket = 0;
+        self.par.reducers[r].next_bucket = 0;
         // With gradient_as_bucket_view, `initialize_bucket_views` copies gradients that exist into
         // the new views and re-points `.grad` (the old views, and with them the old buckets, die).
         if self.r.parallel.gradient_as_bucket_view {
-            for p in 0..self.param_grads.len() {
+            for p in self.par.reducers[r].params.clone() {
                 if self.param_grads[p].is_some() {
                     self.ddp_grad_to_view(p);
                 }
@@ -174,10 +233,17 @@ impl<'g> Lowering<'g> {
     /// it held dies (`mark_variable_ready_dense`: `bucket_view.copy_(grad); grad = bucket_view`, when
     /// the gradient is not already an alias of the view).
     fn ddp_grad_to_view(&mut self, p: usize) {
-        let Some(b) = self.par.buckets.iter().position(|b| b.params.contains(&p)) else {
+        let Some(r) = self.par.reducer_of.get(p).copied().flatten() else {
             return;
         };
-        let bucket = self.par.buckets[b].grads.clone();
+        let Some(b) = self.par.reducers[r]
+            .buckets
+            .iter()
+            .position(|b| b.params.contains(&p))
+        else {
+            return;
+        };
+        let bucket = self.par.reducers[r].buckets[b].grads.clone();
         let Some(old) = self.param_grads[p].take() else {
             return;
         };
@@ -199,14 +265,43 @@ impl<'g> Lowering<'g> {
             self.zero3_reset_step();
             return;
         }
-        if !self.shard().uses_ddp() || self.par.rebuilt || self.par.ready_order.is_empty() {
+        if self.shard().uses_ddp() {
+            for r in 0..self.par.reducers.len() {
+                self.ddp_rebuild(r);
+            }
+        }
+    }
+
+    /// A pipeline stage's DDP module's `_pre_forward` (under `no_sync()`, which does not keep
+    /// it from rebuilding its buckets).
+    pub(super) fn ddp_stage_pre_forward(&mut self, stage: u32) {
+        if let Some(r) = self.ddp_reducer_of_stage(stage) {
+            self.ddp_rebuild(r);
+        }
+    }
+
+    /// The Reducer of a pipeline stage's DDP module.
+    fn ddp_reducer_of_stage(&self, stage: u32) -> Option<usize> {
+        if !self.shard().uses_ddp() {
+            return None;
+        }
+        self.par
+            .reducers
+            .iter()
+            .position(|r| r.stage == Some(stage))
+    }
+
+    /// `_rebuild_buckets` → `Reducer::rebuild_buckets` of Reducer `r`, once it has the order.
+    fn ddp_rebuild(&mut self, r: usize) {
+        let red = &mut self.par.reducers[r];
+        if red.rebuilt || red.ready_order.is_empty() {
             return;
         }
-        self.par.rebuilt = true;
-        let mut order = std::mem::take(&mut self.par.ready_order);
+        red.rebuilt = true;
+        let mut order = std::mem::take(&mut red.ready_order);
         // Parameters whose gradient never came (none with find_unused_parameters=False in a model
         // that uses all of them; DDP would raise otherwise) keep registration order at the end.
-        for p in self.trainable() {
+        for &p in &red.params {
             if !order.contains(&p) {
                 order.push(p);
             }
@@ -216,7 +311,7 @@ impl<'g> Lowering<'g> {
             &[DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES],
             false,
         );
-        self.make_buckets(buckets);
+        self.make_buckets(r, buckets);
     }
 
     /// After `AccumulateGrad` stored parameter `p`'s gradient: DDP's autograd hook
@@ -228,21 +323,37 @@ impl<'g> Lowering<'g> {
             Shard::None | Shard::Zero1 | Shard::Fsdp2 | Shard::DataParallel => {}
             Shard::Zero3 => self.zero3_grad_ready(p),
             Shard::Ddp | Shard::ZeroRedundancy => {
-                if !self.par.rebuilt && !self.par.ready_order.contains(&p) {
-                    self.par.ready_order.push(p);
+                // `Reducer::autograd_hook`: `if (!expect_autograd_hooks_) return;` comes before
+                // anything else (the gradient stays where AccumulateGrad put it).
+                let Some(r) = self.par.reducer_of.get(p).copied().flatten() else {
+                    return;
+                };
+                if self.par.reducers[r].no_sync {
+                    return;
+                }
+                let red = &mut self.par.reducers[r];
+                if !red.rebuilt && !red.ready_order.contains(&p) {
+                    red.ready_order.push(p);
                 }
                 if self.r.parallel.gradient_as_bucket_view {
                     self.ddp_grad_to_view(p);
                 }
-                if let Some(b) = self.par.buckets.iter().position(|b| b.params.contains(&p)) {
-                    self.par.buckets[b].pending -= 1;
+                let red = &mut self.par.reducers[r];
+                if let Some(b) = red.buckets.iter().position(|b| b.params.contains(&p)) {
+                    red.buckets[b].pending -= 1;
                 }
-                while self.par.next_bucket < self.par.buckets.len()
-                    && self.par.buckets[self.par.next_bucket].pending == 0
-                {
-                    let grads = self.par.buckets[self.par.next_bucket].grads.clone();
+                loop {
+                    let red = &mut self.par.reducers[r];
+                    let ready = red
+                        .buckets
+                        .get(red.next_bucket)
+                        .is_some_and(|b| b.pending == 0);
+                    if !ready {
+                        break;
+                    }
+                    let grads = red.buckets[red.next_bucket].grads.clone();
+                    red.next_bucket += 1;
                     self.collective_uses(&grads);
-                    self.par.next_bucket += 1;
                 }
             }
             Shard::Zero2 => self.zero_ipg_add(p),
@@ -265,10 +376,9 @@ impl<'g> Lowering<'g> {
             Shard::None | Shard::Fsdp2 | Shard::DataParallel => {}
             Shard::Zero3 => self.zero3_post_backward(),
             Shard::Ddp | Shard::ZeroRedundancy => {
-                for b in &mut self.par.buckets {
-                    b.pending = b.params.len();
+                for r in 0..self.par.reducers.len() {
+                    self.ddp_finalize_backward(r);
                 }
-                self.par.next_bucket = 0;
             }
             Shard::Zero1 => {
                 if boundary {
@@ -285,6 +395,40 @@ impl<'g> Lowering<'g> {
                 self.zero_ipg_reduce();
                 self.zero_release_ipg();
             }
+        }
+    }
+
+    /// `Reducer::finalize_backward`: the buckets' all-reduces waited for and copied back into
+    /// `.grad` in place; the buckets re-armed for the next backward.
+    fn ddp_finalize_backward(&mut self, r: usize) {
+        let red = &mut self.par.reducers[r];
+        for b in &mut red.buckets {
+            b.pending = b.params.len();
+        }
+        red.next_bucket = 0;
+    }
+
+    /// A DDP pipeline stage's `backward_one_chunk` begins (`stage.py`
+    /// `backward_maybe_with_nosync`): the last micro-batch's backward calls
+    /// `reducer.prepare_for_backward` (hooks expected: buckets filled and all-reduced as its
+    /// gradients become ready, the first one also recording the ready order the buckets are
+    /// rebuilt in); every other runs under `no_sync()`, its gradients only accumulating in
+    /// `.grad`. The stage's forwards all run under `no_sync()` too (`forward_maybe_with_nosync`),
+    /// which changes nothing in memory: `_pre_forward` rebuilds the buckets either way.
+    pub(super) fn ddp_pp_pre_backward(&mut self, stage: u32, last: bool) {
+        if let Some(r) = self.ddp_reducer_of_stage(stage) {
+            self.par.reducers[r].no_sync = !last;
+        }
+    }
+
+    /// A DDP pipeline stage's backward ends: after the last micro-batch's, the Reducer's
+    /// `finalize_backward` (queued by its last bucket); then `no_sync()` again.
+    pub(super) fn ddp_pp_post_backward(&mut self, stage: u32, last: bool) {
+        if let Some(r) = self.ddp_reducer_of_stage(stage) {
+            if last {
+                self.ddp_finalize_backward(r);
+            }
+            self.par.reducers[r].no_sync = true;
         }
     }
 

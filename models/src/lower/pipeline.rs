@@ -32,7 +32,11 @@
 //!   the others are in flight) and its inputs die with its chunk state.
 //! * **Gradients** accumulate in `.grad` over the micro-batches; the optimizer steps once. An
 //!   FSDP2 stage (`--shard fsdp2`) keeps its parameters unsharded and accumulates unsharded
-//!   gradients over the micro-batches, then reduces once after the schedule (`fsdp.rs`).
+//!   gradients over the micro-batches, then reduces once after the schedule (`fsdp.rs`). A DDP
+//!   stage (`--shard ddp`, `zero1-torch`) runs every backward but the last micro-batch's under
+//!   `no_sync()` and fills its buckets in the last (`backward_maybe_with_nosync`,
+//!   `parallel.rs`), and keeps each output until that micro-batch's backward returns
+//!   (`_output_slot_is_releasable`: "DDP reducer requires live outputs").
 //!
 //! `ScheduleInterleaved1F1B` runs through `_PipelineScheduleRuntime`, whose actions
 //! `crate::pipeline::runtime_actions` lowers as `_prepare_schedule_with_comms` does: `RECV_F` and
@@ -63,6 +67,9 @@ struct InFlight {
     loss: Option<Rt>,
     /// The last stage's model outputs, alive until the backward.
     held: Vec<Rt>,
+    /// A DDP stage's output, which its chunk state keeps until the backward returns
+    /// (`_output_slot_is_releasable`: "DDP reducer requires live outputs").
+    live_output: Option<Rt>,
     /// The autograd nodes, checkpoint frames and leaf slots its forward made.
     nodes: Range<usize>,
     frames: Range<usize>,
@@ -88,6 +95,8 @@ pub(crate) struct PpState {
     /// `ScheduleGPipe`: the received output gradient the loop variable `work` still holds (its
     /// receive's `Work`) after `backward_one_chunk` returns.
     recv_work: Option<Rt>,
+    /// Micro-batches of the step.
+    m: u32,
 }
 
 impl<'g> Lowering<'g> {
@@ -124,6 +133,7 @@ impl<'g> Lowering<'g> {
     pub(super) fn pp_step(&mut self) -> Result<(), LowerError> {
         let p = self.r.parallel;
         let m = pipeline::microbatches(&p, self.r.batch)?;
+        self.pp.m = m;
         self.pp_batch_inputs(m);
         if let PpSchedule::Interleaved(v) = p.pp_schedule {
             self.pp_runtime(&pipeline::runtime_actions(p.pp, p.stage, m, v))?;
@@ -378,6 +388,9 @@ impl<'g> Lowering<'g> {
         if last {
             self.pp.hold = c.model_outputs.clone();
         }
+        // A DDP stage's `_pre_forward` (under `no_sync()`): the buckets rebuilt once, at the first
+        // forward after a backward that recorded the gradients' ready order.
+        self.ddp_stage_pre_forward(stage);
         self.fsdp_pp_pre_forward(stage);
         let out = self.forward_ops(c.start..c.end, c.output)?;
         self.fsdp_post_forward();
@@ -395,6 +408,7 @@ impl<'g> Lowering<'g> {
             root: None,
             loss: None,
             held,
+            live_output: None,
             nodes: node0..self.nodes.len(),
             frames: frame0..self.frames.len(),
             leaves: leaf0..self.leaf_grads.len(),
@@ -404,6 +418,9 @@ impl<'g> Lowering<'g> {
             None
         } else {
             state.root = out.edge;
+            if self.r.parallel.shard.uses_ddp() {
+                state.live_output = Some(self.dup(&out));
+            }
             Some(out)
         };
         self.pp.inflight.insert((stage, mb), state);
@@ -464,6 +481,11 @@ impl<'g> Lowering<'g> {
             .remove(&(stage, mb))
             .expect("a backward follows its forward");
         let (node0, frame0, leaf0) = (self.nodes.len(), self.frames.len(), self.leaf_grads.len());
+        // `last_backward=bwd_mb_index == self._n_microbatches - 1` (`schedules.py`; the
+        // runtime's `backward_counter[stage_idx] == self._n_microbatches`): a stage's backwards
+        // run in micro-batch order.
+        let last_backward = mb + 1 == self.pp.m;
+        self.ddp_pp_pre_backward(stage, last_backward);
         if let Some(loss) = st.loss {
             let (loss, unscaled) = self.finish_loss(loss);
             self.backward_run(&loss);
@@ -476,7 +498,12 @@ impl<'g> Lowering<'g> {
             self.run_backward(root, into_engine, None);
         }
         self.fsdp_pp_end_backward();
-        // `grads_output` lives until `backward_one_chunk` returns.
+        self.ddp_pp_post_backward(stage, last_backward);
+        // `backward_one_chunk` returns: its `bwd_kwargs` (holding a DDP stage's output) dies
+        // before its `grads_output`, which lives until then.
+        if let Some(t) = st.live_output {
+            self.drop_rt(t);
+        }
         if let Some(g) = grad {
             self.drop_rt(g);
         }
