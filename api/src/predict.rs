@@ -872,9 +872,12 @@ pub fn replay_step(
 /// (`variants`: [`Lowered::with_accum`] of one lowering, or the lowering itself), without a timeline:
 /// what comes before the repeated micro-batch is replayed once, and so are the repetitions the counts
 /// share, the replay copied where they part (`Replay::apply_repeated_each`: where a count's
-/// repetitions end, and at the steady state); then each count replays its own rest. The same
-/// reports as a [`replay_step`] of each (test `compact_replay`). Replays each alone where the
-/// variants do not share their lowering or the allocator model cannot be copied.
+/// repetitions end, and at the steady state). The counts that reached the steady state are one run
+/// with more or fewer repetitions: the smallest replays its rest, and tells the larger ones' outcomes
+/// (`Replay::outcome_with_more`, where every later repeat reaches its steady state too); the others
+/// replay their own rest. The same reports as a [`replay_step`] of each (test `compact_replay`).
+/// Replays each alone where the variants do not share their lowering or the allocator model cannot
+/// be copied.
 pub fn replay_step_variants(
     variants: &[&Lowered],
     machine: &MachineArgs,
