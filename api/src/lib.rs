@@ -32,6 +32,7 @@ pub mod presets;
 pub mod ranks;
 pub mod recommend;
 pub mod replay;
+pub mod step_replay;
 pub mod steptime;
 pub mod sweep;
 pub mod whatif;
