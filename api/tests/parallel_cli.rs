@@ -129,16 +129,54 @@ fn bad_layouts_fail_with_the_reason() {
         &["--dp", "4"],
         &["--shard ddp, zero1, zero2, zero3, zero1-torch or fsdp2"],
     );
+    // Fine-tuning runs with --tp and --dp (ddp, zero1, zero2, fsdp2); what is not lowered with
+    // frozen parameters is refused with its reason.
+    for (extra, fragments) in [
+        (
+            &["--pp", "2", "--pp-schedule", "gpipe"][..],
+            &["--pp 2 with fine-tuning", "not modelled yet", "--pp 1"][..],
+        ),
+        (
+            &["--dp", "2", "--shard", "zero3", "--precision", "bf16"][..],
+            &[
+                "--shard zero3 with fine-tuning",
+                "ddp, zero1, zero2 or fsdp2",
+            ][..],
+        ),
+        (
+            &[
+                "--dp",
+                "2",
+                "--shard",
+                "zero2",
+                "--precision",
+                "bf16",
+                "--offload",
+                "optimizer",
+            ][..],
+            &["--offload optimizer with fine-tuning", "--offload none"][..],
+        ),
+        (
+            &["--dp", "2", "--shard", "zero1-torch"][..],
+            &["--shard zero1-torch with fine-tuning"][..],
+        ),
+    ] {
+        let mut all = extra.to_vec();
+        all.extend(["--lora", "r=8,targets=c_attn"]);
+        fails(&all, fragments);
+    }
     fails(
         &[
             "--dp",
             "2",
             "--shard",
             "ddp",
+            "--quant",
+            "nf4",
             "--lora",
             "r=8,targets=c_attn",
         ],
-        &["with fine-tuning", "not modelled yet"],
+        &["--quant with --shard ddp", "QLoRA is modelled on one GPU"],
     );
     fails(
         &["--dp", "4", "--shard", "ddp", "--world-size", "8"],
@@ -240,14 +278,14 @@ fn bad_layouts_fail_with_the_reason() {
         &[
             "--tp",
             "2",
-            "--dp",
+            "--pp",
             "2",
-            "--shard",
-            "ddp",
+            "--pp-schedule",
+            "gpipe",
             "--freeze",
             "transformer.wte",
         ],
-        &["with fine-tuning", "--tp alone"],
+        &["--pp 2 with fine-tuning", "with --tp/--sp"],
     );
     fails(
         &["--tp", "2", "--loss", "plain"],
@@ -440,6 +478,49 @@ fn bad_layouts_fail_with_the_reason() {
 /// cannot fit one 80 GB GPU (16 B per parameter of model states alone), while FSDP2 over 8 ranks
 /// (2 + 14 B per parameter spread over 8 ranks, plus the unsharded blocks) leaves room for a batch;
 /// the effective batch counts every rank.
+/// Fine-tuning under --tp with data parallelism (Megatron-Bridge's LoRA with Megatron-core's DDP
+/// or distributed optimizer, or FSDP2): one role for every rank, and LoRA's rank holds less than
+/// full training's in the same layout (its gradients, buckets and optimizer state are the
+/// adapters' only).
+#[test]
+fn finetuning_under_tp_with_data_parallelism() {
+    let base = [
+        "predict",
+        "--model",
+        "gpt2",
+        "--batch",
+        "2",
+        "--seq",
+        "128",
+        "--precision",
+        "bf16",
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+    ];
+    for shard in ["ddp", "zero1", "zero2", "fsdp2"] {
+        let run = |extra: &[&str]| {
+            let mut all = base.to_vec();
+            all.extend(["--shard", shard]);
+            all.extend_from_slice(extra);
+            json(&all)
+        };
+        let lora = run(&["--lora", "r=8,targets=c_attn"]);
+        let full = run(&[]);
+        let ranks = lora["ranks"].as_array().expect("ranks");
+        assert_eq!(ranks.len(), 1, "{shard}: {lora}");
+        assert_eq!(
+            ranks[0]["ranks"],
+            serde_json::json!([0, 1, 2, 3]),
+            "{shard}"
+        );
+        assert_eq!(lora["layout"]["world_size"], 4);
+        let peak = |d: &Value| d["peak_allocated_bytes"].as_u64().unwrap();
+        assert!(peak(&lora) < peak(&full), "{shard}: {lora} vs {full}");
+    }
+}
+
 #[test]
 fn max_batch_and_whatif_take_the_layout() {
     let single = common::vramsim(&["max-batch", "--model", "llama2-7b", "--seq", "512"]);
