@@ -521,6 +521,46 @@ fn finetuning_under_tp_with_data_parallelism() {
     }
 }
 
+/// The data-parallel traffic of LoRA under --tp by the ring rules (`commtime.rs`'s table), by
+/// hand: GPT-2 at tp 2 with `c_attn` adapters of r 8 holds per rank Ψ = 12 × (8/2·768 +
+/// 3·768/2·8) = 147,456 trainable elements (Megatron-Bridge's column-parallel split) in bf16.
+/// DDP all-reduces only them, `2(n−1)/n·2Ψ` over n = 4; FSDP2 reduce-scatters only them,
+/// `(n−1)/n·2Ψ`, but all-gathers every shard, frozen ones too, in forward and backward:
+/// `2(n−1)/n·2Ψ_all`.
+#[test]
+fn finetuning_data_parallel_traffic_is_the_trainable_gradients() {
+    use vramsim_api::commtime::CommWork;
+    use vramsim_models::{finetune::LoraConfig, zoo, Precision, Recipe, Shard};
+    let psi = 12.0 * (8.0 / 2.0 * 768.0 + 3.0 * 768.0 / 2.0 * 8.0);
+    assert_eq!(psi, 147_456.0);
+    let n = 4.0;
+    for shard in [Shard::Ddp, Shard::Fsdp2] {
+        let mut r = Recipe::new(2, 128);
+        r.precision = Precision::Bf16;
+        r.parallel.tp = 2;
+        r.parallel.dp = 4;
+        r.parallel.shard = shard;
+        r.lora = Some("r=8,targets=c_attn".parse::<LoraConfig>().unwrap());
+        let g = zoo::build("gpt2", &r).unwrap();
+        let all: f64 = g
+            .params
+            .iter()
+            .map(|p| p.shape.iter().product::<u64>() as f64)
+            .sum();
+        let w = CommWork::of(&g, &r);
+        let expect = match shard {
+            Shard::Ddp => 2.0 * (n - 1.0) / n * 2.0 * psi,
+            _ => 2.0 * (n - 1.0) / n * 2.0 * all + (n - 1.0) / n * 2.0 * psi,
+        };
+        assert!(
+            (w.dp_overlapped - expect).abs() < 1e-6 * expect,
+            "{shard}: {} vs {expect}",
+            w.dp_overlapped
+        );
+        assert_eq!(w.dp_exposed, 0.0, "{shard}");
+    }
+}
+
 #[test]
 fn max_batch_and_whatif_take_the_layout() {
     let single = common::vramsim(&["max-batch", "--model", "llama2-7b", "--seq", "512"]);
