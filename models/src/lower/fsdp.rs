@@ -644,6 +644,16 @@ impl<'g> Lowering<'g> {
         }
         let root = self.fsdp.groups.len() - 1;
         self.fsdp_post_backward_group(root);
+        // A prefetch whose group never ran its backward (a frozen prefix: no input of its
+        // blocks requires grad, so autograd never reaches their pre-backward hooks) is a
+        // "mistargeted unshard without a corresponding wait": the root's final callback runs
+        // each state's `_finalize_backward`, whose `FSDPParamGroup.finalize_backward` drops its
+        // `_all_gather_result` (`_fsdp_param_group.py`).
+        for gi in 0..self.fsdp.groups.len() {
+            if let Some(t) = self.fsdp.groups[gi].flat.take() {
+                self.drop_rt(t);
+            }
+        }
         if let Some(t) = self.fsdp.rs_input.take() {
             self.drop_rt(t);
         }
