@@ -742,3 +742,40 @@ fn tensor_parallel_batch_templates_equal_fresh_lowerings() {
         }
     }
 }
+
+/// Lowering once per structure holds for fine-tuning under data parallelism too: LoRA on a
+/// tensor-parallel rank and a frozen prefix on one GPU's graph, over 2 data-parallel ranks with
+/// each mode that takes them, fitted at batch 2 and 3, equal fresh lowerings at larger batches.
+#[test]
+fn finetuning_data_parallel_batch_templates_equal_fresh_lowerings() {
+    use vramsim_models::compact::lower_compact;
+    use vramsim_models::template::BatchTemplate;
+    use vramsim_models::Shard;
+    for shard in [Shard::Ddp, Shard::Zero1, Shard::Zero2, Shard::Fsdp2] {
+        for (tp, lora, freeze) in [
+            (2u32, Some("r=8,targets=all-linear"), None),
+            (1, None, Some("transformer.h.0-5")),
+        ] {
+            let lowered = |batch: u64| {
+                let mut r = Recipe::new(batch, 64);
+                r.precision = Precision::Bf16;
+                r.parallel.tp = tp;
+                r.parallel.dp = 2;
+                r.parallel.shard = shard;
+                r.lora = lora.map(|l| l.parse::<LoraConfig>().unwrap());
+                r.freeze = freeze.into_iter().map(String::from).collect();
+                let g = zoo::build("gpt2", &r).unwrap();
+                lower_compact(&g, &r).unwrap()
+            };
+            let t = BatchTemplate::fit(&lowered(2), 2, &lowered(3), 3)
+                .unwrap_or_else(|| panic!("{shard} tp {tp}: no template"));
+            for batch in [4, 7] {
+                let inst = t.instantiate(batch).unwrap();
+                assert!(
+                    inst.same_as(&lowered(batch)),
+                    "{shard} tp {tp} {lora:?} {freeze:?} batch {batch}"
+                );
+            }
+        }
+    }
+}
