@@ -538,7 +538,8 @@ fn lora_adapters_per_rank_are_megatron_bridges_split() {
 ///
 /// * `--shard ddp` (Megatron-core's `DistributedDataParallel`, and torch's `Reducer`, bucket only
 ///   the parameters that require grad): bucket bytes = the adapters' gradient bytes, 2·Ψ_a, next
-///   to their 2·Ψ_a gradients (no `gradient_as_bucket_view`); AdamW's 4·Ψ_a; every base shard whole.
+///   to their 2·Ψ_a gradients (no `gradient_as_bucket_view`; with it, the buckets alone, as
+///   Megatron-core's `main_grad` views of its grad buffer); AdamW's 4·Ψ_a; every base shard whole.
 /// * `--shard zero1` (the distributed optimizer's sharding: DeepSpeed's ZeRO-1 flattens and
 ///   partitions only `trainable_parameters`): the frozen shards stay as they are, the adapters in
 ///   one flat bf16 group padded to a multiple of 2·dp, fp32 master and two fp32 moments of
@@ -597,6 +598,22 @@ fn lora_under_tp_with_data_parallelism_holds_the_adapters_states_only() {
             2 * 2 * adapters,
             "ddp sp {sp}"
         );
+    }
+    // Megatron-core's `main_grad`s are views of its contiguous grad buffer; DDP's
+    // `gradient_as_bucket_view` is the closest: one copy of the adapters' gradients, the buckets.
+    let mut rc = recipe(Shard::Ddp, false);
+    rc.parallel.gradient_as_bucket_view = true;
+    let g = zoo::build("tinyllama-1.1b", &rc).unwrap();
+    let tr = lower(&g, &rc).unwrap();
+    for it in 0..2 {
+        let live = live_at(&tr, phase_index(&tr, "optimizer", it));
+        let by = |c: Category| sum_where(&live, |x| x.1 == c);
+        assert_eq!(
+            by(Category::Communication),
+            2 * adapters,
+            "bucket view it {it}"
+        );
+        assert_eq!(by(Category::Gradient), 0, "bucket view it {it}");
     }
     let padded = adapters.div_ceil(2 * n) * 2 * n;
     let rc = recipe(Shard::Zero1, false);
