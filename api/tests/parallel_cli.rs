@@ -140,7 +140,7 @@ fn bad_layouts_fail_with_the_reason() {
             &["--dp", "2", "--shard", "zero3", "--precision", "bf16"][..],
             &[
                 "--shard zero3 with fine-tuning",
-                "ddp, zero1, zero2 or fsdp2",
+                "ddp, zero1, zero2, zero1-torch or fsdp2",
             ][..],
         ),
         (
@@ -157,8 +157,8 @@ fn bad_layouts_fail_with_the_reason() {
             &["--offload optimizer with fine-tuning", "--offload none"][..],
         ),
         (
-            &["--dp", "2", "--shard", "zero1-torch"][..],
-            &["--shard zero1-torch with fine-tuning"][..],
+            &["--dp", "2", "--shard", "dataparallel"][..],
+            &["--shard dataparallel with fine-tuning"][..],
         ),
     ] {
         let mut all = extra.to_vec();
@@ -499,7 +499,7 @@ fn finetuning_under_tp_with_data_parallelism() {
         "--dp",
         "2",
     ];
-    for shard in ["ddp", "zero1", "zero2", "fsdp2"] {
+    for shard in ["ddp", "zero1", "zero2", "zero1-torch", "fsdp2"] {
         let run = |extra: &[&str]| {
             let mut all = base.to_vec();
             all.extend(["--shard", shard]);

@@ -493,7 +493,9 @@ impl Parallel {
         // Megatron's distributed optimizer shards the grad buffer's, i.e. trainable, parameters'
         // fp32 master and moments over the dp group), and FSDP2 shards every parameter but
         // reduce-scatters only those with a gradient (`foreach_reduce` over
-        // `fsdp_params_with_grad`). What is still not lowered is refused by `validate_finetune`.
+        // `fsdp_params_with_grad`); `zero1-torch`'s ZeroRedundancyOptimizer partitions the
+        // parameters it is given, the trainable ones (`_partition_parameters` over
+        // `param_groups`). What is still not lowered is refused by `validate_finetune`.
         let finetune = !r.freeze.is_empty() || r.lora.is_some() || r.quant.is_some();
         if self.tp > 1 {
             if let Some(q) = r.quant {
@@ -624,10 +626,11 @@ impl Parallel {
 
     /// Fine-tuning (`--freeze`, `--lora`, `--quant`) with a parallel layout: the layouts whose
     /// lowerings hold frozen parameters as the frameworks do pass (`--tp`/`--sp`, `--dp` with
-    /// `--shard ddp`, `zero1`, `zero2` or `fsdp2`); the rest are refused with what to give.
+    /// `--shard ddp`, `zero1`, `zero2`, `zero1-torch` or `fsdp2`); the rest are refused with what
+    /// to give.
     fn validate_finetune(&self, r: &Recipe) -> Result<(), RecipeError> {
         let bad = |field: &'static str, msg: String| RecipeError::Invalid { field, msg };
-        let how = "fine-tuning (--freeze, --lora) is modelled on one GPU, with --tp/--sp, and with --dp and --shard ddp, zero1, zero2 or fsdp2";
+        let how = "fine-tuning (--freeze, --lora) is modelled on one GPU, with --tp/--sp, and with --dp and --shard ddp, zero1, zero2, zero1-torch or fsdp2";
         if self.pp > 1 {
             return Err(bad(
                 "pp",
@@ -665,10 +668,15 @@ impl Parallel {
             ));
         }
         match self.shard {
-            Shard::None | Shard::Ddp | Shard::Zero1 | Shard::Zero2 | Shard::Fsdp2 => Ok(()),
-            // `zero1-torch` partitions the optimizer's parameters (the trainable ones under
-            // fine-tuning) with ZeroRedundancyOptimizer's own greedy rule, ZeRO-3 partitions the
-            // frozen parameters apart, nn.DataParallel replicates them every forward: not lowered.
+            Shard::None
+            | Shard::Ddp
+            | Shard::Zero1
+            | Shard::Zero2
+            | Shard::ZeroRedundancy
+            | Shard::Fsdp2 => Ok(()),
+            // DeepSpeed's `zero.Init` partitions the frozen parameters too (the ZeRO-3 lowering
+            // partitions the trainable ones), nn.DataParallel replicates them every forward: not
+            // lowered with frozen parameters.
             _ => Err(bad(
                 "shard",
                 format!(

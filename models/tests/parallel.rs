@@ -985,6 +985,8 @@ fn fsdp2_param_dtype_alone_reduces_in_the_models_dtype() {
 ///   parameters stay as they are next to the flat bf16 group of the trainable ones padded to a
 ///   multiple of 2·n, fp32 master and moments of 1/n of it, the gradients whole (ZeRO-1, until
 ///   `reduce_gradients`) or their partition (ZeRO-2);
+/// * `zero1-torch` (`ZeroRedundancyOptimizer._partition_parameters` over the parameters it is
+///   given, the trainable ones): DDP's buckets, the moments of the rank's partition;
 /// * FSDP2 (`fully_shard` shards every parameter; `foreach_reduce` reduces those with a
 ///   gradient): the padded shards of every parameter, sharded gradients and AdamW state of the
 ///   trainable ones' shards only.
@@ -1036,6 +1038,23 @@ fn frozen_parameters_under_data_parallelism_hold_no_gradients_or_state() {
         assert_eq!(get(Category::Gradient), grads, "{shard}");
         assert_eq!(get(Category::OptimizerState), 12 * padded / n, "{shard}");
     }
+    // `zero1-torch`, fp32 AdamW: the optimizer is given the trainable parameters, which the
+    // greedy partition (largest first, to the first least-loaded rank) spreads evenly by hand:
+    // the twelve 2,359,296-element MLP weights 3 per rank; the six 1,769,472 `c_attn` weights to
+    // ranks 0, 1, 2, 3, 0, 1; the six 589,824 `attn.c_proj` weights to ranks 2, 3, 2, 3, 2, 3 (all
+    // at 10,616,832); the six 3,072 `c_fc` biases to 0, 1, 2, 3, 0, 1; the six 2,304 `c_attn` biases
+    // to 2, 3, 2, 3, 0, 1 (ranks 0-1 at 10,625,280, 2-3 at 10,624,512); of the 38 768-element
+    // tensors two to ranks 2 and 3, then 9 each: every rank 10,632,192 = 42,528,768 / 4. Rank 0
+    // holds Adam's two fp32 moments of those; DDP's buckets and gradients stay the trainable 4Ψ.
+    let r = recipe_for(Shard::ZeroRedundancy);
+    let g = zoo::build("gpt2", &r).unwrap();
+    let t = lower(&g, &r).unwrap();
+    let live = live_at_phase(&t, "optimizer", 1);
+    let get = |c| live.get(&c).copied().unwrap_or(0);
+    assert_eq!(get(Category::OptimizerState), 8 * 10_632_192, "zero1-torch");
+    assert_eq!(4 * 10_632_192, trainable);
+    assert_eq!(get(Category::Communication), 4 * trainable, "zero1-torch");
+    assert_eq!(get(Category::Gradient), 4 * trainable, "zero1-torch");
     // FSDP2, fp32.
     let r = recipe_for(Shard::Fsdp2);
     let g = zoo::build("gpt2", &r).unwrap();

@@ -762,13 +762,19 @@ fn tensor_parallel_batch_templates_equal_fresh_lowerings() {
 
 /// Lowering once per structure holds for fine-tuning under data parallelism too: LoRA on a
 /// tensor-parallel rank and a frozen prefix on one GPU's graph, over 2 data-parallel ranks with
-/// each mode that takes them, fitted at batch 2 and 3, equal fresh lowerings at larger batches.
+/// each mode that takes them (zero1-torch too), fitted at batch 2 and 3, equal fresh lowerings at larger batches.
 #[test]
 fn finetuning_data_parallel_batch_templates_equal_fresh_lowerings() {
     use vramsim_models::compact::lower_compact;
     use vramsim_models::template::BatchTemplate;
     use vramsim_models::Shard;
-    for shard in [Shard::Ddp, Shard::Zero1, Shard::Zero2, Shard::Fsdp2] {
+    for shard in [
+        Shard::Ddp,
+        Shard::Zero1,
+        Shard::Zero2,
+        Shard::ZeroRedundancy,
+        Shard::Fsdp2,
+    ] {
         for (tp, lora, freeze) in [
             (2u32, Some("r=8,targets=all-linear"), None),
             (1, None, Some("transformer.h.0-5")),
