@@ -16,7 +16,7 @@
 //! | ZeRO-1 | — | reduce-scatter of the gradients at the boundary, all-gather of the bf16 parameters: `2(n−1)/n·Ψw` | no |
 //! | ZeRO-2 | reduce-scatter of the gradients, `(n−1)/n·Ψw` | all-gather of the parameters, `(n−1)/n·Ψw` | no (`overlap_comm` is off below stage 3) |
 //! | `zero1-torch` | DDP's all-reduce | the broadcast of the stepped parameters, `(n−1)/n·Ψw` | the all-reduce only |
-//! | ZeRO-3, FSDP2 | all-gather in forward and in backward, reduce-scatter of the gradients: `3(n−1)/n·Ψw` (FSDP2 without the backward's all-gather under `reshard_after_forward=False`, over `k` ranks under `=k`) | — | yes (prefetch) |
+//! | ZeRO-3, FSDP2 | all-gather in forward and in backward, reduce-scatter of the gradients: `3(n−1)/n·Ψw` (FSDP2's all-gathers carry the frozen parameters too under fine-tuning, `Ψ_all`; without the backward's all-gather under `reshard_after_forward=False`, over `k` ranks under `=k`) | — | yes (prefetch) |
 //! | TP (Megatron) | every collective of the rank's graph (`TpComm` ops): per layer two all-reduces in forward, two in backward of the `b·s·h` activations, `4·2(t−1)/t·bshw` (sequence parallelism trades each for an all-gather and a reduce-scatter, and gathers the linear's input again in backward) | — | no |
 //! | PP | each stage boundary sends the activation forward and its gradient back: `2·bshw` | — | no |
 //!
@@ -99,6 +99,15 @@ impl CommWork {
             .filter(|p| p.trainable)
             .map(|p| p.shape.iter().product::<u64>() as f64)
             .sum();
+        // FSDP2 shards and all-gathers every parameter, frozen ones too (`fully_shard` wraps all
+        // of the module's parameters, `_fsdp_param.py`), but reduce-scatters only those with a
+        // gradient (`foreach_reduce` over `fsdp_params_with_grad`): under fine-tuning the
+        // gathers carry `Ψ_all`, the reduce-scatter `Ψ`.
+        let psi_all: f64 = graph
+            .params
+            .iter()
+            .map(|p| p.shape.iter().product::<u64>() as f64)
+            .sum();
         let width = match recipe.precision {
             Precision::Bf16 => 2.0,
             _ => 4.0,
@@ -134,8 +143,9 @@ impl CommWork {
                     ReshardAfterForward::False => 0.0,
                     ReshardAfterForward::To(k) => (f64::from(k) - 1.0) / f64::from(k),
                 };
-                work.dp_overlapped =
-                    accum * psi * ((share + backward_gather) * gather_width + share * reduce_width);
+                work.dp_overlapped = accum
+                    * ((share + backward_gather) * psi_all * gather_width
+                        + share * psi * reduce_width);
             }
             // torch's ZeroRedundancyOptimizer: DDP's all-reduce, then every rank broadcasts the
             // parameters it stepped (each rank receives the others': (n−1)/n of them)

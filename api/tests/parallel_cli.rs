@@ -129,16 +129,54 @@ fn bad_layouts_fail_with_the_reason() {
         &["--dp", "4"],
         &["--shard ddp, zero1, zero2, zero3, zero1-torch or fsdp2"],
     );
+    // Fine-tuning runs with --tp and --dp (ddp, zero1, zero2, fsdp2); what is not lowered with
+    // frozen parameters is refused with its reason.
+    for (extra, fragments) in [
+        (
+            &["--pp", "2", "--pp-schedule", "gpipe"][..],
+            &["--pp 2 with fine-tuning", "not modelled yet", "--pp 1"][..],
+        ),
+        (
+            &["--dp", "2", "--shard", "zero3", "--precision", "bf16"][..],
+            &[
+                "--shard zero3 with fine-tuning",
+                "ddp, zero1, zero2, zero1-torch or fsdp2",
+            ][..],
+        ),
+        (
+            &[
+                "--dp",
+                "2",
+                "--shard",
+                "zero2",
+                "--precision",
+                "bf16",
+                "--offload",
+                "optimizer",
+            ][..],
+            &["--offload optimizer with fine-tuning", "--offload none"][..],
+        ),
+        (
+            &["--dp", "2", "--shard", "dataparallel"][..],
+            &["--shard dataparallel with fine-tuning"][..],
+        ),
+    ] {
+        let mut all = extra.to_vec();
+        all.extend(["--lora", "r=8,targets=c_attn"]);
+        fails(&all, fragments);
+    }
     fails(
         &[
             "--dp",
             "2",
             "--shard",
             "ddp",
+            "--quant",
+            "nf4",
             "--lora",
             "r=8,targets=c_attn",
         ],
-        &["with fine-tuning", "not modelled yet"],
+        &["--quant with --shard ddp", "QLoRA is modelled on one GPU"],
     );
     fails(
         &["--dp", "4", "--shard", "ddp", "--world-size", "8"],
@@ -240,14 +278,14 @@ fn bad_layouts_fail_with_the_reason() {
         &[
             "--tp",
             "2",
-            "--dp",
+            "--pp",
             "2",
-            "--shard",
-            "ddp",
+            "--pp-schedule",
+            "gpipe",
             "--freeze",
             "transformer.wte",
         ],
-        &["with fine-tuning", "--tp alone"],
+        &["--pp 2 with fine-tuning", "with --tp/--sp"],
     );
     fails(
         &["--tp", "2", "--loss", "plain"],
@@ -440,6 +478,89 @@ fn bad_layouts_fail_with_the_reason() {
 /// cannot fit one 80 GB GPU (16 B per parameter of model states alone), while FSDP2 over 8 ranks
 /// (2 + 14 B per parameter spread over 8 ranks, plus the unsharded blocks) leaves room for a batch;
 /// the effective batch counts every rank.
+/// Fine-tuning under --tp with data parallelism (Megatron-Bridge's LoRA with Megatron-core's DDP
+/// or distributed optimizer, or FSDP2): one role for every rank, and LoRA's rank holds less than
+/// full training's in the same layout (its gradients, buckets and optimizer state are the
+/// adapters' only).
+#[test]
+fn finetuning_under_tp_with_data_parallelism() {
+    let base = [
+        "predict",
+        "--model",
+        "gpt2",
+        "--batch",
+        "2",
+        "--seq",
+        "128",
+        "--precision",
+        "bf16",
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+    ];
+    for shard in ["ddp", "zero1", "zero2", "zero1-torch", "fsdp2"] {
+        let run = |extra: &[&str]| {
+            let mut all = base.to_vec();
+            all.extend(["--shard", shard]);
+            all.extend_from_slice(extra);
+            json(&all)
+        };
+        let lora = run(&["--lora", "r=8,targets=c_attn"]);
+        let full = run(&[]);
+        let ranks = lora["ranks"].as_array().expect("ranks");
+        assert_eq!(ranks.len(), 1, "{shard}: {lora}");
+        assert_eq!(
+            ranks[0]["ranks"],
+            serde_json::json!([0, 1, 2, 3]),
+            "{shard}"
+        );
+        assert_eq!(lora["layout"]["world_size"], 4);
+        let peak = |d: &Value| d["peak_allocated_bytes"].as_u64().unwrap();
+        assert!(peak(&lora) < peak(&full), "{shard}: {lora} vs {full}");
+    }
+}
+
+/// The data-parallel traffic of LoRA under --tp by the ring rules (`commtime.rs`'s table), by
+/// hand: GPT-2 at tp 2 with `c_attn` adapters of r 8 holds per rank Ψ = 12 × (8/2·768 +
+/// 3·768/2·8) = 147,456 trainable elements (Megatron-Bridge's column-parallel split) in bf16.
+/// DDP all-reduces only them, `2(n−1)/n·2Ψ` over n = 4; FSDP2 reduce-scatters only them,
+/// `(n−1)/n·2Ψ`, but all-gathers every shard, frozen ones too, in forward and backward:
+/// `2(n−1)/n·2Ψ_all`.
+#[test]
+fn finetuning_data_parallel_traffic_is_the_trainable_gradients() {
+    use vramsim_api::commtime::CommWork;
+    use vramsim_models::{finetune::LoraConfig, zoo, Precision, Recipe, Shard};
+    let psi = 12.0 * (8.0 / 2.0 * 768.0 + 3.0 * 768.0 / 2.0 * 8.0);
+    assert_eq!(psi, 147_456.0);
+    let n = 4.0;
+    for shard in [Shard::Ddp, Shard::Fsdp2] {
+        let mut r = Recipe::new(2, 128);
+        r.precision = Precision::Bf16;
+        r.parallel.tp = 2;
+        r.parallel.dp = 4;
+        r.parallel.shard = shard;
+        r.lora = Some("r=8,targets=c_attn".parse::<LoraConfig>().unwrap());
+        let g = zoo::build("gpt2", &r).unwrap();
+        let all: f64 = g
+            .params
+            .iter()
+            .map(|p| p.shape.iter().product::<u64>() as f64)
+            .sum();
+        let w = CommWork::of(&g, &r);
+        let expect = match shard {
+            Shard::Ddp => 2.0 * (n - 1.0) / n * 2.0 * psi,
+            _ => 2.0 * (n - 1.0) / n * 2.0 * all + (n - 1.0) / n * 2.0 * psi,
+        };
+        assert!(
+            (w.dp_overlapped - expect).abs() < 1e-6 * expect,
+            "{shard}: {} vs {expect}",
+            w.dp_overlapped
+        );
+        assert_eq!(w.dp_exposed, 0.0, "{shard}");
+    }
+}
+
 #[test]
 fn max_batch_and_whatif_take_the_layout() {
     let single = common::vramsim(&["max-batch", "--model", "llama2-7b", "--seq", "512"]);

@@ -483,12 +483,19 @@ impl Parallel {
                 r.precision
             )));
         }
-        // Frozen parameters change what each mechanism holds (DDP buckets only parameters that
-        // require grad, `reducer.cpp`; ZeRO and FSDP2 shard trainable and frozen ones apart), and
-        // the data-parallel and pipeline layouts are lowered for a model whose every parameter
-        // trains. Tensor parallelism alone is lowered with them: a rank's shards are frozen as
-        // the whole model's parameters are (`finetune::freeze`), LoRA's adapters are
-        // Megatron-Bridge's ParallelLinearAdapter (`finetune::lora_tp`).
+        // Fine-tuning (frozen parameters, LoRA adapters) composes with --tp (a rank's shards are
+        // frozen as the whole model's parameters are, `finetune::freeze`; LoRA's adapters are
+        // Megatron-Bridge's ParallelLinearAdapter, `finetune::lora_tp`) and with the
+        // data-parallel modes whose lowerings follow `requires_grad`: DDP buckets only the
+        // parameters that require grad (`reducer.cpp`; Megatron-core's `DistributedDataParallel.
+        // __init__` skips `not param.requires_grad` before building its grad buffers), DeepSpeed's
+        // ZeRO-1/2 flattens and partitions only `trainable_parameters` (`stage_1_and_2.py`, as
+        // Megatron's distributed optimizer shards the grad buffer's, i.e. trainable, parameters'
+        // fp32 master and moments over the dp group), and FSDP2 shards every parameter but
+        // reduce-scatters only those with a gradient (`foreach_reduce` over
+        // `fsdp_params_with_grad`); `zero1-torch`'s ZeroRedundancyOptimizer partitions the
+        // parameters it is given, the trainable ones (`_partition_parameters` over
+        // `param_groups`). What is still not lowered is refused by `validate_finetune`.
         let finetune = !r.freeze.is_empty() || r.lora.is_some() || r.quant.is_some();
         if self.tp > 1 {
             if let Some(q) = r.quant {
@@ -501,17 +508,8 @@ impl Parallel {
                 });
             }
         }
-        let tp_only = Parallel {
-            tp: 1,
-            sp: false,
-            ..*self
-        }
-        .is_single();
-        if finetune && !tp_only {
-            return Err(bad(format!(
-                "--shard {} (--dp {}, --pp {}, --offload {}) with fine-tuning (--freeze, --lora, --quant) is not modelled yet: predict the fine-tuning step on one GPU or with --tp alone (--dp 1 --shard none --pp 1)",
-                self.shard, self.dp, self.pp, self.offload
-            )));
+        if finetune {
+            self.validate_finetune(r)?;
         }
         if self.gradient_as_bucket_view && !self.shard.uses_ddp() {
             return Err(bad(format!(
@@ -623,6 +621,69 @@ impl Parallel {
             1
         } else {
             self.dp
+        }
+    }
+
+    /// Fine-tuning (`--freeze`, `--lora`, `--quant`) with a parallel layout: the layouts whose
+    /// lowerings hold frozen parameters as the frameworks do pass (`--tp`/`--sp`, `--dp` with
+    /// `--shard ddp`, `zero1`, `zero2`, `zero1-torch` or `fsdp2`); the rest are refused with what
+    /// to give.
+    fn validate_finetune(&self, r: &Recipe) -> Result<(), RecipeError> {
+        let bad = |field: &'static str, msg: String| RecipeError::Invalid { field, msg };
+        let how = "fine-tuning (--freeze, --lora) is modelled on one GPU, with --tp/--sp, and with --dp and --shard ddp, zero1, zero2, zero1-torch or fsdp2";
+        if self.pp > 1 {
+            return Err(bad(
+                "pp",
+                format!(
+                    "--pp {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet (a stage's frozen prefix and adapters are not cut from the rank's graph): {how}, with --pp 1",
+                    self.pp
+                ),
+            ));
+        }
+        if self.offload != Offload::None {
+            return Err(bad(
+                "offload",
+                format!(
+                    "--offload {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet: {how}, with --offload none",
+                    self.offload
+                ),
+            ));
+        }
+        if self.cp > 1 {
+            return Err(bad(
+                "cp",
+                format!(
+                    "--cp {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet: {how}, with --cp 1",
+                    self.cp
+                ),
+            ));
+        }
+        if r.quant.is_some() && !self.is_single() {
+            return Err(bad(
+                "shard",
+                format!(
+                    "--quant with --shard {} (--dp {}) is not modelled yet: QLoRA is modelled on one GPU (--dp 1 --shard none)",
+                    self.shard, self.dp
+                ),
+            ));
+        }
+        match self.shard {
+            Shard::None
+            | Shard::Ddp
+            | Shard::Zero1
+            | Shard::Zero2
+            | Shard::ZeroRedundancy
+            | Shard::Fsdp2 => Ok(()),
+            // DeepSpeed's `zero.Init` partitions the frozen parameters too (the ZeRO-3 lowering
+            // partitions the trainable ones), nn.DataParallel replicates them every forward: not
+            // lowered with frozen parameters.
+            _ => Err(bad(
+                "shard",
+                format!(
+                    "--shard {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet: {how}",
+                    self.shard
+                ),
+            )),
         }
     }
 

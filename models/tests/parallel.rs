@@ -974,3 +974,123 @@ fn fsdp2_param_dtype_alone_reduces_in_the_models_dtype() {
     assert_eq!(sizes("fsdp_reduce_scatter_input"), 2 * 4 * n * shards);
     assert_eq!(sizes("fsdp_sharded_grads"), 2 * 4 * shards);
 }
+
+/// Fine-tuning with data parallelism, no tensor parallelism: GPT-2 with the embeddings and
+/// blocks 0–5 frozen trains blocks 6–11 and `ln_f`, by hand 6 × (12h² + 13h) + 2h = 42,528,768
+/// of its 124,439,808 elements (h = 768). By the frameworks' rules over 4 ranks:
+///
+/// * DDP (`reducer.cpp` buckets only parameters that require grad): buckets and gradients of the
+///   trainable elements only (4 B each in fp32), AdamW's two moments of them, every parameter whole;
+/// * DeepSpeed ZeRO-1/2 (`stage_1_and_2.py` flattens `trainable_parameters` only): the frozen
+///   parameters stay as they are next to the flat bf16 group of the trainable ones padded to a
+///   multiple of 2·n, fp32 master and moments of 1/n of it, the gradients whole (ZeRO-1, until
+///   `reduce_gradients`) or their partition (ZeRO-2);
+/// * `zero1-torch` (`ZeroRedundancyOptimizer._partition_parameters` over the parameters it is
+///   given, the trainable ones): DDP's buckets, the moments of the rank's partition;
+/// * FSDP2 (`fully_shard` shards every parameter; `foreach_reduce` reduces those with a
+///   gradient): the padded shards of every parameter, sharded gradients and AdamW state of the
+///   trainable ones' shards only.
+#[test]
+fn frozen_parameters_under_data_parallelism_hold_no_gradients_or_state() {
+    let (h, n) = (768u64, 4u64);
+    let trainable = 6 * (12 * h * h + 13 * h) + 2 * h;
+    assert_eq!(trainable, 42_528_768);
+    let total = 124_439_808u64;
+    let frozen = ["transformer.wte", "transformer.wpe", "transformer.h.0-5"].map(String::from);
+    let recipe_for = |shard: Shard| {
+        let mut r = recipe(2, 128, n as u32, shard);
+        r.freeze = frozen.to_vec();
+        if matches!(shard, Shard::Zero1 | Shard::Zero2) {
+            r.precision = Precision::Bf16;
+        }
+        r
+    };
+    // DDP, fp32.
+    let r = recipe_for(Shard::Ddp);
+    let g = zoo::build("gpt2", &r).unwrap();
+    assert_eq!(g.param_count(), trainable);
+    let t = lower(&g, &r).unwrap();
+    for it in 0..2 {
+        let live = live_at_phase(&t, "optimizer", it);
+        let get = |c| live.get(&c).copied().unwrap_or(0);
+        assert_eq!(get(Category::Communication), 4 * trainable, "ddp it {it}");
+        assert_eq!(get(Category::Gradient), 4 * trainable, "ddp it {it}");
+        assert_eq!(get(Category::Parameter), 4 * total, "ddp it {it}");
+    }
+    let live = live_at_phase(&t, "forward", 1);
+    assert_eq!(live[&Category::OptimizerState], 8 * trainable, "ddp");
+    // ZeRO-1 and ZeRO-2, bf16.
+    let padded = trainable.div_ceil(2 * n) * 2 * n;
+    for shard in [Shard::Zero1, Shard::Zero2] {
+        let r = recipe_for(shard);
+        let g = zoo::build("gpt2", &r).unwrap();
+        let t = lower(&g, &r).unwrap();
+        let (live, grads) = match shard {
+            Shard::Zero1 => (live_at_phase(&t, "reduce_gradients", 1), 2 * trainable),
+            _ => (live_at_phase(&t, "optimizer", 1), 2 * padded / n),
+        };
+        let get = |c| live.get(&c).copied().unwrap_or(0);
+        assert_eq!(
+            get(Category::Parameter),
+            2 * (total - trainable + padded),
+            "{shard}"
+        );
+        assert_eq!(get(Category::Gradient), grads, "{shard}");
+        assert_eq!(get(Category::OptimizerState), 12 * padded / n, "{shard}");
+    }
+    // `zero1-torch`, fp32 AdamW: the optimizer is given the trainable parameters, which the
+    // greedy partition (largest first, to the first least-loaded rank) spreads evenly by hand:
+    // the twelve 2,359,296-element MLP weights 3 per rank; the six 1,769,472 `c_attn` weights to
+    // ranks 0, 1, 2, 3, 0, 1; the six 589,824 `attn.c_proj` weights to ranks 2, 3, 2, 3, 2, 3 (all
+    // at 10,616,832); the six 3,072 `c_fc` biases to 0, 1, 2, 3, 0, 1; the six 2,304 `c_attn` biases
+    // to 2, 3, 2, 3, 0, 1 (ranks 0-1 at 10,625,280, 2-3 at 10,624,512); of the 38 768-element
+    // tensors two to ranks 2 and 3, then 9 each: every rank 10,632,192 = 42,528,768 / 4. Rank 0
+    // holds Adam's two fp32 moments of those; DDP's buckets and gradients stay the trainable 4Ψ.
+    let r = recipe_for(Shard::ZeroRedundancy);
+    let g = zoo::build("gpt2", &r).unwrap();
+    let t = lower(&g, &r).unwrap();
+    let live = live_at_phase(&t, "optimizer", 1);
+    let get = |c| live.get(&c).copied().unwrap_or(0);
+    assert_eq!(get(Category::OptimizerState), 8 * 10_632_192, "zero1-torch");
+    assert_eq!(4 * 10_632_192, trainable);
+    assert_eq!(get(Category::Communication), 4 * trainable, "zero1-torch");
+    assert_eq!(get(Category::Gradient), 4 * trainable, "zero1-torch");
+    // FSDP2, fp32.
+    let r = recipe_for(Shard::Fsdp2);
+    let g = zoo::build("gpt2", &r).unwrap();
+    let shard_of = |shape: &[u64]| match shape.split_first() {
+        Some((d0, rest)) => d0.div_ceil(n) * rest.iter().product::<u64>(),
+        None => 1,
+    };
+    let all: u64 = g.params.iter().map(|p| shard_of(&p.shape)).sum();
+    let tr: u64 = g
+        .params
+        .iter()
+        .filter(|p| p.trainable)
+        .map(|p| shard_of(&p.shape))
+        .sum();
+    let t = lower(&g, &r).unwrap();
+    // The backward all-gathers blocks 11..6 and prefetches block 5, which autograd never
+    // reaches: 7 all-gather outputs, the last dropped by `finalize_backward` (PyTorch 2.15 on
+    // two gloo ranks, `models/tools/check_fsdp_frozen_prefetch.py`: the last frozen block is
+    // unsharded in PRE_BACKWARD state and reaches `finalize_backward` with its
+    // `_all_gather_result` set, no other group does).
+    let (b0, o0) = (
+        common::phase_index(&t, "backward", 0),
+        common::phase_index(&t, "optimizer", 0),
+    );
+    let gathers = t.events[b0..o0]
+        .iter()
+        .filter(|e| {
+            matches!(e, Event::Alloc { tag, .. }
+                if tag.as_deref().is_some_and(|t| t.starts_with("fsdp_all_gather_output")))
+        })
+        .count();
+    assert_eq!(gathers, 7, "fsdp2: backward all-gathers");
+    let live = live_at_phase(&t, "optimizer", 1);
+    let get = |c| live.get(&c).copied().unwrap_or(0);
+    assert_eq!(get(Category::Parameter), 4 * all, "fsdp2");
+    assert_eq!(get(Category::Gradient), 4 * tr, "fsdp2");
+    assert_eq!(get(Category::OptimizerState), 8 * tr, "fsdp2");
+    assert_eq!(get(Category::Communication), 0, "fsdp2");
+}

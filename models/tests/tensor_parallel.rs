@@ -530,6 +530,112 @@ fn lora_adapters_per_rank_are_megatron_bridges_split() {
     assert!(e.contains("replicated"), "{e}");
 }
 
+/// LoRA under --tp with data parallelism, as Megatron-Bridge runs it: TinyLlama at tp 2 with
+/// `all-linear` adapters of r 16 (every base shard frozen), bf16 AdamW, over 4 data-parallel
+/// ranks. The trainable elements per rank are Megatron-Bridge's adapter split by hand
+/// (`ParallelLinearAdapter`, as in `lora_adapters_per_rank_are_megatron_bridges_split`), the
+/// frozen ones the rank's base shards (`llama_rank_params`). By the frameworks' rules:
+///
+/// * `--shard ddp` (Megatron-core's `DistributedDataParallel`, and torch's `Reducer`, bucket only
+///   the parameters that require grad): bucket bytes = the adapters' gradient bytes, 2·Ψ_a, next
+///   to their 2·Ψ_a gradients (no `gradient_as_bucket_view`; with it, the buckets alone, as
+///   Megatron-core's `main_grad` views of its grad buffer); AdamW's 4·Ψ_a; every base shard whole.
+/// * `--shard zero1` (the distributed optimizer's sharding: DeepSpeed's ZeRO-1 flattens and
+///   partitions only `trainable_parameters`): the frozen shards stay as they are, the adapters in
+///   one flat bf16 group padded to a multiple of 2·dp, fp32 master and two fp32 moments of
+///   1/dp of it (12·Ψ'_a/dp), the adapters' full bf16 gradients until `reduce_gradients`.
+/// * `--shard fsdp2` (`fully_shard` shards every parameter, frozen ones too; `foreach_reduce`
+///   reduce-scatters only those with a gradient): 2·(Ψ_base + Ψ_a)/dp of shards, 2·Ψ_a/dp of
+///   sharded gradients, 4·Ψ_a/dp of AdamW state (every dim 0 here divides by 4: no padding).
+#[test]
+fn lora_under_tp_with_data_parallelism_holds_the_adapters_states_only() {
+    use vramsim_models::Shard;
+    let (layers, h, heads, kvh, i, r, t, n) =
+        (22u64, 2048u64, 32u64, 4u64, 5632u64, 16u64, 2u64, 4u64);
+    let kv = kvh * (h / heads);
+    let col = |out: u64| r / t * h + out / t * r;
+    let row = |inp: u64| r * inp / t + h / t * r;
+    let adapters = layers * (col(h) + 2 * col(kv) + 2 * col(i) + row(h) + row(i));
+    let base = llama_rank_params(h, i, layers, heads, kvh, 32000, t);
+    let recipe = |shard: Shard, sp: bool| {
+        let mut rc = Recipe::new(2, 64);
+        rc.precision = Precision::Bf16;
+        rc.parallel.tp = t as u32;
+        rc.parallel.sp = sp;
+        rc.parallel.dp = n as u32;
+        rc.parallel.shard = shard;
+        rc.lora = Some(
+            format!("r={r},alpha=32,targets=all-linear")
+                .parse::<LoraConfig>()
+                .unwrap(),
+        );
+        rc
+    };
+    for sp in [false, true] {
+        let rc = recipe(Shard::Ddp, sp);
+        let g = zoo::build("tinyllama-1.1b", &rc).unwrap();
+        assert_eq!(g.param_count(), adapters);
+        let tr = lower(&g, &rc).unwrap();
+        for it in 0..2 {
+            let live = live_at(&tr, phase_index(&tr, "optimizer", it));
+            let by = |c: Category| sum_where(&live, |x| x.1 == c);
+            assert_eq!(by(Category::Gradient), 2 * adapters, "ddp sp {sp} it {it}");
+            assert_eq!(
+                by(Category::Communication),
+                2 * adapters,
+                "ddp sp {sp} it {it}"
+            );
+            assert_eq!(
+                by(Category::Parameter),
+                2 * (base + adapters),
+                "ddp sp {sp}"
+            );
+        }
+        let live = live_at(&tr, phase_index(&tr, "forward", 1));
+        let by = |c: Category| sum_where(&live, |x| x.1 == c);
+        assert_eq!(
+            by(Category::OptimizerState),
+            2 * 2 * adapters,
+            "ddp sp {sp}"
+        );
+    }
+    // Megatron-core's `main_grad`s are views of its contiguous grad buffer; DDP's
+    // `gradient_as_bucket_view` is the closest: one copy of the adapters' gradients, the buckets.
+    let mut rc = recipe(Shard::Ddp, false);
+    rc.parallel.gradient_as_bucket_view = true;
+    let g = zoo::build("tinyllama-1.1b", &rc).unwrap();
+    let tr = lower(&g, &rc).unwrap();
+    for it in 0..2 {
+        let live = live_at(&tr, phase_index(&tr, "optimizer", it));
+        let by = |c: Category| sum_where(&live, |x| x.1 == c);
+        assert_eq!(
+            by(Category::Communication),
+            2 * adapters,
+            "bucket view it {it}"
+        );
+        assert_eq!(by(Category::Gradient), 0, "bucket view it {it}");
+    }
+    let padded = adapters.div_ceil(2 * n) * 2 * n;
+    let rc = recipe(Shard::Zero1, false);
+    let g = zoo::build("tinyllama-1.1b", &rc).unwrap();
+    let tr = lower(&g, &rc).unwrap();
+    let live = live_at(&tr, phase_index(&tr, "reduce_gradients", 1));
+    let by = |c: Category| sum_where(&live, |x| x.1 == c);
+    assert_eq!(by(Category::Parameter), 2 * (base + padded), "zero1");
+    assert_eq!(by(Category::Gradient), 2 * adapters, "zero1");
+    assert_eq!(by(Category::OptimizerState), 12 * padded / n, "zero1");
+    let rc = recipe(Shard::Fsdp2, false);
+    let g = zoo::build("tinyllama-1.1b", &rc).unwrap();
+    assert!(g.params.iter().all(|p| p.shape[0] % n == 0));
+    let tr = lower(&g, &rc).unwrap();
+    let live = live_at(&tr, phase_index(&tr, "optimizer", 1));
+    let by = |c: Category| sum_where(&live, |x| x.1 == c);
+    assert_eq!(by(Category::Parameter), 2 * (base + adapters) / n, "fsdp2");
+    assert_eq!(by(Category::Gradient), 2 * adapters / n, "fsdp2");
+    assert_eq!(by(Category::OptimizerState), 4 * adapters / n, "fsdp2");
+    assert_eq!(by(Category::Communication), 0, "fsdp2");
+}
+
 /// `(+size | -size)` of the allocations and frees of the `nth` `phase` segment whose allocation
 /// was tagged inside a transformer layer (`transformer.h.`, `model.layers.`, `bert.encoder.layer.`).
 fn layer_events(t: &Trace, phase: &str, nth: u32) -> Vec<i64> {
@@ -648,6 +754,49 @@ fn tensor_parallel_batch_templates_equal_fresh_lowerings() {
                 assert!(
                     inst.same_as(&lowered(batch)),
                     "{name} {lora:?} {head:?} sp {sp} batch {batch}"
+                );
+            }
+        }
+    }
+}
+
+/// Lowering once per structure holds for fine-tuning under data parallelism too: LoRA on a
+/// tensor-parallel rank and a frozen prefix on one GPU's graph, over 2 data-parallel ranks with
+/// each mode that takes them (zero1-torch too), fitted at batch 2 and 3, equal fresh lowerings at larger batches.
+#[test]
+fn finetuning_data_parallel_batch_templates_equal_fresh_lowerings() {
+    use vramsim_models::compact::lower_compact;
+    use vramsim_models::template::BatchTemplate;
+    use vramsim_models::Shard;
+    for shard in [
+        Shard::Ddp,
+        Shard::Zero1,
+        Shard::Zero2,
+        Shard::ZeroRedundancy,
+        Shard::Fsdp2,
+    ] {
+        for (tp, lora, freeze) in [
+            (2u32, Some("r=8,targets=all-linear"), None),
+            (1, None, Some("transformer.h.0-5")),
+        ] {
+            let lowered = |batch: u64| {
+                let mut r = Recipe::new(batch, 64);
+                r.precision = Precision::Bf16;
+                r.parallel.tp = tp;
+                r.parallel.dp = 2;
+                r.parallel.shard = shard;
+                r.lora = lora.map(|l| l.parse::<LoraConfig>().unwrap());
+                r.freeze = freeze.into_iter().map(String::from).collect();
+                let g = zoo::build("gpt2", &r).unwrap();
+                lower_compact(&g, &r).unwrap()
+            };
+            let t = BatchTemplate::fit(&lowered(2), 2, &lowered(3), 3)
+                .unwrap_or_else(|| panic!("{shard} tp {tp}: no template"));
+            for batch in [4, 7] {
+                let inst = t.instantiate(batch).unwrap();
+                assert!(
+                    inst.same_as(&lowered(batch)),
+                    "{shard} tp {tp} {lora:?} {freeze:?} batch {batch}"
                 );
             }
         }

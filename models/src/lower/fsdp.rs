@@ -644,6 +644,18 @@ impl<'g> Lowering<'g> {
         }
         let root = self.fsdp.groups.len() - 1;
         self.fsdp_post_backward_group(root);
+        // A prefetch whose group never ran its backward (a frozen prefix: no input of its
+        // blocks requires grad, so autograd never reaches their pre-backward hooks) is a
+        // "mistargeted unshard without a corresponding wait": after the groups' post-backward,
+        // the root's `_root_post_backward_final_callback` → `wait_for_gradient_reduction` →
+        // `_end_backward_iteration` (`_fsdp_state.py`) runs every group's
+        // `FSDPParamGroup.finalize_backward`, which drops its `_all_gather_result`
+        // (`_fsdp_param_group.py`), before the last reduce-scatter input is released.
+        for gi in 0..self.fsdp.groups.len() {
+            if let Some(t) = self.fsdp.groups[gi].flat.take() {
+                self.drop_rt(t);
+            }
+        }
         if let Some(t) = self.fsdp.rs_input.take() {
             self.drop_rt(t);
         }

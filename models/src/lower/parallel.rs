@@ -623,15 +623,21 @@ impl<'g> Lowering<'g> {
 
     // ------------------------------------------------------------------ ZeroRedundancyOptimizer
 
-    /// `ZeroRedundancyOptimizer(model.parameters(), optimizer_class)` over a DDP model: the
-    /// parameters this rank's local optimizer holds (`_partition_parameters`, greedy by numel), for
-    /// the rank with the most of them (`zero_redundancy_worst_rank`: the most optimizer state).
+    /// `ZeroRedundancyOptimizer(params, optimizer_class)` over a DDP model: the parameters this
+    /// rank's local optimizer holds (`_partition_parameters`, greedy by numel), for the rank with
+    /// the most of them (`zero_redundancy_worst_rank`: the most optimizer state). `params` are the
+    /// trainable ones (every parameter without fine-tuning; under it the optimizer is given those
+    /// that require grad, as for one GPU), so frozen parameters are in no rank's partition.
     fn zero_redundancy_setup(&mut self) {
-        let numels: Vec<u64> = self.params.iter().map(|p| p.layout.numel()).collect();
+        let ps = self.trainable();
+        let numels: Vec<u64> = ps.iter().map(|&p| self.params[p].layout.numel()).collect();
         let world = self.r.parallel.dp;
         let rank = crate::parallel::zero_redundancy_worst_rank(&numels, world);
         let ranks = crate::parallel::zero_redundancy_partition(&numels, world);
-        self.par.zr_owned = ranks.into_iter().map(|r| r == rank).collect();
+        self.par.zr_owned = vec![false; self.params.len()];
+        for (&p, r) in ps.iter().zip(ranks) {
+            self.par.zr_owned[p] = r == rank;
+        }
     }
 
     /// Whether this rank's optimizer steps parameter `p` (every parameter but under `zero1-torch`).
@@ -647,7 +653,8 @@ impl<'g> Lowering<'g> {
         if self.shard() != Shard::ZeroRedundancy {
             return;
         }
-        for p in 0..self.params.len() {
+        // `_sync_params` broadcasts the optimizer's parameters (`_all_params`): the trainable ones.
+        for p in self.trainable() {
             let t = self.params[p].clone();
             self.collective_uses(&t);
         }
