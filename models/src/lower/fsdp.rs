@@ -666,6 +666,22 @@ impl<'g> Lowering<'g> {
         self.fsdp.stages.iter().find(|s| s.stage == stage)
     }
 
+    /// The groups of `stage` in `stage.submod.modules()` order (its root, then its blocks), for the
+    /// pipeline runtime's actions on a stage; none outside FSDP2 under `--pp`.
+    fn fsdp_stage_modules(&self, stage: u32) -> Vec<usize> {
+        if !self.fsdp_pp() {
+            return Vec::new();
+        }
+        self.fsdp_stage(stage)
+            .map(|st| {
+                [st.root]
+                    .into_iter()
+                    .chain(st.blocks.iter().copied())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// A pipeline stage's micro-batch forward begins: its root's pre-forward unshards it (a
     /// no-op once unsharded in the step).
     pub(super) fn fsdp_pp_pre_forward(&mut self, stage: u32) {
@@ -728,14 +744,7 @@ impl<'g> Lowering<'g> {
     /// group's all-gather on the current stream, its output held until the stage's next
     /// compute action waits for it ([`Self::fsdp_assert_unsharded`]).
     pub(super) fn fsdp_unshard_stage(&mut self, stage: u32) {
-        if !self.fsdp_pp() {
-            return;
-        }
-        let Some(st) = self.fsdp_stage(stage) else {
-            return;
-        };
-        let order: Vec<usize> = [st.root].into_iter().chain(st.blocks.clone()).collect();
-        for gi in order {
+        for gi in self.fsdp_stage_modules(stage) {
             self.fsdp_all_gather(gi, 0);
         }
     }
@@ -744,14 +753,7 @@ impl<'g> Lowering<'g> {
     /// in order (`wait_for_unshard` outside forward: the copy-out, then the all-gather output
     /// freed at once).
     pub(super) fn fsdp_assert_unsharded(&mut self, stage: u32) {
-        if !self.fsdp_pp() {
-            return;
-        }
-        let Some(st) = self.fsdp_stage(stage) else {
-            return;
-        };
-        let order: Vec<usize> = [st.root].into_iter().chain(st.blocks.clone()).collect();
-        for gi in order {
+        for gi in self.fsdp_stage_modules(stage) {
             if self.fsdp.groups[gi].flat.is_some() {
                 self.fsdp_copy_out(gi, false);
             }
@@ -762,14 +764,7 @@ impl<'g> Lowering<'g> {
     /// parameters freed; the unsharded gradients stay on the parameters); a no-op for a stage
     /// whose `REDUCE_GRAD` already ran (`_finalized_stages`), which resharded it.
     pub(super) fn fsdp_reshard_stage(&mut self, stage: u32) {
-        if !self.fsdp_pp() {
-            return;
-        }
-        let Some(st) = self.fsdp_stage(stage) else {
-            return;
-        };
-        let order: Vec<usize> = [st.root].into_iter().chain(st.blocks.clone()).collect();
-        for gi in order {
+        for gi in self.fsdp_stage_modules(stage) {
             self.fsdp_reshard(gi);
         }
     }
