@@ -67,18 +67,26 @@ fn layouts_multiply_to_the_gpus_and_split_the_global_batch() {
     let layouts = doc["layouts"].as_array().unwrap();
     assert!(!layouts.is_empty());
     for l in layouts {
-        let (dp, tp, pp) = (
+        let (dp, tp, pp, cp) = (
             l["dp"].as_u64().unwrap(),
             l["tp"].as_u64().unwrap(),
             l["pp"].as_u64().unwrap(),
+            l["cp"].as_u64().unwrap(),
         );
-        assert_eq!(dp * tp * pp, 4, "{l}");
+        assert_eq!(dp * tp * pp * cp, 4, "{l}");
+        // context parallelism runs with FSDP2 over dp × cp and no pipeline
+        if cp > 1 {
+            assert_eq!(l["shard"], "fsdp2", "{l}");
+            assert_eq!(pp, 1, "{l}");
+        }
         assert_eq!(
             l["batch"].as_u64().unwrap() * l["accum"].as_u64().unwrap() * dp,
             16,
             "{l}"
         );
     }
+    // the search covers context parallelism (GPT-2 at seq 256 allows cp 2 and 4)
+    assert!(layouts.iter().any(|l| l["cp"].as_u64() > Some(1)), "{doc}");
     let times: Vec<f64> = layouts
         .iter()
         .map(|l| l["step_ms"].as_f64().unwrap())
