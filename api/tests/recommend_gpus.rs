@@ -49,6 +49,45 @@ fn pruning_keeps_the_fastest_layouts() {
     }
 }
 
+/// The same with context parallelism among the fastest: GPT-2 at seq 1024 on 2 GiB ranks, where
+/// sharding the sequence over cp ranks is what lets a larger micro-batch fit.
+#[test]
+fn pruning_keeps_the_fastest_layouts_with_context_parallelism() {
+    let a: RecommendArgs = parse_args(
+        "recommend",
+        &[
+            "--model",
+            "gpt2",
+            "--seq",
+            "1024",
+            "--global-batch",
+            "8",
+            "--top",
+            "4",
+            "--capacity",
+            "2GiB",
+        ]
+        .map(String::from),
+    )
+    .unwrap();
+    let pruned = search_with(&a, 4, true).unwrap();
+    let full = search_with(&a, 4, false).unwrap();
+    let key = |s: &vramsim_api::layouts::LayoutSearch| -> Vec<(Vec<(String, String)>, u64)> {
+        s.found
+            .iter()
+            .map(|r| (r.settings.clone(), r.evaluated.step.step_ms.to_bits()))
+            .collect()
+    };
+    assert_eq!(key(&pruned), key(&full));
+    assert!(
+        full.found
+            .iter()
+            .any(|r| r.evaluated.prediction.recipe.parallel.cp > 1),
+        "{:?}",
+        key(&full)
+    );
+}
+
 #[test]
 fn layouts_multiply_to_the_gpus_and_split_the_global_batch() {
     let doc = json(&[
