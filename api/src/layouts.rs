@@ -8,7 +8,7 @@
 //!   ≤ 8, [`crate::commtime::GPUS_PER_NODE`]) and context parallelism `cp` ∈ {1, 2, 4, 8}; with `dp`
 //!   above 1 every data-parallel mode vramsim models (`ddp`, `zero1`, `zero2`, `zero3`, `fsdp2`)
 //!   and their offloads, `none` otherwise. `cp` above 1 goes with FSDP2 over dp × cp (and its
-//!   parameter offload) without a pipeline, the layouts `--cp` models
+//!   parameter offload), the layouts `--cp` models
 //!   (`vramsim_models::context_parallel::validate`); the model's and the sequence's checks (a
 //!   causal LM on flash or cuDNN attention, `--seq` a multiple of `2·cp`) refuse the rest with
 //!   their reasons. The `cp` ranks of a data-parallel rank share its samples (each holds
@@ -303,15 +303,15 @@ pub fn search_with(args: &RecommendArgs, gpus: u32, prune: bool) -> Result<Layou
     })
 }
 
-/// Every `(dp, tp, pp, cp)` with `dp × tp × pp × cp = gpus`, `tp` within a node, `cp` one of
-/// [`CPS`] and no pipeline with `cp` above 1 (`--cp` with `--pp` is refused).
+/// Every `(dp, tp, pp, cp)` with `dp × tp × pp × cp = gpus`, `tp` within a node and `cp` one of
+/// [`CPS`].
 fn layouts(gpus: u32) -> Vec<(u32, u32, u32, u32)> {
     let divisors = |n: u32| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let mut out = Vec::new();
     for &cp in CPS.iter().filter(|&&c| gpus.is_multiple_of(c)) {
         let rest = gpus / cp;
         for tp in divisors(rest).filter(|&t| t <= GPUS_PER_NODE) {
-            for pp in divisors(rest / tp).filter(|&p| cp == 1 || p == 1) {
+            for pp in divisors(rest / tp) {
                 out.push((rest / tp / pp, tp, pp, cp));
             }
         }

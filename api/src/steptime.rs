@@ -757,8 +757,9 @@ impl StepWork {
         let micro = forward + backward + recompute;
         let compute = accum * slots * micro + accumulate + optimizer;
         let comm = self.comm.time(links);
-        // the ring's waits, every micro-batch (--cp refuses --pp: one micro-batch per slot)
-        let ring_exposed = accum * (ring.forward_exposed_s + ring.backward_exposed_s);
+        // the ring's waits, every micro-batch (a pipeline rank's `M` per accumulation step)
+        let ring_exposed =
+            accum * micro_batches * (ring.forward_exposed_s + ring.backward_exposed_s);
         let step = compute.max(comm.overlapped_s) + comm.exposed_s + ring_exposed;
         let plain = forward + backward + optimizer;
         StepTime {

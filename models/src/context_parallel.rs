@@ -26,6 +26,10 @@
 //!   (`distributed/parallel_dims.py`), so parameters, gradients and optimizer states are FSDP2's
 //!   over dp·cp ranks ([`crate::parallel::Parallel::fsdp_world`]); `--cp` therefore needs
 //!   `--shard fsdp2`.
+//! * **With a pipeline** (`--pp`, torchtitan applies CP inside each stage: `parallelize_llama`
+//!   runs on the stage's model chunk and `context_parallel` wraps the whole `pp_schedule.step`):
+//!   each stage's attention runs the ring over the same cp ranks, the stages send and receive the
+//!   rank's `seq/cp` tokens, and every (stage, cp rank) pair is its own role.
 //!
 //! torchtitan's own models (since its ShardingConfig refactor) refuse context parallelism with
 //! SDPA and use FlexAttention's all-gather instead (`models/common/decoder.py`); the SDPA ring
@@ -61,12 +65,6 @@ pub fn validate(p: &Parallel, r: &Recipe) -> Result<(), RecipeError> {
         return Err(bad(format!(
             "--cp {} shards the model states with FSDP2 over dp × cp ranks (torchtitan's fsdp mesh is dp_shard * cp, parallel_dims.py): give --shard fsdp2, not {}",
             p.cp, p.shard
-        )));
-    }
-    if p.pp > 1 {
-        return Err(bad(format!(
-            "--cp {} with --pp {} is not modelled yet: the pipeline's stages are lowered without the ring attention; give --pp 1",
-            p.cp, p.pp
         )));
     }
     if let ReshardAfterForward::To(n) = p.reshard_after_forward {
