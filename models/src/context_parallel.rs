@@ -26,8 +26,9 @@
 //!   (`distributed/parallel_dims.py`), so parameters, gradients and optimizer states are FSDP2's
 //!   over dp·cp ranks ([`crate::parallel::Parallel::fsdp_world`]); `--cp` therefore needs
 //!   `--shard fsdp2`.
-//! * **With a pipeline** (`--pp`, torchtitan applies CP inside each stage: `parallelize_llama`
-//!   runs on the stage's model chunk and `context_parallel` wraps the whole `pp_schedule.step`):
+//! * **With a pipeline** (`--pp`; torchtitan's `train.py` `forward_backward_step` runs
+//!   `self.pp_schedule.step(...)` inside `train_context(optional_context_parallel_ctx)`, the CP
+//!   buffers being the inputs, labels and every stage's `freqs_cis`):
 //!   each stage's attention runs the ring over the same cp ranks, the stages send and receive the
 //!   rank's `seq/cp` tokens, and every (stage, cp rank) pair is its own role.
 //!
