@@ -19,11 +19,14 @@
 //! | ZeRO-3, FSDP2 | all-gather in forward and in backward, reduce-scatter of the gradients: `3(n−1)/n·Ψw` (FSDP2's all-gathers carry the frozen parameters too under fine-tuning, `Ψ_all`; without the backward's all-gather under `reshard_after_forward=False`, over `k` ranks under `=k`) | — | yes (prefetch) |
 //! | TP (Megatron) | every collective of the rank's graph (`TpComm` ops): per layer two all-reduces in forward, two in backward of the `b·s·h` activations, `4·2(t−1)/t·bshw` (sequence parallelism trades each for an all-gather and a reduce-scatter, and gathers the linear's input again in backward) | — | no |
 //! | PP | each stage boundary sends the activation forward and its gradient back: `2·bshw` | — | no |
+//! | CP (ring attention) | per attention call: the K/V all-gather in forward and again in backward, `(c−1)·(|k|+|v|)·w` each; `c` rotations of the float32 K/V gradients in backward, `4·(|k|+|v|)` each | — | partly ([`RingCall`]) |
 //!
-//! **Bandwidth.** Ranks are laid out tensor-parallel innermost, then data-parallel, then pipeline
-//! (torchtitan's device mesh order `pp, dp, tp`), `gpus_per_node` (8) to a node: a group whose span
-//! (its size times the sizes of the dimensions inside it) fits in a node runs at the node's link
-//! bandwidth, else at the network's.
+//! **Bandwidth.** Ranks are laid out tensor-parallel innermost, then context-parallel, then
+//! data-parallel, then pipeline (torchtitan's device mesh order `pp, dp_replicate, dp_shard, cp,
+//! tp`, `ParallelDims` in `distributed/parallel_dims.py`; FSDP2 shards over the flattened
+//! `dp_shard, cp`), `gpus_per_node` (8) to a node: a group whose span (its size times the sizes of
+//! the dimensions inside it) fits in a node runs at the node's link bandwidth, else at the
+//! network's.
 //!
 //! **CPU offload** sends the rank's partition over its PCIe link to the host ([`Links::host_gbs`]):
 //! ZeRO-Offload the fp32 gradient slice out and the bf16 partition back at the step (exposed);
@@ -71,6 +74,9 @@ pub struct CommWork {
     pub cpu_optimizer: f64,
     /// The layout's degrees (dp, tp, pp).
     pub dims: (u32, u32, u32),
+    /// Context-parallel ranks (`--cp`; 1 without): their ring traffic is priced per attention
+    /// call ([`RingCall`]), and FSDP2's group spans dp × cp.
+    pub cp: u32,
 }
 
 /// Seconds of each kind for one step on given links.
@@ -88,6 +94,7 @@ impl CommWork {
         let par = &recipe.parallel;
         let mut work = CommWork {
             dims: (par.dp, par.tp, par.pp),
+            cp: par.cp.max(1),
             ..CommWork::default()
         };
         if par.is_single() || par.shard == Shard::DataParallel {
@@ -123,7 +130,8 @@ impl CommWork {
             _ => width,
         };
         let accum = f64::from(recipe.accum.max(1));
-        let n = f64::from(par.dp);
+        // FSDP2 shards over dp × cp (torchtitan's `dp_shard_cp` mesh); cp is 1 for the others
+        let n = f64::from(par.fsdp_world());
         let share = (n - 1.0) / n;
         match par.shard {
             // no data parallelism (tensor or pipeline parallelism alone), or one device's
@@ -208,7 +216,7 @@ impl CommWork {
             }
         };
         let seconds = |bytes: f64, span: u32| bytes / (gbs(span) * 1e9);
-        let dp_span = dp.saturating_mul(tp);
+        let dp_span = dp.saturating_mul(self.cp).saturating_mul(tp);
         let pp_span = dp_span.saturating_mul(pp);
         let host = |bytes: f64| bytes / (links.host_gbs * 1e9);
         CommTime {
@@ -220,6 +228,125 @@ impl CommWork {
                 + self.cpu_optimizer / (HOST_MEMORY_GBS_PER_GPU * 1e9),
         }
     }
+}
+
+impl CommWork {
+    /// The bandwidth of the context-parallel group's links, GB/s: the group spans `cp × tp`
+    /// ranks (cp sits just outside tp in torchtitan's mesh order), inside a node when that fits.
+    pub fn cp_gbs(&self, links: &Links) -> f64 {
+        if self.cp.saturating_mul(self.dims.1) <= GPUS_PER_NODE {
+            links.intra_gbs
+        } else {
+            links.inter_gbs
+        }
+    }
+}
+
+/// One ring-attention call of a context-parallel rank (`--cp`, `vramsim_models::lower::cp`): the
+/// rank's key and value at `seq/cp` tokens. PyTorch 2.15's `_templated_ring_attention` (default
+/// `rotate_method` all-gather, torchtitan's `"allgather"`) all-gathers `cat([k, v])` once: issued
+/// at step 0 before its kernel, waited at step 1 (`_AllGatherRotater.next_buffer`), so step 0's
+/// kernel (causal on the local q, k, v: the graph's own SDPA op at `seq/cp`) hides it and the later
+/// steps wait for the rest. `_templated_ring_attention_backward` all-gathers the K/V again the same
+/// way, and passes the float32 `cat([dk, dv])` to the next rank after every step
+/// (`dkv_rotater.exchange_buffers`: `_AllToAllRotater`, `permute_tensor`, the whole buffer to one
+/// neighbour): each rotation is waited after the next step's kernel, the last one right after the
+/// loop. With the head-tail load balancer, the `cp − 1` later steps each run on half the keys or
+/// half the queries: half of step 0's work.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RingCall {
+    /// Elements of the rank's key and value, `|k| + |v|`.
+    pub kv: f64,
+    /// Their width in bytes.
+    pub width: f64,
+}
+
+/// What one ring-attention call adds to a step, s.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RingTime {
+    /// The forward's later steps (the graph prices step 0 only): `(cp − 1)` half kernels.
+    pub forward_compute_s: f64,
+    /// The backward's later steps, twice the forward's.
+    pub backward_compute_s: f64,
+    /// The forward's all-gather beyond step 0's kernel.
+    pub forward_exposed_s: f64,
+    /// The backward's all-gather beyond step 0's backward kernel, each rotation beyond the next
+    /// step's kernel, and the last rotation whole.
+    pub backward_exposed_s: f64,
+}
+
+impl RingCall {
+    /// Bytes one rank sends for one all-gather of the K/V over `cp` ranks (ring algorithm: the
+    /// full `cp·(|k| + |v|)·w` tensor less the rank's own share).
+    pub fn gather_bytes(&self, cp: u32) -> f64 {
+        f64::from(cp.saturating_sub(1)) * self.kv * self.width
+    }
+
+    /// Bytes one rank sends per rotation of the K/V gradients: the float32 `cat([dk, dv])`
+    /// (`convert_to_f32` accumulators).
+    pub fn rotation_bytes(&self) -> f64 {
+        4.0 * self.kv
+    }
+
+    /// Bytes one rank sends for one micro-batch's forward and backward of this call: two
+    /// all-gathers and `cp` rotations.
+    pub fn bytes(&self, cp: u32) -> f64 {
+        2.0 * self.gather_bytes(cp) + f64::from(cp) * self.rotation_bytes()
+    }
+
+    /// The call's added time on links of `gbs` GB/s, given step 0's forward kernel time `t0`
+    /// (the backward kernel of a step takes twice its forward, [`crate::steptime`]).
+    pub fn time(&self, cp: u32, gbs: f64, t0: f64) -> RingTime {
+        if cp < 2 {
+            return RingTime::default();
+        }
+        let later = f64::from(cp - 1);
+        let gather = self.gather_bytes(cp) / (gbs * 1e9);
+        let rotation = self.rotation_bytes() / (gbs * 1e9);
+        // a later step's backward kernel: twice half of step 0's forward
+        let later_bwd = t0;
+        RingTime {
+            forward_compute_s: later * t0 / 2.0,
+            backward_compute_s: later * later_bwd,
+            forward_exposed_s: (gather - t0).max(0.0),
+            backward_exposed_s: (gather - 2.0 * t0).max(0.0)
+                + later * (rotation - later_bwd).max(0.0)
+                + rotation,
+        }
+    }
+}
+
+/// The ring-attention calls of a context-parallel rank's graph (none without `--cp`): one per
+/// fused SDPA op, with its op index, from the shapes of its key and value (`[B, H, seq/cp, D]`)
+/// at the activations' width.
+pub fn ring_calls(graph: &Graph, recipe: &Recipe) -> Vec<(usize, RingCall)> {
+    if recipe.parallel.cp < 2 {
+        return Vec::new();
+    }
+    let numel = |v: ValueId| graph.values[v.0 as usize].shape.iter().product::<u64>() as f64;
+    let width = |v: ValueId| match graph.values[v.0 as usize].dtype {
+        DTypeSpec::Fixed(d) => d.size() as f64,
+        DTypeSpec::Model => match recipe.precision {
+            Precision::Fp32 => 4.0,
+            _ => 2.0,
+        },
+    };
+    graph
+        .ops
+        .iter()
+        .enumerate()
+        .filter(|(_, op)| matches!(op.kind, OpKind::Sdpa { .. }))
+        .filter_map(|(i, op)| {
+            let (&k, &v) = (op.inputs.get(1)?, op.inputs.get(2)?);
+            Some((
+                i,
+                RingCall {
+                    kv: numel(k) + numel(v),
+                    width: width(k),
+                },
+            ))
+        })
+        .collect()
 }
 
 /// Bytes one rank sends in its tensor-parallel group for one micro-batch: every collective of the
@@ -303,4 +430,68 @@ fn residual_bytes(graph: &Graph, recipe: &Recipe) -> f64 {
         .max()
         .unwrap_or(0) as f64
         * width
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vramsim_models::{zoo, Precision, Recipe, Shard};
+
+    /// LLaMA-2-7B at seq 4096 over cp 4: each rank's key and value are `[1, 32, 1024, 128]`
+    /// (32 heads of 128, no GQA; 4096 / 4 tokens), bf16.
+    #[test]
+    fn ring_volumes_by_hand() {
+        let mut recipe = Recipe::new(1, 4096);
+        recipe.precision = Precision::Bf16;
+        recipe.parallel.dp = 2;
+        recipe.parallel.cp = 4;
+        recipe.parallel.shard = Shard::Fsdp2;
+        let graph = zoo::build("llama2-7b", &recipe).unwrap();
+        let calls = ring_calls(&graph, &recipe);
+        assert_eq!(calls.len(), 32, "one ring per layer");
+        let kv = 2.0 * 32.0 * 1024.0 * 128.0;
+        for (_, call) in &calls {
+            assert_eq!(call.kv, kv);
+            assert_eq!(call.width, 2.0);
+            // forward: the all-gather of cat([k, v]) over 4 ranks sends 3 of its 4 shares
+            assert_eq!(call.gather_bytes(4), 3.0 * kv * 2.0); // 48 MiB
+                                                              // backward: the same all-gather, and 4 rotations of the float32 K/V gradients
+            assert_eq!(call.rotation_bytes(), 4.0 * kv); // 32 MiB
+            assert_eq!(
+                call.bytes(4),
+                2.0 * 48.0 * 1048576.0 + 4.0 * 32.0 * 1048576.0
+            );
+        }
+        // FSDP2 over dp × cp = 8 ranks, one node: tp 1 × cp 4 and dp 2 × cp 4 × tp 1 fit
+        let work = CommWork::of(&graph, &recipe);
+        assert_eq!(work.cp, 4);
+        let links = crate::links::links(Some("h100-80gb"));
+        assert_eq!(work.cp_gbs(links), links.intra_gbs);
+        // without --cp there is no ring
+        let mut single = recipe.clone();
+        single.parallel.cp = 1;
+        let g1 = zoo::build("llama2-7b", &single).unwrap();
+        assert!(ring_calls(&g1, &single).is_empty());
+    }
+
+    /// The ring's overlap by hand: at 100 GB/s, with step 0's kernel `t0`.
+    #[test]
+    fn ring_time_by_hand() {
+        let call = RingCall {
+            kv: 1e9,
+            width: 2.0,
+        };
+        // cp 2: gather 2 GB = 20 ms, rotation 4 GB = 40 ms
+        let t = call.time(2, 100.0, 0.005);
+        assert!((t.forward_compute_s - 0.0025).abs() < 1e-12);
+        assert!((t.backward_compute_s - 0.005).abs() < 1e-12);
+        assert!((t.forward_exposed_s - 0.015).abs() < 1e-12);
+        // gather beyond 2·t0, one rotation beyond the next step's kernel t0, the last whole
+        assert!((t.backward_exposed_s - (0.010 + 0.035 + 0.040)).abs() < 1e-12);
+        // kernels long enough hide all but the last rotation
+        let t = call.time(2, 100.0, 1.0);
+        assert_eq!(t.forward_exposed_s, 0.0);
+        assert!((t.backward_exposed_s - 0.040).abs() < 1e-12);
+        assert_eq!(call.time(1, 100.0, 1.0), RingTime::default());
+    }
 }

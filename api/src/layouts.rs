@@ -4,9 +4,15 @@
 //!
 //! # The search
 //!
-//! * **Layouts**: every `dp × tp × pp = N` with the tensor-parallel group inside a node (`tp` ≤ 8,
-//!   [`crate::commtime::GPUS_PER_NODE`]); with `dp` above 1 every data-parallel mode vramsim models
-//!   (`ddp`, `zero1`, `zero2`, `zero3`, `fsdp2`) and their offloads, `none` otherwise.
+//! * **Layouts**: every `dp × tp × pp × cp = N` with the tensor-parallel group inside a node (`tp`
+//!   ≤ 8, [`crate::commtime::GPUS_PER_NODE`]) and context parallelism `cp` ∈ {1, 2, 4, 8}; with `dp`
+//!   above 1 every data-parallel mode vramsim models (`ddp`, `zero1`, `zero2`, `zero3`, `fsdp2`)
+//!   and their offloads, `none` otherwise. `cp` above 1 goes with FSDP2 over dp × cp (and its
+//!   parameter offload), the layouts `--cp` models
+//!   (`vramsim_models::context_parallel::validate`); the model's and the sequence's checks (a
+//!   causal LM on flash or cuDNN attention, `--seq` a multiple of `2·cp`) refuse the rest with
+//!   their reasons. The `cp` ranks of a data-parallel rank share its samples (each holds
+//!   `seq/cp` tokens of them).
 //! * **Recipes**: precision `amp-bf16` and `bf16` (what multi-GPU training runs in; `--precision`
 //!   fixes one), checkpointing `none`, `selective` and `full` (`--checkpoint` fixes one).
 //! * Each data-parallel rank takes `global batch / dp` samples per step as micro-batch ×
@@ -54,10 +60,17 @@ const MODES: &[(&str, &str)] = &[
     ("fsdp2", "params"),
 ];
 
+/// Context-parallel degrees searched (`--cp`): powers of two up to a node, as torchtitan's
+/// head-tail load balancer pairs the sequence's `2·cp` chunks.
+const CPS: &[u32] = &[1, 2, 4, 8];
+/// Data-parallel modes and offloads tried with `cp` above 1: FSDP2 shards over dp × cp
+/// (`vramsim_models::context_parallel::validate`).
+const CP_MODES: &[(&str, &str)] = &[("fsdp2", "none"), ("fsdp2", "params")];
+
 /// One layout and recipe of the search, before its micro-batch is chosen.
 #[derive(Clone, Debug)]
 struct Candidate {
-    /// dp, tp, pp, shard, offload, precision, checkpoint.
+    /// dp, tp, pp, shard, offload, precision, checkpoint, cp.
     settings: Vec<Setting>,
     /// Samples per data-parallel rank per step.
     per_rank: u64,
@@ -96,6 +109,7 @@ const SET: &[&str] = &[
     "checkpoint",
     "batch",
     "accum",
+    "cp",
 ];
 
 /// Runs the search of `recommend --gpus N`.
@@ -123,6 +137,7 @@ pub fn search_with(args: &RecommendArgs, gpus: u32, prune: bool) -> Result<Layou
         "world-size",
         "batch",
         "accum",
+        "cp",
     ] {
         if fixed.has(key) {
             bail!("recommend --gpus searches --{key} itself: leave it out");
@@ -150,7 +165,7 @@ pub fn search_with(args: &RecommendArgs, gpus: u32, prune: bool) -> Result<Layou
     };
     let mut refused: HashMap<String, usize> = HashMap::new();
     let mut settings = Vec::new();
-    for (dp, tp, pp) in layouts(gpus) {
+    for (dp, tp, pp, cp) in layouts(gpus) {
         if !g.is_multiple_of(u64::from(dp)) {
             *refused
                 .entry(format!(
@@ -159,7 +174,9 @@ pub fn search_with(args: &RecommendArgs, gpus: u32, prune: bool) -> Result<Layou
                 .or_default() += 1;
             continue;
         }
-        let modes: Vec<(&str, &str)> = if dp == 1 {
+        let modes: Vec<(&str, &str)> = if cp > 1 {
+            CP_MODES.to_vec()
+        } else if dp == 1 {
             vec![("none", "none")]
         } else {
             MODES
@@ -178,6 +195,7 @@ pub fn search_with(args: &RecommendArgs, gpus: u32, prune: bool) -> Result<Layou
                         ("pp", pp.to_string(), "1"),
                         ("shard", shard.to_string(), "none"),
                         ("offload", offload.to_string(), "none"),
+                        ("cp", cp.to_string(), "1"),
                     ];
                     let mut s: Vec<Setting> = layout
                         .into_iter()
@@ -285,13 +303,17 @@ pub fn search_with(args: &RecommendArgs, gpus: u32, prune: bool) -> Result<Layou
     })
 }
 
-/// Every `(dp, tp, pp)` with `dp × tp × pp = gpus` and `tp` within a node.
-fn layouts(gpus: u32) -> Vec<(u32, u32, u32)> {
+/// Every `(dp, tp, pp, cp)` with `dp × tp × pp × cp = gpus`, `tp` within a node and `cp` one of
+/// [`CPS`].
+fn layouts(gpus: u32) -> Vec<(u32, u32, u32, u32)> {
     let divisors = |n: u32| (1..=n).filter(move |d| n.is_multiple_of(*d));
     let mut out = Vec::new();
-    for tp in divisors(gpus).filter(|&t| t <= GPUS_PER_NODE) {
-        for pp in divisors(gpus / tp) {
-            out.push((gpus / tp / pp, tp, pp));
+    for &cp in CPS.iter().filter(|&&c| gpus.is_multiple_of(c)) {
+        let rest = gpus / cp;
+        for tp in divisors(rest).filter(|&t| t <= GPUS_PER_NODE) {
+            for pp in divisors(rest / tp) {
+                out.push((rest / tp / pp, tp, pp, cp));
+            }
         }
     }
     out
@@ -313,14 +335,16 @@ fn bound_ms(
         crate::parse_args("predict", &base.args(&s)).map_err(|e| format!("{e:#}"))?;
     let (arch, recipe, _) = step_recipe(&args).map_err(|e| format!("{e:#}"))?;
     // the graph depends on the shapes (batch, tp, pp stage), the precision's casts and the
-    // checkpointing (a checkpointed model's graph differs), not on the data-parallel mode
+    // checkpointing (a checkpointed model's graph differs) and the rank's sequence (cp), not on
+    // the data-parallel mode
     let key = format!(
-        "{}/{}/{}/{}/{}",
+        "{}/{}/{}/{}/{}/{}",
         recipe.batch,
         recipe.parallel.tp,
         recipe.parallel.pp,
         recipe.precision,
-        recipe.checkpointing
+        recipe.checkpointing,
+        recipe.parallel.cp
     );
     let cached = graphs.lock().ok().and_then(|g| g.get(&key).cloned());
     let graph = match cached {
@@ -374,6 +398,7 @@ impl LayoutSearch {
                     "dp": par.dp,
                     "tp": par.tp,
                     "pp": par.pp,
+                    "cp": par.cp,
                     "shard": par.shard.to_string(),
                     "offload": par.offload.to_string(),
                     "precision": rec.precision.to_string(),
@@ -413,9 +438,9 @@ impl LayoutSearch {
         );
         let _ = writeln!(
             out,
-            "{:>4}  {:<17} {:<16} {:<9} {:<10} {:>13}  {:>12}  {:>9}  {:>8}  {:>10}",
+            "{:>4}  {:<22} {:<16} {:<9} {:<10} {:>13}  {:>12}  {:>9}  {:>8}  {:>10}",
             "rank",
-            "dp × tp × pp",
+            "dp × tp × pp × cp",
             "shard / offload",
             "precision",
             "checkpoint",
@@ -431,9 +456,9 @@ impl LayoutSearch {
             let par = &rec.parallel;
             let _ = writeln!(
                 out,
-                "{:>4}  {:<17} {:<16} {:<9} {:<10} {:>13}  {:>12}  {:>9.1}  {:>8.1}  {:>10.1}",
+                "{:>4}  {:<22} {:<16} {:<9} {:<10} {:>13}  {:>12}  {:>9.1}  {:>8.1}  {:>10.1}",
                 i + 1,
-                format!("{} × {} × {}", par.dp, par.tp, par.pp),
+                format!("{} × {} × {} × {}", par.dp, par.tp, par.pp, par.cp),
                 format!("{} / {}", par.shard, par.offload),
                 rec.precision.to_string(),
                 rec.checkpointing.to_string(),

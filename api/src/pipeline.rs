@@ -30,13 +30,10 @@ pub fn is_rank_by_rank(recipe: &Recipe) -> bool {
     is_pipeline(recipe) || crate::context_parallel::is_context_parallel(recipe)
 }
 
-/// How many ranks `args` lowers one by one: the context-parallel ranks, else the pipeline's.
+/// How many ranks `args` lowers one by one: the pipeline's times the context-parallel ones
+/// (rank `r` is pipeline rank `r / cp`, cp rank `r % cp`: `predict`'s `assemble`).
 fn rank_count(args: &PredictArgs) -> u32 {
-    if args.cp > 1 {
-        args.cp
-    } else {
-        args.pp
-    }
+    args.pp.max(1) * args.cp.max(1)
 }
 
 /// The graph of pipeline rank `recipe.parallel.stage`: the model built for one micro-batch, cut
@@ -86,11 +83,19 @@ fn lower_ranks(args: &PredictArgs, pp: u32) -> Result<Vec<Lowered>> {
 /// `["pp", "dp_replicate", "dp_shard", "cp", "tp"]`), so
 /// pipeline rank `r` is the block `r·dp·tp .. (r + 1)·dp·tp`; its tensor-parallel ranks hold equal
 /// shards of the same stage (one role).
+/// With context parallelism the block is `dp·cp·tp` and rank `r` is pipeline rank `r / cp`, cp rank
+/// `r % cp` (`crate::context_parallel::cp_ranks` inside the block).
 fn stage_ranks(recipe: &Recipe, rank: u32) -> Vec<u32> {
-    if crate::context_parallel::is_context_parallel(recipe) {
-        return crate::context_parallel::cp_ranks(recipe, rank);
-    }
     let p = &recipe.parallel;
+    if crate::context_parallel::is_context_parallel(recipe) {
+        let cp = p.cp.max(1);
+        let block = p.dp.max(1) * cp * p.tp.max(1);
+        let stage = rank / cp;
+        return crate::context_parallel::cp_ranks(recipe, rank % cp)
+            .into_iter()
+            .map(|r| stage * block + r)
+            .collect();
+    }
     let block = p.dp.max(1) * p.tp.max(1);
     (rank * block..(rank + 1) * block).collect()
 }
@@ -107,7 +112,15 @@ pub fn lower_worst_rank(args: &PredictArgs) -> Result<Lowered> {
 /// What one rank holds, in words.
 fn role_name(recipe: &Recipe, rank: u32) -> String {
     if crate::context_parallel::is_context_parallel(recipe) {
-        return crate::context_parallel::role_name(recipe, rank);
+        let cp = recipe.parallel.cp;
+        let ring = crate::context_parallel::role_name(recipe, rank % cp);
+        if !is_pipeline(recipe) {
+            return ring;
+        }
+        let mut single = recipe.clone();
+        single.parallel.cp = 1;
+        single.parallel.tp = 1;
+        return format!("{} × {ring}", role_name(&single, rank / cp));
     }
     let p = &recipe.parallel;
     let stages: Vec<u32> = (0..pipeline::chunks_per_rank(p.pp_schedule))
@@ -187,6 +200,15 @@ fn other_dims(recipe: &Recipe) -> String {
     }
     if p.tp > 1 {
         let _ = write!(out, " × tp {}{}", p.tp, if p.sp { " --sp" } else { "" });
+    }
+    if p.cp > 1 {
+        let _ = write!(
+            out,
+            " × cp {} ({} tokens of {} per rank, ring attention)",
+            p.cp,
+            p.local_seq(recipe.seq),
+            recipe.seq
+        );
     }
     if !out.is_empty() {
         let _ = write!(out, " ({} ranks)", p.world_size());

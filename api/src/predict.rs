@@ -521,7 +521,8 @@ impl Predicted {
             if crate::context_parallel::is_context_parallel(&self.lowered.recipe) {
                 j["context_parallel"] =
                     crate::context_parallel::to_json(&self.lowered.recipe, &self.stages);
-            } else {
+            }
+            if crate::pipeline::is_pipeline(&self.lowered.recipe) {
                 j["pipeline"] = crate::pipeline::to_json(&self.lowered.recipe, &self.stages);
             }
         }
@@ -537,7 +538,9 @@ impl Predicted {
                 &self.devices,
             ));
         }
-        if crate::context_parallel::is_context_parallel(&self.lowered.recipe) {
+        if crate::context_parallel::is_context_parallel(&self.lowered.recipe)
+            && !crate::pipeline::is_pipeline(&self.lowered.recipe)
+        {
             t.push_str(&crate::context_parallel::to_table(
                 &self.lowered.recipe,
                 &self.stages,
@@ -648,7 +651,12 @@ fn assemble(
     lower: impl FnOnce(&Graph, &Recipe) -> Result<CompactTrace>,
 ) -> Result<Lowered> {
     let (arch, mut recipe, warnings) = step_recipe(args)?;
-    if recipe.parallel.pp > 1 {
+    if recipe.parallel.pp > 1 && recipe.parallel.cp > 1 {
+        // pipeline rank `device / cp`, context-parallel rank `device % cp`
+        // (`pipeline::rank_count`)
+        recipe.parallel.stage = device / recipe.parallel.cp;
+        recipe.parallel.cp_rank = device % recipe.parallel.cp;
+    } else if recipe.parallel.pp > 1 {
         recipe.parallel.stage = device;
     } else if recipe.parallel.cp > 1 {
         recipe.parallel.cp_rank = device;

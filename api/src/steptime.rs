@@ -60,6 +60,9 @@
 //!
 //! A parallel layout adds its communication and its pipeline bubble ([`crate::commtime`]):
 //! `step = max(compute × bubble, overlapped communication) + exposed communication`.
+//! A context-parallel rank (`--cp`) adds, per attention call, the ring's `cp − 1` later steps
+//! (half of step 0's kernel each, forward and backward) and the K/V traffic its kernels do not
+//! hide ([`crate::commtime::RingCall`]).
 //!
 //! Not modelled: data loading, CPU-bound Python overhead beyond the per-op floor, kernel
 //! fusion (`torch.compile`), cuDNN algorithm choice, clocks under power limits.
@@ -71,7 +74,7 @@
 //! are listed at their rate with FP32 accumulation, which is what PyTorch's matrix products use (half
 //! the "FP16 accumulate" figure on those boards).
 
-use crate::commtime::CommWork;
+use crate::commtime::{CommWork, RingCall};
 use std::fmt::Write as _;
 
 use vramsim_models::{
@@ -360,6 +363,10 @@ pub struct StepWork {
     /// A pipeline rank (`--pp`): its micro-batches per step and the schedule's bubble, in
     /// micro-batch times (`pipeline_slots`); the graph is the rank's stages at one micro-batch.
     pipeline: Option<(f64, f64)>,
+    /// A context-parallel rank's ring-attention calls (`--cp`, [`crate::commtime::RingCall`]):
+    /// the SDPA op's index (step 0's kernel), the call, and whether checkpointing reruns it (its
+    /// recomputation runs the ring's forward again).
+    ring: Vec<(usize, RingCall, bool)>,
 }
 
 /// A pipeline rank's step in micro-batch times of its stages: `M + (pp − 1) / V` (Narayanan et al.,
@@ -578,6 +585,13 @@ impl StepWork {
                 }
             }
         }
+        let ring: Vec<(usize, RingCall, bool)> = crate::commtime::ring_calls(graph, recipe)
+            .into_iter()
+            .map(|(i, call)| {
+                let rerun = recomputed.iter().any(|&(a, b)| (a..b).contains(&i)) && !ops[i].kept;
+                (i, call, rerun)
+            })
+            .collect();
         StepWork {
             ops,
             recomputed,
@@ -593,6 +607,7 @@ impl StepWork {
             clip_grad_norm: recipe.clip_grad_norm.is_some(),
             comm: CommWork::of(graph, recipe),
             pipeline: pipeline_slots(recipe),
+            ring,
         }
     }
 
@@ -613,8 +628,31 @@ impl StepWork {
                 0.0
             })
         };
-        let forward: f64 = self.ops.iter().map(op_time).sum();
-        let forward_flops: f64 = self.ops.iter().map(|w| w.flops).sum();
+        let links = crate::links::links(Some(gpu.preset));
+        // The ring's later steps and the traffic it waits for, per call (`RingCall::time`);
+        // a recomputed call runs its forward again.
+        let cp_gbs = self.comm.cp_gbs(links);
+        let mut ring = crate::commtime::RingTime::default();
+        let mut ring_recompute = 0.0;
+        let mut ring_flops = 0.0;
+        let mut ring_recompute_flops = 0.0;
+        for &(i, call, rerun) in &self.ring {
+            let t = call.time(self.comm.cp, cp_gbs, op_time(&self.ops[i]));
+            ring.forward_compute_s += t.forward_compute_s;
+            ring.backward_compute_s += t.backward_compute_s;
+            ring.forward_exposed_s += t.forward_exposed_s;
+            ring.backward_exposed_s += t.backward_exposed_s;
+            // the later steps' FLOPs: half of step 0's each
+            let later_flops = f64::from(self.comm.cp - 1) * self.ops[i].flops / 2.0;
+            ring_flops += later_flops;
+            if rerun {
+                ring_recompute += t.forward_compute_s;
+                ring_recompute_flops += later_flops;
+                ring.forward_exposed_s += t.forward_exposed_s;
+            }
+        }
+        let forward: f64 = self.ops.iter().map(op_time).sum::<f64>() + ring.forward_compute_s;
+        let forward_flops: f64 = self.ops.iter().map(|w| w.flops).sum::<f64>() + ring_flops;
         if self.inference {
             return StepTime {
                 forward_ms: forward * 1e3,
@@ -637,7 +675,8 @@ impl StepWork {
                     .map(op_time)
                     .sum::<f64>()
             })
-            .sum();
+            .sum::<f64>()
+            + ring_recompute;
         let recompute_flops: f64 = self
             .recomputed
             .iter()
@@ -648,8 +687,10 @@ impl StepWork {
                     .map(|w| w.flops)
                     .sum::<f64>()
             })
-            .sum();
-        let backward: f64 = self.ops.iter().map(|w| w.bwd * op_time(w)).sum();
+            .sum::<f64>()
+            + ring_recompute_flops;
+        let backward: f64 =
+            self.ops.iter().map(|w| w.bwd * op_time(w)).sum::<f64>() + ring.backward_compute_s;
         // parameters, gradients and optimizer state: float32 except under bf16
         let width = if self.precision == Precision::Bf16 {
             2.0
@@ -715,8 +756,11 @@ impl StepWork {
         let accumulate = (accum * micro_batches - 1.0) * 3.0 * params * width / bandwidth;
         let micro = forward + backward + recompute;
         let compute = accum * slots * micro + accumulate + optimizer;
-        let comm = self.comm.time(crate::links::links(Some(gpu.preset)));
-        let step = compute.max(comm.overlapped_s) + comm.exposed_s;
+        let comm = self.comm.time(links);
+        // the ring's waits, every micro-batch (a pipeline rank's `M` per accumulation step)
+        let ring_exposed =
+            accum * micro_batches * (ring.forward_exposed_s + ring.backward_exposed_s);
+        let step = compute.max(comm.overlapped_s) + comm.exposed_s + ring_exposed;
         let plain = forward + backward + optimizer;
         StepTime {
             forward_ms: forward * 1e3,

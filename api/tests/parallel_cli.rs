@@ -886,3 +886,53 @@ fn fsdp2_param_dtype_decides_the_attention_kernel() {
         doc["attention"]
     );
 }
+
+/// `--cp` with `--pp` (torchtitan applies context parallelism inside each pipeline stage): every
+/// (stage, cp rank) pair is its own role, whose global ranks follow torchtitan's mesh order
+/// `[pp, dp_replicate, dp_shard, cp, tp]` (`ParallelDims`, `parallel_dims.py`): stage `s`, data-
+/// parallel rank `d` and cp rank `c` of pp 2 × dp 2 × cp 2 are global rank `s·4 + d·2 + c`.
+#[test]
+fn pipeline_with_context_parallelism_replays_every_stage_and_cp_rank() {
+    let doc = json(&[
+        "predict",
+        "--model",
+        "gpt2",
+        "--batch",
+        "4",
+        "--seq",
+        "256",
+        "--precision",
+        "bf16",
+        "--shard",
+        "fsdp2",
+        "--dp",
+        "2",
+        "--cp",
+        "2",
+        "--pp",
+        "2",
+    ]);
+    let ranks: Vec<Vec<u64>> = doc["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r["ranks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect()
+        })
+        .collect();
+    let mut expected = Vec::new();
+    for s in 0..2u64 {
+        for c in 0..2u64 {
+            expected.push((0..2u64).map(|d| s * 4 + d * 2 + c).collect::<Vec<_>>());
+        }
+    }
+    assert_eq!(ranks, expected);
+    assert_eq!(doc["pipeline"]["pp"], 2);
+    assert_eq!(doc["context_parallel"]["seq_per_rank"], 128);
+    assert_eq!(doc["context_parallel"]["fsdp_shards"], 4);
+}

@@ -49,6 +49,45 @@ fn pruning_keeps_the_fastest_layouts() {
     }
 }
 
+/// The same with context parallelism among the fastest: GPT-2 at seq 1024 on 2 GiB ranks, where
+/// sharding the sequence over cp ranks is what lets a larger micro-batch fit.
+#[test]
+fn pruning_keeps_the_fastest_layouts_with_context_parallelism() {
+    let a: RecommendArgs = parse_args(
+        "recommend",
+        &[
+            "--model",
+            "gpt2",
+            "--seq",
+            "1024",
+            "--global-batch",
+            "8",
+            "--top",
+            "4",
+            "--capacity",
+            "2GiB",
+        ]
+        .map(String::from),
+    )
+    .unwrap();
+    let pruned = search_with(&a, 4, true).unwrap();
+    let full = search_with(&a, 4, false).unwrap();
+    let key = |s: &vramsim_api::layouts::LayoutSearch| -> Vec<(Vec<(String, String)>, u64)> {
+        s.found
+            .iter()
+            .map(|r| (r.settings.clone(), r.evaluated.step.step_ms.to_bits()))
+            .collect()
+    };
+    assert_eq!(key(&pruned), key(&full));
+    assert!(
+        full.found
+            .iter()
+            .any(|r| r.evaluated.prediction.recipe.parallel.cp > 1),
+        "{:?}",
+        key(&full)
+    );
+}
+
 #[test]
 fn layouts_multiply_to_the_gpus_and_split_the_global_batch() {
     let doc = json(&[
@@ -67,18 +106,26 @@ fn layouts_multiply_to_the_gpus_and_split_the_global_batch() {
     let layouts = doc["layouts"].as_array().unwrap();
     assert!(!layouts.is_empty());
     for l in layouts {
-        let (dp, tp, pp) = (
+        let (dp, tp, pp, cp) = (
             l["dp"].as_u64().unwrap(),
             l["tp"].as_u64().unwrap(),
             l["pp"].as_u64().unwrap(),
+            l["cp"].as_u64().unwrap(),
         );
-        assert_eq!(dp * tp * pp, 4, "{l}");
+        assert_eq!(dp * tp * pp * cp, 4, "{l}");
+        // context parallelism runs with FSDP2 over dp × cp and no pipeline
+        if cp > 1 {
+            assert_eq!(l["shard"], "fsdp2", "{l}");
+            assert_eq!(pp, 1, "{l}");
+        }
         assert_eq!(
             l["batch"].as_u64().unwrap() * l["accum"].as_u64().unwrap() * dp,
             16,
             "{l}"
         );
     }
+    // the search covers context parallelism (GPT-2 at seq 256 allows cp 2 and 4)
+    assert!(layouts.iter().any(|l| l["cp"].as_u64() > Some(1)), "{doc}");
     let times: Vec<f64> = layouts
         .iter()
         .map(|l| l["step_ms"].as_f64().unwrap())

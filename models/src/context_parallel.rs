@@ -26,6 +26,11 @@
 //!   (`distributed/parallel_dims.py`), so parameters, gradients and optimizer states are FSDP2's
 //!   over dp·cp ranks ([`crate::parallel::Parallel::fsdp_world`]); `--cp` therefore needs
 //!   `--shard fsdp2`.
+//! * **With a pipeline** (`--pp`; torchtitan's `train.py` `forward_backward_step` runs
+//!   `self.pp_schedule.step(...)` inside `train_context(optional_context_parallel_ctx)`, the CP
+//!   buffers being the inputs, labels and every stage's `freqs_cis`):
+//!   each stage's attention runs the ring over the same cp ranks, the stages send and receive the
+//!   rank's `seq/cp` tokens, and every (stage, cp rank) pair is its own role.
 //!
 //! torchtitan's own models (since its ShardingConfig refactor) refuse context parallelism with
 //! SDPA and use FlexAttention's all-gather instead (`models/common/decoder.py`); the SDPA ring
@@ -61,12 +66,6 @@ pub fn validate(p: &Parallel, r: &Recipe) -> Result<(), RecipeError> {
         return Err(bad(format!(
             "--cp {} shards the model states with FSDP2 over dp × cp ranks (torchtitan's fsdp mesh is dp_shard * cp, parallel_dims.py): give --shard fsdp2, not {}",
             p.cp, p.shard
-        )));
-    }
-    if p.pp > 1 {
-        return Err(bad(format!(
-            "--cp {} with --pp {} is not modelled yet: the pipeline's stages are lowered without the ring attention; give --pp 1",
-            p.cp, p.pp
         )));
     }
     if let ReshardAfterForward::To(n) = p.reshard_after_forward {

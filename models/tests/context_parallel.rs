@@ -17,11 +17,13 @@
 //!   [B, H, L, D], so HF's `attn_output.transpose(1, 2).contiguous()` copies (B·L·hidden
 //!   elements), while the last rank never takes a partial step and keeps the kernel's [B, L, H, D]
 //!   order, whose transpose is contiguous already.
+//! * With a pipeline, the same ring inside every stage, at the micro-batch size.
 
 mod common;
 use common::live_at_phase;
 use std::collections::HashMap;
 
+use vramsim_models::pipeline::rank_graph;
 use vramsim_models::{lower, zoo, Parallel, Precision, Recipe, Shard};
 use vramsim_traces::{Category, Event, Trace};
 
@@ -162,6 +164,49 @@ fn activations_are_the_seq_over_cp_step_plus_the_attention_output_copy() {
     }
 }
 
+/// With a pipeline (torchtitan applies context parallelism inside each stage): every stage rank
+/// runs the ring on its micro-batch's seq/cp tokens, one ring live at a time (each frees its
+/// buffers before it returns, and a rank runs one micro-batch's forward or backward at a time), so
+/// the ring's buffers peak as in the backward of one call at the micro-batch size; FSDP2 shards
+/// the stage's parameters over dp × cp ranks.
+#[test]
+fn pipeline_stages_run_the_ring_and_shard_over_dp_times_cp() {
+    let (batch, m, seq, hidden, dp, cp) = (4u64, 2u32, 512u64, 768u64, 2u32, 2u32);
+    let n = u64::from(dp * cp);
+    for stage in 0..2 {
+        for rank in 0..cp {
+            let mut r = recipe(batch, seq, dp, cp, rank);
+            r.parallel.pp = 2;
+            r.parallel.microbatches = Some(m);
+            r.parallel.stage = stage;
+            let mut gr = r.clone();
+            gr.batch = r.parallel.replica_batch(r.batch);
+            let g = zoo::build("gpt2", &gr).unwrap();
+            let h = rank_graph(&g, &r.parallel).unwrap();
+            let t = lower(&h, &r).unwrap();
+            let what = format!("stage {stage} cp rank {rank}");
+            // |k| + |v| of one micro-batch on a rank, bf16
+            let kv = 2 * (batch / u64::from(m)) * (seq / u64::from(cp)) * hidden;
+            assert_eq!(
+                max_tagged(&t, "_c10d_functional", 0, t.events.len()),
+                u64::from(cp) * kv * 2 + 2 * kv * 4,
+                "{what}"
+            );
+            let shard_elems: u64 = h
+                .params
+                .iter()
+                .map(|p| match p.shape.split_first() {
+                    Some((d0, rest)) => d0.div_ceil(n) * rest.iter().product::<u64>(),
+                    None => 1,
+                })
+                .sum();
+            let live = live_at_phase(&t, "optimizer", 1);
+            assert_eq!(live[&Category::OptimizerState], 4 * shard_elems, "{what}");
+            assert_eq!(live[&Category::Gradient], 2 * shard_elems, "{what}");
+        }
+    }
+}
+
 #[test]
 fn layouts_context_parallelism_does_not_model_are_refused_with_the_reason() {
     let err = |r: &Recipe, model: &str| match zoo::build(model, r) {
@@ -175,9 +220,6 @@ fn layouts_context_parallelism_does_not_model_are_refused_with_the_reason() {
     let mut odd = base.clone();
     odd.seq = 250;
     assert!(err(&odd, "gpt2").contains("multiple of 2 × cp"));
-    let mut pp = base.clone();
-    pp.parallel.pp = 2;
-    assert!(err(&pp, "gpt2").contains("--pp"));
     assert!(err(&base, "bert-base").contains("causal"));
     let mut fp32 = base.clone();
     fp32.precision = Precision::Fp32;
