@@ -71,27 +71,8 @@ pub fn to_table(recipe: &Recipe, roles: &[RankRole]) -> String {
         recipe.seq
     );
     out.push_str(&crate::ranks::to_table_lines(roles));
-    let worst = worst_ranks(roles);
-    let _ = writeln!(
-        out,
-        "decides    rank {:?} ({}); the report above is its step",
-        worst,
-        if roles.iter().all(|r| r.fits) {
-            "every rank fits"
-        } else {
-            "out of memory"
-        }
-    );
+    out.push_str(&crate::ranks::decides_line(roles));
     out
-}
-
-/// The ranks of the worst role: out of memory first, then the largest peak reserved.
-fn worst_ranks(roles: &[RankRole]) -> Vec<u32> {
-    roles
-        .iter()
-        .max_by_key(|r| (!r.fits, r.peak_reserved))
-        .map(|r| r.ranks.clone())
-        .unwrap_or_default()
 }
 
 /// The `context_parallel` object of `predict --json`.
@@ -105,6 +86,6 @@ pub fn to_json(recipe: &Recipe, roles: &[RankRole]) -> Value {
         "rotate_method": "allgather",
         "fsdp_shards": p.fsdp_world(),
         "fits": roles.iter().all(|r| r.fits),
-        "deciding_ranks": worst_ranks(roles),
+        "deciding_ranks": crate::ranks::worst_ranks(roles),
     })
 }

@@ -233,21 +233,7 @@ pub fn to_table(recipe: &Recipe, roles: &[RankRole]) -> String {
         recipe.batch
     );
     out.push_str(&crate::ranks::to_table_lines(roles));
-    let worst = roles
-        .iter()
-        .max_by_key(|r| (!r.fits, r.peak_reserved))
-        .map(|r| r.ranks.clone())
-        .unwrap_or_default();
-    let _ = writeln!(
-        out,
-        "decides    rank {:?} ({}); the report above is its step",
-        worst,
-        if roles.iter().all(|r| r.fits) {
-            "every rank fits"
-        } else {
-            "out of memory"
-        }
-    );
+    out.push_str(&crate::ranks::decides_line(roles));
     out
 }
 

@@ -184,6 +184,29 @@ pub fn nccl_line(nccl: &crate::nccl::NcclMemory) -> String {
     }
 }
 
+/// The ranks of the role that decides: out of memory first, then the largest peak reserved.
+pub fn worst_ranks(roles: &[RankRole]) -> Vec<u32> {
+    roles
+        .iter()
+        .max_by_key(|r| (!r.fits, r.peak_reserved))
+        .map(|r| r.ranks.clone())
+        .unwrap_or_default()
+}
+
+/// The table's `decides` line for rank-by-rank layouts: the deciding ranks, whose step the report
+/// above shows, and whether every rank fits.
+pub fn decides_line(roles: &[RankRole]) -> String {
+    format!(
+        "decides    rank {:?} ({}); the report above is its step\n",
+        worst_ranks(roles),
+        if roles.iter().all(|r| r.fits) {
+            "every rank fits"
+        } else {
+            "out of memory"
+        }
+    )
+}
+
 /// One line per role: its ranks, peaks, verdict and categories at the peak allocated.
 pub fn to_table_lines(roles: &[RankRole]) -> String {
     let mut out = String::new();
