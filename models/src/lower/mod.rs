@@ -61,6 +61,7 @@ use crate::recipe::{
 };
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use vramsim_traces::{AllocId, Category, Event, Trace};
 
 /// Why a graph could not be lowered under a recipe.
@@ -242,7 +243,10 @@ pub(crate) struct Lowering<'g> {
     pub grad_mode: bool,
     storages: Vec<Storage>,
     events: Vec<Event>,
-    tags: Vec<Box<str>>,
+    tags: Vec<Arc<str>>,
+    /// The tags made so far, by module and op: a step makes the same tags again in every
+    /// micro-batch and iteration, and shares them (each event's tag an `Arc` of one string).
+    tag_cache: FxHashMap<u32, FxHashMap<Box<str>, Arc<str>>>,
     next_id: u64,
     pub nodes: Vec<Node>,
     seq: u64,
@@ -373,9 +377,8 @@ fn input_grad_hook(g: &Graph, r: &Recipe) -> Option<ValueId> {
     Some(out)
 }
 
-/// The tag of an allocation made by `name` in module `path`: `path:name`, or `name` at the root
-/// (built at its exact length: the lowering makes one per allocation).
-fn scoped_tag(path: &str, name: &str) -> Box<str> {
+/// The tag of an allocation made by `name` in module `path`: `path:name`, or `name` at the root.
+fn scoped_tag(path: &str, name: &str) -> Arc<str> {
     if path.is_empty() {
         return name.into();
     }
@@ -383,7 +386,7 @@ fn scoped_tag(path: &str, name: &str) -> Box<str> {
     tag.push_str(path);
     tag.push(':');
     tag.push_str(name);
-    tag.into_boxed_str()
+    tag.into()
 }
 
 /// Lowers a training step (or inference, per the recipe) of `graph` to an allocation trace.
@@ -532,6 +535,7 @@ impl<'g> Lowering<'g> {
             storages: Vec::with_capacity(storages),
             events: Vec::with_capacity(events),
             tags: Vec::with_capacity(storages),
+            tag_cache: FxHashMap::default(),
             next_id: 0,
             nodes: Vec::with_capacity(g.ops.len() + g.params.len()),
             seq: 0,
@@ -634,7 +638,7 @@ impl<'g> Lowering<'g> {
             // CUBLAS_WORKSPACE_CONFIG=:0:0: the allocator hands out nothing for 0 bytes.
             return;
         }
-        let tag = scoped_tag(&self.g.modules[m.0 as usize], name);
+        let tag = self.tag_of(m, name);
         let st = self.alloc_raw(size, Kind::Workspace, tag);
         if !persistent {
             self.release(st);
@@ -664,7 +668,7 @@ impl<'g> Lowering<'g> {
     /// Allocates a new storage for a tensor of `layout`/`dtype` (one reference, the caller's).
     pub(crate) fn alloc(&mut self, layout: Layout, dtype: DType, module: ModuleId, op: &str) -> Rt {
         let size = layout.numel() * dtype.size();
-        let tag = scoped_tag(&self.g.modules[module.0 as usize], op);
+        let tag = self.tag_of(module, op);
         let st = self.alloc_raw(size, self.kind_now, tag);
         Rt {
             layout,
@@ -674,7 +678,19 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    fn alloc_raw(&mut self, size: u64, kind: Kind, tag: Box<str>) -> u32 {
+    /// The tag of an allocation made by `op` in `module` ([`scoped_tag`]), shared with the earlier
+    /// allocations of the same op in the same module.
+    fn tag_of(&mut self, module: ModuleId, op: &str) -> Arc<str> {
+        let by_op = self.tag_cache.entry(module.0).or_default();
+        if let Some(tag) = by_op.get(op) {
+            return tag.clone();
+        }
+        let tag = scoped_tag(&self.g.modules[module.0 as usize], op);
+        by_op.insert(op.into(), tag.clone());
+        tag
+    }
+
+    fn alloc_raw(&mut self, size: u64, kind: Kind, tag: Arc<str>) -> u32 {
         let st = self.storages.len() as u32;
         if size == 0 {
             // A 0-byte storage: the caching allocator hands out no block and the capture tool
@@ -1122,7 +1138,7 @@ impl<'g> Lowering<'g> {
             } = &mut self.events[s.ev as usize]
             {
                 *category = cat;
-                *t = Some(tag.into());
+                *t = Some(tag);
             }
         }
         let mut trace = Trace::from_events(self.events);
