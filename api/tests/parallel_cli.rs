@@ -165,19 +165,32 @@ fn bad_layouts_fail_with_the_reason() {
         all.extend(["--lora", "r=8,targets=c_attn"]);
         fails(&all, fragments);
     }
-    fails(
-        &[
-            "--dp",
-            "2",
-            "--shard",
-            "ddp",
-            "--quant",
-            "nf4",
-            "--lora",
-            "r=8,targets=c_attn",
-        ],
-        &["--quant with --shard ddp", "QLoRA is modelled on one GPU"],
-    );
+    // QLoRA with the data-parallel modes other than DDP: refused with the source's reason.
+    for (shard, why) in [
+        ("fsdp2", "quant_storage"),
+        ("zero2", "_configure_distributed_model"),
+        ("zero1-torch", "ZeroRedundancyOptimizer"),
+    ] {
+        fails(
+            &[
+                "--precision",
+                "bf16",
+                "--dp",
+                "2",
+                "--shard",
+                shard,
+                "--quant",
+                "nf4",
+                "--lora",
+                "r=8,targets=c_attn",
+            ],
+            &[
+                &format!("--quant nf4 with --shard {shard} is not modelled yet"),
+                why,
+                "--dp N --shard ddp",
+            ],
+        );
+    }
     fails(
         &["--dp", "4", "--shard", "ddp", "--world-size", "8"],
         &["world-size", "8 does not match", "4 ranks"],
@@ -935,4 +948,39 @@ fn pipeline_with_context_parallelism_replays_every_stage_and_cp_rank() {
     assert_eq!(doc["pipeline"]["pp"], 2);
     assert_eq!(doc["context_parallel"]["seq_per_rank"], 128);
     assert_eq!(doc["context_parallel"]["fsdp_shards"], 4);
+}
+
+/// QLoRA under DDP (`accelerate`/HF Trainer's default on several GPUs), by hand: TinyLlama's
+/// default PEFT adapters (`q_proj` 2048 → 2048, `v_proj` 2048 → 256, r 8, 22 layers, float32)
+/// are Ψa = 1,126,400 trainable elements, the only parameters `_build_params_for_reducer` buckets
+/// (the Params4bit weights are frozen): 4Ψa bytes of communication buffers per rank at the peak,
+/// every rank one role, and each rank holds what one GPU holds of the quantized model.
+#[test]
+fn qlora_under_ddp_is_one_role_with_the_adapters_buckets() {
+    let base = [
+        "predict",
+        "--model",
+        "tinyllama-1.1b",
+        "--seq",
+        "512",
+        "--batch",
+        "4",
+        "--precision",
+        "bf16",
+        "--quant",
+        "nf4",
+        "--lora",
+        "r=8",
+    ];
+    let mut ddp = base.to_vec();
+    ddp.extend(["--dp", "2", "--shard", "ddp"]);
+    let d = json(&ddp);
+    let one = json(&base);
+    let ranks = d["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 1, "{d}");
+    assert_eq!(ranks[0]["ranks"], serde_json::json!([0, 1]));
+    let at_peak = |d: &Value, c: &str| d["allocated_by_category_at_peak_bytes"][c].as_u64();
+    assert_eq!(at_peak(&d, "communication"), Some(4 * 1_126_400));
+    assert_eq!(at_peak(&d, "parameter"), at_peak(&one, "parameter"));
+    assert_eq!(d["trainable_params"].as_u64(), Some(1_126_400));
 }

@@ -658,14 +658,37 @@ impl Parallel {
                 ),
             ));
         }
-        if r.quant.is_some() && !self.is_single() {
-            return Err(bad(
-                "shard",
-                format!(
-                    "--quant with --shard {} (--dp {}) is not modelled yet: QLoRA is modelled on one GPU (--dp 1 --shard none)",
-                    self.shard, self.dp
+        // QLoRA under DDP: `DistributedDataParallel._build_params_for_reducer` keeps only the
+        // parameters with `requires_grad` (the adapters; bitsandbytes' Params4bit/Int8Params
+        // weights are frozen), so the Reducer's buckets hold the adapters' gradients and each
+        // rank keeps the whole quantized model, as one GPU does. `_sync_module_states`
+        // broadcasts parameters and buffers through `_broadcast_coalesced`, whose flat
+        // temporaries are not modelled under DDP with or without --quant (models/README.md).
+        if let Some(q) = r.quant {
+            let why = match self.shard {
+                Shard::None | Shard::Ddp => None,
+                Shard::Fsdp2 => Some(
+                    "FSDP shards only floating-point parameters, so FSDP-QLoRA stores the 4-bit codes in the compute dtype (bitsandbytes' `quant_storage`, transformers' `bnb_4bit_quant_storage`, docs/source/fsdp_qlora.md) and shards them with their quant state kept whole per rank, a storage layout vramsim's --quant (uint8 codes) does not lower",
                 ),
-            ));
+                Shard::Zero1 | Shard::Zero2 | Shard::Zero3 => Some(
+                    "DeepSpeed's engine casts the whole module to the training dtype (`_configure_distributed_model`: `module.half()`/`module.bfloat16()`), whose effect on bitsandbytes' Params4bit/Int8Params is not lowered, and ZeRO-3 partitions the frozen quantized weights too (which needs bitsandbytes' `quant_storage` in the compute dtype)",
+                ),
+                Shard::ZeroRedundancy => Some(
+                    "only DDP's path (buckets of the adapters' gradients) is lowered and tested with bitsandbytes' quantized weights, not ZeroRedundancyOptimizer's partition over them",
+                ),
+                Shard::DataParallel => Some(
+                    "nn.DataParallel replicates every parameter with `broadcast_coalesced` each forward, and bitsandbytes' Params4bit/Int8Params replicas (their quant state) are not lowered",
+                ),
+            };
+            if let Some(why) = why {
+                return Err(bad(
+                    "shard",
+                    format!(
+                        "--quant {q} with --shard {} is not modelled yet: {why}; QLoRA is modelled on one GPU and with --dp N --shard ddp",
+                        self.shard
+                    ),
+                ));
+            }
         }
         match self.shard {
             Shard::None

@@ -1094,3 +1094,67 @@ fn frozen_parameters_under_data_parallelism_hold_no_gradients_or_state() {
     assert_eq!(get(Category::OptimizerState), 8 * tr, "fsdp2");
     assert_eq!(get(Category::Communication), 0, "fsdp2");
 }
+
+/// QLoRA under DDP (`--quant nf4 --lora r=8 --dp 2 --shard ddp`), TinyLlama 1.1B in bf16, by hand:
+/// `DistributedDataParallel._build_params_for_reducer` keeps the parameters with `requires_grad`,
+/// PEFT's adapters (float32, `autocast_adapter_dtype=True`) on `q_proj` (2048 → 2048) and `v_proj`
+/// (2048 → 256, four KV heads of 64) of 22 layers: Ψa = 22 × 8 × (2048 + 2048 + 2048 + 256) =
+/// 1,126,400, so the Reducer's buckets and the gradients are 4Ψa bytes each, and the frozen
+/// Params4bit weights get neither. Every rank holds the whole quantized model, as one GPU does:
+/// the packed codes `ceil(n/2)` uint8 per linear weight (q, k, v, o, gate, up, down), embedding,
+/// lm_head and norms in bf16, the adapters in float32 (bitsandbytes `quantize_4bit`).
+#[test]
+fn qlora_under_ddp_buckets_only_the_adapters() {
+    let (h, kv, ff, layers, vocab) = (2048u64, 256u64, 5632u64, 22u64, 32000u64);
+    let adapters = layers * 8 * (h + h + h + kv);
+    assert_eq!(adapters, 1_126_400);
+    let linears = [h * h, h * kv, h * kv, h * h, h * ff, h * ff, ff * h];
+    let codes: u64 = layers * linears.iter().map(|n| n.div_ceil(2)).sum::<u64>();
+    let bf16 = 2 * (2 * vocab * h + (2 * layers + 1) * h);
+    let recipe_for = |dp: u32, shard: Shard| {
+        let mut r = recipe(4, 512, dp, shard);
+        r.precision = Precision::Bf16;
+        r.quant = Some("nf4".parse().unwrap());
+        r.lora = Some("r=8".parse().unwrap());
+        r
+    };
+    let r = recipe_for(2, Shard::Ddp);
+    let g = zoo::build("tinyllama-1.1b", &r).unwrap();
+    assert_eq!(g.param_count(), adapters);
+    let t = lower(&g, &r).unwrap();
+    let single = {
+        let r = recipe_for(1, Shard::None);
+        lower(&zoo::build("tinyllama-1.1b", &r).unwrap(), &r).unwrap()
+    };
+    for it in 0..2 {
+        let live = live_at_phase(&t, "optimizer", it);
+        let get = |c| live.get(&c).copied().unwrap_or(0);
+        assert_eq!(get(Category::Communication), 4 * adapters, "it {it}");
+        assert_eq!(get(Category::Gradient), 4 * adapters, "it {it}");
+        assert_eq!(
+            get(Category::Parameter),
+            codes + bf16 + 4 * adapters,
+            "it {it}"
+        );
+        // The quant states, a float32 absmax per 64-block and the 16-entry float32 NF4 code per
+        // weight, and the rotary `inv_freq` buffer (float32 [head_dim / 2 = 32]) are the single
+        // GPU's too.
+        let states: u64 =
+            layers * linears.iter().map(|n| 4 * n.div_ceil(64) + 64).sum::<u64>() + 32 * 4;
+        assert_eq!(get(Category::Other), states, "it {it}");
+        let one = live_at_phase(&single, "optimizer", it);
+        assert_eq!(one.get(&Category::Other).copied(), Some(states), "it {it}");
+        assert_eq!(
+            one.get(&Category::Parameter).copied(),
+            Some(codes + bf16 + 4 * adapters)
+        );
+    }
+    // The constructor's one bucket (`_ddp_init_helper`: one dtype, limits `[sys.maxsize]`).
+    let first = t.events.iter().find_map(|e| match e {
+        Event::Alloc {
+            size, tag: Some(x), ..
+        } if x.starts_with("ddp_bucket") => Some(*size),
+        _ => None,
+    });
+    assert_eq!(first, Some(4 * adapters));
+}
