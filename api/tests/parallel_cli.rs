@@ -363,6 +363,21 @@ fn bad_layouts_fail_with_the_reason() {
         ],
         &["GradScaler", "not modelled"],
     );
+    // `--precision fp16` is DeepSpeed's fp16 mode; autocast under ZeRO is its torch_autocast mode.
+    fails(
+        &["--dp", "2", "--shard", "ddp", "--precision", "fp16"],
+        &[
+            "DeepSpeed's fp16 mode",
+            "--shard zero1, zero2 or zero3, not ddp",
+        ],
+    );
+    fails(
+        &["--dp", "2", "--shard", "zero2", "--precision", "amp-fp16"],
+        &[
+            "--precision fp16",
+            "torch_autocast mode, which is not modelled",
+        ],
+    );
     fails(
         &[
             "--dp",
@@ -935,4 +950,34 @@ fn pipeline_with_context_parallelism_replays_every_stage_and_cp_rank() {
     assert_eq!(doc["pipeline"]["pp"], 2);
     assert_eq!(doc["context_parallel"]["seq_per_rank"], 128);
     assert_eq!(doc["context_parallel"]["fsdp_shards"], 4);
+}
+
+/// DeepSpeed's fp16 mode runs under every ZeRO stage, and its rank holds what the bf16 mode's
+/// does plus the overflow check's temporaries: a peak no lower than bf16's.
+#[test]
+fn deepspeed_fp16_mode_runs_under_zero() {
+    for shard in ["zero1", "zero2", "zero3"] {
+        let peak = |precision: &str| {
+            let doc = json(&[
+                "predict",
+                "--model",
+                "gpt2",
+                "--batch",
+                "1",
+                "--seq",
+                "64",
+                "--precision",
+                precision,
+                "--dp",
+                "2",
+                "--shard",
+                shard,
+            ]);
+            assert_eq!(doc["layout"]["shard"], shard, "{doc}");
+            doc["ranks"][0]["peak_allocated_bytes"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{doc}"))
+        };
+        assert!(peak("fp16") >= peak("bf16"), "{shard}");
+    }
 }
