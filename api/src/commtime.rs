@@ -116,7 +116,7 @@ impl CommWork {
             .map(|p| p.shape.iter().product::<u64>() as f64)
             .sum();
         let width = match recipe.precision {
-            Precision::Bf16 => 2.0,
+            Precision::Bf16 | Precision::Fp16 => 2.0,
             _ => 4.0,
         };
         // FSDP2 reduces in `reduce_dtype`, else in the model's dtype (2.15's
@@ -363,7 +363,7 @@ fn tp_bytes(graph: &Graph, recipe: &Recipe) -> f64 {
         match graph.values[v.0 as usize].dtype {
             DTypeSpec::Fixed(d) => d.size() as f64,
             DTypeSpec::Model => match recipe.precision {
-                Precision::Bf16 => 2.0,
+                Precision::Bf16 | Precision::Fp16 => 2.0,
                 _ => 4.0,
             },
         }

@@ -426,7 +426,7 @@ impl StepWork {
                 DTypeSpec::Fixed(dtype) => dtype.size() as f64,
                 DTypeSpec::Model => match recipe.precision {
                     Precision::Fp32 => 4.0,
-                    Precision::Bf16 => 2.0,
+                    Precision::Bf16 | Precision::Fp16 => 2.0,
                     Precision::AmpBf16 | Precision::AmpFp16 if f32_op => 4.0,
                     Precision::AmpBf16 | Precision::AmpFp16 => 2.0,
                 },
@@ -616,7 +616,7 @@ impl StepWork {
         let (matmul_tflops, conv_tflops) = match self.precision {
             Precision::Fp32 => (gpu.fp32_tflops, gpu.tf32_tflops),
             Precision::Bf16 | Precision::AmpBf16 => (gpu.bf16_tflops, gpu.bf16_tflops),
-            Precision::AmpFp16 => (gpu.fp16_tflops, gpu.fp16_tflops),
+            Precision::AmpFp16 | Precision::Fp16 => (gpu.fp16_tflops, gpu.fp16_tflops),
         };
         let bandwidth = gpu.bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY;
         let op_time = |w: &OpWork| -> f64 {
@@ -691,8 +691,8 @@ impl StepWork {
             + ring_recompute_flops;
         let backward: f64 =
             self.ops.iter().map(|w| w.bwd * op_time(w)).sum::<f64>() + ring.backward_compute_s;
-        // parameters, gradients and optimizer state: float32 except under bf16
-        let width = if self.precision == Precision::Bf16 {
+        // parameters, gradients and optimizer state: float32 except under bf16 (and fp16)
+        let width = if matches!(self.precision, Precision::Bf16 | Precision::Fp16) {
             2.0
         } else {
             4.0

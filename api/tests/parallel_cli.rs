@@ -376,6 +376,21 @@ fn bad_layouts_fail_with_the_reason() {
         ],
         &["GradScaler", "not modelled"],
     );
+    // `--precision fp16` is DeepSpeed's fp16 mode; autocast under ZeRO is its torch_autocast mode.
+    fails(
+        &["--dp", "2", "--shard", "ddp", "--precision", "fp16"],
+        &[
+            "DeepSpeed's fp16 mode",
+            "--shard zero1, zero2 or zero3, not ddp",
+        ],
+    );
+    fails(
+        &["--dp", "2", "--shard", "zero2", "--precision", "amp-fp16"],
+        &[
+            "--precision fp16",
+            "torch_autocast mode, which is not modelled",
+        ],
+    );
     fails(
         &[
             "--dp",
@@ -983,4 +998,34 @@ fn qlora_under_ddp_is_one_role_with_the_adapters_buckets() {
     assert_eq!(at_peak(&d, "communication"), Some(4 * 1_126_400));
     assert_eq!(at_peak(&d, "parameter"), at_peak(&one, "parameter"));
     assert_eq!(d["trainable_params"].as_u64(), Some(1_126_400));
+}
+
+/// DeepSpeed's fp16 mode runs under every ZeRO stage, and its rank holds what the bf16 mode's
+/// does plus the overflow check's temporaries: a peak no lower than bf16's.
+#[test]
+fn deepspeed_fp16_mode_runs_under_zero() {
+    for shard in ["zero1", "zero2", "zero3"] {
+        let peak = |precision: &str| {
+            let doc = json(&[
+                "predict",
+                "--model",
+                "gpt2",
+                "--batch",
+                "1",
+                "--seq",
+                "64",
+                "--precision",
+                precision,
+                "--dp",
+                "2",
+                "--shard",
+                shard,
+            ]);
+            assert_eq!(doc["layout"]["shard"], shard, "{doc}");
+            doc["ranks"][0]["peak_allocated_bytes"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{doc}"))
+        };
+        assert!(peak("fp16") >= peak("bf16"), "{shard}");
+    }
 }

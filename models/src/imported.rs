@@ -85,7 +85,7 @@ fn mha_sdpa_call(recipe: &Recipe, [l, n, e]: [u64; 3], heads: u64, dropout: f64)
         dtype: match recipe.precision {
             Precision::Fp32 => DType::F32,
             Precision::Bf16 | Precision::AmpBf16 => DType::BF16,
-            Precision::AmpFp16 => DType::F16,
+            Precision::AmpFp16 | Precision::Fp16 => DType::F16,
         },
         batch: n,
         heads_q: heads,

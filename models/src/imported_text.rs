@@ -139,7 +139,7 @@ pub(super) fn sdpa_call(op: &J, values: &J, recipe: &Recipe, at: (u64, u64)) -> 
     let dtype = match recipe.precision {
         Precision::Fp32 => DType::F32,
         Precision::Bf16 | Precision::AmpBf16 => DType::BF16,
-        Precision::AmpFp16 => DType::F16,
+        Precision::AmpFp16 | Precision::Fp16 => DType::F16,
     };
     let dropout = if recipe.inference {
         0.0

@@ -410,6 +410,18 @@ impl Parallel {
             field: "shard",
             msg,
         };
+        // `--precision fp16` is DeepSpeed's fp16 mode: its loss scaler and overflow check are
+        // the ZeRO optimizer's (`stage_1_and_2.py`, `stage3.py`); pure float16 training without
+        // it is not modelled.
+        if r.precision == Precision::Fp16 && !self.shard.is_zero() {
+            return Err(RecipeError::Invalid {
+                field: "precision",
+                msg: format!(
+                    "fp16 is DeepSpeed's fp16 mode (float16 parameters, fp32 master partition, DeepSpeed's loss scaler): give --shard zero1, zero2 or zero3, not {} (or --precision amp-fp16 for torch.autocast with a GradScaler)",
+                    self.shard
+                ),
+            });
+        }
         for (field, n) in [
             ("dp", self.dp),
             ("tp", self.tp),
@@ -562,10 +574,20 @@ impl Parallel {
                     self.shard, r.optimizer
                 )));
             }
-            if r.precision != Precision::Bf16 {
+            // DeepSpeed's `bf16` and `fp16` modes cast the module (`engine.py`
+            // `_configure_distributed_model`: `module.bfloat16()` / `module.half()`); its
+            // `torch_autocast` mode (fp32 parameters under `torch.autocast`, the ZeRO optimizer's
+            // own GradScaler for float16) is a third mode, not modelled.
+            if !matches!(r.precision, Precision::Bf16 | Precision::Fp16) {
                 return Err(bad(format!(
-                    "--shard {} is modelled as DeepSpeed's bf16 mode (bf16 parameters, fp32 master partition): give --precision bf16, not {}",
+                    "--shard {} is modelled as DeepSpeed's bf16 mode (--precision bf16) or fp16 mode (--precision fp16): 16-bit parameters, fp32 master partition; --precision {} would be DeepSpeed's torch_autocast mode, which is not modelled",
                     self.shard, r.precision
+                )));
+            }
+            if r.precision == Precision::Fp16 && self.offload != Offload::None {
+                return Err(bad(format!(
+                    "--shard {} --precision fp16 with --offload {} is not modelled (the overflow check of the offloaded gradients runs on the host, `local_overflow`): give --precision bf16 or no --offload",
+                    self.shard, self.offload
                 )));
             }
             // ZeRO-Offload steps with DeepSpeedCPUAdam: the engine raises for another client

@@ -16,6 +16,11 @@ pub enum Precision {
     AmpFp16,
     /// float32 parameters, `torch.autocast(dtype=torch.bfloat16)` forward, no scaler.
     AmpBf16,
+    /// DeepSpeed's fp16 mode (`"fp16": {"enabled": true}`, only under `--shard zero1|zero2|zero3`):
+    /// float16 parameters, gradients and activations (`engine.py` `_configure_distributed_model`:
+    /// `module.half()`), an fp32 master partition and DeepSpeed's dynamic loss scaler (no
+    /// autocast, no torch `GradScaler`).
+    Fp16,
 }
 
 /// Which blocks `torch.utils.checkpoint` wraps (its implementation: [`CheckpointImpl`]).
@@ -668,8 +673,8 @@ macro_rules! named_enum {
     };
 }
 
-named_enum!(Precision, "precision", "fp32, bf16, amp-fp16, amp-bf16",
-    ["fp32" => Precision::Fp32, "bf16" => Precision::Bf16, "amp-fp16" => Precision::AmpFp16, "amp-bf16" => Precision::AmpBf16]);
+named_enum!(Precision, "precision", "fp32, bf16, amp-fp16, amp-bf16, fp16",
+    ["fp32" => Precision::Fp32, "bf16" => Precision::Bf16, "amp-fp16" => Precision::AmpFp16, "amp-bf16" => Precision::AmpBf16, "fp16" => Precision::Fp16]);
 named_enum!(OptimizerKind, "optimizer", "adamw, adam, sgd, sgd-momentum, sgd-nesterov, adafactor, adafactor-hf, adamw-hf, adamw8bit, paged-adamw, paged-adamw8bit",
     ["adamw" => OptimizerKind::AdamW, "adam" => OptimizerKind::Adam, "sgd" => OptimizerKind::Sgd,
      "sgd-momentum" => OptimizerKind::SgdMomentum, "sgd-nesterov" => OptimizerKind::SgdNesterov,
@@ -799,6 +804,7 @@ impl fmt::Display for Precision {
             Precision::Bf16 => "bf16",
             Precision::AmpFp16 => "amp-fp16",
             Precision::AmpBf16 => "amp-bf16",
+            Precision::Fp16 => "fp16",
         })
     }
 }

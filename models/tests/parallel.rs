@@ -95,10 +95,15 @@ const ZERO_CASES: [(&str, u64); 4] = [
 /// (stage, ranks): the model states per rank by the ZeRO paper's formula, against the trace.
 #[test]
 fn zero_model_states_per_rank_match_the_paper() {
-    for shard in [Shard::Zero1, Shard::Zero2] {
+    // DeepSpeed's bf16 and fp16 modes keep the same sizes (16-bit parameters and gradients, fp32
+    // master and Adam moments); the paper's figures are for fp16 mixed precision.
+    for (shard, precision) in [Shard::Zero1, Shard::Zero2]
+        .into_iter()
+        .flat_map(|s| [(s, Precision::Bf16), (s, Precision::Fp16)])
+    {
         for (name, n) in ZERO_CASES {
             let mut r = recipe(1, 128, n as u32, shard);
-            r.precision = Precision::Bf16;
+            r.precision = precision;
             r.optimizer = OptimizerKind::AdamW;
             let g = zoo::build(name, &r).unwrap();
             let psi = g.param_count();
@@ -590,8 +595,12 @@ fn zero3_recipe(batch: u64, seq: u64, n: u32) -> Recipe {
 /// from the paper's figure (pitfall 10: name the formula a test compares against).
 #[test]
 fn zero3_model_states_per_rank_match_the_paper() {
-    for (name, n) in ZERO_CASES {
-        let r = zero3_recipe(1, 128, n as u32);
+    for (precision, (name, n)) in [Precision::Bf16, Precision::Fp16]
+        .into_iter()
+        .flat_map(|p| ZERO_CASES.map(|c| (p, c)))
+    {
+        let mut r = zero3_recipe(1, 128, n as u32);
+        r.precision = precision;
         let g = zoo::build(name, &r).unwrap();
         let psi = g.param_count();
         let part = zero3_partition(&g, n);
@@ -1157,4 +1166,102 @@ fn qlora_under_ddp_buckets_only_the_adapters() {
         _ => None,
     });
     assert_eq!(first, Some(4 * adapters));
+}
+
+/// Requested sizes of every allocation of a trace, counted.
+fn alloc_sizes(t: &Trace) -> HashMap<u64, i64> {
+    let mut m = HashMap::new();
+    for e in &t.events {
+        if let Event::Alloc { size, .. } = e {
+            *m.entry(*size).or_insert(0) += 1;
+        }
+    }
+    m
+}
+
+/// The allocations an fp16 trace has beyond the bf16 one (sizes counted), negative for fewer.
+fn fp16_extra(r: &Recipe) -> HashMap<u64, i64> {
+    let mut r = r.clone();
+    r.precision = Precision::Bf16;
+    let g = zoo::build("gpt2", &r).unwrap();
+    let bf16 = alloc_sizes(&lower(&g, &r).unwrap());
+    r.precision = Precision::Fp16;
+    let g = zoo::build("gpt2", &r).unwrap();
+    let mut extra = alloc_sizes(&lower(&g, &r).unwrap());
+    for (k, v) in bf16 {
+        *extra.entry(k).or_insert(0) -= v;
+    }
+    extra.retain(|_, v| *v != 0);
+    extra
+}
+
+/// DeepSpeed's fp16 mode adds only its overflow check to the bf16 mode's step, once per
+/// iteration (`stage_1_and_2.py` `has_overflow_partitioned_grads_serial` / `_has_inf_or_nan`):
+/// a 4-byte counter, then per gradient piece of rank 0's partition (each parameter's overlap
+/// with the first Ψ'/N elements, in parameter order) `x.float()` (4n), `isnan`, `isinf`,
+/// `logical_or` (n each), `.float()` (4n) and the 4-byte `max`; then the 1-byte `.bool()` and
+/// `.byte()`. ZeRO-3 (`stage3.py` `has_overflow`): `isinf`/`isnan` of
+/// `grad_partitions_flat_buffer` (Σ partitions bytes each) with a 1-byte `any`, then a 1-byte
+/// clone and its uint8 copy.
+#[test]
+fn deepspeed_fp16_adds_its_overflow_check() {
+    let (n, iters) = (4u64, 2u32);
+    for shard in [Shard::Zero1, Shard::Zero2, Shard::Zero3] {
+        let mut r = recipe(1, 128, n as u32, shard);
+        r.optimizer = OptimizerKind::AdamW;
+        r.iterations = iters;
+        let g = zoo::build("gpt2", &r).unwrap();
+        let mut want: HashMap<u64, i64> = HashMap::new();
+        let mut add = |size: u64, k: i64| *want.entry(size).or_insert(0) += k * i64::from(iters);
+        if shard == Shard::Zero3 {
+            let total: u64 = zero3_partition(&g, n).iter().sum();
+            add(total, 2);
+            add(1, 4);
+        } else {
+            let sizes: Vec<u64> = g
+                .params
+                .iter()
+                .map(|p| p.shape.iter().product::<u64>())
+                .collect();
+            let psi: u64 = sizes.iter().sum();
+            let part = psi.div_ceil(2 * n) * 2 * n / n;
+            add(4, 1);
+            let mut start = 0;
+            for s in sizes {
+                let piece = (start + s).min(part).saturating_sub(start.min(part));
+                if piece > 0 {
+                    add(4 * piece, 2);
+                    add(piece, 3);
+                    add(4, 1);
+                }
+                start += s;
+            }
+            add(1, 2);
+        }
+        want.retain(|_, v| *v != 0);
+        assert_eq!(fp16_extra(&r), want, "{shard}");
+    }
+}
+
+/// `--precision fp16` is DeepSpeed's mode only: without ZeRO, and autocast under ZeRO, are
+/// refused with the reason.
+#[test]
+fn fp16_outside_deepspeed_and_autocast_under_zero_are_refused() {
+    let mut r = recipe(1, 128, 2, Shard::Ddp);
+    r.precision = Precision::Fp16;
+    let e = r.validate().unwrap_err().to_string();
+    assert!(
+        e.contains("DeepSpeed's fp16 mode") && e.contains("zero1"),
+        "{e}"
+    );
+    for p in [Precision::AmpFp16, Precision::AmpBf16] {
+        let mut r = recipe(1, 128, 2, Shard::Zero2);
+        r.precision = p;
+        let e = r.validate().unwrap_err().to_string();
+        assert!(e.contains("torch_autocast"), "{e}");
+    }
+    let mut r = recipe(1, 128, 2, Shard::Zero2);
+    r.precision = Precision::Fp16;
+    r.parallel.offload = Offload::Optimizer;
+    assert!(r.validate().is_err());
 }

@@ -216,7 +216,7 @@ fn errors_say_what_is_wrong_and_what_is_valid() {
     let e = "fp8".parse::<Precision>().unwrap_err().to_string();
     assert_eq!(
         e,
-        "unknown precision \"fp8\": valid values are fp32, bf16, amp-fp16, amp-bf16"
+        "unknown precision \"fp8\": valid values are fp32, bf16, amp-fp16, amp-bf16, fp16"
     );
     // A graph built for other shapes than the recipe's.
     let g = zoo::build("gpt2", &r).unwrap();

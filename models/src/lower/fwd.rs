@@ -372,7 +372,11 @@ impl<'g> Lowering<'g> {
                     }
             );
         if let OpKind::Softmax { dim, to_f32 } = *kind {
-            if (to_f32 || ac_f32) && ins[0].dtype == DType::BF16 {
+            // `softmax(x, dtype=torch.float32)` converts a 16-bit input first (a float16 one
+            // outside autocast: `--precision fp16`'s `module.half()`).
+            let half = ins[0].dtype == DType::BF16
+                || (ins[0].dtype == DType::F16 && self.autocast.is_none());
+            if (to_f32 || ac_f32) && half {
                 let conv = self.exec(&OpKind::ToDtype(DType::F32), &ins[..1], &[], m, None);
                 let out = self.exec(&OpKind::Softmax { dim, to_f32: false }, &conv, outs, m, gop);
                 for c in conv {

@@ -452,6 +452,7 @@ impl<'g> Lowering<'g> {
     fn new(g: &'g Graph, r: &'g Recipe) -> Self {
         let param_dtype = match r.precision {
             Precision::Bf16 => DType::BF16,
+            Precision::Fp16 => DType::F16,
             _ => DType::F32,
         };
         // FSDP2's MixedPrecisionPolicy: the unsharded parameters, and so the compute, in its

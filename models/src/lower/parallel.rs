@@ -16,7 +16,7 @@ use crate::parallel::{
     bucket_assignment, Shard, DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES,
     DS_REDUCE_BUCKET_ELEMENTS,
 };
-use crate::recipe::{OptimizerImpl, OptimizerKind, TorchVersion};
+use crate::recipe::{OptimizerImpl, OptimizerKind, Precision, TorchVersion};
 use vramsim_traces::Event;
 
 /// The stream id the trace gives the process group's NCCL stream.
@@ -753,7 +753,81 @@ impl<'g> Lowering<'g> {
         self.par.ipg_params.clear();
     }
 
-    /// `DeepSpeedZeroOptimizer.step` (bf16; with `offload_optimizer`, `offload.rs`): the partition's gradient flattened
+    /// DeepSpeed's fp16 mode, first thing in `DeepSpeedZeroOptimizer.step` (`check_grad_overflow`
+    /// is True for fp16, `engine.py` `_configure_zero_optimizer`): `has_overflow` →
+    /// `has_overflow_partitioned_grads_serial`, a `torch.zeros([1], float)` counter, then for
+    /// each gradient piece of the partition (`averaged_gradients[i]`: rank 0's piece of every
+    /// parameter in `[0, partition)`) `_has_inf_or_nan`: `float_x = x.float()`, `nan =
+    /// float_x.isnan()`, `inf = float_x.isinf()`, `inf_or_nan = nan.logical_or(inf)`, returning
+    /// `inf_or_nan.float().max()` (the float copy dies with the statement, the locals at return,
+    /// the max after `+=`); the counter's `.bool()` (the counter dies), `.byte()`, all-reduced
+    /// (MAX), freed at return. The loss scaler itself holds Python floats only
+    /// (`fp16/loss_scaler.py`: `cur_scale`), and `scale_loss` is `loss * self.loss_scale` in bf16
+    /// mode too (scale 1.0).
+    fn zero_fp16_overflow_check(&mut self) {
+        let part = self.par.partition;
+        let mut pieces = Vec::new();
+        let mut start = 0u64;
+        for p in self.trainable() {
+            let end = start + self.params[p].layout.numel();
+            let n = end.min(part).saturating_sub(start.min(part));
+            if n > 0 {
+                pieces.push(n);
+            }
+            start = end;
+        }
+        let scalar = |me: &mut Self, dtype: DType, op: &str| {
+            me.alloc(Layout::contiguous(&[1]), dtype, ModuleId(0), op)
+        };
+        let count = scalar(self, DType::F32, "aten.zeros");
+        for n in pieces {
+            let s = [n];
+            let float_x = self.alloc(
+                Layout::contiguous(&s),
+                DType::F32,
+                ModuleId(0),
+                "aten._to_copy",
+            );
+            let nan = self.alloc(
+                Layout::contiguous(&s),
+                DType::Bool,
+                ModuleId(0),
+                "aten.isnan",
+            );
+            let inf = self.alloc(
+                Layout::contiguous(&s),
+                DType::Bool,
+                ModuleId(0),
+                "aten.isinf",
+            );
+            let either = self.alloc(
+                Layout::contiguous(&s),
+                DType::Bool,
+                ModuleId(0),
+                "aten.logical_or",
+            );
+            let as_float = self.alloc(
+                Layout::contiguous(&s),
+                DType::F32,
+                ModuleId(0),
+                "aten._to_copy",
+            );
+            let max = self.alloc(Layout::contiguous(&[]), DType::F32, ModuleId(0), "aten.max");
+            self.drop_rt(as_float);
+            for t in [float_x, nan, inf, either] {
+                self.drop_rt(t);
+            }
+            self.drop_rt(max);
+        }
+        let flag = scalar(self, DType::Bool, "aten._to_copy");
+        self.drop_rt(count);
+        let byte = scalar(self, DType::U8, "aten._to_copy");
+        self.collective_uses(&byte);
+        self.drop_rt(flag);
+        self.drop_rt(byte);
+    }
+
+    /// `DeepSpeedZeroOptimizer.step` (bf16 or fp16; with `offload_optimizer`, `offload.rs`): the partition's gradient flattened
     /// (`flatten_dense_tensors_aligned` of the averaged gradients: a new bf16 tensor of the
     /// partition), converted `.to(fp32)` and set as the master's `.grad` (the bf16 copy and
     /// `grads_in_partition` go), the wrapped optimizer's step, the fp32 gradient dropped, the master
@@ -765,6 +839,9 @@ impl<'g> Lowering<'g> {
         }
         self.kind_now = Kind::Temporary;
         let part = self.par.partition;
+        if self.r.precision == Precision::Fp16 {
+            self.zero_fp16_overflow_check();
+        }
         let flat = self.alloc(
             Layout::contiguous(&[part]),
             self.param_dtype,

@@ -298,7 +298,7 @@ impl Arch {
             }
             (Precision::Fp32, _) => DType::F32,
             (Precision::Bf16 | Precision::AmpBf16, _) => DType::BF16,
-            (Precision::AmpFp16, _) => DType::F16,
+            (Precision::AmpFp16 | Precision::Fp16, _) => DType::F16,
         };
         // A context-parallel rank's attention runs on its `seq/cp` shard of the sequence.
         let (b, s) = (recipe.batch, recipe.parallel.local_seq(recipe.seq));

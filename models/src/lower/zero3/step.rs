@@ -158,7 +158,34 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// `DeepSpeedZeroOptimizer_Stage3.step` (bf16, no offload).
+    /// DeepSpeed's fp16 mode: `_overflow_check_and_loss_scale_update` → `check_overflow` (only
+    /// `if self.dtype == torch.float16`) → `has_overflow`, on `reduce_and_partition_stream`:
+    /// `inf_or_nan_tracker.logical_or_(torch.isinf(grad_partitions_flat_buffer).any())` (a bool
+    /// of the buffer's size, freed after `.any()`, the 1-element `any` after the in-place
+    /// `logical_or_`), the same with `isnan`, then `overflow_gpu =
+    /// inf_or_nan_tracker.clone().to(device).to(torch.uint8)` (the clone dies with the
+    /// statement), all-reduced (MAX), freed at return. The loss scaler holds Python floats only
+    /// (`fp16/loss_scaler.py`).
+    fn z3_fp16_overflow_check(&mut self) {
+        let total = self
+            .zero3
+            .grad_flat
+            .as_ref()
+            .map_or(0, |g| g.layout.numel());
+        for op in ["aten.isinf", "aten.isnan"] {
+            let mask = self.z3_temp(total, DType::Bool, REDUCE_STREAM, op);
+            let any = self.z3_temp(1, DType::Bool, REDUCE_STREAM, "aten.any");
+            self.drop_rt(mask);
+            self.drop_rt(any);
+        }
+        let clone = self.z3_temp(1, DType::Bool, REDUCE_STREAM, "aten.clone");
+        let byte = self.z3_temp(1, DType::U8, REDUCE_STREAM, "aten._to_copy");
+        self.drop_rt(clone);
+        self.collective_uses(&byte);
+        self.drop_rt(byte);
+    }
+
+    /// `DeepSpeedZeroOptimizer_Stage3.step` (bf16 or fp16, no offload).
     pub(in crate::lower) fn zero3_step(&mut self) {
         // `_partition_all_parameters` → `release_and_reset_all`.
         for p in 0..self.params.len() {
@@ -169,6 +196,9 @@ impl<'g> Lowering<'g> {
             self.z3_release_param(p);
         }
         self.kind_now = Kind::Temporary;
+        if self.r.precision == crate::recipe::Precision::Fp16 {
+            self.z3_fp16_overflow_check();
+        }
         if !self.z3_offload_optimizer() {
             self.z3_grad_norm();
         }
