@@ -88,16 +88,7 @@ pub fn replay_step_variants(
     };
     if replay_pieces(&mut replay, first, &pieces[..1])? == Flow::Stopped {
         // out of memory before the repetitions: every count stops there
-        let (last, others) = variants.split_last().expect("not empty");
-        let mut out: Vec<(Report, Prediction)> = others
-            .iter()
-            .map(|l| {
-                let r = replay.fork_with(replay.allocator().fork().expect("checked"));
-                step.report(l, r, breakdown, t1)
-            })
-            .collect();
-        out.push(step.report(last, replay, breakdown, t1));
-        return Ok(out);
+        return Ok(step.reports(replay, variants, breakdown, t1));
     }
     let repeat_of = |l: &Lowered| l.pieces()[1].repeat.expect("a repeat").times;
     let mut counts: Vec<u64> = variants.iter().map(|l| repeat_of(l)).collect();
@@ -160,7 +151,7 @@ pub fn replay_step_variants(
         let (mut r, flow) = match (last_of_count, forks[slot].take()) {
             (true, Some(fork)) => fork,
             (false, Some((r, flow))) => {
-                let copy = (r.fork_with(r.allocator().fork().expect("checked")), flow);
+                let copy = (copy_of(&r), flow);
                 forks[slot] = Some((r, flow));
                 copy
             }
@@ -176,12 +167,13 @@ pub fn replay_step_variants(
         let mine: Vec<usize> = (0..variants.len())
             .filter(|&i| repeat_of(variants[i]) == from)
             .collect();
-        let (&last, others) = mine.split_last().expect("a variant has it");
-        for &i in others {
-            let copy = r.fork_with(r.allocator().fork().expect("checked"));
-            out[i] = Some(step.report(variants[i], copy, breakdown, t1));
+        let lowered: Vec<&Lowered> = mine.iter().map(|&i| variants[i]).collect();
+        for (i, report) in mine
+            .into_iter()
+            .zip(step.reports(r, &lowered, breakdown, t1))
+        {
+            out[i] = Some(report);
         }
-        out[last] = Some(step.report(variants[last], r, breakdown, t1));
     }
     Ok(out
         .into_iter()
@@ -240,6 +232,11 @@ fn replay_pieces(
 /// A step's replay on its machine's allocator.
 type StepReplay = Replay<Box<dyn Allocator>>;
 
+/// A copy of `replay` with a copy of its allocator (one that can be copied: checked before).
+fn copy_of(replay: &StepReplay) -> StepReplay {
+    replay.fork_with(replay.allocator().fork().expect("checked"))
+}
+
 /// What a step's report takes from its machine.
 struct StepMachine<'a> {
     machine: &'a MachineArgs,
@@ -249,6 +246,24 @@ struct StepMachine<'a> {
 }
 
 impl StepMachine<'_> {
+    /// The reports of `lowered` (not empty), each finishing the same `replay`: copies of it for all
+    /// but the last, which takes it.
+    fn reports(
+        &self,
+        replay: StepReplay,
+        lowered: &[&Lowered],
+        breakdown: bool,
+        t1: Instant,
+    ) -> Vec<(Report, Prediction)> {
+        let (last, others) = lowered.split_last().expect("not empty");
+        let mut out: Vec<(Report, Prediction)> = others
+            .iter()
+            .map(|l| self.report(l, copy_of(&replay), breakdown, t1))
+            .collect();
+        out.push(self.report(last, replay, breakdown, t1));
+        out
+    }
+
     /// The report and prediction of `lowered`'s finished `replay` (started at `t1`), broken down at
     /// its peak or out-of-memory error with `breakdown`.
     fn report(

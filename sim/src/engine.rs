@@ -373,12 +373,10 @@ impl<A: Allocator> Replay<A> {
 
     /// Applies borrowed events in order until they end or an allocation fails ([`Replay::apply_ref`]).
     pub fn apply_slice(&mut self, events: &[Event]) -> Result<Flow, ReplayError> {
-        for event in events {
-            if self.apply_ref(event)? == Flow::Stopped {
-                return Ok(Flow::Stopped);
-            }
-        }
-        Ok(Flow::Continue)
+        self.apply_view(&EventView {
+            events,
+            ..EventView::default()
+        })
     }
 
     /// Applies the events `view` stands for, in order, until they end or an allocation fails: its

@@ -94,6 +94,9 @@ impl Repeat<'_> {
     }
 }
 
+/// The replays a repetition's counts part into, each with its flow.
+type Forks<A> = Vec<(Replay<A>, Flow)>;
+
 /// What a steady state's skip carried, per repetition: enough to tell the outcome of a run with more
 /// repetitions of the same events ([`Replay::outcome_with_more`]).
 #[derive(Clone, Debug)]
@@ -128,24 +131,12 @@ impl<A: Allocator> Replay<A> {
     /// skipping those that follow a steady state exactly (see the module documentation). Stops at an
     /// out-of-memory error as [`Replay::apply`] does.
     pub fn apply_repeated(&mut self, repeat: &Repeat) -> Result<Flow, ReplayError> {
-        let start = self.next_index;
-        let mut previous: Option<Boundary> = None;
-        for k in 0..repeat.times {
-            if let Some(now) = self.boundary(repeat, k) {
-                if previous.as_ref().is_some_and(|p| p.key == now.key) {
-                    let before = previous.expect("checked");
-                    self.skip(repeat, k, start, &before);
-                    return Ok(Flow::Continue);
-                }
-                previous = Some(now);
-            }
-            if self.apply_shifted(&repeat.view, repeat.renamed_from, k * repeat.shift)?
-                == Flow::Stopped
-            {
-                return Ok(Flow::Stopped);
-            }
-        }
-        Ok(Flow::Continue)
+        // one count forks nothing
+        let (forks, flow) = self.repeat_counts(repeat, &[repeat.times], |_: &A| -> A {
+            unreachable!("a single repetition count is never forked")
+        })?;
+        debug_assert!(forks.is_empty());
+        Ok(flow)
     }
 
     /// [`Replay::apply_repeated`] for several repetition counts at once (`counts`, ascending and
@@ -155,54 +146,66 @@ impl<A: Allocator> Replay<A> {
     /// repetitions. Returns, for each count in order, the replay as `apply_repeated` with that many
     /// repetitions leaves it, and its flow.
     pub fn apply_repeated_each(
-        self,
+        mut self,
         repeat: &Repeat,
         counts: &[u64],
         fork: impl Fn(&A) -> A,
     ) -> Result<Vec<(Replay<A>, Flow)>, ReplayError> {
+        if counts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (mut out, flow) = self.repeat_counts(repeat, counts, fork)?;
+        out.push((self, flow));
+        Ok(out)
+    }
+
+    /// The repetitions of `repeat` for each of `counts` (ascending, distinct, not empty), this replay
+    /// going on as the largest: the other counts' replays (copies made where their runs part, in
+    /// order), and this one's flow. What [`Replay::apply_repeated`] and
+    /// [`Replay::apply_repeated_each`] share.
+    fn repeat_counts(
+        &mut self,
+        repeat: &Repeat,
+        counts: &[u64],
+        fork: impl Fn(&A) -> A,
+    ) -> Result<(Forks<A>, Flow), ReplayError> {
         let mut out = Vec::with_capacity(counts.len());
-        let Some((&most, _)) = counts.split_last() else {
-            return Ok(out);
-        };
-        let mut me = self;
+        let most = *counts.last().expect("a count");
         let split = |r: &Replay<A>| r.fork_with(fork(&r.allocator));
-        let start = me.next_index;
+        let start = self.next_index;
         let mut previous: Option<Boundary> = None;
         let mut rest = counts;
         for k in 0..most {
             // the counts whose repetitions end here (the largest ends after the loop)
             while rest[0] == k {
-                out.push((split(&me), Flow::Continue));
+                out.push((split(self), Flow::Continue));
                 rest = &rest[1..];
             }
             let (&last, others) = rest.split_last().expect("the largest count is left");
-            if let Some(now) = me.boundary(repeat, k) {
+            if let Some(now) = self.boundary(repeat, k) {
                 if previous.as_ref().is_some_and(|p| p.key == now.key) {
                     let before = previous.expect("checked");
                     for &count in others {
-                        let mut r = split(&me);
+                        let mut r = split(self);
                         r.skip(&repeat.times(count), k, start, &before);
                         out.push((r, Flow::Continue));
                     }
-                    me.skip(&repeat.times(last), k, start, &before);
-                    out.push((me, Flow::Continue));
-                    return Ok(out);
+                    self.skip(&repeat.times(last), k, start, &before);
+                    return Ok((out, Flow::Continue));
                 }
                 previous = Some(now);
             }
-            if me.apply_shifted(&repeat.view, repeat.renamed_from, k * repeat.shift)?
+            if self.apply_shifted(&repeat.view, repeat.renamed_from, k * repeat.shift)?
                 == Flow::Stopped
             {
                 // every count left runs repetition k, and stops there
                 for _ in others {
-                    out.push((split(&me), Flow::Stopped));
+                    out.push((split(self), Flow::Stopped));
                 }
-                out.push((me, Flow::Stopped));
-                return Ok(out);
+                return Ok((out, Flow::Stopped));
             }
         }
-        out.push((me, Flow::Continue));
-        Ok(out)
+        Ok((out, Flow::Continue))
     }
 
     /// How many repeats this replay carried (skipped from a steady state) so far.
