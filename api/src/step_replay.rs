@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use vramsim_models::compact::ReplayPiece;
-use vramsim_models::{peak_breakdown, peak_breakdown_until};
+use vramsim_models::peak_breakdown_until;
 use vramsim_sim::allocator::Allocator;
 use vramsim_sim::device::Device;
 use vramsim_sim::engine::{Flow, Repeat, Replay, ReplayOptions, ReplayOutcome};
@@ -293,14 +293,14 @@ impl StepMachine<'_> {
             None => (
                 lowered
                     .peak
-                    .get_or_init(|| peak_breakdown(lowered.trace()))
+                    .get_or_init(|| lowered.compact.peak_breakdown())
                     .clone(),
                 None,
             ),
             Some(i) => (
-                peak_breakdown_until(lowered.trace(), i + 1),
-                match &lowered.trace().events[i] {
-                    Event::Alloc { tag, .. } => tag.as_deref().map(String::from),
+                lowered.compact.peak_breakdown_until(i + 1),
+                match lowered.compact.lowered_event_at(i) {
+                    Some(Event::Alloc { tag, .. }) => tag.as_deref().map(String::from),
                     _ => None,
                 },
             ),

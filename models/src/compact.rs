@@ -202,6 +202,27 @@ impl CompactTrace {
         self.view(piece.range, &piece.renames)
     }
 
+    /// The lowered event that event `index` of the whole step is written as (its id as lowered;
+    /// its size as lowered unless [`CompactTrace::sizes`] lists it); `None` past the step's end.
+    pub fn lowered_event_at(&self, index: usize) -> Option<&Event> {
+        let mut at = 0;
+        let mut left = index;
+        for r in &self.repeats {
+            let before = r.start - at;
+            if left < before {
+                return self.lowered.get(at + left);
+            }
+            left -= before;
+            let repeated = (r.times as usize).saturating_mul(r.len);
+            if left < repeated {
+                return self.lowered.get(r.start + left % r.len);
+            }
+            left -= repeated;
+            at = r.start + r.len;
+        }
+        self.lowered.get(at + left)
+    }
+
     /// `meta.phases` of the lowered events (of three micro-batches per step where there are repeats).
     pub(crate) fn lowered_phases(&self) -> &[Value] {
         &self.lowered_phases

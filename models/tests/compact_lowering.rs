@@ -2,13 +2,16 @@
 //! trace equals a fresh lowering of every micro-batch, event for event and in its `meta` (the byte-for-
 //! byte JSON follows), for every zoo model, and for the recipe options that touch the training loop
 //! (kept outputs, gradients zeroed in place, checkpointing of both kinds, AMP with a GradScaler,
-//! clipping, persistent cuBLAS workspaces, cudnn.benchmark, more iterations, inference).
+//! clipping, persistent cuBLAS workspaces, cudnn.benchmark, more iterations, inference); and its
+//! peak breakdowns, walked without expanding it, equal those of the expansion.
 
 use vramsim_models::compact::{lower_compact, CompactTrace};
 use vramsim_models::zoo::{self, NAMES};
 use vramsim_models::{
-    lower, CheckpointImpl, Checkpointing, CublasWorkspaceMode, Precision, Recipe, ZeroGrad,
+    lower, peak_breakdown, peak_breakdown_until, CheckpointImpl, Checkpointing,
+    CublasWorkspaceMode, Precision, Recipe, ZeroGrad,
 };
+use vramsim_traces::{Event, Trace};
 
 fn recipe(name: &str, accum: u32) -> Recipe {
     let mut r = Recipe::new(2, 32);
@@ -69,6 +72,34 @@ fn same(name: &str, compact: &CompactTrace, full: &vramsim_traces::Trace, r: &Re
         out
     };
     assert!(json(&expanded) == json(full), "{name} {}: JSON", r.name());
+    same_breakdowns(name, compact, &expanded, r);
+}
+
+/// The compact trace's breakdowns, at its peak and at out-of-memory points spread over the step,
+/// equal those of its expansion, and each event index names the event the expansion has there.
+fn same_breakdowns(name: &str, compact: &CompactTrace, expanded: &Trace, r: &Recipe) {
+    let peak = peak_breakdown(expanded);
+    assert_eq!(compact.peak_breakdown(), peak, "{name} {}: peak", r.name());
+    let n = expanded.events.len();
+    let mut ends: Vec<usize> = (0..=16).map(|k| n * k / 16).collect();
+    ends.extend([peak.event_index, peak.event_index + 1, n + 1]);
+    for end in ends {
+        assert_eq!(
+            compact.peak_breakdown_until(end),
+            peak_breakdown_until(expanded, end),
+            "{name} {}: until {end}",
+            r.name()
+        );
+    }
+    let tag = |e: &Event| match e {
+        Event::Alloc { tag, category, .. } => Some((tag.clone(), *category)),
+        _ => None,
+    };
+    for i in (0..n).step_by(97).chain([n.saturating_sub(1)]) {
+        let at = compact.lowered_event_at(i).expect("within the step");
+        assert_eq!(tag(at), tag(&expanded.events[i]), "{name}: event {i}");
+    }
+    assert!(compact.lowered_event_at(n).is_none());
 }
 
 #[test]

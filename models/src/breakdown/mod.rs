@@ -12,8 +12,15 @@
 //! `bert.encoder.layer.11`, `layer4.1`: the path up to its first numbered component), else at their
 //! first two components (`transformer.wte`, `cls.predictions`).
 
+mod walk;
+
 use std::collections::HashMap;
-use vramsim_traces::{AllocId, Category, Event, Trace};
+
+use serde_json::{Map, Value};
+use vramsim_traces::{Category, Event, EventView, Trace};
+
+use crate::compact::{CompactTrace, ReplayPiece};
+use walk::{Stretch, Walk};
 
 /// The live allocations at the peak of requested bytes.
 #[derive(Clone, Debug, PartialEq)]
@@ -65,7 +72,7 @@ pub const LARGEST: usize = 10;
 /// The live set at the first maximum of live requested bytes (see the module documentation).
 /// Frees of unknown ids are ignored.
 pub fn peak_breakdown(trace: &Trace) -> PeakBreakdown {
-    breakdown(trace, trace.events.len(), true)
+    breakdown(&[whole(trace)], &trace.meta, trace.events.len(), true)
 }
 
 /// What was live when an out-of-memory error was raised at event `end - 1` (the failing allocation
@@ -73,77 +80,98 @@ pub fn peak_breakdown(trace: &Trace) -> PeakBreakdown {
 /// out of memory in a later iteration, through fragmentation, passed with less live. Empty for
 /// `end == 0`.
 pub fn peak_breakdown_until(trace: &Trace, end: usize) -> PeakBreakdown {
-    breakdown(trace, end, false)
+    breakdown(
+        &[whole(trace)],
+        &trace.meta,
+        end.min(trace.events.len()),
+        false,
+    )
 }
 
-/// The live set over the first `end` events at their first maximum of live requested bytes
-/// (`at_max`), else after the last of them.
-fn breakdown(trace: &Trace, end: usize, at_max: bool) -> PeakBreakdown {
-    let events = &trace.events[..end.min(trace.events.len())];
+impl CompactTrace {
+    /// [`peak_breakdown`] of the step this stands for ([`CompactTrace::expand`]), without
+    /// expanding it: its repeated micro-batches are walked twice and stepped over
+    /// (`walk`).
+    pub fn peak_breakdown(&self) -> PeakBreakdown {
+        let pieces = self.replay_pieces();
+        breakdown(&stretches(self, &pieces), &self.meta, self.events, true)
+    }
+
+    /// [`peak_breakdown_until`] of the step this stands for, without expanding it.
+    pub fn peak_breakdown_until(&self, end: usize) -> PeakBreakdown {
+        let pieces = self.replay_pieces();
+        breakdown(
+            &stretches(self, &pieces),
+            &self.meta,
+            end.min(self.events),
+            false,
+        )
+    }
+}
+
+/// A trace's events as one stretch.
+fn whole(trace: &Trace) -> Stretch<'_> {
+    Stretch {
+        view: EventView {
+            events: &trace.events,
+            ..EventView::default()
+        },
+        repeat: None,
+    }
+}
+
+/// A compact trace's replay pieces as stretches.
+fn stretches<'a>(c: &'a CompactTrace, pieces: &'a [ReplayPiece]) -> Vec<Stretch<'a>> {
+    pieces
+        .iter()
+        .map(|p| Stretch {
+            view: c.piece_view(p),
+            repeat: p.repeat,
+        })
+        .collect()
+}
+
+/// The live set over the first `end` events of `stretches` at their first maximum of live
+/// requested bytes (`at_max`), else after the last of them.
+fn breakdown(
+    stretches: &[Stretch<'_>],
+    meta: &Map<String, Value>,
+    end: usize,
+    at_max: bool,
+) -> PeakBreakdown {
     // Pass 1: where is the point?
-    let mut sizes: HashMap<&AllocId, u64> = HashMap::new();
-    let (mut cur, mut peak, mut at) = (0u64, 0u64, 0usize);
-    for (i, e) in events.iter().enumerate() {
-        match e {
-            Event::Alloc { id, size, .. } => {
-                sizes.insert(id, *size);
-                cur = cur.saturating_add(*size);
-                if at_max && cur > peak {
-                    peak = cur;
-                    at = i;
-                }
-            }
-            Event::Free { id } => cur -= sizes.remove(id).unwrap_or(0),
-            _ => {}
-        }
-    }
-    if !at_max {
-        peak = cur;
-        at = events.len().saturating_sub(1);
-    }
+    let mut walk = Walk::new(at_max);
+    walk.run(stretches, end);
+    let (peak, at) = match walk.peak {
+        Some(p) => (p.bytes, p.at),
+        None => (walk.current, end.saturating_sub(1)),
+    };
     // Pass 2: what is live there? (Nothing for no events.)
-    let mut live: HashMap<&AllocId, usize> = HashMap::new();
-    let mut phase: Option<(usize, &str)> = None;
-    for (i, e) in events.iter().enumerate().take(at + 1) {
-        match e {
-            Event::Alloc { id, .. } => {
-                live.insert(id, i);
-            }
-            Event::Free { id } => {
-                live.remove(id);
-            }
-            Event::Phase { name } => phase = Some((i, name)),
-            _ => {}
-        }
-    }
+    let mut walk = Walk::new(false);
+    walk.run(stretches, (at + 1).min(end));
     let mut cats = [0u64; Category::ALL.len()];
     // group -> (bytes, allocations, bytes by category, first event)
     let mut modules: HashMap<String, (u64, u64, [u64; Category::ALL.len()], usize)> =
         HashMap::new();
-    let mut all: Vec<Allocation> = Vec::with_capacity(live.len());
-    for &i in live.values() {
-        if let Event::Alloc {
-            size,
-            category,
-            tag,
-            ..
-        } = &events[i]
-        {
+    let mut all: Vec<Allocation> = Vec::new();
+    for live in walk.live() {
+        if let Event::Alloc { category, tag, .. } = live.event {
+            let (size, i) = (live.size, live.index);
             let tag = tag.as_deref().unwrap_or("");
-            cats[category.index()] = cats[category.index()].saturating_add(*size);
+            cats[category.index()] = cats[category.index()].saturating_add(size);
             let m = modules.entry(module_group(tag, *category)).or_insert((
                 0,
                 0,
                 [0; Category::ALL.len()],
                 i,
             ));
-            m.0 = m.0.saturating_add(*size);
+            m.0 = m.0.saturating_add(size);
             m.1 += 1;
-            m.2[category.index()] = m.2[category.index()].saturating_add(*size);
+            m.2[category.index()] = m.2[category.index()].saturating_add(size);
             m.3 = m.3.min(i);
             all.push(Allocation {
                 tag: tag.to_string(),
-                bytes: *size,
+                bytes: size,
                 category: *category,
             });
         }
@@ -175,7 +203,8 @@ fn breakdown(trace: &Trace, end: usize, at_max: bool) -> PeakBreakdown {
     let by_module: Vec<ModuleBytes> = groups.into_iter().map(|(_, m)| m).collect();
     all.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.tag.cmp(&b.tag)));
     all.truncate(LARGEST);
-    let iteration = phase.and_then(|(i, _)| phase_iteration(trace, i));
+    let phase = walk.phase;
+    let iteration = phase.and_then(|(i, _)| phase_iteration(meta, i));
     PeakBreakdown {
         peak_requested: peak,
         event_index: at,
@@ -188,10 +217,8 @@ fn breakdown(trace: &Trace, end: usize, at_max: bool) -> PeakBreakdown {
 }
 
 /// The `iteration` of the `meta.phases` entry for the phase marker at event `i`.
-fn phase_iteration(trace: &Trace, i: usize) -> Option<u64> {
-    trace
-        .meta
-        .get("phases")?
+fn phase_iteration(meta: &Map<String, Value>, i: usize) -> Option<u64> {
+    meta.get("phases")?
         .as_array()?
         .iter()
         .find(|p| p["event"].as_u64() == Some(i as u64))?["iteration"]
@@ -239,6 +266,8 @@ fn is_numbered(p: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::compact::RepeatSpan;
+    use vramsim_traces::AllocId;
 
     #[test]
     fn an_oom_breakdown_is_what_is_live_at_the_failing_allocation() {
@@ -263,6 +292,141 @@ mod tests {
         assert_eq!(oom.by_category, [(Category::Activation, 80)]);
         let empty = peak_breakdown_until(&trace, 0);
         assert_eq!((empty.peak_requested, empty.by_module.len()), (0, 0));
+    }
+
+    /// A repeated micro-batch walked twice and stepped over gives the breakdowns of its expansion,
+    /// at the peak and at every event, when each repetition keeps an allocation (the live bytes
+    /// grow: the peak is in the last one) and when it keeps none.
+    #[test]
+    fn stepping_over_repetitions_gives_the_expansions_breakdowns() {
+        let alloc = |id: u64, size: u64, tag: &str| Event::Alloc {
+            id: id.into(),
+            size,
+            stream: Default::default(),
+            category: Category::Activation,
+            tag: Some(format!("m.{tag}:aten.empty").into()),
+        };
+        let free = |id: u64| Event::Free { id: id.into() };
+        let phase = |name: &str| Event::Phase { name: name.into() };
+        for keeps in [false, true] {
+            // the first micro-batch (ids below 10: its output 8), and the second (ids 10..),
+            // which the repeated one repeats
+            let mut before = vec![
+                phase("forward"),
+                alloc(1, 1000, "first"),
+                alloc(8, 5, "out"),
+                alloc(9, 7, "kept"),
+                phase("backward"),
+                alloc(10, 5, "out"),
+                free(8),
+                alloc(11, 7, "kept"),
+            ];
+            if !keeps {
+                before.push(free(11));
+            }
+            // the repeated one as lowered: its own ids 12 and 13, taking 10 (the output before)
+            let mut body = vec![phase("backward"), alloc(12, 5, "out"), free(10)];
+            body.push(alloc(13, 7, "kept"));
+            if !keeps {
+                body.push(free(13));
+            }
+            // after it: the last output freed, a later allocation (id 14 as lowered)
+            let after = vec![phase("optimizer"), free(12), alloc(14, 3, "late")];
+            for times in 0..7u64 {
+                // ids from 12 on move by (times − 1) × 2 after the repetitions
+                let renames = [(12u64, times.wrapping_sub(1).wrapping_mul(2))];
+                let r = RepeatSpan {
+                    start: 0,
+                    len: body.len(),
+                    times,
+                    renamed_from: 10,
+                    shift: 2,
+                };
+                let stretches = [
+                    Stretch {
+                        view: EventView {
+                            events: &before,
+                            ..EventView::default()
+                        },
+                        repeat: None,
+                    },
+                    Stretch {
+                        view: EventView {
+                            events: &body,
+                            ..EventView::default()
+                        },
+                        repeat: Some(r),
+                    },
+                    Stretch {
+                        view: EventView {
+                            events: &after,
+                            renames: &renames,
+                            ..EventView::default()
+                        },
+                        repeat: None,
+                    },
+                ];
+                // the expansion, written out: repetition k's ids from 10 on moved by 2k
+                let rename = |e: &Event, by: u64| match e {
+                    Event::Alloc {
+                        id: AllocId::Int(i),
+                        size,
+                        stream,
+                        category,
+                        tag,
+                    } if *i >= 10 => Event::Alloc {
+                        id: (i.wrapping_add(by)).into(),
+                        size: *size,
+                        stream: *stream,
+                        category: *category,
+                        tag: tag.clone(),
+                    },
+                    Event::Free {
+                        id: AllocId::Int(i),
+                    } if *i >= 10 => free(i.wrapping_add(by)),
+                    other => other.clone(),
+                };
+                let mut events = before.clone();
+                for k in 0..times {
+                    events.extend(body.iter().map(|e| rename(e, 2 * k)));
+                }
+                let by = times.wrapping_sub(1).wrapping_mul(2);
+                events.extend(after.iter().map(|e| match e {
+                    Event::Alloc {
+                        id: AllocId::Int(i),
+                        ..
+                    }
+                    | Event::Free {
+                        id: AllocId::Int(i),
+                    } if *i >= 12 => rename(e, by),
+                    other => other.clone(),
+                }));
+                let trace = Trace::from_events(events);
+                let n = trace.events.len();
+                let meta = Map::new();
+                let what = format!("keeps {keeps}, times {times}");
+                assert_eq!(
+                    breakdown(&stretches, &meta, n, true),
+                    peak_breakdown(&trace),
+                    "{what}"
+                );
+                for end in 0..=n {
+                    assert_eq!(
+                        breakdown(&stretches, &meta, end, false),
+                        peak_breakdown_until(&trace, end),
+                        "{what}, until {end}"
+                    );
+                }
+                // 1,019 B after the second micro-batch; each repetition frees 5 B and adds 5 and
+                // 7 (keeping the 7): the last one peaks at 1,019 + 7 × times, at its kept
+                // allocation
+                if keeps {
+                    let peak = breakdown(&stretches, &meta, n, true);
+                    assert_eq!(peak.peak_requested, 1019 + 7 * times);
+                    assert_eq!(peak.event_index, 8 + 4 * times as usize - 1);
+                }
+            }
+        }
     }
 
     #[test]
