@@ -574,13 +574,19 @@ impl Parallel {
                     self.shard, r.optimizer
                 )));
             }
-            // DeepSpeed's `bf16` and `fp16` modes cast the module (`engine.py`
-            // `_configure_distributed_model`: `module.bfloat16()` / `module.half()`); its
-            // `torch_autocast` mode (fp32 parameters under `torch.autocast`, the ZeRO optimizer's
-            // own GradScaler for float16) is a third mode, not modelled.
-            if !matches!(r.precision, Precision::Bf16 | Precision::Fp16) {
+            // DeepSpeed's `bf16` and `fp16` modes cast the module's parameters (`engine.py`
+            // `_configure_distributed_model`, `_cast_module_mixed_precision`); without either
+            // section the module stays fp32 (`--precision fp32`: the ZeRO optimizer's fp32
+            // master partition is the fp32 parameters' own clone, `ds_upcasts`). Its
+            // `torch_autocast` mode (fp32 parameters under `torch.autocast`, one IPG bucket per
+            // communication dtype, the ZeRO optimizer's own GradScaler for float16) is not
+            // modelled.
+            if !matches!(
+                r.precision,
+                Precision::Bf16 | Precision::Fp16 | Precision::Fp32
+            ) {
                 return Err(bad(format!(
-                    "--shard {} is modelled as DeepSpeed's bf16 mode (--precision bf16) or fp16 mode (--precision fp16): 16-bit parameters, fp32 master partition; --precision {} would be DeepSpeed's torch_autocast mode, which is not modelled",
+                    "--shard {} is modelled as DeepSpeed's bf16 mode (--precision bf16), fp16 mode (--precision fp16) or fp32 mode (--precision fp32, no bf16/fp16 section); --precision {} would be DeepSpeed's torch_autocast mode, which is not modelled",
                     self.shard, r.precision
                 )));
             }
