@@ -208,7 +208,10 @@ fn bad_layouts_fail_with_the_reason() {
         ],
         &["sgd (no momentum) keeps none"],
     );
-    fails(&["--dp", "4", "--shard", "zero1"], &["--precision bf16"]);
+    fails(
+        &["--dp", "4", "--shard", "zero1", "--precision", "amp-bf16"],
+        &["--precision bf16", "--precision fp32", "torch_autocast"],
+    );
     fails(
         &["--dp", "4", "--shard", "zero4"],
         &["valid values are none, ddp, zero1, zero2, zero3, zero1-torch"],
@@ -226,7 +229,10 @@ fn bad_layouts_fail_with_the_reason() {
         ],
         &["--shard zero3", "sgd (no momentum) keeps none"],
     );
-    fails(&["--dp", "4", "--shard", "zero3"], &["--precision bf16"]);
+    fails(
+        &["--dp", "4", "--shard", "zero3", "--precision", "amp-fp16"],
+        &["--precision bf16", "torch_autocast", "module classes"],
+    );
     fails(
         &["--dp", "4", "--shard", "zero1-torch", "--optimizer", "sgd"],
         &["ZeroRedundancyOptimizer", "sgd (no momentum) keeps none"],
@@ -1001,7 +1007,8 @@ fn qlora_under_ddp_is_one_role_with_the_adapters_buckets() {
 }
 
 /// DeepSpeed's fp16 mode runs under every ZeRO stage, and its rank holds what the bf16 mode's
-/// does plus the overflow check's temporaries: a peak no lower than bf16's.
+/// does plus the overflow check's temporaries: a peak no lower than bf16's. Its fp32 mode (no
+/// bf16/fp16 section) runs too, with fp32 parameters, gradients and IPG buffer: a higher peak.
 #[test]
 fn deepspeed_fp16_mode_runs_under_zero() {
     for shard in ["zero1", "zero2", "zero3"] {
@@ -1027,5 +1034,6 @@ fn deepspeed_fp16_mode_runs_under_zero() {
                 .unwrap_or_else(|| panic!("{doc}"))
         };
         assert!(peak("fp16") >= peak("bf16"), "{shard}");
+        assert!(peak("fp32") > peak("bf16"), "{shard}");
     }
 }

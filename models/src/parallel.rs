@@ -574,13 +574,24 @@ impl Parallel {
                     self.shard, r.optimizer
                 )));
             }
-            // DeepSpeed's `bf16` and `fp16` modes cast the module (`engine.py`
-            // `_configure_distributed_model`: `module.bfloat16()` / `module.half()`); its
-            // `torch_autocast` mode (fp32 parameters under `torch.autocast`, the ZeRO optimizer's
-            // own GradScaler for float16) is a third mode, not modelled.
-            if !matches!(r.precision, Precision::Bf16 | Precision::Fp16) {
+            // DeepSpeed's `bf16` and `fp16` modes cast the module's parameters (`engine.py`
+            // `_configure_distributed_model`, `_cast_module_mixed_precision`); without either
+            // section the module stays fp32 (`--precision fp32`: the ZeRO optimizer's fp32
+            // master partition is the fp32 parameters' own clone, `ds_upcasts`). Its
+            // `torch_autocast` mode keeps the parameters fp32 under `torch.autocast`, but gives
+            // the parameters of `torch.nn.Linear`/`Conv1d`/`Conv2d`/`Conv3d` modules the autocast
+            // dtype as communication dtype (`torch_autocast.py` `init_autocast_params`,
+            // `lower_precision_safe_modules`), and the ZeRO optimizers keep one IPG bucket per
+            // communication dtype (`stage_1_and_2.py` `ipg_buckets`, each an fp32 buffer of
+            // `reduce_bucket_size` in `setup_buckets`; `stage3.py`, in the bucket's dtype) plus,
+            // for float16, their own `torch.amp.GradScaler`: which parameters belong to those
+            // module classes is not recorded in the graph, so the mode is not modelled.
+            if !matches!(
+                r.precision,
+                Precision::Bf16 | Precision::Fp16 | Precision::Fp32
+            ) {
                 return Err(bad(format!(
-                    "--shard {} is modelled as DeepSpeed's bf16 mode (--precision bf16) or fp16 mode (--precision fp16): 16-bit parameters, fp32 master partition; --precision {} would be DeepSpeed's torch_autocast mode, which is not modelled",
+                    "--shard {} is modelled as DeepSpeed's bf16 mode (--precision bf16), fp16 mode (--precision fp16) or fp32 mode (--precision fp32, no bf16/fp16 section); --precision {} would be DeepSpeed's torch_autocast mode, which is not modelled: it reduces the gradients of torch.nn.Linear/Conv modules' parameters in the autocast dtype and the others in fp32, one IPG bucket per dtype (torch_autocast.py lower_precision_safe_modules), and vramsim's graphs do not record module classes",
                     self.shard, r.precision
                 )));
             }

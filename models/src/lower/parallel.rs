@@ -95,6 +95,16 @@ impl<'g> Lowering<'g> {
             .collect()
     }
 
+    /// Whether DeepSpeed's `.to(master_weights_and_grads_dtype)` (fp32) of a tensor in the
+    /// parameters' dtype copies: not in its fp32 mode (no bf16/fp16 section, `engine.py`
+    /// `_configure_distributed_model` leaves the module fp32), where `Tensor.to` of an fp32
+    /// tensor to fp32 returns the tensor itself (`stage_1_and_2.py` `weights_partition`, the
+    /// step's `single_grad_partition`; `stage3.py` `_create_fp32_partitions` takes the fp32
+    /// partition itself as the master, `_prepare_fp32_grad_for_sub_group`).
+    pub(super) fn ds_upcasts(&self) -> bool {
+        self.param_dtype != DType::F32
+    }
+
     pub(super) fn comm_alloc(&mut self, elems: u64, dtype: DType, tag: String) -> Rt {
         let prev = self.kind_now;
         self.kind_now = Kind::Comm;
@@ -479,23 +489,36 @@ impl<'g> Lowering<'g> {
             return;
         }
         let part = self.par.partition;
-        self.kind_now = Kind::Temporary;
+        // `weights_partition = partition.detach().clone().to(dtype=master_weights_and_grads_dtype)`:
+        // in DeepSpeed's fp32 mode (`ds_upcasts` false) the `.to` returns the clone itself, the
+        // master; otherwise the 16-bit clone dies once converted.
+        let upcasts = self.ds_upcasts();
+        self.kind_now = if upcasts {
+            Kind::Temporary
+        } else {
+            Kind::OptimState
+        };
         let clone = self.alloc(
             Layout::contiguous(&[part]),
             dtype,
             ModuleId(0),
             "aten.clone",
         );
-        self.kind_now = Kind::OptimState;
-        let master = self.alloc(
-            Layout::contiguous(&[part]),
-            DType::F32,
-            ModuleId(0),
-            "aten._to_copy",
-        );
+        let master = if upcasts {
+            self.kind_now = Kind::OptimState;
+            let master = self.alloc(
+                Layout::contiguous(&[part]),
+                DType::F32,
+                ModuleId(0),
+                "aten._to_copy",
+            );
+            self.drop_rt(clone);
+            master
+        } else {
+            clone
+        };
         self.mark_state(&master);
         self.retag(&master, "single_partition_of_fp32_groups".into());
-        self.drop_rt(clone);
         self.par.master = Some(master);
         self.kind_now = Kind::Temporary;
         let grad = self.alloc(
@@ -848,13 +871,19 @@ impl<'g> Lowering<'g> {
             ModuleId(0),
             "aten.cat",
         );
-        let fp32 = self.alloc(
-            Layout::contiguous(&[part]),
-            DType::F32,
-            ModuleId(0),
-            "aten._to_copy",
-        );
-        self.drop_rt(flat);
+        // `flat_grad_partition.to(single_partition_of_fp32_groups[i].dtype)`: itself in fp32 mode.
+        let fp32 = if self.ds_upcasts() {
+            let fp32 = self.alloc(
+                Layout::contiguous(&[part]),
+                DType::F32,
+                ModuleId(0),
+                "aten._to_copy",
+            );
+            self.drop_rt(flat);
+            fp32
+        } else {
+            flat
+        };
         if let Some(g) = self.par.grads_partition.take() {
             self.drop_rt(g);
         }

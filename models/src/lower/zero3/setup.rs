@@ -146,11 +146,14 @@ impl<'g> Lowering<'g> {
             }
         }
         // `_create_fp32_partitions`: `converted = fp16_flat.to(fp32)`, kept by the local until
-        // the next sub-group's, then `converted.clone().detach()` is the master.
+        // the next sub-group's, then `converted.clone().detach()` is the master. In DeepSpeed's
+        // fp32 mode the sub-group's partition is already fp32 on the device, and it is the
+        // master itself ("we don't need another copy of the weights").
         self.kind_now = Kind::OptimState;
         let off_opt = self.z3_offload_optimizer();
+        let copies = !off_opt && self.ds_upcasts();
         let mut converted: Option<Rt> = None;
-        for (i, &elems) in groups.iter().enumerate().filter(|_| !off_opt) {
+        for (i, &elems) in groups.iter().enumerate().filter(|_| copies) {
             let c = self.alloc(
                 Layout::contiguous(&[elems]),
                 DType::F32,
