@@ -166,6 +166,8 @@ pub(crate) struct Zero3State {
     n_available: i64,
     /// `lp_param_buffer`.
     flat: Option<Rt>,
+    /// The frozen parameters' partitions on the GPU, where `zero.Init` left them.
+    frozen: Vec<Rt>,
     /// Elements of each sub-group's partitions.
     sub_groups: Vec<u64>,
     master: Vec<Rt>,
@@ -194,6 +196,14 @@ impl<'g> Lowering<'g> {
     /// optimizer moves them into its host flat buffer).
     fn z3_offload_params(&self) -> bool {
         self.r.parallel.offload == Offload::Params
+    }
+
+    /// Whether parameter `p`'s partition lives in host memory: with `offload_param` every
+    /// trainable one (moved into the optimizer's host flat buffer, `_move_to_flat_buffer`) and
+    /// every non-persistent one (`_partition_param` makes it on the host); a frozen persistent
+    /// partition stays on the GPU, where `_partition_param` made it.
+    fn z3_on_host(&self, p: usize) -> bool {
+        self.z3_offload_params() && (self.g.params[p].trainable || !self.zero3.persist[p])
     }
 
     /// A GPU temporary of `elems` elements of `dtype` on `stream` (a host tensor's `.to(device)`).
@@ -417,14 +427,13 @@ impl<'g> Lowering<'g> {
             self.zero3.status[p] = Status::Inflight;
         }
         let h = self.zero3.handles.len();
-        let off_param = self.z3_offload_params();
         let mut input = None;
         let flat = if n == 1 {
             // `_no_gather_coalesced`: one rank's partition is the parameter (`param.data =
             // ds_tensor.data.to(device).view(ds_shape)`): nothing allocated, unless the partition
             // is in host memory.
-            if off_param {
-                for &p in ps {
+            for &p in ps {
+                if self.z3_on_host(p) {
                     let t = self.z3_temp(self.zero3.partition[p], dtype, 0, "aten._to_copy");
                     self.retag(&t, format!("{}:gathered", self.g.params[p].name));
                     self.zero3.data[p] = Some(t);
@@ -444,7 +453,7 @@ impl<'g> Lowering<'g> {
             self.set_stream(&t, ALL_GATHER_STREAM);
             self.retag(&t, format!("{}:gathered", self.g.params[p].name));
             self.zero3.data[p] = Some(t);
-            if off_param {
+            if self.z3_on_host(p) {
                 // The input `ds_tensor.to(device)`, held by the process group until `wait()`.
                 input = Some(self.z3_temp(
                     self.zero3.partition[p],
@@ -466,12 +475,13 @@ impl<'g> Lowering<'g> {
             );
             self.set_stream(&t, ALL_GATHER_STREAM);
             self.retag(&t, "allgather_coalesced_flat".into());
-            if off_param {
-                // `torch.cat([p.ds_tensor.to(device) ...], out=own slice)`: the copies die after
-                // the cat.
-                let ins: Vec<Rt> = ps
-                    .iter()
-                    .map(|&p| {
+            {
+                // `torch.cat([p.ds_tensor.to(device) ...], out=own slice)`: the copies of the
+                // partitions in host memory die after the cat.
+                let host: Vec<usize> = ps.iter().copied().filter(|&p| self.z3_on_host(p)).collect();
+                let ins: Vec<Rt> = host
+                    .into_iter()
+                    .map(|p| {
                         self.z3_temp(
                             self.zero3.partition[p],
                             dtype,

@@ -19,7 +19,8 @@ impl<'g> Lowering<'g> {
         let n = u64::from(self.r.parallel.dp);
         // Submodules: every module (DeepSpeed hooks them all: each one's fetch is a step of the
         // trace and an occasion to prefetch, with or without parameters of its own); a module's
-        // parameters are those its own ops take.
+        // parameters are those its own ops take, frozen or not (`fetch_sub_module` gathers
+        // `iter_params(module, recurse=False)`, whatever their `requires_grad`).
         let mut param_of_value = vec![None; g.values.len()];
         for (p, param) in g.params.iter().enumerate() {
             param_of_value[param.value.0 as usize] = Some(p);
@@ -31,7 +32,7 @@ impl<'g> Lowering<'g> {
                     continue;
                 };
                 let ps = &mut unit_params[op.module.0 as usize];
-                if g.params[p].trainable && !ps.contains(&p) {
+                if !ps.contains(&p) {
                     ps.push(p);
                 }
             }
@@ -84,7 +85,7 @@ impl<'g> Lowering<'g> {
             .collect();
         let dtype = self.param_dtype;
         let ps = self.trainable();
-        // `zero.Init`: each parameter made whole, partitioned (`_partition_param`:
+        // `zero.Init`: each parameter, frozen or not, made whole, partitioned (`_partition_param`:
         // `torch.empty(partition_size)`, the own slice copied), and freed (`free_param`).
         let prev = self.kind_now;
         self.kind_now = Kind::Param;
@@ -92,7 +93,7 @@ impl<'g> Lowering<'g> {
         // (`_partition_param`: `device = self.local_device if param.ds_persist`).
         let off_param = self.z3_offload_params();
         let mut parts = Vec::new();
-        for &p in &ps {
+        for p in 0..np {
             let name = self.g.params[p].name.clone();
             let whole = self.alloc(
                 Layout::contiguous(&[self.z3_numel(p)]),
@@ -109,11 +110,19 @@ impl<'g> Lowering<'g> {
                     "aten.empty",
                 );
                 self.retag(&part, format!("{name}:ds_tensor"));
-                parts.push(part);
+                if self.g.params[p].trainable {
+                    parts.push(part);
+                } else {
+                    // A frozen parameter's partition stays where `zero.Init` made it: the
+                    // optimizer flattens only `trainable_param_groups`
+                    // (`_get_trainable_parameter_groups` skips `not param.requires_grad`).
+                    self.zero3.frozen.push(part);
+                }
             }
             self.drop_rt(whole);
         }
-        // `_create_fp16_partitions_with_defragmentation` → `defragment`: the partitions go to
+        // `_create_fp16_partitions_with_defragmentation(self.trainable_param_groups)` →
+        // `defragment(_get_parameter_partitions())` (the trainable ones): the partitions go to
         // host memory and are freed, `empty_cache()`, then come back as one flat buffer. With
         // `offload_param` they move into the host flat buffer (`_move_to_flat_buffer`) instead.
         for t in parts {
