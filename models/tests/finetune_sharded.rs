@@ -281,3 +281,47 @@ fn zero3_gathers_frozen_weights_where_forward_and_backward_use_them() {
         );
     }
 }
+
+/// The sweep's shortcuts hold with frozen parameters under ZeRO-3 and offload: the compact
+/// lowering of six accumulated micro-batches expands to the full one, and the batch template
+/// fitted at batches 2 and 3 gives the fresh lowering at 4 and 7.
+#[test]
+fn zero3_and_offload_finetuning_lower_compactly_and_by_template() {
+    use vramsim_models::compact::lower_compact;
+    use vramsim_models::template::BatchTemplate;
+    for (shard, offload) in [
+        (Shard::Zero3, Offload::None),
+        (Shard::Zero3, Offload::Optimizer),
+        (Shard::Zero3, Offload::Params),
+        (Shard::Zero2, Offload::Optimizer),
+        (Shard::Fsdp2, Offload::Params),
+    ] {
+        for (name, r) in cases(shard, 4) {
+            let at = format!("{name} {shard} {offload}");
+            let with = |batch: u64, accum: u32| {
+                let mut r = r.clone();
+                r.parallel.offload = offload;
+                r.batch = batch;
+                r.seq = 64;
+                r.accum = accum;
+                r
+            };
+            let r6 = with(1, 6);
+            let g = zoo::build(&name, &r6).unwrap();
+            let full = lower(&g, &r6).unwrap();
+            assert!(lower_compact(&g, &r6).unwrap().expand() == full, "{at}");
+            let lowered = |batch: u64| {
+                let r = with(batch, 1);
+                lower_compact(&zoo::build(&name, &r).unwrap(), &r).unwrap()
+            };
+            let t = BatchTemplate::fit(&lowered(2), 2, &lowered(3), 3)
+                .unwrap_or_else(|| panic!("{at}: no template"));
+            for batch in [4, 7] {
+                assert!(
+                    t.instantiate(batch).unwrap().same_as(&lowered(batch)),
+                    "{at} batch {batch}"
+                );
+            }
+        }
+    }
+}
