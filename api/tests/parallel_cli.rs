@@ -137,14 +137,6 @@ fn bad_layouts_fail_with_the_reason() {
             &["--pp 2 with fine-tuning", "not modelled yet", "--pp 1"][..],
         ),
         (
-            &["--dp", "2", "--shard", "zero3", "--precision", "bf16"][..],
-            &[
-                "with --shard zero3 is not modelled",
-                "_cast_module_mixed_precision",
-                "dtype=model",
-            ][..],
-        ),
-        (
             &["--dp", "2", "--shard", "dataparallel"][..],
             &["--shard dataparallel with fine-tuning"][..],
         ),

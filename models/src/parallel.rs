@@ -710,22 +710,10 @@ impl Parallel {
                 ));
             }
         }
-        // PEFT's float32 adapters (`autocast_adapter_dtype=True`) under ZeRO-3: the engine casts
-        // no parameter of a `zero.Init` model (`_cast_module_mixed_precision` skips
-        // `is_zero_init_model`), so fp32 adapter partitions would sit beside 16-bit frozen ones:
-        // an fp32 `lp_param_buffer` (`defragment` asserts one dtype over the trainable
-        // partitions), all-gathers grouped by dtype (`all_gather_coalesced`), fp32 gradients cast
-        // into the communication dtype's IPG bucket. The ZeRO-3 lowering holds one dtype.
-        if self.shard == Shard::Zero3 {
-            if let Some(l) = r.lora.as_ref().filter(|l| l.dtype.is_some()) {
-                return Err(bad(
-                    "lora",
-                    format!(
-                        "--lora {l} with --shard zero3 is not modelled: DeepSpeed leaves a zero.Init model's dtypes as they are (engine.py `_cast_module_mixed_precision` skips zero-init models), so PEFT's float32 adapters would be float32 partitions beside 16-bit frozen ones (an fp32 lp_param_buffer, all-gathers grouped by dtype, fp32 gradients cast into the communication dtype's IPG bucket), which the ZeRO-3 lowering (one dtype) does not do; give the adapters the model's dtype (--lora ...,dtype=model: PEFT's autocast_adapter_dtype=False, or a model DeepSpeed casts before partitioning)"
-                    ),
-                ));
-            }
-        }
+        // ZeRO-3 partitions and gathers every parameter, frozen or not, each in its own dtype:
+        // the engine casts no parameter of a `zero.Init` model (`engine.py`
+        // `_cast_module_mixed_precision` skips `is_zero_init_model`), so PEFT's float32 adapters
+        // stay float32 partitions (`lower/zero3/`).
         match self.shard {
             Shard::None
             | Shard::Ddp

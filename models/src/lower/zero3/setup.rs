@@ -83,8 +83,13 @@ impl<'g> Lowering<'g> {
         z.persist = (0..np)
             .map(|p| g.params[p].shape.iter().product::<u64>() <= DS_PARAM_PERSISTENCE_THRESHOLD)
             .collect();
+        // The gradient-accumulation and communication dtypes: the model's (`engine.py`
+        // `get_data_types`, `communication_data_type`).
         let dtype = self.param_dtype;
         let ps = self.trainable();
+        // The trainable partitions' dtype, one for all (`defragment` asserts it; the validation
+        // refuses a mix): the model's, or PEFT's float32 adapters'.
+        let lp_dtype = ps.first().map_or(dtype, |&p| self.z3_dtype(p));
         // `zero.Init`: each parameter, frozen or not, made whole, partitioned (`_partition_param`:
         // `torch.empty(partition_size)`, the own slice copied), and freed (`free_param`).
         let prev = self.kind_now;
@@ -97,7 +102,7 @@ impl<'g> Lowering<'g> {
             let name = self.g.params[p].name.clone();
             let whole = self.alloc(
                 Layout::contiguous(&[self.z3_numel(p)]),
-                dtype,
+                self.z3_dtype(p),
                 ModuleId(0),
                 "aten.empty",
             );
@@ -105,7 +110,7 @@ impl<'g> Lowering<'g> {
             if !off_param || self.zero3.persist[p] {
                 let part = self.alloc(
                     Layout::contiguous(&[self.zero3.partition[p]]),
-                    dtype,
+                    self.z3_dtype(p),
                     ModuleId(0),
                     "aten.empty",
                 );
@@ -133,7 +138,7 @@ impl<'g> Lowering<'g> {
             self.events.push(Event::EmptyCache);
             let flat = self.alloc(
                 Layout::contiguous(&[total]),
-                dtype,
+                lp_dtype,
                 ModuleId(0),
                 "aten._to_copy",
             );
@@ -155,11 +160,18 @@ impl<'g> Lowering<'g> {
             }
         }
         // `_create_fp32_partitions`: `converted = fp16_flat.to(fp32)`, kept by the local until
-        // the next sub-group's, then `converted.clone().detach()` is the master.
+        // the next sub-group's, then `converted.clone().detach()` is the master; partitions
+        // already in fp32 on the device (PEFT's float32 adapters) are their own master ("we don't
+        // need another copy of the weights").
         self.kind_now = Kind::OptimState;
         let off_opt = self.z3_offload_optimizer();
+        let own_master = lp_dtype == DType::F32;
         let mut converted: Option<Rt> = None;
-        for (i, &elems) in groups.iter().enumerate().filter(|_| !off_opt) {
+        for (i, &elems) in groups
+            .iter()
+            .enumerate()
+            .filter(|_| !off_opt && !own_master)
+        {
             let c = self.alloc(
                 Layout::contiguous(&[elems]),
                 DType::F32,
@@ -219,13 +231,13 @@ impl<'g> Lowering<'g> {
         for &p in &ps {
             let t = self.alloc(
                 Layout::contiguous(&[self.zero3.partition[p] * n]),
-                dtype,
+                lp_dtype,
                 ModuleId(0),
                 "aten.empty",
             );
             if off_param {
                 // `param.ds_tensor.to(device)`, the all-gather's input.
-                let i = self.z3_temp(self.zero3.partition[p], dtype, 0, "aten._to_copy");
+                let i = self.z3_temp(self.zero3.partition[p], lp_dtype, 0, "aten._to_copy");
                 self.drop_rt(i);
             }
             self.drop_rt(t);

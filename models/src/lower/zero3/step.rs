@@ -260,7 +260,7 @@ impl<'g> Lowering<'g> {
             for p in host {
                 let t = self.z3_temp(
                     self.zero3.partition[p],
-                    self.param_dtype,
+                    self.z3_dtype(p),
                     0,
                     "aten._to_copy",
                 );
@@ -279,7 +279,7 @@ impl<'g> Lowering<'g> {
             }
             let t = self.alloc(
                 Layout::contiguous(&[self.zero3.partition[p] * n]),
-                self.param_dtype,
+                self.z3_dtype(p),
                 ModuleId(0),
                 "aten.empty",
             );
