@@ -129,32 +129,12 @@ fn bad_layouts_fail_with_the_reason() {
         &["--dp", "4"],
         &["--shard ddp, zero1, zero2, zero3, zero1-torch or fsdp2"],
     );
-    // Fine-tuning runs with --tp and --dp (ddp, zero1, zero2, fsdp2); what is not lowered with
-    // frozen parameters is refused with its reason.
+    // Fine-tuning runs with --tp and --dp (ddp, zero1, zero2, zero3, fsdp2, with --offload); what
+    // is not lowered with frozen parameters is refused with its reason.
     for (extra, fragments) in [
         (
             &["--pp", "2", "--pp-schedule", "gpipe"][..],
             &["--pp 2 with fine-tuning", "not modelled yet", "--pp 1"][..],
-        ),
-        (
-            &["--dp", "2", "--shard", "zero3", "--precision", "bf16"][..],
-            &[
-                "--shard zero3 with fine-tuning",
-                "ddp, zero1, zero2, zero1-torch or fsdp2",
-            ][..],
-        ),
-        (
-            &[
-                "--dp",
-                "2",
-                "--shard",
-                "zero2",
-                "--precision",
-                "bf16",
-                "--offload",
-                "optimizer",
-            ][..],
-            &["--offload optimizer with fine-tuning", "--offload none"][..],
         ),
         (
             &["--dp", "2", "--shard", "dataparallel"][..],

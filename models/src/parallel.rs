@@ -659,11 +659,11 @@ impl Parallel {
 
     /// Fine-tuning (`--freeze`, `--lora`, `--quant`) with a parallel layout: the layouts whose
     /// lowerings hold frozen parameters as the frameworks do pass (`--tp`/`--sp`, `--dp` with
-    /// `--shard ddp`, `zero1`, `zero2`, `zero1-torch` or `fsdp2`); the rest are refused with what
-    /// to give.
+    /// `--shard ddp`, `zero1`, `zero2`, `zero3`, `zero1-torch` or `fsdp2`, and their `--offload`);
+    /// the rest are refused with what to give.
     fn validate_finetune(&self, r: &Recipe) -> Result<(), RecipeError> {
         let bad = |field: &'static str, msg: String| RecipeError::Invalid { field, msg };
-        let how = "fine-tuning (--freeze, --lora) is modelled on one GPU, with --tp/--sp, and with --dp and --shard ddp, zero1, zero2, zero1-torch or fsdp2";
+        let how = "fine-tuning (--freeze, --lora) is modelled on one GPU, with --tp/--sp, and with --dp and --shard ddp, zero1, zero2, zero3, zero1-torch or fsdp2 (with their --offload)";
         if self.pp > 1 {
             return Err(bad(
                 "pp",
@@ -673,15 +673,13 @@ impl Parallel {
                 ),
             ));
         }
-        if self.offload != Offload::None {
-            return Err(bad(
-                "offload",
-                format!(
-                    "--offload {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet: {how}, with --offload none",
-                    self.offload
-                ),
-            ));
-        }
+        // `--offload` follows `requires_grad` as the sharding does: ZeRO-Offload's host fp32
+        // master, gradients and optimizer state are those of the trainable partitions
+        // (`stage_1_and_2.py`/`stage3.py` build them over `trainable_param_groups`);
+        // `offload_param` makes every non-persistent partition, frozen or not, on the host
+        // (`_partition_param`); FSDP2's `CPUOffloadPolicy` keeps every shard on the host and
+        // copies to it only the sharded gradients there are (`foreach_reduce` over
+        // `fsdp_params_with_grad`).
         if self.cp > 1 {
             return Err(bad(
                 "cp",
@@ -723,16 +721,20 @@ impl Parallel {
                 ));
             }
         }
+        // ZeRO-3 partitions and gathers every parameter, frozen or not, each in its own dtype:
+        // the engine casts no parameter of a `zero.Init` model (`engine.py`
+        // `_cast_module_mixed_precision` skips `is_zero_init_model`), so PEFT's float32 adapters
+        // stay float32 partitions (`lower/zero3/`).
         match self.shard {
             Shard::None
             | Shard::Ddp
             | Shard::Zero1
             | Shard::Zero2
+            | Shard::Zero3
             | Shard::ZeroRedundancy
             | Shard::Fsdp2 => Ok(()),
-            // DeepSpeed's `zero.Init` partitions the frozen parameters too (the ZeRO-3 lowering
-            // partitions the trainable ones), nn.DataParallel replicates them every forward: not
-            // lowered with frozen parameters.
+            // nn.DataParallel replicates the parameters every forward: not lowered with frozen
+            // parameters.
             _ => Err(bad(
                 "shard",
                 format!(

@@ -68,6 +68,14 @@
 //!   the accumulation boundary, its fp64 norm and fp32 conversion; `--offload params`
 //!   (`offload_param` too) keeps the partitions in host memory, so every all-gather first copies
 //!   its inputs to the GPU (`ds_tensor.to(device)`). The IPG buffer stays on the GPU.
+//! * **Fine-tuning** (`--freeze`, `--lora`): `zero.Init` partitions every parameter, frozen or
+//!   not, and the coordinator fetches a submodule's parameters whatever their `requires_grad`;
+//!   the optimizer is built over `trainable_param_groups` (`_get_trainable_parameter_groups`), so
+//!   a frozen partition stays where `zero.Init` made it, with no gradient partition, master or
+//!   state. Each partition keeps its parameter's dtype (the engine casts no parameter of a
+//!   `zero.Init` model: PEFT's float32 adapters stay float32, their flat group its own master,
+//!   `_create_fp32_partitions`), and `_all_gather_coalesced` gathers each dtype through its own
+//!   flat buffer.
 //!
 //! Simplified (documented in `models/README.md`): module hooks are placed at module-path
 //! boundaries of the op sequence (two back-to-back calls of one module are one); a submodule
@@ -126,8 +134,8 @@ enum Ctx {
 struct Handle {
     /// A sequential all-gather's input copied from host memory (`offload_param`).
     input: Option<Rt>,
-    /// The coalesced flat buffer (`None` for a sequential all-gather).
-    flat: Option<Rt>,
+    /// The coalesced flat buffers, one per dtype (none for a sequential all-gather).
+    flats: Vec<Rt>,
     params: Vec<usize>,
     /// Registry entries still pointing at the handle.
     registered: usize,
@@ -166,6 +174,8 @@ pub(crate) struct Zero3State {
     n_available: i64,
     /// `lp_param_buffer`.
     flat: Option<Rt>,
+    /// The frozen parameters' partitions on the GPU, where `zero.Init` left them.
+    frozen: Vec<Rt>,
     /// Elements of each sub-group's partitions.
     sub_groups: Vec<u64>,
     master: Vec<Rt>,
@@ -196,6 +206,14 @@ impl<'g> Lowering<'g> {
         self.r.parallel.offload == Offload::Params
     }
 
+    /// Whether parameter `p`'s partition lives in host memory: with `offload_param` every
+    /// trainable one (moved into the optimizer's host flat buffer, `_move_to_flat_buffer`) and
+    /// every non-persistent one (`_partition_param` makes it on the host); a frozen persistent
+    /// partition stays on the GPU, where `_partition_param` made it.
+    fn z3_on_host(&self, p: usize) -> bool {
+        self.z3_offload_params() && (self.g.params[p].trainable || !self.zero3.persist[p])
+    }
+
     /// A GPU temporary of `elems` elements of `dtype` on `stream` (a host tensor's `.to(device)`).
     fn z3_temp(&mut self, elems: u64, dtype: DType, stream: u64, op: &str) -> Rt {
         let prev = self.kind_now;
@@ -204,6 +222,13 @@ impl<'g> Lowering<'g> {
         self.kind_now = prev;
         self.set_stream(&t, stream);
         t
+    }
+
+    /// Parameter `p`'s partition dtype: the model's, or its own (PEFT's float32 adapters, which
+    /// the engine does not cast in a `zero.Init` model: `engine.py`
+    /// `_cast_module_mixed_precision` skips `is_zero_init_model`).
+    fn z3_dtype(&self, p: usize) -> DType {
+        self.params[p].dtype
     }
 
     fn z3_numel(&self, p: usize) -> u64 {
@@ -407,33 +432,39 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// `__all_gather_params` → `all_gather_coalesced` on the all-gather stream.
+    /// `__all_gather_params` → `all_gather_coalesced` on the all-gather stream. Each parameter
+    /// is gathered in its own dtype (the partition's: the model's, or PEFT's float32 adapters').
     fn z3_all_gather(&mut self, ps: &[usize]) {
         let n = u64::from(self.r.parallel.dp);
-        let dtype = self.param_dtype;
         let prev = self.kind_now;
         for &p in ps {
             self.zero3.n_available += self.z3_numel(p) as i64;
             self.zero3.status[p] = Status::Inflight;
         }
         let h = self.zero3.handles.len();
-        let off_param = self.z3_offload_params();
         let mut input = None;
-        let flat = if n == 1 {
+        let mut flats = Vec::new();
+        let mut params = ps.to_vec();
+        if n == 1 {
             // `_no_gather_coalesced`: one rank's partition is the parameter (`param.data =
             // ds_tensor.data.to(device).view(ds_shape)`): nothing allocated, unless the partition
             // is in host memory.
-            if off_param {
-                for &p in ps {
-                    let t = self.z3_temp(self.zero3.partition[p], dtype, 0, "aten._to_copy");
+            for &p in ps {
+                if self.z3_on_host(p) {
+                    let t = self.z3_temp(
+                        self.zero3.partition[p],
+                        self.z3_dtype(p),
+                        0,
+                        "aten._to_copy",
+                    );
                     self.retag(&t, format!("{}:gathered", self.g.params[p].name));
                     self.zero3.data[p] = Some(t);
                 }
             }
-            None
         } else if ps.len() == 1 {
             // `_all_gather_sequential`: `param.data` is a view of the aligned buffer.
             let p = ps[0];
+            let dtype = self.z3_dtype(p);
             self.kind_now = Kind::Param;
             let t = self.alloc(
                 Layout::contiguous(&[self.zero3.partition[p] * n]),
@@ -444,7 +475,7 @@ impl<'g> Lowering<'g> {
             self.set_stream(&t, ALL_GATHER_STREAM);
             self.retag(&t, format!("{}:gathered", self.g.params[p].name));
             self.zero3.data[p] = Some(t);
-            if off_param {
+            if self.z3_on_host(p) {
                 // The input `ds_tensor.to(device)`, held by the process group until `wait()`.
                 input = Some(self.z3_temp(
                     self.zero3.partition[p],
@@ -453,25 +484,41 @@ impl<'g> Lowering<'g> {
                     "aten._to_copy",
                 ));
             }
-            None
         } else {
-            // `_all_gather_dtype`: one flat buffer of Σ partition × N elements.
-            let elems: u64 = ps.iter().map(|&p| self.zero3.partition[p] * n).sum();
-            self.kind_now = Kind::Comm;
-            let t = self.alloc(
-                Layout::contiguous(&[elems]),
-                dtype,
-                ModuleId(0),
-                "aten.empty",
-            );
-            self.set_stream(&t, ALL_GATHER_STREAM);
-            self.retag(&t, "allgather_coalesced_flat".into());
-            if off_param {
-                // `torch.cat([p.ds_tensor.to(device) ...], out=own slice)`: the copies die after
-                // the cat.
-                let ins: Vec<Rt> = ps
+            // `_all_gather_coalesced`: the parameters grouped by dtype (`dtype_params`), the
+            // groups in `sort_dtypes` order (by `str(dtype)`), each through `_all_gather_dtype`:
+            // one flat buffer of Σ partition × N elements; the handles waited for together
+            // (`MultipleAllGatherHandles`), in that order.
+            params.sort_by_key(|&p| self.z3_dtype(p).name());
+            let mut at = 0;
+            while at < params.len() {
+                let dtype = self.z3_dtype(params[at]);
+                let group: Vec<usize> = params[at..]
                     .iter()
-                    .map(|&p| {
+                    .copied()
+                    .take_while(|&p| self.z3_dtype(p) == dtype)
+                    .collect();
+                at += group.len();
+                let elems: u64 = group.iter().map(|&p| self.zero3.partition[p] * n).sum();
+                self.kind_now = Kind::Comm;
+                let t = self.alloc(
+                    Layout::contiguous(&[elems]),
+                    dtype,
+                    ModuleId(0),
+                    "aten.empty",
+                );
+                self.set_stream(&t, ALL_GATHER_STREAM);
+                self.retag(&t, "allgather_coalesced_flat".into());
+                // `torch.cat([p.ds_tensor.to(device) ...], out=own slice)`: the copies of the
+                // partitions in host memory die after the cat.
+                let host: Vec<usize> = group
+                    .iter()
+                    .copied()
+                    .filter(|&p| self.z3_on_host(p))
+                    .collect();
+                let ins: Vec<Rt> = host
+                    .into_iter()
+                    .map(|p| {
                         self.z3_temp(
                             self.zero3.partition[p],
                             dtype,
@@ -483,15 +530,15 @@ impl<'g> Lowering<'g> {
                 for i in ins {
                     self.drop_rt(i);
                 }
+                flats.push(t);
             }
-            Some(t)
-        };
+        }
         self.kind_now = prev;
-        let coalesced = flat.is_some();
+        let coalesced = !flats.is_empty();
         self.zero3.handles.push(Handle {
             input,
-            flat,
-            params: ps.to_vec(),
+            flats,
+            params,
             registered: ps.len(),
             complete: !coalesced,
         });
@@ -517,7 +564,7 @@ impl<'g> Lowering<'g> {
             for q in self.zero3.handles[h].params.clone() {
                 let t = self.alloc(
                     Layout::contiguous(&[self.z3_numel(q)]),
-                    self.param_dtype,
+                    self.z3_dtype(q),
                     ModuleId(0),
                     "aten.cat",
                 );
@@ -535,7 +582,7 @@ impl<'g> Lowering<'g> {
         let hd = &mut self.zero3.handles[h];
         hd.registered -= 1;
         if hd.registered == 0 {
-            if let Some(f) = hd.flat.take() {
+            for f in std::mem::take(&mut hd.flats) {
                 self.drop_rt(f);
             }
         }

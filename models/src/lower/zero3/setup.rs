@@ -19,7 +19,8 @@ impl<'g> Lowering<'g> {
         let n = u64::from(self.r.parallel.dp);
         // Submodules: every module (DeepSpeed hooks them all: each one's fetch is a step of the
         // trace and an occasion to prefetch, with or without parameters of its own); a module's
-        // parameters are those its own ops take.
+        // parameters are those its own ops take, frozen or not (`fetch_sub_module` gathers
+        // `iter_params(module, recurse=False)`, whatever their `requires_grad`).
         let mut param_of_value = vec![None; g.values.len()];
         for (p, param) in g.params.iter().enumerate() {
             param_of_value[param.value.0 as usize] = Some(p);
@@ -31,7 +32,7 @@ impl<'g> Lowering<'g> {
                     continue;
                 };
                 let ps = &mut unit_params[op.module.0 as usize];
-                if g.params[p].trainable && !ps.contains(&p) {
+                if !ps.contains(&p) {
                     ps.push(p);
                 }
             }
@@ -82,9 +83,14 @@ impl<'g> Lowering<'g> {
         z.persist = (0..np)
             .map(|p| g.params[p].shape.iter().product::<u64>() <= DS_PARAM_PERSISTENCE_THRESHOLD)
             .collect();
+        // The gradient-accumulation and communication dtypes: the model's (`engine.py`
+        // `get_data_types`, `communication_data_type`).
         let dtype = self.param_dtype;
         let ps = self.trainable();
-        // `zero.Init`: each parameter made whole, partitioned (`_partition_param`:
+        // The trainable partitions' dtype, one for all (`defragment` asserts it; the validation
+        // refuses a mix): the model's, or PEFT's float32 adapters'.
+        let lp_dtype = ps.first().map_or(dtype, |&p| self.z3_dtype(p));
+        // `zero.Init`: each parameter, frozen or not, made whole, partitioned (`_partition_param`:
         // `torch.empty(partition_size)`, the own slice copied), and freed (`free_param`).
         let prev = self.kind_now;
         self.kind_now = Kind::Param;
@@ -92,11 +98,11 @@ impl<'g> Lowering<'g> {
         // (`_partition_param`: `device = self.local_device if param.ds_persist`).
         let off_param = self.z3_offload_params();
         let mut parts = Vec::new();
-        for &p in &ps {
+        for p in 0..np {
             let name = self.g.params[p].name.clone();
             let whole = self.alloc(
                 Layout::contiguous(&[self.z3_numel(p)]),
-                dtype,
+                self.z3_dtype(p),
                 ModuleId(0),
                 "aten.empty",
             );
@@ -104,16 +110,24 @@ impl<'g> Lowering<'g> {
             if !off_param || self.zero3.persist[p] {
                 let part = self.alloc(
                     Layout::contiguous(&[self.zero3.partition[p]]),
-                    dtype,
+                    self.z3_dtype(p),
                     ModuleId(0),
                     "aten.empty",
                 );
                 self.retag(&part, format!("{name}:ds_tensor"));
-                parts.push(part);
+                if self.g.params[p].trainable {
+                    parts.push(part);
+                } else {
+                    // A frozen parameter's partition stays where `zero.Init` made it: the
+                    // optimizer flattens only `trainable_param_groups`
+                    // (`_get_trainable_parameter_groups` skips `not param.requires_grad`).
+                    self.zero3.frozen.push(part);
+                }
             }
             self.drop_rt(whole);
         }
-        // `_create_fp16_partitions_with_defragmentation` → `defragment`: the partitions go to
+        // `_create_fp16_partitions_with_defragmentation(self.trainable_param_groups)` →
+        // `defragment(_get_parameter_partitions())` (the trainable ones): the partitions go to
         // host memory and are freed, `empty_cache()`, then come back as one flat buffer. With
         // `offload_param` they move into the host flat buffer (`_move_to_flat_buffer`) instead.
         for t in parts {
@@ -124,7 +138,7 @@ impl<'g> Lowering<'g> {
             self.events.push(Event::EmptyCache);
             let flat = self.alloc(
                 Layout::contiguous(&[total]),
-                dtype,
+                lp_dtype,
                 ModuleId(0),
                 "aten._to_copy",
             );
@@ -146,12 +160,12 @@ impl<'g> Lowering<'g> {
             }
         }
         // `_create_fp32_partitions`: `converted = fp16_flat.to(fp32)`, kept by the local until
-        // the next sub-group's, then `converted.clone().detach()` is the master. In DeepSpeed's
-        // fp32 mode the sub-group's partition is already fp32 on the device, and it is the
-        // master itself ("we don't need another copy of the weights").
+        // the next sub-group's, then `converted.clone().detach()` is the master. Partitions
+        // already in fp32 on the device (DeepSpeed's fp32 mode; PEFT's float32 adapters) are their
+        // own master ("we don't need another copy of the weights").
         self.kind_now = Kind::OptimState;
         let off_opt = self.z3_offload_optimizer();
-        let copies = !off_opt && self.ds_upcasts();
+        let copies = !off_opt && self.ds_upcasts() && lp_dtype != DType::F32;
         let mut converted: Option<Rt> = None;
         for (i, &elems) in groups.iter().enumerate().filter(|_| copies) {
             let c = self.alloc(
@@ -213,13 +227,13 @@ impl<'g> Lowering<'g> {
         for &p in &ps {
             let t = self.alloc(
                 Layout::contiguous(&[self.zero3.partition[p] * n]),
-                dtype,
+                lp_dtype,
                 ModuleId(0),
                 "aten.empty",
             );
             if off_param {
                 // `param.ds_tensor.to(device)`, the all-gather's input.
-                let i = self.z3_temp(self.zero3.partition[p], dtype, 0, "aten._to_copy");
+                let i = self.z3_temp(self.zero3.partition[p], lp_dtype, 0, "aten._to_copy");
                 self.drop_rt(i);
             }
             self.drop_rt(t);

@@ -244,10 +244,10 @@ impl<'g> Lowering<'g> {
         self.kind_now = Kind::Other;
         // `_post_step`: the persistent parameters all-gathered back, one aligned buffer each
         // (`_allgather_params_coalesced`; `_allgather_params_sequential` for a single one).
+        // `persistent_parameters` are `mark_persistent_parameters`' over
+        // `module.named_parameters()`: frozen ones too.
         let n = u64::from(self.r.parallel.dp);
-        let persistent: Vec<usize> = self
-            .trainable()
-            .into_iter()
+        let persistent: Vec<usize> = (0..self.params.len())
             .filter(|&p| self.zero3.persist[p])
             .collect();
         let prev = self.kind_now;
@@ -255,15 +255,20 @@ impl<'g> Lowering<'g> {
         // One rank: `_allgather_params_coalesced` takes `_no_gather_coalesced` (a view of the
         // partition); `_allgather_params_sequential` (a single parameter) allocates anyway.
         let no_gather = n == 1 && persistent.len() > 1;
-        let off_param = self.z3_offload_params();
-        // With `offload_param`, `local_tensors` holds each partition's `.to(device)` (or
-        // `_no_gather_coalesced` makes it the parameter) until the function returns.
+        // With `offload_param`, `local_tensors` holds each host partition's `.to(device)` (or
+        // `_no_gather_coalesced` makes it the parameter) until the function returns; a frozen
+        // partition on the GPU is its own `.to(device)`.
         let mut inputs = Vec::new();
-        if off_param && persistent.len() > 1 {
-            for &p in &persistent {
+        if persistent.len() > 1 {
+            let host: Vec<usize> = persistent
+                .iter()
+                .copied()
+                .filter(|&p| self.z3_on_host(p))
+                .collect();
+            for p in host {
                 let t = self.z3_temp(
                     self.zero3.partition[p],
-                    self.param_dtype,
+                    self.z3_dtype(p),
                     0,
                     "aten._to_copy",
                 );
@@ -282,7 +287,7 @@ impl<'g> Lowering<'g> {
             }
             let t = self.alloc(
                 Layout::contiguous(&[self.zero3.partition[p] * n]),
-                self.param_dtype,
+                self.z3_dtype(p),
                 ModuleId(0),
                 "aten.empty",
             );
