@@ -1029,3 +1029,54 @@ fn deepspeed_fp16_mode_runs_under_zero() {
         assert!(peak("fp16") >= peak("bf16"), "{shard}");
     }
 }
+
+/// FSDP-QLoRA on the command line (`--quant nf4 --quant-storage bf16 --shard fsdp2`), by hand:
+/// TinyLlama's PEFT adapters (Ψa = 1,126,400 float32 elements) are the only parameters with
+/// optimizer state, AdamW's two float32 moments of a rank's half (`fully_shard` over 2 ranks:
+/// every adapter's dim 0 is even), 4Ψa bytes per rank; the ranks are one role; the recipe echoes
+/// the storage. A bad `--quant-storage` lists the valid ones (exit 2), and uint8 codes under FSDP2
+/// are refused with what to give.
+#[test]
+fn fsdp_qlora_is_one_role_with_half_the_adapters_state() {
+    let base = [
+        "predict",
+        "--model",
+        "tinyllama-1.1b",
+        "--seq",
+        "512",
+        "--batch",
+        "4",
+        "--precision",
+        "bf16",
+        "--quant",
+        "nf4",
+        "--lora",
+        "r=8",
+        "--dp",
+        "2",
+        "--shard",
+        "fsdp2",
+    ];
+    let mut args = base.to_vec();
+    args.extend(["--quant-storage", "bf16"]);
+    let d = json(&args);
+    let ranks = d["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 1, "{d}");
+    assert_eq!(ranks[0]["ranks"], serde_json::json!([0, 1]));
+    assert_eq!(d["recipe"]["quant_storage"], "bf16");
+    assert_eq!(
+        d["allocated_by_category_at_peak_bytes"]["optimizer_state"].as_u64(),
+        Some(4 * 1_126_400)
+    );
+    let mut bad = base.to_vec();
+    bad.extend(["--quant-storage", "int4"]);
+    common::assert_fails(&bad, &["int4", "uint8, bf16, fp16, fp32"]);
+    common::assert_fails(
+        &base,
+        &[
+            "--quant-storage uint8",
+            "ignored_params",
+            "give --quant-storage bf16",
+        ],
+    );
+}
