@@ -1347,11 +1347,40 @@ fn fsdp_qlora_shards_the_packed_codes_and_keeps_the_quant_state_whole() {
     );
     assert_eq!(bf16s[&Category::Parameter], u8s[&Category::Parameter]);
     assert_eq!(bf16s[&Category::Other], states);
+    // The default uint8 storage: accelerate passes the frozen non-floating Params4bit to
+    // `fully_shard` as `ignored_params` (PR #3987): every rank holds them whole (⌈n/2⌉ bytes
+    // each), only the rest is sharded, and a block's all-gather carries its norms and adapters.
+    let rc = recipe_for(3, Shard::Fsdp2, DType::U8);
+    let t = lower(&zoo::build("tinyllama-1.1b", &rc).unwrap(), &rc).unwrap();
+    let whole: u64 = layers * linears.iter().map(|x| x.div_ceil(2)).sum::<u64>();
+    for it in 0..2 {
+        let live = live_at_phase(&t, "optimizer", it);
+        assert_eq!(
+            live[&Category::Parameter],
+            whole + bf16 + adapters,
+            "it {it}"
+        );
+        assert_eq!(live[&Category::Other], states, "it {it}");
+    }
+    assert_eq!(
+        tagged_bytes(&t, "model.layers.0.self_attn.q_proj.weight:shard"),
+        0
+    );
+    let first = t.events.iter().find_map(|e| match e {
+        Event::Alloc {
+            size, tag: Some(x), ..
+        } if &**x == "fsdp_all_gather_output:group0" => Some(*size),
+        _ => None,
+    });
+    assert_eq!(
+        first,
+        Some(2 * 2 * padded(h) + 4 * (2 * padded(r) * h + padded(h) * r + padded(kv) * r))
+    );
 }
 
-/// What FSDP-QLoRA does not run as modelled is refused with the reason: uint8 codes (accelerate
-/// leaves them out of `fully_shard`), LLM.int8, a MixedPrecisionPolicy (it would cast the codes),
-/// and a `quant_storage` without a 4-bit `--quant`.
+/// What FSDP-QLoRA does not run as modelled is refused with the reason: LLM.int8, a
+/// MixedPrecisionPolicy (it would cast the codes), a `quant_storage` without a 4-bit `--quant`,
+/// and QLoRA under ZeRO.
 #[test]
 fn fsdp_qlora_refusals_name_the_reason() {
     let with = |quant: &str, storage: DType, mp: bool| {
@@ -1365,12 +1394,6 @@ fn fsdp_qlora_refusals_name_the_reason() {
         }
         rc.validate().unwrap_err().to_string()
     };
-    let e = with("nf4", DType::U8, false);
-    assert!(
-        e.contains("--quant-storage uint8") && e.contains("ignored_params"),
-        "{e}"
-    );
-    assert!(e.contains("give --quant-storage bf16"), "{e}");
     let e = with("int8", DType::U8, false);
     assert!(e.contains("LLM.int8") && e.contains("--quant nf4"), "{e}");
     let e = with("nf4", DType::BF16, true);
@@ -1392,4 +1415,10 @@ fn fsdp_qlora_refusals_name_the_reason() {
     rc.lora = Some("r=8".parse().unwrap());
     let e = rc.validate().unwrap_err().to_string();
     assert!(e.contains("_configure_distributed_model"), "{e}");
+    rc.parallel.shard = Shard::Zero3;
+    let e = rc.validate().unwrap_err().to_string();
+    assert!(
+        e.contains("zero.Init") && e.contains("frozen parameters"),
+        "{e}"
+    );
 }

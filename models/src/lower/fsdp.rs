@@ -63,6 +63,8 @@
 //!   (absmax, code, nested statistics) is neither parameter nor buffer of the `Linear4bit`: it
 //!   stays whole on every rank (bitsandbytes `fix_4bit_weight_quant_state_from_module` hands it
 //!   back to the unsharded weight in forward), as the graph's quant-state buffers are allocated.
+//!   With the default uint8 storage accelerate leaves the packed codes out of `fully_shard`
+//!   (`ignored_params`, [`Lowering::fsdp_ignored`]): whole on every rank.
 //! * **CPU offload** (`CPUOffloadPolicy(pin_memory=True)`): the padded shards live in pinned host
 //!   memory (`_init_sharded_param`), so the GPU holds no shard, no sharded gradient and no
 //!   optimizer state: the optimizer steps on the CPU. Each all-gather's copy-in moves every shard
@@ -238,9 +240,23 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// Whether FSDP2 shards graph parameter `p` (then `setup` allocates nothing for it).
-    pub(super) fn fsdp_shards(&self, _p: usize) -> bool {
-        self.fsdp_on()
+    /// Whether FSDP2 shards graph parameter `p` (then `setup` allocates nothing for it): every
+    /// parameter but the [`Self::fsdp_ignored`] ones.
+    pub(super) fn fsdp_shards(&self, p: usize) -> bool {
+        self.fsdp_on() && !self.fsdp_ignored(p)
+    }
+
+    /// A frozen bitsandbytes weight whose packed codes are not floating-point (the default uint8
+    /// `quant_storage`): accelerate's `fsdp2_prepare_model` passes these Params4bit to
+    /// `fully_shard` as `ignored_params` ("Default uint8 quant_storage cannot survive
+    /// fully_shard's DTensor conversion", accelerate PR #3987, v1.14), so they stay whole on every
+    /// rank, outside every group's all-gather, as on one GPU.
+    fn fsdp_ignored(&self, p: usize) -> bool {
+        let param = &self.g.params[p];
+        param.logical_shape.is_some()
+            && !param.trainable
+            && matches!(self.g.values[param.value.0 as usize].dtype,
+                DTypeSpec::Fixed(d) if !d.is_float())
     }
 
     /// `fully_shard(block)` for every block, then `fully_shard(model)`: the groups, and each
@@ -293,6 +309,9 @@ impl<'g> Lowering<'g> {
         // A parameter belongs to the one block all its uses are in, else to its stage's root.
         let mut groups: Vec<Group> = (0..root0 + n_roots).map(|_| Group::default()).collect();
         for (p, param) in g.params.iter().enumerate() {
+            if self.fsdp_ignored(p) {
+                continue;
+            }
             let mut owner: Option<Option<usize>> = None;
             let mut first_use = None;
             for (i, op) in g.ops.iter().enumerate() {
@@ -320,6 +339,9 @@ impl<'g> Lowering<'g> {
             return;
         }
         for p in 0..g.params.len() {
+            if !self.fsdp_shards(p) {
+                continue;
+            }
             let shape = self.shard_shape(&self.params[p].layout.shape);
             let dtype = self.fsdp_param_orig_dtype(p);
             self.kind_now = Kind::Param;
