@@ -17,6 +17,11 @@ whole. For uint8 codes (``[2048, 1]``): the same, the codes' shard ``[1024, 1]``
 ``fully_shard`` on 2.15 shards them too (accelerate ≥ 1.14 passes them as ``ignored_params``
 instead, which is what vramsim models for uint8).
 
+With bitsandbytes importable (0.50.2, its CPU backend), the same is run on a real
+``Linear4bit(64, 64, quant_type="nf4", quant_storage=...)`` with float32 LoRA A/B, forward and
+backward included: both storages run, the weight's shard is ``[512, 1]`` bfloat16 or
+``[1024, 1]`` uint8, and the module's ``quant_state.absmax`` stays whole (``[64]``).
+
     python3 models/tools/check_fsdp_qlora_storage.py
 """
 
@@ -93,7 +98,61 @@ def run(rank, storage_name):
     dist.destroy_process_group()
 
 
+class BnbBlock(nn.Module):
+    """A bitsandbytes Linear4bit(64, 64) (NF4, the given quant_storage) with float32 LoRA A/B."""
+
+    def __init__(self, storage):
+        super().__init__()
+        from bitsandbytes.nn import Linear4bit
+
+        q = Linear4bit(
+            64,
+            64,
+            bias=False,
+            quant_type="nf4",
+            compress_statistics=False,
+            quant_storage=storage,
+            compute_dtype=torch.bfloat16,
+        )
+        q.weight.data = torch.randn(64, 64, dtype=torch.bfloat16)
+        self.q = q.to("cpu")  # quantizes (Params4bit._quantize)
+        self.lora_A = nn.Parameter(torch.randn(8, 64))
+        self.lora_B = nn.Parameter(torch.randn(64, 8))
+
+    def forward(self, x):
+        return self.q(x) + (x.float() @ (self.lora_B @ self.lora_A).t()).to(x.dtype)
+
+
+def run_bnb(rank, storage_name):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = nn.Sequential(BnbBlock(getattr(torch, storage_name)), nn.Linear(64, 8))
+    model[1].to(torch.bfloat16).requires_grad_(False)
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    shards = [
+        (name, list(p.to_local().shape), str(p.dtype)) for name, p in model[0].named_parameters()
+    ]
+    model(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum().backward()
+    if rank == 0:
+        print(f"bitsandbytes Linear4bit, quant_storage {storage_name}: forward and backward ran")
+        for s in shards:
+            print("  shard", *s)
+        print("  quant_state.absmax", list(model[0].q.quant_state.absmax.shape), "whole")
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     for i, storage_name in enumerate(["bfloat16", "uint8"]):
         os.environ["MASTER_PORT"] = str(29543 + i)
         mp.spawn(run, args=(storage_name,), nprocs=2)
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        print("bitsandbytes not installed: the Linear4bit check is skipped")
+    else:
+        for i, storage_name in enumerate(["bfloat16", "uint8"]):
+            os.environ["MASTER_PORT"] = str(29553 + i)
+            mp.spawn(run_bnb, args=(storage_name,), nprocs=2)
