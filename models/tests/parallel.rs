@@ -1422,3 +1422,27 @@ fn fsdp_qlora_refusals_name_the_reason() {
         "{e}"
     );
 }
+
+/// FSDP-QLoRA's batch templates (what `max-batch` and sweeps instantiate) equal fresh lowerings,
+/// for float-stored (sharded) and uint8 (ignored) codes.
+#[test]
+fn fsdp_qlora_batch_templates_equal_fresh_lowerings() {
+    use vramsim_models::compact::lower_compact;
+    use vramsim_models::template::BatchTemplate;
+    for storage in [DType::BF16, DType::U8] {
+        let lowered = |batch: u64| {
+            let mut rc = recipe(batch, 64, 2, Shard::Fsdp2);
+            rc.precision = Precision::Bf16;
+            rc.quant = Some("nf4-dq".parse().unwrap());
+            rc.lora = Some("r=8,targets=c_attn".parse().unwrap());
+            rc.quant_storage = storage;
+            lower_compact(&zoo::build("gpt2", &rc).unwrap(), &rc).unwrap()
+        };
+        let t = BatchTemplate::fit(&lowered(2), 2, &lowered(3), 3)
+            .unwrap_or_else(|| panic!("{storage:?}: no template"));
+        for batch in [4, 7] {
+            let inst = t.instantiate(batch).unwrap();
+            assert!(inst.same_as(&lowered(batch)), "{storage:?} batch {batch}");
+        }
+    }
+}
