@@ -285,6 +285,12 @@ pub struct PredictArgs {
     /// ranks. The world size is dp × tp × pp × cp; every cp rank is its own role.
     #[arg(long, default_value_t = 1, value_parser = count32("cp"), allow_negative_numbers = true)]
     pub cp: u32,
+    /// bitsandbytes' quant_storage for the 4-bit layers of --quant (transformers'
+    /// bnb_4bit_quant_storage): uint8 (the default), bf16, fp16 or fp32, the dtype the packed
+    /// codes are stored in ((n+1)//(2·itemsize) elements). FSDP-QLoRA (--shard fsdp2) needs a
+    /// floating-point storage, normally the model's dtype (bf16).
+    #[arg(long, default_value = "uint8", value_parser = vramsim_models::finetune::quant::parse_quant_storage)]
+    pub quant_storage: DType,
 }
 
 /// `--quant`'s value: a bitsandbytes format, or `none` (what no `--quant` gives; for `--vary
@@ -821,6 +827,7 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
             cp: args.cp,
             cp_rank: 0,
         },
+        quant_storage: args.quant_storage,
         ..Recipe::default()
     };
     let mut recipe = recipe;
@@ -1218,6 +1225,7 @@ pub fn to_json(report: &Report, p: &Prediction, meta: &Map<String, Value>) -> Va
         "freeze": r.freeze,
         "lora": r.lora.as_ref().map(|l| l.to_string()),
         "quant": r.quant.map(|q| q.to_string()),
+        "quant_storage": r.quant.map(|_| vramsim_models::finetune::quant::quant_storage_name(r.quant_storage)),
     });
     let w = &r.workspaces;
     j["workspaces"] = json!({

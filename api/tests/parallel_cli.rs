@@ -145,9 +145,10 @@ fn bad_layouts_fail_with_the_reason() {
         all.extend(["--lora", "r=8,targets=c_attn"]);
         fails(&all, fragments);
     }
-    // QLoRA with the data-parallel modes other than DDP: refused with the source's reason.
+    // QLoRA with the data-parallel modes other than DDP and FSDP2: refused with the source's
+    // reason.
     for (shard, why) in [
-        ("fsdp2", "quant_storage"),
+        ("zero3", "bnb_4bit_quant_storage"),
         ("zero2", "_configure_distributed_model"),
         ("zero1-torch", "ZeroRedundancyOptimizer"),
     ] {
@@ -1016,4 +1017,52 @@ fn deepspeed_fp16_mode_runs_under_zero() {
         assert!(peak("fp16") >= peak("bf16"), "{shard}");
         assert!(peak("fp32") > peak("bf16"), "{shard}");
     }
+}
+
+/// FSDP-QLoRA on the command line (`--quant nf4 --quant-storage bf16 --shard fsdp2`), by hand:
+/// TinyLlama's PEFT adapters (Ψa = 1,126,400 float32 elements) are the only parameters with
+/// optimizer state, AdamW's two float32 moments of a rank's half (`fully_shard` over 2 ranks:
+/// every adapter's dim 0 is even), 4Ψa bytes per rank; the ranks are one role; the recipe echoes
+/// the storage. A bad `--quant-storage` lists the valid ones (exit 2).
+#[test]
+fn fsdp_qlora_is_one_role_with_half_the_adapters_state() {
+    let base = [
+        "predict",
+        "--model",
+        "tinyllama-1.1b",
+        "--seq",
+        "512",
+        "--batch",
+        "4",
+        "--precision",
+        "bf16",
+        "--quant",
+        "nf4",
+        "--lora",
+        "r=8",
+        "--dp",
+        "2",
+        "--shard",
+        "fsdp2",
+    ];
+    let mut args = base.to_vec();
+    args.extend(["--quant-storage", "bf16"]);
+    let d = json(&args);
+    let ranks = d["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 1, "{d}");
+    assert_eq!(ranks[0]["ranks"], serde_json::json!([0, 1]));
+    assert_eq!(d["recipe"]["quant_storage"], "bf16");
+    assert_eq!(
+        d["allocated_by_category_at_peak_bytes"]["optimizer_state"].as_u64(),
+        Some(4 * 1_126_400)
+    );
+    let mut bad = base.to_vec();
+    bad.extend(["--quant-storage", "int4"]);
+    common::assert_fails(&bad, &["int4", "uint8, bf16, fp16, fp32"]);
+    // The default uint8 codes stay whole on every rank (accelerate's `ignored_params`): the
+    // parameters at the peak exceed the bf16-stored shards'.
+    let u = json(&base);
+    assert_eq!(u["recipe"]["quant_storage"], "uint8");
+    let params = |d: &Value| d["allocated_by_category_at_peak_bytes"]["parameter"].as_u64();
+    assert!(params(&u) > params(&d), "{u}");
 }

@@ -695,27 +695,44 @@ impl Parallel {
         // rank keeps the whole quantized model, as one GPU does. `_sync_module_states`
         // broadcasts parameters and buffers through `_broadcast_coalesced`, whose flat
         // temporaries are not modelled under DDP with or without --quant (models/README.md).
+        // QLoRA under FSDP2 (FSDP-QLoRA): bitsandbytes' `quant_storage` in a floating dtype
+        // (transformers' `bnb_4bit_quant_storage`, docs `fsdp_qlora.md`; bitsandbytes PR #970)
+        // makes the packed codes a float tensor that `fully_shard` chunks on dim 0 like any
+        // weight (`FSDPParam._init_sharded_param`), while the quant state (absmax, code, nested
+        // state) is an attribute of the `Linear4bit` module, neither parameter nor buffer, kept
+        // whole on every rank and picked up again in forward (`fix_4bit_weight_quant_state_from_module`:
+        // "the quant state got lost when the parameter got converted. This happens for example
+        // for fsdp"). With the default uint8 storage, accelerate (PR #3987, v1.14) leaves the
+        // frozen non-floating Params4bit out of `fully_shard` (`ignored_params`): whole on every
+        // rank. Both lowered in `lower/fsdp.rs`.
         if let Some(q) = r.quant {
             let why = match self.shard {
                 Shard::None | Shard::Ddp => None,
-                Shard::Fsdp2 => Some(
-                    "FSDP shards only floating-point parameters, so FSDP-QLoRA stores the 4-bit codes in the compute dtype (bitsandbytes' `quant_storage`, transformers' `bnb_4bit_quant_storage`, docs/source/fsdp_qlora.md) and shards them with their quant state kept whole per rank, a storage layout vramsim's --quant (uint8 codes) does not lower",
+                Shard::Fsdp2 if q == crate::finetune::Quant::Int8 => Some(
+                    "LLM.int8's Int8Params are int8 with no quant_storage (transformers passes `bnb_4bit_quant_storage` to Linear4bit only), and FSDP-QLoRA is the 4-bit path (docs `fsdp_qlora.md`); give --quant nf4, fp4, nf4-dq or fp4-dq with --quant-storage bf16".to_string(),
                 ),
-                Shard::Zero1 | Shard::Zero2 | Shard::Zero3 => Some(
-                    "DeepSpeed's engine casts the whole module to the training dtype (`_configure_distributed_model`: `module.half()`/`module.bfloat16()`), whose effect on bitsandbytes' Params4bit/Int8Params is not lowered, and ZeRO-3 partitions the frozen quantized weights too (which needs bitsandbytes' `quant_storage` in the compute dtype)",
+                Shard::Fsdp2 if self.fsdp_param_dtype.is_some() || self.fsdp_reduce_dtype.is_some() => Some(
+                    "FSDP2's MixedPrecisionPolicy casts every floating-point parameter to param_dtype (`FSDPParam.init_dtype_attrs` spares only non-floating ones), which would rewrite the packed 4-bit codes stored as floats, and a reduce_dtype is not lowered with them; give --precision bf16 and --quant-storage bf16 without --fsdp-param-dtype/--fsdp-reduce-dtype".to_string(),
+                ),
+                Shard::Fsdp2 => None,
+                Shard::Zero1 | Shard::Zero2 => Some(
+                    "DeepSpeed's engine casts the whole module to the training dtype (`_configure_distributed_model`: `module.half()`/`module.bfloat16()`), whose effect on bitsandbytes' Params4bit/Int8Params is not lowered".to_string(),
+                ),
+                Shard::Zero3 => Some(
+                    "ZeRO-3 QLoRA (PEFT's \"DeepSpeed ZeRO-3 + QLoRA\": `bnb_4bit_quant_storage` in the compute dtype, transformers turning `zero.Init` off for a quantized model, PR #29587, so that `deepspeed.initialize` partitions every parameter, the packed 4-bit codes included, while the quant state stays whole) needs ZeRO-3 with frozen parameters, which the ZeRO-3 lowering does not hold (it partitions the trainable ones)".to_string(),
                 ),
                 Shard::ZeroRedundancy => Some(
-                    "only DDP's path (buckets of the adapters' gradients) is lowered and tested with bitsandbytes' quantized weights, not ZeroRedundancyOptimizer's partition over them",
+                    "only DDP's and FSDP2's paths are lowered and tested with bitsandbytes' quantized weights, not ZeroRedundancyOptimizer's partition over them".to_string(),
                 ),
                 Shard::DataParallel => Some(
-                    "nn.DataParallel replicates every parameter with `broadcast_coalesced` each forward, and bitsandbytes' Params4bit/Int8Params replicas (their quant state) are not lowered",
+                    "nn.DataParallel replicates every parameter with `broadcast_coalesced` each forward, and bitsandbytes' Params4bit/Int8Params replicas (their quant state) are not lowered".to_string(),
                 ),
             };
             if let Some(why) = why {
                 return Err(bad(
                     "shard",
                     format!(
-                        "--quant {q} with --shard {} is not modelled yet: {why}; QLoRA is modelled on one GPU and with --dp N --shard ddp",
+                        "--quant {q} with --shard {} is not modelled yet: {why}; QLoRA is modelled on one GPU, with --dp N --shard ddp, and with --dp N --shard fsdp2 (FSDP-QLoRA: --quant-storage bf16 shards the 4-bit weights)",
                         self.shard
                     ),
                 ));

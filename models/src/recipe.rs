@@ -479,6 +479,9 @@ pub struct Recipe {
     pub quant: Option<crate::finetune::Quant>,
     /// The parallel layout (`--dp`, `--shard`, `--world-size`); the default is one GPU.
     pub parallel: crate::parallel::Parallel,
+    /// The dtype the 4-bit codes are packed into (`--quant-storage`, transformers'
+    /// `bnb_4bit_quant_storage`; uint8 by default): see [`crate::finetune::quant`].
+    pub quant_storage: crate::dtype::DType,
 }
 
 impl Default for Recipe {
@@ -513,6 +516,7 @@ impl Default for Recipe {
             lora: None,
             quant: None,
             parallel: crate::parallel::Parallel::default(),
+            quant_storage: crate::dtype::DType::U8,
         }
     }
 }
@@ -614,6 +618,20 @@ impl Recipe {
                     msg: format!("max_norm must be a positive finite number, got {m}"),
                 });
             }
+        }
+        // transformers passes `bnb_4bit_quant_storage` to `Linear4bit` only
+        // (`integrations/bitsandbytes.py` `replace_with_bnb_linear`).
+        if self.quant_storage != crate::dtype::DType::U8
+            && !matches!(self.quant, Some(q) if q != crate::finetune::Quant::Int8)
+        {
+            return Err(RecipeError::Invalid {
+                field: "quant-storage",
+                msg: format!(
+                    "{} is bitsandbytes' 4-bit quant_storage: give --quant nf4, fp4, nf4-dq or fp4-dq{}",
+                    crate::finetune::quant::quant_storage_name(self.quant_storage),
+                    if self.quant.is_some() { " (LLM.int8's weights are always int8)" } else { "" }
+                ),
+            });
         }
         self.parallel.validate(self)?;
         Ok(())

@@ -1265,3 +1265,184 @@ fn fp16_outside_deepspeed_and_autocast_under_zero_are_refused() {
     r.parallel.offload = Offload::Optimizer;
     assert!(r.validate().is_err());
 }
+
+/// FSDP-QLoRA (`--quant nf4 --quant-storage bf16 --lora r=8 --dp 3 --shard fsdp2`), TinyLlama 1.1B
+/// in bf16, by hand from the rules: bitsandbytes `quantize_4bit` packs a weight of n elements into
+/// `(n + 1) // (2 · itemsize)` rows of one `quant_storage` element (bf16: four codes per element);
+/// `FSDPParam._init_sharded_param` chunks every parameter on dim 0 and pads each shard to ⌈rows/N⌉
+/// rows, in the parameter's own dtype (the codes bf16, the base weights bf16, PEFT's adapters
+/// float32); the optimizer (AdamW) and the reduce-scatter see only the adapters (Ψa = 22 × 8 ×
+/// (2048 + 2048 + 2048 + 256)); the quant state (float32 absmax per 64-block, the 16-entry
+/// float32 code) is no parameter and stays whole on every rank, as on one GPU. A block's
+/// all-gather mixes bf16 codes and norms with float32 adapters, so it runs on bytes
+/// (`_get_all_gather_input_metadatas`: `torch.uint8`), Σ padded numel × itemsize.
+#[test]
+fn fsdp_qlora_shards_the_packed_codes_and_keeps_the_quant_state_whole() {
+    let (h, kv, ff, layers, vocab, r) = (2048u64, 256u64, 5632u64, 22u64, 32000u64, 8u64);
+    let n = 3u64;
+    let linears = [h * h, h * kv, h * kv, h * h, h * ff, h * ff, ff * h];
+    let rows = |numel: u64| (numel + 1) / 4;
+    let code_shard = |numel: u64| 2 * rows(numel).div_ceil(n);
+    let codes: u64 = layers * linears.iter().map(|&x| code_shard(x)).sum::<u64>();
+    // embed_tokens and lm_head [32000, 2048], two RMSNorms per layer and the final one [2048].
+    let bf16 = 2 * (2 * vocab.div_ceil(n) * h + (2 * layers + 1) * h.div_ceil(n));
+    // lora_A [8, 2048] and lora_B [out, 8] on q_proj (out 2048) and v_proj (out 256).
+    let a_shard = r.div_ceil(n) * h;
+    let adapters = 4 * layers * (2 * a_shard + h.div_ceil(n) * r + kv.div_ceil(n) * r);
+    let states: u64 =
+        layers * linears.iter().map(|x| 4 * x.div_ceil(64) + 64).sum::<u64>() + 32 * 4;
+    let recipe_for = |dp: u32, shard: Shard, storage: DType| {
+        let mut rc = recipe(4, 512, dp, shard);
+        rc.precision = Precision::Bf16;
+        rc.quant = Some("nf4".parse().unwrap());
+        rc.lora = Some("r=8".parse().unwrap());
+        rc.quant_storage = storage;
+        rc
+    };
+    let rc = recipe_for(3, Shard::Fsdp2, DType::BF16);
+    let g = zoo::build("tinyllama-1.1b", &rc).unwrap();
+    assert_eq!(g.param_count(), layers * r * (h + h + h + kv));
+    let t = lower(&g, &rc).unwrap();
+    for it in 0..2 {
+        let live = live_at_phase(&t, "optimizer", it);
+        let get = |c| live.get(&c).copied().unwrap_or(0);
+        assert_eq!(get(Category::Parameter), codes + bf16 + adapters, "it {it}");
+        assert_eq!(get(Category::Gradient), adapters, "it {it}");
+        assert_eq!(get(Category::Other), states, "it {it}");
+    }
+    let live = live_at_phase(&t, "forward", 1);
+    assert_eq!(live[&Category::OptimizerState], 2 * adapters);
+    assert_eq!(
+        tagged_bytes(&t, "model.layers.0.self_attn.q_proj.weight:shard"),
+        code_shard(h * h)
+    );
+    assert_eq!(
+        tagged_bytes(&t, "model.layers.0.mlp.down_proj.weight:shard"),
+        code_shard(ff * h)
+    );
+    // Block 0's all-gather output, bytes: the codes, two norms, the four adapters (all padded).
+    let padded = |rows: u64| rows.div_ceil(n) * n;
+    let block: u64 = linears.iter().map(|&x| 2 * padded(rows(x))).sum::<u64>()
+        + 2 * 2 * padded(h)
+        + 4 * (2 * padded(r) * h + padded(h) * r + padded(kv) * r);
+    let first = t.events.iter().find_map(|e| match e {
+        Event::Alloc {
+            size, tag: Some(x), ..
+        } if &**x == "fsdp_all_gather_output:group0" => Some(*size),
+        _ => None,
+    });
+    assert_eq!(first, Some(block));
+    // On one GPU the bf16 storage holds the same bytes as uint8 (every n here a multiple of 4).
+    let one = |storage| {
+        let rc = recipe_for(1, Shard::None, storage);
+        let t = lower(&zoo::build("tinyllama-1.1b", &rc).unwrap(), &rc).unwrap();
+        live_at_phase(&t, "optimizer", 1)
+    };
+    let (u8s, bf16s) = (one(DType::U8), one(DType::BF16));
+    assert_eq!(
+        u8s[&Category::Parameter],
+        layers * linears.iter().map(|x| x / 2).sum::<u64>()
+            + 2 * (2 * vocab * h + (2 * layers + 1) * h)
+            + 4 * layers * r * (h + h + h + kv)
+    );
+    assert_eq!(bf16s[&Category::Parameter], u8s[&Category::Parameter]);
+    assert_eq!(bf16s[&Category::Other], states);
+    // The default uint8 storage: accelerate passes the frozen non-floating Params4bit to
+    // `fully_shard` as `ignored_params` (PR #3987): every rank holds them whole (⌈n/2⌉ bytes
+    // each), only the rest is sharded, and a block's all-gather carries its norms and adapters.
+    let rc = recipe_for(3, Shard::Fsdp2, DType::U8);
+    let t = lower(&zoo::build("tinyllama-1.1b", &rc).unwrap(), &rc).unwrap();
+    let whole: u64 = layers * linears.iter().map(|x| x.div_ceil(2)).sum::<u64>();
+    for it in 0..2 {
+        let live = live_at_phase(&t, "optimizer", it);
+        assert_eq!(
+            live[&Category::Parameter],
+            whole + bf16 + adapters,
+            "it {it}"
+        );
+        assert_eq!(live[&Category::Other], states, "it {it}");
+    }
+    assert_eq!(
+        tagged_bytes(&t, "model.layers.0.self_attn.q_proj.weight:shard"),
+        0
+    );
+    let first = t.events.iter().find_map(|e| match e {
+        Event::Alloc {
+            size, tag: Some(x), ..
+        } if &**x == "fsdp_all_gather_output:group0" => Some(*size),
+        _ => None,
+    });
+    assert_eq!(
+        first,
+        Some(2 * 2 * padded(h) + 4 * (2 * padded(r) * h + padded(h) * r + padded(kv) * r))
+    );
+}
+
+/// What FSDP-QLoRA does not run as modelled is refused with the reason: LLM.int8, a
+/// MixedPrecisionPolicy (it would cast the codes), a `quant_storage` without a 4-bit `--quant`,
+/// and QLoRA under ZeRO.
+#[test]
+fn fsdp_qlora_refusals_name_the_reason() {
+    let with = |quant: &str, storage: DType, mp: bool| {
+        let mut rc = recipe(2, 128, 2, Shard::Fsdp2);
+        rc.precision = Precision::Bf16;
+        rc.quant = Some(quant.parse().unwrap());
+        rc.lora = Some("r=8".parse().unwrap());
+        rc.quant_storage = storage;
+        if mp {
+            rc.parallel.fsdp_reduce_dtype = Some(DType::F32);
+        }
+        rc.validate().unwrap_err().to_string()
+    };
+    let e = with("int8", DType::U8, false);
+    assert!(e.contains("LLM.int8") && e.contains("--quant nf4"), "{e}");
+    let e = with("nf4", DType::BF16, true);
+    assert!(
+        e.contains("MixedPrecisionPolicy") && e.contains("init_dtype_attrs"),
+        "{e}"
+    );
+    let e = with("int8", DType::BF16, false);
+    assert!(e.contains("4-bit quant_storage"), "{e}");
+    let mut rc = recipe(2, 128, 1, Shard::None);
+    rc.quant_storage = DType::BF16;
+    let e = rc.validate().unwrap_err().to_string();
+    assert!(e.contains("give --quant nf4, fp4, nf4-dq or fp4-dq"), "{e}");
+    // ZeRO keeps its refusal.
+    let mut rc = recipe(2, 128, 2, Shard::Zero2);
+    rc.precision = Precision::Bf16;
+    rc.quant = Some("nf4".parse().unwrap());
+    rc.quant_storage = DType::BF16;
+    rc.lora = Some("r=8".parse().unwrap());
+    let e = rc.validate().unwrap_err().to_string();
+    assert!(e.contains("_configure_distributed_model"), "{e}");
+    rc.parallel.shard = Shard::Zero3;
+    let e = rc.validate().unwrap_err().to_string();
+    assert!(
+        e.contains("zero.Init") && e.contains("frozen parameters"),
+        "{e}"
+    );
+}
+
+/// FSDP-QLoRA's batch templates (what `max-batch` and sweeps instantiate) equal fresh lowerings,
+/// for float-stored (sharded) and uint8 (ignored) codes.
+#[test]
+fn fsdp_qlora_batch_templates_equal_fresh_lowerings() {
+    use vramsim_models::compact::lower_compact;
+    use vramsim_models::template::BatchTemplate;
+    for storage in [DType::BF16, DType::U8] {
+        let lowered = |batch: u64| {
+            let mut rc = recipe(batch, 64, 2, Shard::Fsdp2);
+            rc.precision = Precision::Bf16;
+            rc.quant = Some("nf4-dq".parse().unwrap());
+            rc.lora = Some("r=8,targets=c_attn".parse().unwrap());
+            rc.quant_storage = storage;
+            lower_compact(&zoo::build("gpt2", &rc).unwrap(), &rc).unwrap()
+        };
+        let t = BatchTemplate::fit(&lowered(2), 2, &lowered(3), 3)
+            .unwrap_or_else(|| panic!("{storage:?}: no template"));
+        for batch in [4, 7] {
+            let inst = t.instantiate(batch).unwrap();
+            assert!(inst.same_as(&lowered(batch)), "{storage:?} batch {batch}");
+        }
+    }
+}

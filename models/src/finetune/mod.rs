@@ -71,7 +71,7 @@ pub enum FinetuneError {
 /// ([`tp_frozen`]).
 pub fn apply(mut g: Graph, recipe: &Recipe) -> Result<Graph, FinetuneError> {
     if let Some(q) = recipe.quant {
-        g = apply_quant(g, q)?;
+        g = apply_quant(g, q, recipe.quant_storage)?;
     }
     if let Some(cfg) = &recipe.lora {
         g = apply_lora_tp(g, cfg, crate::zoo::tp::TpPlan::of(recipe))?;

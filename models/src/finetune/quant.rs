@@ -12,13 +12,20 @@
 //!
 //! | tensor | shape, dtype |
 //! |---|---|
-//! | packed weight | `[ceil(n/2), 1]` uint8 |
+//! | packed weight | `[(n+1) // (2·s), 1]` in `quant_storage` (itemsize s; uint8 by default: `[ceil(n/2), 1]`) |
 //! | `code` (NF4/FP4 table) | `[16]` float32 |
 //! | absmax (no DQ) | `[nb]` float32 |
 //! | absmax (DQ) | `[nb]` uint8, + `state2.absmax` `[ceil(nb/256)]` float32, `state2.code` `[256]` float32, `offset` 0-d float32 |
 //!
 //! `int8` (`Int8Params`, `has_fp16_weights=False`): `CB` int8 `[out, in]` and `SCB` float32
 //! `[out]`.
+//!
+//! **`quant_storage`** (`--quant-storage`; transformers' `bnb_4bit_quant_storage`, default
+//! uint8; bitsandbytes `Params4bit(quant_storage=...)`): the dtype the packed 4-bit codes are
+//! stored in, `torch.empty(((n + 1) // (quant_storage.itemsize * 2), 1), dtype=quant_storage)`
+//! (`_ops.py` fake of `bitsandbytes::quantize_4bit`, `backends/cuda/ops.py`). A floating-point
+//! storage is what FSDP-QLoRA sets (bitsandbytes PR #970, docs `fsdp_qlora.md`) so that FSDP
+//! shards the codes like the other weights; the quant state is unchanged.
 
 use super::lora::{linear_modules, LinearLayer};
 use super::FinetuneError;
@@ -73,9 +80,21 @@ impl Quant {
         matches!(self, Quant::Nf4Dq | Quant::Fp4Dq)
     }
 
-    /// The tensors that hold a quantized `[out, in]` weight, in allocation order: (name, shape,
-    /// dtype). The first is the weight itself.
+    /// The tensors that hold a quantized `[out, in]` weight with uint8 storage, in allocation
+    /// order: (name, shape, dtype). The first is the weight itself.
     pub fn storage(self, out: u64, inp: u64) -> Vec<(&'static str, Vec<u64>, DType)> {
+        self.storage_in(out, inp, DType::U8)
+    }
+
+    /// [`Quant::storage`] with the 4-bit codes packed into `quant_storage` elements
+    /// (`(n + 1) // (2 · itemsize)` of them, bitsandbytes `quantize_4bit`); LLM.int8's `CB`
+    /// ignores it (transformers passes `bnb_4bit_quant_storage` to 4-bit layers only).
+    pub fn storage_in(
+        self,
+        out: u64,
+        inp: u64,
+        quant_storage: DType,
+    ) -> Vec<(&'static str, Vec<u64>, DType)> {
         let n = out * inp;
         if self == Quant::Int8 {
             // Int8Params: CB int8 (stored as uint8 here: same 1-byte element) and SCB.
@@ -85,7 +104,8 @@ impl Quant {
             ];
         }
         let nb = n.div_ceil(BLOCK_4BIT);
-        let mut v = vec![("weight", vec![n.div_ceil(2), 1], DType::U8)];
+        let packed = (n + 1) / (2 * quant_storage.size());
+        let mut v = vec![("weight", vec![packed, 1], quant_storage)];
         if self.double() {
             v.push(("absmax", vec![nb], DType::U8));
             v.push(("state2.absmax", vec![nb.div_ceil(BLOCK_NESTED)], DType::F32));
@@ -144,10 +164,40 @@ pub fn quantized_layers(g: &Graph) -> Vec<LinearLayer> {
         .collect()
 }
 
+/// The `--quant-storage` names and dtypes (transformers' `bnb_4bit_quant_storage`).
+pub const QUANT_STORAGES: [(&str, DType); 4] = [
+    ("uint8", DType::U8),
+    ("bf16", DType::BF16),
+    ("fp16", DType::F16),
+    ("fp32", DType::F32),
+];
+
+/// Parses a `--quant-storage` name ([`QUANT_STORAGES`]).
+pub fn parse_quant_storage(s: &str) -> Result<DType, String> {
+    QUANT_STORAGES
+        .iter()
+        .find(|(n, _)| *n == s)
+        .map(|&(_, d)| d)
+        .ok_or_else(|| {
+            format!(
+                "unknown --quant-storage {s:?}: use one of {}",
+                QUANT_STORAGES.map(|(n, _)| n).join(", ")
+            )
+        })
+}
+
+/// The `--quant-storage` name of `d`.
+pub fn quant_storage_name(d: DType) -> &'static str {
+    QUANT_STORAGES
+        .iter()
+        .find(|(_, x)| *x == d)
+        .map_or("uint8", |(n, _)| n)
+}
+
 /// Quantizes the linear layers of `g` ([`quantized_layers`]): each weight becomes its packed
-/// storage (a frozen parameter with its unquantized shape kept for counting) and quant-state
-/// buffers, and the layer's ops one [`OpKind::QuantLinear`].
-pub fn apply_quant(g: Graph, q: Quant) -> Result<Graph, FinetuneError> {
+/// storage in `quant_storage` elements (a frozen parameter with its unquantized shape kept for
+/// counting) and quant-state buffers, and the layer's ops one [`OpKind::QuantLinear`].
+pub fn apply_quant(g: Graph, q: Quant, quant_storage: DType) -> Result<Graph, FinetuneError> {
     let layers = quantized_layers(&g);
     if layers.is_empty() {
         return Err(FinetuneError::NoLinear {
@@ -172,7 +222,7 @@ pub fn apply_quant(g: Graph, q: Quant) -> Result<Graph, FinetuneError> {
             .find(|p| p.name == format!("{}.bias", l.path))
             .map(|p| p.value);
         let w = g.params[l.weight].value;
-        let storage = q.storage(l.out_features, l.in_features);
+        let storage = q.storage_in(l.out_features, l.in_features, quant_storage);
         // The weight parameter becomes the packed storage (Params4bit / Int8Params: frozen).
         b.set_path(&l.path);
         b.quantize_param(
@@ -239,5 +289,22 @@ mod tests {
         assert!(((8.0 / 64.0 + 32.0 / (64.0 * 256.0)) - 0.127f64).abs() < 0.001);
         // LLM.int8: 1 byte per weight plus a float32 scale per row.
         assert_eq!(Quant::Int8.storage_bytes(out, inp), out * inp + 4 * out);
+    }
+
+    /// bitsandbytes `quantize_4bit`: `(n + 1) // (itemsize * 2)` elements of `quant_storage`,
+    /// so bf16 storage holds four codes per element, the same bytes as uint8 for even sizes.
+    #[test]
+    fn quant_storage_packs_codes_by_itemsize() {
+        let w = |s| Quant::Nf4.storage_in(4096, 4096, s)[0].clone();
+        assert_eq!(w(DType::U8).1, vec![8_388_608, 1]);
+        assert_eq!(w(DType::BF16).1, vec![4_194_304, 1]);
+        assert_eq!(w(DType::BF16).2, DType::BF16);
+        assert_eq!(w(DType::F32).1, vec![2_097_152, 1]);
+        // An odd count: (15 + 1) // 2 = 8 bytes; (15 + 1) // 4 = 4 bf16.
+        assert_eq!(Quant::Fp4.storage_in(3, 5, DType::BF16)[0].1, vec![4, 1]);
+        assert_eq!(parse_quant_storage("bf16"), Ok(DType::BF16));
+        assert!(parse_quant_storage("int4")
+            .unwrap_err()
+            .contains("uint8, bf16, fp16, fp32"));
     }
 }

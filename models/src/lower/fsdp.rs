@@ -50,7 +50,21 @@
 //!   which becomes the sharded gradient. Module buffers are left in the model's dtype by FSDP2 but
 //!   follow the compute dtype here.
 //! * **Optimizer**: the torch optimizer steps the sharded parameters (state of the shards' sizes
-//!   and the model's dtype).
+//!   and dtypes).
+//! * **Parameters of their own dtype** (`FSDPParam.orig_dtype` is the sharded parameter's dtype,
+//!   `init_dtype_attrs`): PEFT's float32 adapters on a 16-bit model and, under FSDP-QLoRA,
+//!   bitsandbytes' packed 4-bit codes in their `quant_storage` (`--quant-storage bf16`: a
+//!   `[(n+1)//4, 1]` bfloat16 tensor, chunked on dim 0 and padded like any weight) keep their
+//!   dtype in the shard and the unsharded parameter. A group whose all-gather inputs differ in
+//!   dtype is all-gathered as bytes (`_get_all_gather_input_metadatas`: `torch.uint8` views,
+//!   `foreach_all_gather`); `_init_mp_dtypes` asks a uniform dtype of the trainable parameters
+//!   only, whose gradients are reduce-scattered in it (`_get_reduce_dtype`: the promotion of
+//!   their `unsharded_grad_dtype`s, the original dtype without a `reduce_dtype`). The quant state
+//!   (absmax, code, nested statistics) is neither parameter nor buffer of the `Linear4bit`: it
+//!   stays whole on every rank (bitsandbytes `fix_4bit_weight_quant_state_from_module` hands it
+//!   back to the unsharded weight in forward), as the graph's quant-state buffers are allocated.
+//!   With the default uint8 storage accelerate leaves the packed codes out of `fully_shard`
+//!   (`ignored_params`, [`Lowering::fsdp_ignored`]): whole on every rank.
 //! * **CPU offload** (`CPUOffloadPolicy(pin_memory=True)`): the padded shards live in pinned host
 //!   memory (`_init_sharded_param`), so the GPU holds no shard, no sharded gradient and no
 //!   optimizer state: the optimizer steps on the CPU. Each all-gather's copy-in moves every shard
@@ -86,7 +100,7 @@
 
 use super::{Kind, Lowering, Rt};
 use crate::dtype::DType;
-use crate::graph::{ModuleId, RegionKind};
+use crate::graph::{DTypeSpec, ModuleId, RegionKind};
 use crate::layout::Layout;
 use crate::recipe::Precision;
 
@@ -170,15 +184,26 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// The unsharded gradients' accumulation dtype (`FSDPParam.unsharded_grad_dtype`:
-    /// `reduce_dtype`, else the model's dtype), which is also the reduce-scatter's
+    /// Graph parameter `p`'s dtype when `fully_shard` runs (`FSDPParam.orig_dtype`, the sharded
+    /// parameter's): its own for a parameter with one (PEFT's float32 adapters, bitsandbytes'
+    /// packed codes in their `quant_storage`), else the model's.
+    fn fsdp_param_orig_dtype(&self, p: usize) -> DType {
+        match self.g.values[self.g.params[p].value.0 as usize].dtype {
+            DTypeSpec::Fixed(d) => d,
+            DTypeSpec::Model => self.fsdp_orig_dtype(),
+        }
+    }
+
+    /// The unsharded gradients' accumulation dtype of `p` (`FSDPParam.unsharded_grad_dtype`:
+    /// `reduce_dtype`, else the parameter's original dtype), which is also the reduce-scatter's
     /// (`FSDPParamGroup._get_reduce_dtype`: `reduce_dtype`, else the promotion of the
-    /// parameters' `unsharded_grad_dtype`s, all the model's dtype here).
-    fn fsdp_reduce_dtype(&self) -> DType {
+    /// parameters' `unsharded_grad_dtype`s, one dtype since `_init_mp_dtypes` asks the trainable
+    /// parameters of a group for a uniform original dtype).
+    fn fsdp_reduce_dtype(&self, p: usize) -> DType {
         self.r
             .parallel
             .fsdp_reduce_dtype
-            .unwrap_or(self.fsdp_orig_dtype())
+            .unwrap_or(self.fsdp_param_orig_dtype(p))
     }
 
     /// The dtype the engine gives graph parameter `p`'s incoming gradient before its
@@ -194,7 +219,7 @@ impl<'g> Lowering<'g> {
         if !self.fsdp_on() || !self.params[p].dtype.is_float() {
             return None;
         }
-        let target = self.fsdp_reduce_dtype();
+        let target = self.fsdp_reduce_dtype(p);
         if target.size() > self.params[p].dtype.size() {
             (self.fsdp_pp() && self.param_grads[p].is_none()).then_some(target)
         } else {
@@ -215,9 +240,23 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// Whether FSDP2 shards graph parameter `p` (then `setup` allocates nothing for it).
-    pub(super) fn fsdp_shards(&self, _p: usize) -> bool {
-        self.fsdp_on()
+    /// Whether FSDP2 shards graph parameter `p` (then `setup` allocates nothing for it): every
+    /// parameter but the [`Self::fsdp_ignored`] ones.
+    pub(super) fn fsdp_shards(&self, p: usize) -> bool {
+        self.fsdp_on() && !self.fsdp_ignored(p)
+    }
+
+    /// A frozen bitsandbytes weight whose packed codes are not floating-point (the default uint8
+    /// `quant_storage`): accelerate's `fsdp2_prepare_model` passes these Params4bit to
+    /// `fully_shard` as `ignored_params` ("Default uint8 quant_storage cannot survive
+    /// fully_shard's DTensor conversion", accelerate PR #3987, v1.14), so they stay whole on every
+    /// rank, outside every group's all-gather, as on one GPU.
+    fn fsdp_ignored(&self, p: usize) -> bool {
+        let param = &self.g.params[p];
+        param.logical_shape.is_some()
+            && !param.trainable
+            && matches!(self.g.values[param.value.0 as usize].dtype,
+                DTypeSpec::Fixed(d) if !d.is_float())
     }
 
     /// `fully_shard(block)` for every block, then `fully_shard(model)`: the groups, and each
@@ -270,6 +309,9 @@ impl<'g> Lowering<'g> {
         // A parameter belongs to the one block all its uses are in, else to its stage's root.
         let mut groups: Vec<Group> = (0..root0 + n_roots).map(|_| Group::default()).collect();
         for (p, param) in g.params.iter().enumerate() {
+            if self.fsdp_ignored(p) {
+                continue;
+            }
             let mut owner: Option<Option<usize>> = None;
             let mut first_use = None;
             for (i, op) in g.ops.iter().enumerate() {
@@ -297,8 +339,11 @@ impl<'g> Lowering<'g> {
             return;
         }
         for p in 0..g.params.len() {
+            if !self.fsdp_shards(p) {
+                continue;
+            }
             let shape = self.shard_shape(&self.params[p].layout.shape);
-            let dtype = self.fsdp_orig_dtype();
+            let dtype = self.fsdp_param_orig_dtype(p);
             self.kind_now = Kind::Param;
             let t = self.alloc(Layout::contiguous(&shape), dtype, ModuleId(0), "aten.empty");
             self.retag(&t, format!("{}:shard", g.params[p].name));
@@ -327,15 +372,30 @@ impl<'g> Lowering<'g> {
         }
         let params = grp.params.clone();
         let post_forward = !grp.post_forward.is_empty();
-        let numel: u64 = params.iter().map(|&p| self.padded_numel(p)).sum();
+        // `_get_all_gather_input_metadatas`: the inputs' common dtype, or bytes (`torch.uint8`
+        // views of every input) when their dtypes differ.
         let dtype = self.params[params[0]].dtype;
-        let orig = self.fsdp_orig_dtype();
+        let (numel, dtype) = if params.iter().all(|&p| self.params[p].dtype == dtype) {
+            (params.iter().map(|&p| self.padded_numel(p)).sum(), dtype)
+        } else {
+            let bytes = params
+                .iter()
+                .map(|&p| self.padded_numel(p) * self.params[p].dtype.size())
+                .sum();
+            (bytes, DType::U8)
+        };
+        // A `param_dtype` cast of some parameter (`init_dtype_attrs`: none where it equals the
+        // original dtype).
+        let cast = params
+            .iter()
+            .any(|&p| self.params[p].dtype != self.fsdp_param_orig_dtype(p));
         let prev = self.kind_now;
         self.kind_now = Kind::Temporary;
         let mut inputs = Vec::new();
         if self.fsdp_offloaded() && !post_forward {
             for &p in &params {
                 let shard = self.padded_numel(p) / u64::from(self.r.parallel.fsdp_world());
+                let (orig, param_dtype) = (self.fsdp_param_orig_dtype(p), self.params[p].dtype);
                 let h2d = self.alloc(
                     Layout::contiguous(&[shard]),
                     orig,
@@ -343,10 +403,10 @@ impl<'g> Lowering<'g> {
                     "aten._to_copy",
                 );
                 self.set_stream(&h2d, stream);
-                let input = if dtype != orig {
+                let input = if param_dtype != orig {
                     let c = self.alloc(
                         Layout::contiguous(&[shard]),
-                        dtype,
+                        param_dtype,
                         ModuleId(0),
                         "aten._to_copy",
                     );
@@ -358,7 +418,7 @@ impl<'g> Lowering<'g> {
                 };
                 inputs.push(input);
             }
-        } else if dtype != orig && !(self.fsdp_offloaded() && post_forward) {
+        } else if cast && !(self.fsdp_offloaded() && post_forward) {
             // The foreach-copy fast path: one flat temporary of the inputs, in the param dtype.
             let world = if post_forward {
                 self.post_forward_world()
@@ -570,7 +630,7 @@ impl<'g> Lowering<'g> {
             return;
         }
         let numel: u64 = params.iter().map(|&p| self.padded_numel(p)).sum();
-        let dtype = self.fsdp_reduce_dtype();
+        let dtype = self.fsdp_reduce_dtype(params[0]);
         let prev = self.kind_now;
         self.kind_now = Kind::Comm;
         let input = self.alloc(
@@ -594,7 +654,7 @@ impl<'g> Lowering<'g> {
             "aten.empty",
         );
         self.set_stream(&out, REDUCE_SCATTER_STREAM);
-        let orig = self.fsdp_orig_dtype();
+        let orig = self.fsdp_param_orig_dtype(params[0]);
         if dtype != orig {
             // `foreach_reduce`: the output cast to the parameters' dtype (a new tensor).
             let c = self.alloc(
