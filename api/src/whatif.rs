@@ -736,13 +736,18 @@ pub const BENCH_GRIDS: &[(&str, &[&str])] = &[
 ];
 
 /// What `vramsim bench --sweep` measured besides the grids: one configuration at accumulation 2 and 64
-/// (gpt2-medium, seq 1024, batch 4; best of five, seconds), and `max-batch` of Llama-2-70B at seq
+/// (gpt2-medium, seq 1024, batch 4; best of five, seconds) as a sweep evaluates it and as
+/// `predict --json` does (with the breakdown at the peak), and `max-batch` of Llama-2-70B at seq
 /// 4096, bf16, full checkpointing on 1 TiB (seconds, and the answer).
 pub struct AccumBench {
     /// Seconds for accumulation 2.
     pub accum2: f64,
     /// Seconds for accumulation 64.
     pub accum64: f64,
+    /// Seconds for accumulation 2, `predict --json`'s document.
+    pub accum2_document: f64,
+    /// Seconds for accumulation 64, `predict --json`'s document.
+    pub accum64_document: f64,
     /// Seconds for the max-batch search.
     pub max_batch: f64,
     /// The batch it found.
@@ -751,7 +756,7 @@ pub struct AccumBench {
 
 /// Times [`AccumBench`]'s cases through the sweep's evaluation (lowering and replay, no JSON).
 pub fn bench_accumulation() -> Result<AccumBench> {
-    let best = |accum: u32| -> Result<f64> {
+    let best = |accum: u32, wants: Wants| -> Result<f64> {
         let args: Vec<String> = [
             "--model=gpt2-medium",
             "--seq=1024",
@@ -764,12 +769,18 @@ pub fn bench_accumulation() -> Result<AccumBench> {
         let mut best = f64::INFINITY;
         for _ in 0..5 {
             let t0 = Instant::now();
-            sweep::evaluate_one(&args, Wants::default())?;
+            sweep::evaluate_one(&args, wants)?;
             best = best.min(t0.elapsed().as_secs_f64());
         }
         Ok(best)
     };
-    let (accum2, accum64) = (best(2)?, best(64)?);
+    let table = Wants::default();
+    let document = Wants {
+        json: true,
+        ..Wants::default()
+    };
+    let (accum2, accum64) = (best(2, table)?, best(64, table)?);
+    let (accum2_document, accum64_document) = (best(2, document)?, best(64, document)?);
     let fixed = FixedOptions {
         given: [
             ("model", "llama2-70b"),
@@ -787,6 +798,8 @@ pub fn bench_accumulation() -> Result<AccumBench> {
     Ok(AccumBench {
         accum2,
         accum64,
+        accum2_document,
+        accum64_document,
         max_batch: t0.elapsed().as_secs_f64(),
         max_batch_found: search.largest.size,
     })
@@ -865,6 +878,9 @@ pub fn print_bench(as_json: bool) -> Result<()> {
                 "accum2_seconds": accum.accum2,
                 "accum64_seconds": accum.accum64,
                 "accum64_over_accum2": accum.accum64 / accum.accum2,
+                "accum2_document_seconds": accum.accum2_document,
+                "accum64_document_seconds": accum.accum64_document,
+                "accum64_over_accum2_document": accum.accum64_document / accum.accum2_document,
                 "max_batch_llama2_70b_seconds": accum.max_batch,
                 "max_batch_llama2_70b": accum.max_batch_found,
             }))?
@@ -886,10 +902,13 @@ pub fn print_bench(as_json: bool) -> Result<()> {
         );
     }
     println!(
-        "gpt2-medium seq 1024 batch 4: accumulation 2 {:.1} ms, accumulation 64 {:.1} ms ({:.2}×; target ≤ 1.5×)",
+        "gpt2-medium seq 1024 batch 4: accumulation 2 {:.1} ms, accumulation 64 {:.1} ms ({:.2}×; target ≤ 1.5×); with predict --json's document {:.1} ms and {:.1} ms ({:.2}×)",
         accum.accum2 * 1e3,
         accum.accum64 * 1e3,
-        accum.accum64 / accum.accum2
+        accum.accum64 / accum.accum2,
+        accum.accum2_document * 1e3,
+        accum.accum64_document * 1e3,
+        accum.accum64_document / accum.accum2_document
     );
     println!(
         "max-batch llama2-70b seq 4096 bf16 full checkpointing on 1 TiB: batch {} in {:.0} ms (target < 100 ms)",
