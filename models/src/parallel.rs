@@ -652,15 +652,21 @@ impl Parallel {
     /// to give.
     fn validate_finetune(&self, r: &Recipe) -> Result<(), RecipeError> {
         let bad = |field: &'static str, msg: String| RecipeError::Invalid { field, msg };
-        let how = "fine-tuning (--freeze, --lora) is modelled on one GPU, with --tp/--sp, and with --dp and --shard ddp, zero1, zero2, zero1-torch or fsdp2";
+        let how = "fine-tuning (--freeze, --lora) is modelled on one GPU, with --tp/--sp, --pp, --cp, and with --dp and --shard ddp, zero1, zero2, zero1-torch or fsdp2";
+        // A pipeline cuts the fine-tuned model as it cuts the whole one (`pipeline::rank_graph`:
+        // each stage keeps its frozen parameters and adapters; a frozen prefix's hidden state is
+        // received without requiring grad). QLoRA is not: bitsandbytes' quantized weights are
+        // not split into stages here.
         if self.pp > 1 {
-            return Err(bad(
-                "pp",
-                format!(
-                    "--pp {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet (a stage's frozen prefix and adapters are not cut from the rank's graph): {how}, with --pp 1",
-                    self.pp
-                ),
-            ));
+            if let Some(q) = r.quant {
+                return Err(bad(
+                    "pp",
+                    format!(
+                        "--pp {} with --quant {q} is not modelled yet (bitsandbytes' 4-/8-bit layers are not cut into pipeline stages here): {how}; QLoRA with --pp 1",
+                        self.pp
+                    ),
+                ));
+            }
         }
         if self.offload != Offload::None {
             return Err(bad(
@@ -671,15 +677,10 @@ impl Parallel {
                 ),
             ));
         }
-        if self.cp > 1 {
-            return Err(bad(
-                "cp",
-                format!(
-                    "--cp {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet: {how}, with --cp 1",
-                    self.cp
-                ),
-            ));
-        }
+        // --cp runs the ring attention whatever trains (the ring's forward is the SDPA kernel's
+        // substitute; autograd keeps what it saves only where an input requires grad, as on one
+        // GPU), and --cp needs --shard fsdp2: frozen parameters and adapters follow FSDP2's rules
+        // over the dp × cp ranks (`Parallel::fsdp_world`). --quant is refused with fsdp2 below.
         // QLoRA under DDP: `DistributedDataParallel._build_params_for_reducer` keeps only the
         // parameters with `requires_grad` (the adapters; bitsandbytes' Params4bit/Int8Params
         // weights are frozen), so the Reducer's buckets hold the adapters' gradients and each
