@@ -163,6 +163,8 @@ fn bad_pipelines_fail_with_the_reason() {
         &[
             "--reshard-after-forward 2 is not modelled",
             "unsharded after forward",
+            "never an int",
+            "_to_sharded_post_forward",
         ],
     );
     fails(

@@ -824,11 +824,19 @@ impl Parallel {
             // (`lower/fsdp.rs`).
             // torchtitan (`parallelize.py` `apply_fsdp`, `reshard_after_forward_policy`
             // "default": `reshard_after_forward = not pp_enabled`) keeps the blocks unsharded
-            // after forward under a pipeline; the default `true` is read as that policy.
+            // after forward under a pipeline; the default `true` is read as that policy. Its
+            // policy is "always", "never" or "default", a bool each: no torchtitan run passes an
+            // int. FSDP2 itself would take one: every micro-batch's forward ends in
+            // `FSDPParamGroup.post_forward` → `reshard()` → `_to_sharded_post_forward()` (the
+            // blocks kept as N-way post-forward shards), each backward all-gathers them again
+            // from those, and `stage.py` `backward_maybe_with_nosync` sets
+            // `set_reshard_after_backward(False)`, so they stay unsharded until the next forward
+            // reshards them: an all-gather and a post-forward shard per micro-batch that the
+            // pipeline's FSDP2 lowering (unsharded over the step) does not make.
             if let ReshardAfterForward::To(n) = self.reshard_after_forward {
                 if n > 1 {
                     return Err(bad(format!(
-                        "--pp {} --shard fsdp2 with --reshard-after-forward {n} is not modelled: under --pp the blocks keep their parameters unsharded after forward (torchtitan's default policy with pp); give --reshard-after-forward false",
+                        "--pp {} --shard fsdp2 with --reshard-after-forward {n} is not modelled: torchtitan's fsdp_reshard_after_forward policy under a pipeline is \"default\" (blocks unsharded after forward) or \"always\"/\"never\", never an int; FSDP2 given one would reshard each stage's blocks to {n}-way post-forward shards after every micro-batch's forward (FSDPParamGroup.post_forward -> _to_sharded_post_forward) and all-gather them again for its backward, which the pipeline lowering does not make; give --reshard-after-forward false",
                         self.pp
                     )));
                 }
