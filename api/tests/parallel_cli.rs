@@ -133,8 +133,12 @@ fn bad_layouts_fail_with_the_reason() {
     // is not lowered with frozen parameters is refused with its reason.
     for (extra, fragments) in [
         (
-            &["--pp", "2", "--pp-schedule", "gpipe"][..],
-            &["--pp 2 with fine-tuning", "not modelled yet", "--pp 1"][..],
+            &["--pp", "2", "--pp-schedule", "gpipe", "--quant", "nf4"][..],
+            &[
+                "--pp 2 with --quant nf4",
+                "not modelled yet",
+                "QLoRA with --pp 1",
+            ][..],
         ),
         (
             &["--dp", "2", "--shard", "dataparallel"][..],
@@ -274,18 +278,27 @@ fn bad_layouts_fail_with_the_reason() {
         &["--tp", "4", "--lora", "r=6,targets=c_attn"],
         &["r % tp == 0", "multiple of 4"],
     );
+    // A pipeline stage that trains nothing cannot be a DDP module (PyTorch raises).
     fails(
         &[
             "--tp",
             "2",
             "--pp",
             "2",
+            "--dp",
+            "2",
+            "--shard",
+            "ddp",
             "--pp-schedule",
             "gpipe",
             "--freeze",
-            "transformer.wte",
+            "transformer.wte,transformer.wpe,transformer.h.0-5",
         ],
-        &["--pp 2 with fine-tuning", "with --tp/--sp"],
+        &[
+            "stage 0 of gpt2 trains no parameter",
+            "DistributedDataParallel is not needed",
+            "--shard fsdp2 or none",
+        ],
     );
     fails(
         &["--tp", "2", "--loss", "plain"],

@@ -163,6 +163,8 @@ fn bad_pipelines_fail_with_the_reason() {
         &[
             "--reshard-after-forward 2 is not modelled",
             "unsharded after forward",
+            "never an int",
+            "_to_sharded_post_forward",
         ],
     );
     fails(
@@ -252,4 +254,40 @@ fn ddp_stages_are_roles_of_their_data_parallel_ranks() {
         let state = |d: &Value| d["ranks"][s]["by_category"]["optimizer_state"].as_u64();
         assert!(state(&zr) < state(&ddp), "stage {s}");
     }
+}
+
+/// Fine-tuning under `--pp`: TinyLlama's embeddings and layers 0–10 frozen, which is the whole
+/// first stage of torchtitan's split over 2 stages (embeddings + layers 0–10 | layers 11–21, norm,
+/// head). Rank 0 holds its bf16 parameters and nothing else of the model states (2 × (32000 ×
+/// 2048 + 11 × 44,044,288) bytes, by hand from the config); rank 1 also its gradients and AdamW
+/// state (bf16: 2 + 4 bytes per element of 11 layers, the norm and the head).
+#[test]
+fn finetuning_under_pp_holds_each_stage_trainable_states_only() {
+    let layer: u64 = 2 * 2048 * 2048 + 2 * 2048 * 256 + 3 * 2048 * 5632 + 2 * 2048;
+    let d = common::json(&[
+        "predict",
+        "--model",
+        "tinyllama-1.1b",
+        "--batch",
+        "2",
+        "--seq",
+        "128",
+        "--precision",
+        "bf16",
+        "--pp",
+        "2",
+        "--freeze",
+        "model.embed_tokens,model.layers.0-10",
+    ]);
+    let ranks = d["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 2);
+    let cat = |r: usize, c: &str| ranks[r]["by_category"][c].as_u64().unwrap_or(0);
+    assert_eq!(cat(0, "parameter"), 2 * (32000 * 2048 + 11 * layer));
+    assert_eq!(cat(0, "gradient"), 0);
+    assert_eq!(cat(0, "optimizer_state"), 0);
+    let stage1 = 11 * layer + 2048 + 32000 * 2048;
+    assert_eq!(cat(1, "parameter"), 2 * stage1);
+    // At rank 1's peak (its optimizer step) the gradients and AdamW's two moments are all live.
+    assert_eq!(cat(1, "gradient"), 2 * stage1);
+    assert_eq!(cat(1, "optimizer_state"), 4 * stage1);
 }

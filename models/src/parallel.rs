@@ -663,15 +663,21 @@ impl Parallel {
     /// the rest are refused with what to give.
     fn validate_finetune(&self, r: &Recipe) -> Result<(), RecipeError> {
         let bad = |field: &'static str, msg: String| RecipeError::Invalid { field, msg };
-        let how = "fine-tuning (--freeze, --lora) is modelled on one GPU, with --tp/--sp, and with --dp and --shard ddp, zero1, zero2, zero3, zero1-torch or fsdp2 (with their --offload)";
+        let how = "fine-tuning (--freeze, --lora) is modelled on one GPU, with --tp/--sp, --pp, --cp, and with --dp and --shard ddp, zero1, zero2, zero3, zero1-torch or fsdp2 (with their --offload)";
+        // A pipeline cuts the fine-tuned model as it cuts the whole one (`pipeline::rank_graph`:
+        // each stage keeps its frozen parameters and adapters; a frozen prefix's hidden state is
+        // received without requiring grad). QLoRA is not: bitsandbytes' quantized weights are
+        // not split into stages here.
         if self.pp > 1 {
-            return Err(bad(
-                "pp",
-                format!(
-                    "--pp {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet (a stage's frozen prefix and adapters are not cut from the rank's graph): {how}, with --pp 1",
-                    self.pp
-                ),
-            ));
+            if let Some(q) = r.quant {
+                return Err(bad(
+                    "pp",
+                    format!(
+                        "--pp {} with --quant {q} is not modelled yet (bitsandbytes' 4-/8-bit layers are not cut into pipeline stages here): {how}; QLoRA with --pp 1",
+                        self.pp
+                    ),
+                ));
+            }
         }
         // `--offload` follows `requires_grad` as the sharding does: ZeRO-Offload's host fp32
         // master, gradients and optimizer state are those of the trainable partitions
@@ -680,14 +686,21 @@ impl Parallel {
         // (`_partition_param`); FSDP2's `CPUOffloadPolicy` keeps every shard on the host and
         // copies to it only the sharded gradients there are (`foreach_reduce` over
         // `fsdp_params_with_grad`).
+        // --cp runs the ring attention whatever trains (the ring's forward is the SDPA kernel's
+        // substitute; autograd keeps what it saves only where an input requires grad, as on one
+        // GPU), and --cp needs --shard fsdp2: frozen parameters and adapters follow FSDP2's rules
+        // over the dp × cp ranks (`Parallel::fsdp_world`). FSDP-QLoRA over a context-parallel
+        // mesh is not lowered.
         if self.cp > 1 {
-            return Err(bad(
-                "cp",
-                format!(
-                    "--cp {} with fine-tuning (--freeze, --lora, --quant) is not modelled yet: {how}, with --cp 1",
-                    self.cp
-                ),
-            ));
+            if let Some(q) = r.quant {
+                return Err(bad(
+                    "cp",
+                    format!(
+                        "--cp {} with --quant {q} is not modelled yet (FSDP-QLoRA over the dp × cp mesh is not lowered): {how}; QLoRA with --cp 1",
+                        self.cp
+                    ),
+                ));
+            }
         }
         // QLoRA under DDP: `DistributedDataParallel._build_params_for_reducer` keeps only the
         // parameters with `requires_grad` (the adapters; bitsandbytes' Params4bit/Int8Params
@@ -853,11 +866,19 @@ impl Parallel {
             // (`lower/fsdp.rs`).
             // torchtitan (`parallelize.py` `apply_fsdp`, `reshard_after_forward_policy`
             // "default": `reshard_after_forward = not pp_enabled`) keeps the blocks unsharded
-            // after forward under a pipeline; the default `true` is read as that policy.
+            // after forward under a pipeline; the default `true` is read as that policy. Its
+            // policy is "always", "never" or "default", a bool each: no torchtitan run passes an
+            // int. FSDP2 itself would take one: every micro-batch's forward ends in
+            // `FSDPParamGroup.post_forward` → `reshard()` → `_to_sharded_post_forward()` (the
+            // blocks kept as N-way post-forward shards), each backward all-gathers them again
+            // from those, and `stage.py` `backward_maybe_with_nosync` sets
+            // `set_reshard_after_backward(False)`, so they stay unsharded until the next forward
+            // reshards them: an all-gather and a post-forward shard per micro-batch that the
+            // pipeline's FSDP2 lowering (unsharded over the step) does not make.
             if let ReshardAfterForward::To(n) = self.reshard_after_forward {
                 if n > 1 {
                     return Err(bad(format!(
-                        "--pp {} --shard fsdp2 with --reshard-after-forward {n} is not modelled: under --pp the blocks keep their parameters unsharded after forward (torchtitan's default policy with pp); give --reshard-after-forward false",
+                        "--pp {} --shard fsdp2 with --reshard-after-forward {n} is not modelled: torchtitan's fsdp_reshard_after_forward policy under a pipeline is \"default\" (blocks unsharded after forward) or \"always\"/\"never\", never an int; FSDP2 given one would reshard each stage's blocks to {n}-way post-forward shards after every micro-batch's forward (FSDPParamGroup.post_forward -> _to_sharded_post_forward) and all-gather them again for its backward, which the pipeline lowering does not make; give --reshard-after-forward false",
                         self.pp
                     )));
                 }

@@ -563,6 +563,20 @@ pub struct Chunk {
     /// The model's returned tensors the last stage keeps until its backward (the logits:
     /// `_PipelineStageBase._output_slot_is_releasable` is false on the last stage).
     pub model_outputs: Vec<ValueId>,
+    /// Whether each received activation requires grad (as `recv`). Under fine-tuning a frozen
+    /// prefix's hidden state does not: `PipelineStage`'s metadata inference records the
+    /// previous stage's output as it is (`_forward_metadata_inference`: `extract_tensor_metas(
+    /// outputs)`), `_retrieve_recv_activations` sets `requires_grad_(tensor_meta.requires_grad)`,
+    /// so the buffer is no leaf of the stage's graph and no gradient is sent back
+    /// (`_backward_metadata_inference`: an input without a gradient gets no grad meta;
+    /// `get_bwd_send_ops` skips it).
+    pub recv_grad: Vec<bool>,
+    /// Whether the stage's output requires grad. When it does not (a fully frozen stage), the
+    /// next stage sends it no gradient, so it allocates no gradient receive buffer
+    /// (`_create_grad_recv_info`: `tensor_meta=None`; `_get_recv_ops` skips it) and its backward
+    /// has no root (`stage_backward` skips an output that neither requires grad nor has a
+    /// `grad_fn`, and `torch.autograd.backward([])` does nothing).
+    pub output_grad: bool,
 }
 
 /// The stages of a rank's graph (from its meta); empty for a graph [`rank_graph`] did not make.
@@ -596,6 +610,15 @@ pub fn chunks(g: &Graph) -> Vec<Chunk> {
             recv: ids(c, "recv"),
             output: ValueId(num(c, "output") as u32),
             model_outputs: ids(c, "model_outputs"),
+            recv_grad: c
+                .get("recv_grad")
+                .and_then(|a| a.as_array())
+                .map(|a| a.iter().map(|x| x.as_bool().unwrap_or(true)).collect())
+                .unwrap_or_default(),
+            output_grad: c
+                .get("output_grad")
+                .and_then(|x| x.as_bool())
+                .unwrap_or(true),
         })
         .collect()
 }
@@ -606,13 +629,14 @@ fn dtype_only(op: &crate::graph::Op, j: usize) -> bool {
     j == 1 && matches!(op.kind, OpKind::ToDtypeOf | OpKind::AsStridedInplace)
 }
 
-/// Which values require grad, in program order: trainable parameters, and what a
-/// differentiable op computes from one (the lowering's rule in `exec`: factories, recorded
-/// calls without a node and dtype-only arguments carry none).
-fn requires_grad(g: &Graph) -> Vec<bool> {
+/// Which values require grad, in program order: trainable parameters (every floating-point one
+/// with `all_params`), and what a differentiable op computes from one (the lowering's rule in
+/// `exec`: factories, recorded calls without a node and dtype-only arguments carry none).
+fn requires_grad(g: &Graph, all_params: bool) -> Vec<bool> {
     let mut rg = vec![false; g.values.len()];
     for p in &g.params {
-        rg[p.value.0 as usize] = p.trainable;
+        rg[p.value.0 as usize] =
+            p.trainable || (all_params && g.values[p.value.0 as usize].differentiable);
     }
     for op in &g.ops {
         let differentiable = match &op.kind {
@@ -686,7 +710,11 @@ fn plan_stages(g: &Graph, num_stages: usize) -> Result<Vec<StagePlan>, PipelineE
         };
         blocks[i].0..end
     };
-    let rg = requires_grad(g);
+    // The cut is the model's, whatever is frozen: a stage receives the activation that would
+    // need a gradient if every parameter trained (torchtitan splits the model before any
+    // freezing; a frozen prefix's hidden state is still what the next stage receives, without
+    // `requires_grad`: `Chunk::recv_grad`).
+    let rg = requires_grad(g, true);
     let mut plans = Vec::with_capacity(num_stages);
     for (s, &(a, b)) in split.iter().enumerate() {
         let mut base: BTreeSet<usize> = BTreeSet::new();
@@ -799,6 +827,8 @@ fn plan_stages(g: &Graph, num_stages: usize) -> Result<Vec<StagePlan>, PipelineE
 pub fn rank_graph(g: &Graph, p: &Parallel) -> Result<Graph, PipelineError> {
     let stages = num_stages(p) as usize;
     let plans = plan_stages(g, stages)?;
+    // What actually requires grad under the recipe's frozen parameters and adapters.
+    let rg = requires_grad(g, false);
     let v = chunks_per_rank(p.pp_schedule);
     let mut h = g.clone();
     h.ops.clear();
@@ -931,6 +961,8 @@ pub fn rank_graph(g: &Graph, p: &Parallel) -> Result<Graph, PipelineError> {
             "recv": plan.recv.iter().map(|x| x.0).collect::<Vec<_>>(),
             "output": output.0,
             "model_outputs": model_outputs,
+            "recv_grad": plan.recv.iter().map(|x| rg[x.0 as usize]).collect::<Vec<_>>(),
+            "output_grad": rg[output.0 as usize],
         });
         if let Some(serde_json::Value::Array(a)) = h
             .meta
@@ -989,6 +1021,27 @@ pub fn rank_graph(g: &Graph, p: &Parallel) -> Result<Graph, PipelineError> {
     }
     if let Some(m) = h.meta.get_mut(META_KEY) {
         m["rank"] = serde_json::json!(p.stage);
+    }
+    // A DDP stage needs a parameter to train: `DistributedDataParallel.__init__` raises when none
+    // of its module's parameters requires grad (`torch/nn/parallel/distributed.py`).
+    if p.shard.uses_ddp() {
+        for (k, &(start, end, _)) in chunks_meta.iter().enumerate() {
+            let read: BTreeSet<u32> = h.ops[start..end]
+                .iter()
+                .flat_map(|op| op.inputs.iter().map(|x| x.0))
+                .collect();
+            if !h
+                .params
+                .iter()
+                .any(|q| q.trainable && read.contains(&q.value.0))
+            {
+                let s = p.stage + k as u32 * p.pp;
+                return Err(PipelineError::Invalid(format!(
+                    "stage {s} of {} trains no parameter (all frozen), and --shard {} wraps each stage in DistributedDataParallel, which raises \"DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient.\" (torch/nn/parallel/distributed.py); freeze fewer layers, or give --shard fsdp2 or none",
+                    g.name, p.shard
+                )));
+            }
+        }
     }
     Ok(h)
 }

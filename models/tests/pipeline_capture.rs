@@ -22,6 +22,11 @@
 //! group: `capture_pipeline.py OUT --dp 2 --shard ddp|zero1-torch [--bucket-view]
 //! [--schedule gpipe --m 2 | --schedule interleaved:2]`, one file per global rank
 //! (`rank{pp_rank}.dp{dp_rank}.jsonl.gz`).
+//!
+//! The `freeze*` recordings fine-tune (`capture_pipeline.py OUT --freeze-blocks K [--schedule ...]
+//! [--pp N --m M]`): the embeddings and the first K blocks frozen, with the stage metadata
+//! `PipelineStage`'s inference gives such a split (a stage input requires grad only when the
+//! previous stage's output does).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -201,6 +206,14 @@ fn traces(
             fsdp_reduce_dtype: dp.mixed.map(|(_, reduce)| reduce),
             ..Parallel::default()
         };
+        // `--freeze-blocks K`: the embeddings and blocks 0..K-1 frozen (GPT-2's tied head too).
+        if let Some(k) = captured.meta.get("freeze_blocks").and_then(|k| k.as_u64()) {
+            r.freeze = vec![
+                "transformer.wte".into(),
+                "transformer.wpe".into(),
+                format!("transformer.h.0-{}", k - 1),
+            ];
+        }
         let mut gr = r.clone();
         gr.batch = r.parallel.replica_batch(r.batch);
         let g = cfg.arch.build(&gr).expect("builds");
@@ -243,6 +256,71 @@ fn interleaved_pp2_v3_m4() {
 #[test]
 fn interleaved_pp2_v2_m6() {
     check("interleaved2-pp2-m6", PpSchedule::Interleaved(2), 2, 6);
+}
+
+/// Fine-tuning under the pipeline (`capture_pipeline.py --freeze-blocks K`: the embeddings and
+/// blocks 0..K-1 of the 6 frozen, GPT-2's tied head with `wte`). With K 3 over 2 stages the first
+/// stage (embeddings, blocks 0–2) trains nothing: no gradient, no optimizer state, no gradient
+/// receive buffer, a backward with nothing to run, and the second stage receives a hidden state that
+/// does not require grad and sends nothing back. With K 1 the first stage trains blocks 1–2 and
+/// gets its gradients as in full training. Also GPipe, the interleaved runtime (4 stages: rank 0
+/// holds the frozen stage 0 and the training stage 2, rank 1 the frozen stage 1 and the last stage
+/// 3), and pp 4 (stages 0–1 frozen, stage 2 frozen in part).
+///
+/// Every rank's peaks are PyTorch's to the byte, but the last stage's where its received activation
+/// requires grad: there PyTorch keeps `M − 1` more receive buffers (1 × 64 × 128 float32 each) at its
+/// peak, which the lowering does not (yet): each micro-batch's loss, kept until the step ends
+/// (`_internal_losses` and the caller's `losses`), reaches through its `grad_fn` chain the input's
+/// `AccumulateGrad` node, which holds the leaf (models/README.md, "Pipeline parallelism").
+#[test]
+fn frozen_prefix_one_f_one_b_pp2_m4() {
+    // Stage 1's input (stage 0's output, blocks 0–2 frozen) does not require grad.
+    check_frozen("freeze3-1f1b-pp2-m4", PpSchedule::OneFOneB, 2, 4, false);
+    // Stage 0 trains blocks 1–2: stage 1's input requires grad.
+    check_frozen("freeze1-1f1b-pp2-m4", PpSchedule::OneFOneB, 2, 4, true);
+}
+
+#[test]
+fn frozen_prefix_gpipe_pp2_m1() {
+    check_frozen("freeze3-gpipe-pp2-m1", PpSchedule::GPipe, 2, 1, false);
+}
+
+#[test]
+fn frozen_prefix_interleaved_pp2_v2_m4() {
+    // Stages 0: block 0, 1: blocks 1–2 (both frozen), 2: blocks 3–4 (training), 3: block 5.
+    check_frozen(
+        "freeze3-interleaved2-pp2-m4",
+        PpSchedule::Interleaved(2),
+        2,
+        4,
+        true,
+    );
+}
+
+#[test]
+fn frozen_prefix_one_f_one_b_pp4_m8() {
+    // Stages 0: block 0, 1: blocks 1–2 (both frozen), 2: blocks 3–4 (4 trains), 3: block 5.
+    check_frozen("freeze4-1f1b-pp4-m8", PpSchedule::OneFOneB, 4, 8, true);
+}
+
+/// The peaks of every rank of a `--freeze-blocks` recording: PyTorch's to the byte, the last rank's
+/// plus `M − 1` receive buffers of 64 × 128 float32 when `last_input_grad` (see above).
+fn check_frozen(dir: &str, schedule: PpSchedule, pp: u32, m: u32, last_input_grad: bool) {
+    let stages = match schedule {
+        PpSchedule::Interleaved(v) => pp * v,
+        _ => pp,
+    };
+    let frozen = traces(dir, schedule, pp, m, Checkpointing::None, &Dp::none());
+    for (rank, (ours, theirs)) in frozen.iter().enumerate() {
+        let (ours, theirs) = (peak(ours), peak(theirs));
+        eprintln!("{dir} rank {rank}: vramsim {ours:?}, PyTorch {theirs:?}");
+        let kept = if last_input_grad && rank as u32 == (stages - 1) % pp {
+            u64::from(m - 1) * 64 * 128 * 4
+        } else {
+            0
+        };
+        assert_eq!((ours.0 + kept, ours.1 + kept), theirs, "{dir} rank {rank}");
+    }
 }
 
 /// HF's non-reentrant activation checkpointing on every block: each micro-batch in flight keeps

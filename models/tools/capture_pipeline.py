@@ -16,6 +16,7 @@ Stages are built in static mode (``input_args``/``output_args``): no metadata in
         [--schedule 1f1b|gpipe|interleaved:V] [--pp 2] [--m 4] [--checkpoint]
         [--dp N --shard ddp|zero1-torch [--bucket-view]]
         [--dp N --shard fsdp2 [--fsdp-param-dtype bf16] [--fsdp-reduce-dtype fp32]] [--layers N]
+        [--freeze-blocks K]
 
 With ``--dp N`` (N ≥ 2, with ``--shard``) the world is ``pp × N`` processes on torchtitan's mesh
 order (``pp`` outer, ``dp`` inner: global rank ``pp_rank · N + dp_rank``).
@@ -36,6 +37,18 @@ the first data-parallel rank of each stage writes its trace, as ``rank{pp_rank}.
 DTensors, whose local allocations a dispatch mode does not see. FSDP2's ``resize_`` of the
 unsharded parameters' storages (``_fsdp_param.py`` ``alloc_storage``/``free_storage``) is not an op:
 it is recorded by wrapping those two functions.
+
+``--freeze-blocks K`` fine-tunes: the embeddings and blocks 0..K-1 are frozen
+(``requires_grad_(False)`` on the whole model before the split, as vramsim's ``--freeze
+transformer.wte,transformer.wpe,transformer.h.0-(K-1)``; GPT-2's tied head follows ``wte``); AdamW
+keeps no state for a parameter without a gradient. The static stage metadata is what ``PipelineStage``'s
+metadata inference gives such a split (``_forward_metadata_inference`` /
+``_backward_metadata_inference``): a stage whose output does not require grad (every layer up to
+its last frozen) gets ``output_grads=None`` (derived as ``None``: no gradient receive buffer), and
+a stage whose input comes from such a stage ``input_grads=None`` (no gradient sent back), and a
+stage whose input does require grad gets it ``requires_grad`` (a leaf whose ``.grad`` is sent back;
+the full-training recordings were made with static inputs without ``requires_grad``, which PyTorch
+receives as plain tensors, sending zeros back).
 
 Without ``--dp`` every rank writes ``OUT_DIR/rank{R}.jsonl.gz``; the run also writes
 ``OUT_DIR/config.json`` (the model's config, for ``vramsim predict --hf-config``).
@@ -122,7 +135,9 @@ class Stage(torch.nn.Module):
             inputs_embeds = x
         position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
         if self.wpe is not None:
-            hidden = inputs_embeds + self.wpe(position_ids)
+            # GPT2Model.forward's locals: `position_embeds` lives to the end of the forward.
+            position_embeds = self.wpe(position_ids)
+            hidden = inputs_embeds + position_embeds
             hidden = self.drop(hidden)
         else:
             hidden = x
@@ -203,7 +218,7 @@ def _record_fsdp_resizes(rec) -> None:
 def run(grank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt: bool,
         model: str = "gpt2", dp: int = 1, shard: str = "none", bucket_view: bool = False,
         param_dtype: str | None = None, reduce_dtype: str | None = None,
-        layers: int | None = None) -> None:
+        layers: int | None = None, freeze_blocks: int | None = None) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=grank, world_size=world * dp)
@@ -241,6 +256,12 @@ def run(grank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt
         full = GPT2LMHeadModel(cfg)
         stage_cls, n_layers, width = Stage, cfg.n_layer, cfg.n_embd
     full.train()
+    if freeze_blocks is not None:
+        t = full.transformer if model == "gpt2" else full.model
+        embeddings = [t.wte, t.wpe] if model == "gpt2" else [t.embed_tokens]
+        blocks = t.h if model == "gpt2" else t.layers
+        for mod in embeddings + list(blocks[:freeze_blocks]):
+            mod.requires_grad_(False)
     if ckpt:
         # HF's gradient checkpointing (what vramsim's --checkpoint full is), non-reentrant.
         full.activation_checkpointing_enable({"use_reentrant": False})
@@ -264,8 +285,15 @@ def run(grank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt
             for block in blocks:
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
             fully_shard(mod, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+        # With --freeze-blocks the received activation requires grad when the previous stage's
+        # output does, as metadata inference records it (`_retrieve_recv_activations` then makes
+        # it a leaf that requires grad); the full-training recordings keep their inputs without
+        # requires_grad (as they were made).
+        recv_grad = (freeze_blocks is not None and not first
+                     and (splits[s_idx - 1][1] > freeze_blocks))
         mb_in = (torch.empty(1, SEQ, dtype=torch.long, device="meta") if first
-                 else torch.empty(1, SEQ, width, device="meta", dtype=act_dtype))
+                 else torch.empty(1, SEQ, width, device="meta", dtype=act_dtype,
+                                  requires_grad=recv_grad))
         mb_out = torch.empty(1, SEQ, vocab if last else width, device="meta", dtype=act_dtype)
         mods.append(mod)
         stages.append((mod, s_idx, first, last, mb_in, mb_out))
@@ -294,10 +322,16 @@ def run(grank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt
         with rec:
             subs = [DDP(mod, process_group=dp_group, gradient_as_bucket_view=bucket_view)
                     for mod in subs]
+    # With a frozen prefix: a stage's output requires grad once one of its layers up to the
+    # end (or the embeddings) trains; its input when the previous stage's output does.
+    def output_needs_grad(s_idx: int) -> bool:
+        return freeze_blocks is None or splits[s_idx][1] > freeze_blocks or s_idx == n_stages - 1
+
     stages = [PipelineStage(sub, s_idx, n_stages, torch.device("cpu"),
                             input_args=(mb_in,), output_args=(mb_out,),
-                            output_grads=None if s_last else (mb_out,),
-                            input_grads=None if s_first else (mb_in,), group=pp_group)
+                            output_grads=None if s_last or not output_needs_grad(s_idx) else (mb_out,),
+                            input_grads=None if s_first or not output_needs_grad(s_idx - 1) else (mb_in,),
+                            group=pp_group)
               for sub, (_, s_idx, s_first, s_last, mb_in, mb_out) in zip(subs, stages)]
 
     if v > 1:
@@ -310,6 +344,9 @@ def run(grank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt
         opt = ZeroRedundancyOptimizer(stage_mod.parameters(), optimizer_class=torch.optim.AdamW,
                                       process_group=dp_group, lr=1e-4, foreach=True)
     else:
+        # Every parameter (AdamW skips those without a gradient: no state for the frozen ones);
+        # given only the trainable ones, a fully frozen rank's optimizer would raise "optimizer
+        # got an empty parameter list".
         opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-4, foreach=True)
     # CUDA's fused dropout (a bool mask), as the capture tool's own runs take it.
     with rec, vramsim_capture.cuda_like_dropout():
@@ -341,6 +378,7 @@ def run(grank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt
                                         "gradient_as_bucket_view": bucket_view,
                                         "fsdp_param_dtype": param_dtype,
                                         "fsdp_reduce_dtype": reduce_dtype,
+                                        "freeze_blocks": freeze_blocks,
                                         "torch": torch.__version__}, events=events)
     if shard == "fsdp2":
         # the first data-parallel rank holds the largest shards (torch.chunk)
@@ -375,7 +413,11 @@ def main() -> int:
     ap.add_argument("--fsdp-param-dtype", choices=["bf16", "fp32"])
     ap.add_argument("--fsdp-reduce-dtype", choices=["bf16", "fp32"])
     ap.add_argument("--layers", type=int, help="the model's number of blocks (6 by default)")
+    ap.add_argument("--freeze-blocks", type=int,
+                    help="freeze the embeddings and blocks 0..K-1 (fine-tuning)")
     a = ap.parse_args()
+    if a.freeze_blocks is not None and a.shard != "none":
+        ap.error("--freeze-blocks is recorded without data parallelism (--shard none)")
     if (a.dp > 1) != (a.shard != "none"):
         ap.error("--dp N (N > 1) goes with --shard ddp, zero1-torch or fsdp2")
     if a.bucket_view and a.shard not in ("ddp", "zero1-torch"):
@@ -388,7 +430,8 @@ def main() -> int:
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     mp.spawn(run, args=(a.pp, a.out, a.schedule, a.m, a.port, a.checkpoint, a.model, a.dp, a.shard,
-                         a.bucket_view, a.fsdp_param_dtype, a.fsdp_reduce_dtype, a.layers),
+                         a.bucket_view, a.fsdp_param_dtype, a.fsdp_reduce_dtype, a.layers,
+                         a.freeze_blocks),
              nprocs=a.pp * a.dp, join=True)
     return 0
 

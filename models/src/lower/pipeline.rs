@@ -373,17 +373,20 @@ impl<'g> Lowering<'g> {
             let view = self.view(&full, Layout::contiguous(&g.values[v.0 as usize].shape));
             self.vals[v.0 as usize] = Some(view);
         }
-        // `_retrieve_recv_activations`: each received buffer becomes a leaf that requires grad.
+        // `_retrieve_recv_activations`: each received buffer becomes a leaf that requires grad,
+        // but a frozen prefix's hidden state, which stays a plain tensor (`Chunk::recv_grad`).
         let received = match received {
             Some(r) => r,
             None => self.pp_recv_activation(stage),
         };
         let mut recv_slots = Vec::new();
-        for (&v, mut rt) in c.recv.iter().zip(received) {
-            let (leaf, slot) = self.new_leaf(&rt);
-            rt.edge = Some(Edge { node: leaf, nr: 0 });
+        for (k, (&v, mut rt)) in c.recv.iter().zip(received).enumerate() {
+            if c.recv_grad.get(k).copied().unwrap_or(true) {
+                let (leaf, slot) = self.new_leaf(&rt);
+                rt.edge = Some(Edge { node: leaf, nr: 0 });
+                recv_slots.push(slot);
+            }
             self.vals[v.0 as usize] = Some(rt);
-            recv_slots.push(slot);
         }
         if last {
             self.pp.hold = c.model_outputs.clone();
@@ -452,12 +455,16 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// `get_bwd_recv_ops(mb)` of a non-last stage: the buffer of the output's gradient.
+    /// `get_bwd_recv_ops(mb)` of a non-last stage: the buffer of the output's gradient (none
+    /// when the output does not require grad: `Chunk::output_grad`).
     fn pp_recv_grad(&mut self, stage: u32, mb: u32) -> Option<Rt> {
         if self.pp_is_last(stage) {
             return None;
         }
         let c = self.pp_chunk(stage);
+        if !c.output_grad {
+            return None;
+        }
         let val = &self.g.values[c.output.0 as usize];
         let dtype = self.resolve(val.dtype);
         self.kind_now = Kind::Comm;

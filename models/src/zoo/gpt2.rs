@@ -182,6 +182,10 @@ pub fn gpt2_with_head(
                 // unread there): a non-reentrant checkpoint keeps it, which matters once the
                 // frozen wpe no longer saves it.
                 b.region_arg(pos);
+                // GPT2Model.forward's loop (`hidden_states = block(hidden_states, ...)[0]`) keeps
+                // the block's input until the block returns: what holds it when nothing saves it
+                // (frozen blocks, no grad).
+                b.hold(x);
                 let residual = x;
                 let y = b.layer_norm("ln_1", x);
                 let (a, probs) = b.module("attn", |b| {

@@ -249,6 +249,10 @@ pub fn llama_with_head(
                 // position_embeddings), but HF's GradientCheckpointingLayer hands
                 // `partial(super().__call__, **kwargs)` to the checkpoint, which keeps it.
                 b.region_arg(pos);
+                // LlamaModel.forward's loop (`hidden_states = decoder_layer(hidden_states, ...)`)
+                // keeps the layer's input until the layer returns: what holds it when nothing
+                // saves it (frozen layers, no grad).
+                b.hold(x);
                 let residual = x;
                 let y = b.rms_norm("input_layernorm", x);
                 let (a, probs) = b.module("self_attn", |b| {
