@@ -11,7 +11,7 @@
 //!   partitioned terms and in the flat parameters.
 
 mod common;
-use common::{live_at_phase, max_live};
+use common::{live_at, live_at_phase, max_live, phase_index};
 use std::collections::HashMap;
 
 use vramsim_models::{
@@ -1195,52 +1195,115 @@ fn fp16_extra(r: &Recipe) -> HashMap<u64, i64> {
     extra
 }
 
-/// DeepSpeed's fp16 mode adds only its overflow check to the bf16 mode's step, once per
-/// iteration (`stage_1_and_2.py` `has_overflow_partitioned_grads_serial` / `_has_inf_or_nan`):
-/// a 4-byte counter, then per gradient piece of rank 0's partition (each parameter's overlap
-/// with the first Ψ'/N elements, in parameter order) `x.float()` (4n), `isnan`, `isinf`,
-/// `logical_or` (n each), `.float()` (4n) and the 4-byte `max`; then the 1-byte `.bool()` and
-/// `.byte()`. ZeRO-3 (`stage3.py` `has_overflow`): `isinf`/`isnan` of
-/// `grad_partitions_flat_buffer` (Σ partitions bytes each) with a 1-byte `any`, then a 1-byte
-/// clone and its uint8 copy.
+/// Whether an allocation's tag names DeepSpeed's overflow check (`has_overflow*`,
+/// `_has_inf_or_nan:*`).
+fn is_check_tag(tag: &str) -> bool {
+    tag.starts_with("has_overflow") || tag.starts_with("_has_inf_or_nan:")
+}
+
+/// The sizes of every allocation of DeepSpeed's overflow check ([`is_check_tag`]), counted.
+fn overflow_check_sizes(t: &Trace) -> HashMap<u64, i64> {
+    let mut m = HashMap::new();
+    for e in &t.events {
+        if let Event::Alloc {
+            size, tag: Some(x), ..
+        } = e
+        {
+            if is_check_tag(x) {
+                *m.entry(*size).or_insert(0) += 1;
+            }
+        }
+    }
+    m
+}
+
+/// The allocations of one overflow check of `DeepSpeedZeroOptimizer.step` (stages 1/2), by hand
+/// from `stage_1_and_2.py` `has_overflow_partitioned_grads_serial` / `_has_inf_or_nan`: a 4-byte
+/// counter, then per gradient piece of rank 0's partition (each parameter's overlap with the
+/// first Ψ'/N elements, in parameter order) `x.float()` (4n: the pieces are 16-bit in bf16 and
+/// fp16 alike), `isnan`, `isinf`, `logical_or` (n each), `.float()` (4n) and the 4-byte `max`;
+/// then the 1-byte `.bool()` and `.byte()`. Each size is counted `times` times.
+fn zero12_overflow_check(g: &vramsim_models::Graph, n: u64, times: i64) -> HashMap<u64, i64> {
+    let mut want: HashMap<u64, i64> = HashMap::new();
+    let mut add = |size: u64, k: i64| *want.entry(size).or_insert(0) += k * times;
+    let sizes: Vec<u64> = g
+        .params
+        .iter()
+        .map(|p| p.shape.iter().product::<u64>())
+        .collect();
+    let psi: u64 = sizes.iter().sum();
+    let part = psi.div_ceil(2 * n) * 2 * n / n;
+    add(4, 1);
+    let mut start = 0;
+    for s in sizes {
+        let piece = (start + s).min(part).saturating_sub(start.min(part));
+        if piece > 0 {
+            add(4 * piece, 2);
+            add(piece, 3);
+            add(4, 1);
+        }
+        start += s;
+    }
+    add(1, 2);
+    want
+}
+
+/// DeepSpeed's bf16 mode runs the stage-1/2 overflow check as its fp16 mode does:
+/// `engine.py` `_configure_zero_optimizer` passes the bf16 section's `check_grad_overflow`,
+/// True by default since DeepSpeed 0.19.3 (`precision_config.py` `DeepSpeedBF16Config`), and
+/// `stage_1_and_2.py` `step` checks `if self.check_grad_overflow`. Once per iteration, the
+/// allocations of [`zero12_overflow_check`]; the temporaries die within the step, so the ZeRO
+/// paper's model states (`zero_model_states_per_rank_match_the_paper`, bf16 and fp16) hold.
 #[test]
-fn deepspeed_fp16_adds_its_overflow_check() {
+fn deepspeed_bf16_and_fp16_run_the_stage12_overflow_check() {
     let (n, iters) = (4u64, 2u32);
-    for shard in [Shard::Zero1, Shard::Zero2, Shard::Zero3] {
+    for shard in [Shard::Zero1, Shard::Zero2] {
+        for precision in [Precision::Bf16, Precision::Fp16] {
+            let mut r = recipe(1, 128, n as u32, shard);
+            r.optimizer = OptimizerKind::AdamW;
+            r.precision = precision;
+            r.iterations = iters;
+            let g = zoo::build("gpt2", &r).unwrap();
+            let t = lower(&g, &r).unwrap();
+            let want = zero12_overflow_check(&g, n, i64::from(iters));
+            assert_eq!(overflow_check_sizes(&t), want, "{shard} {precision:?}");
+            // Transient: none of the check's allocations outlives its step.
+            for at in [phase_index(&t, "optimizer", 1), t.events.len()] {
+                assert!(
+                    live_at(&t, at).iter().all(|(_, _, tag)| !is_check_tag(tag)),
+                    "{shard} {precision:?}: live at event {at}"
+                );
+            }
+        }
+        // Both modes check with the same sizes: fp16 adds nothing to bf16's trace.
         let mut r = recipe(1, 128, n as u32, shard);
         r.optimizer = OptimizerKind::AdamW;
         r.iterations = iters;
-        let g = zoo::build("gpt2", &r).unwrap();
-        let mut want: HashMap<u64, i64> = HashMap::new();
-        let mut add = |size: u64, k: i64| *want.entry(size).or_insert(0) += k * i64::from(iters);
-        if shard == Shard::Zero3 {
-            let total: u64 = zero3_partition(&g, n).iter().sum();
-            add(total, 2);
-            add(1, 4);
-        } else {
-            let sizes: Vec<u64> = g
-                .params
-                .iter()
-                .map(|p| p.shape.iter().product::<u64>())
-                .collect();
-            let psi: u64 = sizes.iter().sum();
-            let part = psi.div_ceil(2 * n) * 2 * n / n;
-            add(4, 1);
-            let mut start = 0;
-            for s in sizes {
-                let piece = (start + s).min(part).saturating_sub(start.min(part));
-                if piece > 0 {
-                    add(4 * piece, 2);
-                    add(piece, 3);
-                    add(4, 1);
-                }
-                start += s;
-            }
-            add(1, 2);
-        }
-        want.retain(|_, v| *v != 0);
-        assert_eq!(fp16_extra(&r), want, "{shard}");
+        assert_eq!(fp16_extra(&r), HashMap::new(), "{shard}");
     }
+}
+
+/// ZeRO-3 checks for overflow in fp16 mode only (`stage3.py`
+/// `_overflow_check_and_loss_scale_update`: `if self.dtype == torch.float16`; `engine.py` gives
+/// `check_grad_overflow` to stages 1/2 only), so fp16 adds the check to the bf16 mode's step,
+/// once per iteration (`stage3.py` `has_overflow`): `isinf`/`isnan` of
+/// `grad_partitions_flat_buffer` (Σ partitions bytes each) with a 1-byte `any`, then a 1-byte
+/// clone and its uint8 copy; bf16 makes none of these.
+#[test]
+fn deepspeed_zero3_checks_overflow_in_fp16_only() {
+    let (n, iters) = (4u64, 2u32);
+    let mut r = recipe(1, 128, n as u32, Shard::Zero3);
+    r.optimizer = OptimizerKind::AdamW;
+    r.iterations = iters;
+    let g = zoo::build("gpt2", &r).unwrap();
+    let total: u64 = zero3_partition(&g, n).iter().sum();
+    let want = HashMap::from([(total, 2 * i64::from(iters)), (1, 4 * i64::from(iters))]);
+    assert_eq!(fp16_extra(&r), want);
+    let bf16 = lower(&g, &r).unwrap();
+    assert_eq!(overflow_check_sizes(&bf16), HashMap::new());
+    r.precision = Precision::Fp16;
+    let g = zoo::build("gpt2", &r).unwrap();
+    assert_eq!(overflow_check_sizes(&lower(&g, &r).unwrap()), want);
 }
 
 /// `--precision fp16` is DeepSpeed's mode only: without ZeRO, and autocast under ZeRO, are

@@ -32,7 +32,6 @@ use crate::dtype::DType;
 use crate::graph::ModuleId;
 use crate::layout::Layout;
 use crate::parallel::{Offload, Shard};
-use crate::recipe::Precision;
 
 impl<'g> Lowering<'g> {
     /// Whether the ZeRO-1/2 optimizer runs with `offload_optimizer` (device cpu).
@@ -112,33 +111,13 @@ impl<'g> Lowering<'g> {
         );
         self.drop_rt(double);
         self.par.norms.push(norm);
-        // `_has_inf_or_nan(grad)`: `float_x = x.float()`, `nan = float_x.isnan()`,
-        // `inf = float_x.isinf()`, `inf_or_nan = nan.logical_or(inf)`,
-        // `return inf_or_nan.float().max()`: the `.float()` temporary dies after `max`, the locals
-        // at the return, the result once the caller has tested it.
-        // In DeepSpeed's fp32 mode `x.float()` is `x` itself (`ds_upcasts`).
-        let n = [numel];
-        let upcasts = self.ds_upcasts();
-        let float_x = upcasts
-            .then(|| self.offload_temp(&n, DType::F32, "aten._to_copy", "_has_inf_or_nan:float_x"));
-        let nan = self.offload_temp(&n, DType::Bool, "aten.isnan", "_has_inf_or_nan:nan");
-        let inf = self.offload_temp(&n, DType::Bool, "aten.isinf", "_has_inf_or_nan:inf");
-        let inf_or_nan = self.offload_temp(
-            &n,
-            DType::Bool,
-            "aten.logical_or",
-            "_has_inf_or_nan:inf_or_nan",
-        );
-        let as_float = self.offload_temp(&n, DType::F32, "aten._to_copy", "_has_inf_or_nan:float");
-        let max = self.offload_temp(&[], DType::F32, "aten.max", "_has_inf_or_nan:max");
-        self.drop_rt(as_float);
-        for t in float_x.into_iter().chain([nan, inf, inf_or_nan, max]) {
-            self.drop_rt(t);
-        }
+        // `update_offload_overflow_tracker_for_param_grad`: `_has_inf_or_nan` of the whole
+        // gradient, whatever `check_grad_overflow` says (it gates only `step`'s `check_overflow`).
+        self.ds_has_inf_or_nan(numel);
         // `async_inplace_copy_grad_to_fp32_buffer_from_gpu`: the owned slice
         // `.to(master_weights_and_grads_dtype)` (fp32; only `if src_tensor.dtype !=
         // self.master_weights_and_grads_dtype`), copied into the host fp32 gradient.
-        if upcasts {
+        if self.ds_upcasts() {
             let fp32 = self.offload_temp(
                 &[owned],
                 DType::F32,
@@ -155,9 +134,8 @@ impl<'g> Lowering<'g> {
         let prev = self.kind_now;
         self.kind_now = Kind::Temporary;
         // `has_overflow`: `get_accelerator().ByteTensor([overflow])`, all-reduced, `.item()`;
-        // only `if self.check_grad_overflow`, False in DeepSpeed's fp32 mode (`engine.py`
-        // `_configure_zero_optimizer`).
-        if self.r.precision != Precision::Fp32 {
+        // only `if self.check_grad_overflow` (`ds_checks_grad_overflow`).
+        if self.ds_checks_grad_overflow() {
             let overflow =
                 self.offload_temp(&[1], DType::U8, "aten.empty", "has_overflow:overflow_gpu");
             self.collective_uses(&overflow);

@@ -105,6 +105,63 @@ impl<'g> Lowering<'g> {
         self.param_dtype != DType::F32
     }
 
+    /// Whether `DeepSpeedZeroOptimizer.step` (stages 1/2) runs its overflow check: `if
+    /// self.check_grad_overflow: self.check_overflow(...)` (`stage_1_and_2.py` `step`), with
+    /// `check_grad_overflow` from `engine.py` `_configure_zero_optimizer`: the bf16 section's
+    /// `check_grad_overflow` in bf16 mode, True in fp16 mode, False otherwise (fp32 mode).
+    /// `DeepSpeedBF16Config.check_grad_overflow` (`precision_config.py`) defaults to True since
+    /// DeepSpeed 0.19.3 (#8035, "Enable bf16 check_grad_overflow by default (matching fp16)";
+    /// read at edaa722, 0.19.6), so the default bf16 config checks as fp16 does. Stage 3 is not
+    /// given the flag: it checks only `if self.dtype == torch.float16` (`stage3.py`
+    /// `_overflow_check_and_loss_scale_update`), see `zero3_step`.
+    pub(super) fn ds_checks_grad_overflow(&self) -> bool {
+        matches!(self.r.precision, Precision::Bf16 | Precision::Fp16)
+    }
+
+    /// `_has_inf_or_nan(x)` of an `n`-element 16-bit gradient (`stage_1_and_2.py`): `float_x =
+    /// x.float()` (`x` itself in fp32 mode, `ds_upcasts`), `nan = float_x.isnan()`, `inf =
+    /// float_x.isinf()`, `inf_or_nan = nan.logical_or(inf)`, `return inf_or_nan.float().max()`:
+    /// `inf_or_nan.float()` dies with the statement, the locals at the return, the result once
+    /// the caller has added or tested it.
+    pub(super) fn ds_has_inf_or_nan(&mut self, n: u64) {
+        let s = [n];
+        let temp = |me: &mut Self, s: &[u64], dtype: DType, op: &str, tag: &str| {
+            let t = me.alloc(Layout::contiguous(s), dtype, ModuleId(0), op);
+            me.retag(&t, tag.into());
+            t
+        };
+        let float_x = self.ds_upcasts().then(|| {
+            temp(
+                self,
+                &s,
+                DType::F32,
+                "aten._to_copy",
+                "_has_inf_or_nan:float_x",
+            )
+        });
+        let nan = temp(self, &s, DType::Bool, "aten.isnan", "_has_inf_or_nan:nan");
+        let inf = temp(self, &s, DType::Bool, "aten.isinf", "_has_inf_or_nan:inf");
+        let inf_or_nan = temp(
+            self,
+            &s,
+            DType::Bool,
+            "aten.logical_or",
+            "_has_inf_or_nan:inf_or_nan",
+        );
+        let as_float = temp(
+            self,
+            &s,
+            DType::F32,
+            "aten._to_copy",
+            "_has_inf_or_nan:float",
+        );
+        let max = temp(self, &[], DType::F32, "aten.max", "_has_inf_or_nan:max");
+        self.drop_rt(as_float);
+        for t in float_x.into_iter().chain([nan, inf, inf_or_nan, max]) {
+            self.drop_rt(t);
+        }
+    }
+
     pub(super) fn comm_alloc(&mut self, elems: u64, dtype: DType, tag: String) -> Rt {
         let prev = self.kind_now;
         self.kind_now = Kind::Comm;
@@ -776,18 +833,16 @@ impl<'g> Lowering<'g> {
         self.par.ipg_params.clear();
     }
 
-    /// DeepSpeed's fp16 mode, first thing in `DeepSpeedZeroOptimizer.step` (`check_grad_overflow`
-    /// is True for fp16, `engine.py` `_configure_zero_optimizer`): `has_overflow` →
-    /// `has_overflow_partitioned_grads_serial`, a `torch.zeros([1], float)` counter, then for
-    /// each gradient piece of the partition (`averaged_gradients[i]`: rank 0's piece of every
-    /// parameter in `[0, partition)`) `_has_inf_or_nan`: `float_x = x.float()`, `nan =
-    /// float_x.isnan()`, `inf = float_x.isinf()`, `inf_or_nan = nan.logical_or(inf)`, returning
-    /// `inf_or_nan.float().max()` (the float copy dies with the statement, the locals at return,
-    /// the max after `+=`); the counter's `.bool()` (the counter dies), `.byte()`, all-reduced
-    /// (MAX), freed at return. The loss scaler itself holds Python floats only
+    /// The overflow check, first thing in `DeepSpeedZeroOptimizer.step` when
+    /// [`ds_checks_grad_overflow`](Self::ds_checks_grad_overflow) (bf16 and fp16 modes):
+    /// `has_overflow` → `has_overflow_partitioned_grads_serial`, a `torch.zeros([1], float)`
+    /// counter, then for each gradient piece of the partition (`averaged_gradients[i]`: rank 0's
+    /// piece of every parameter in `[0, partition)`) `_has_inf_or_nan` (`ds_has_inf_or_nan`, its
+    /// result dropped after `+=`); the counter's `.bool()` (the counter dies), `.byte()`,
+    /// all-reduced (MAX), freed at return. The loss scaler itself holds Python floats only
     /// (`fp16/loss_scaler.py`: `cur_scale`), and `scale_loss` is `loss * self.loss_scale` in bf16
     /// mode too (scale 1.0).
-    fn zero_fp16_overflow_check(&mut self) {
+    fn zero_overflow_check(&mut self) {
         let part = self.par.partition;
         let mut pieces = Vec::new();
         let mut start = 0u64;
@@ -799,52 +854,33 @@ impl<'g> Lowering<'g> {
             }
             start = end;
         }
-        let scalar = |me: &mut Self, dtype: DType, op: &str| {
-            me.alloc(Layout::contiguous(&[1]), dtype, ModuleId(0), op)
+        let scalar = |me: &mut Self, dtype: DType, op: &str, tag: &str| {
+            let t = me.alloc(Layout::contiguous(&[1]), dtype, ModuleId(0), op);
+            me.retag(&t, tag.into());
+            t
         };
-        let count = scalar(self, DType::F32, "aten.zeros");
+        let count = scalar(
+            self,
+            DType::F32,
+            "aten.zeros",
+            "has_overflow_partitioned_grads_serial:invalid_grad_count",
+        );
         for n in pieces {
-            let s = [n];
-            let float_x = self.alloc(
-                Layout::contiguous(&s),
-                DType::F32,
-                ModuleId(0),
-                "aten._to_copy",
-            );
-            let nan = self.alloc(
-                Layout::contiguous(&s),
-                DType::Bool,
-                ModuleId(0),
-                "aten.isnan",
-            );
-            let inf = self.alloc(
-                Layout::contiguous(&s),
-                DType::Bool,
-                ModuleId(0),
-                "aten.isinf",
-            );
-            let either = self.alloc(
-                Layout::contiguous(&s),
-                DType::Bool,
-                ModuleId(0),
-                "aten.logical_or",
-            );
-            let as_float = self.alloc(
-                Layout::contiguous(&s),
-                DType::F32,
-                ModuleId(0),
-                "aten._to_copy",
-            );
-            let max = self.alloc(Layout::contiguous(&[]), DType::F32, ModuleId(0), "aten.max");
-            self.drop_rt(as_float);
-            for t in [float_x, nan, inf, either] {
-                self.drop_rt(t);
-            }
-            self.drop_rt(max);
+            self.ds_has_inf_or_nan(n);
         }
-        let flag = scalar(self, DType::Bool, "aten._to_copy");
+        let flag = scalar(
+            self,
+            DType::Bool,
+            "aten._to_copy",
+            "has_overflow_partitioned_grads_serial:bool",
+        );
         self.drop_rt(count);
-        let byte = scalar(self, DType::U8, "aten._to_copy");
+        let byte = scalar(
+            self,
+            DType::U8,
+            "aten._to_copy",
+            "has_overflow:overflow_gpu",
+        );
         self.collective_uses(&byte);
         self.drop_rt(flag);
         self.drop_rt(byte);
@@ -862,8 +898,8 @@ impl<'g> Lowering<'g> {
         }
         self.kind_now = Kind::Temporary;
         let part = self.par.partition;
-        if self.r.precision == Precision::Fp16 {
-            self.zero_fp16_overflow_check();
+        if self.ds_checks_grad_overflow() {
+            self.zero_overflow_check();
         }
         let flat = self.alloc(
             Layout::contiguous(&[part]),

@@ -174,14 +174,21 @@ impl<'g> Lowering<'g> {
             .grad_flat
             .as_ref()
             .map_or(0, |g| g.layout.numel());
-        for op in ["aten.isinf", "aten.isnan"] {
+        for (op, tag) in [
+            ("aten.isinf", "has_overflow:isinf"),
+            ("aten.isnan", "has_overflow:isnan"),
+        ] {
             let mask = self.z3_temp(total, DType::Bool, REDUCE_STREAM, op);
+            self.retag(&mask, tag.into());
             let any = self.z3_temp(1, DType::Bool, REDUCE_STREAM, "aten.any");
+            self.retag(&any, "has_overflow:any".into());
             self.drop_rt(mask);
             self.drop_rt(any);
         }
         let clone = self.z3_temp(1, DType::Bool, REDUCE_STREAM, "aten.clone");
+        self.retag(&clone, "has_overflow:clone".into());
         let byte = self.z3_temp(1, DType::U8, REDUCE_STREAM, "aten._to_copy");
+        self.retag(&byte, "has_overflow:overflow_gpu".into());
         self.drop_rt(clone);
         self.collective_uses(&byte);
         self.drop_rt(byte);
@@ -198,6 +205,11 @@ impl<'g> Lowering<'g> {
             self.z3_release_param(p);
         }
         self.kind_now = Kind::Temporary;
+        // Only fp16 checks: `stage3.py` `_overflow_check_and_loss_scale_update` calls
+        // `check_overflow` only `if self.dtype == torch.float16`, and `engine.py`
+        // `_configure_zero_optimizer` passes `check_grad_overflow` (True by default in bf16,
+        // `precision_config.py` `DeepSpeedBF16Config`) to the stage-1/2 optimizer only, not to
+        // `DeepSpeedZeroOptimizer_Stage3`: bf16 and fp32 stage 3 make no overflow check.
         if self.r.precision == crate::recipe::Precision::Fp16 {
             self.z3_fp16_overflow_check();
         }
