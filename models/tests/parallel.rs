@@ -1306,6 +1306,42 @@ fn deepspeed_zero3_checks_overflow_in_fp16_only() {
     assert_eq!(overflow_check_sizes(&lower(&g, &r).unwrap()), want);
 }
 
+/// The stage-3 optimizer keeps a one-element bool `inf_or_nan_tracker` on its device from its
+/// `__init__` on (`stage3.py`: `torch.zeros(1, dtype=torch.bool, device=self.device)`, the host with
+/// `offload_optimizer`): one allocation of 1 byte, never freed, in every precision.
+#[test]
+fn deepspeed_zero3_keeps_its_inf_or_nan_tracker() {
+    let trackers = |r: &vramsim_models::Recipe| -> Vec<(u64, bool)> {
+        let g = zoo::build("gpt2", r).unwrap();
+        let t = lower(&g, r).unwrap();
+        t.events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Alloc { id, size, tag, .. }
+                    if tag.as_deref() == Some("inf_or_nan_tracker") =>
+                {
+                    let freed = t
+                        .events
+                        .iter()
+                        .any(|f| matches!(f, Event::Free { id: i } if i == id));
+                    Some((*size, freed))
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    for precision in [Precision::Bf16, Precision::Fp16, Precision::Fp32] {
+        let mut r = recipe(1, 128, 4, Shard::Zero3);
+        r.optimizer = OptimizerKind::AdamW;
+        r.precision = precision;
+        assert_eq!(trackers(&r), [(1, false)], "{precision}");
+    }
+    let mut r = recipe(1, 128, 4, Shard::Zero3);
+    r.optimizer = OptimizerKind::AdamW;
+    r.parallel.offload = Offload::Optimizer;
+    assert_eq!(trackers(&r), []);
+}
+
 /// `--precision fp16` is DeepSpeed's mode only: without ZeRO, and autocast under ZeRO, are
 /// refused with the reason.
 #[test]

@@ -186,6 +186,8 @@ pub(crate) struct Zero3State {
     /// Gradients too large for the IPG buffer, kept as they are until reduced.
     ipg_own: Vec<Rt>,
     grad_flat: Option<Rt>,
+    /// The optimizer's `inf_or_nan_tracker`, on the GPU unless the optimizer is offloaded.
+    tracker: Option<Rt>,
 }
 
 impl<'g> Lowering<'g> {

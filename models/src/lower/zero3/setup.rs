@@ -126,6 +126,22 @@ impl<'g> Lowering<'g> {
             }
             self.drop_rt(whole);
         }
+        // The stage-3 optimizer's `__init__`, after `initialize_ds_offload` and before the
+        // partitions are flattened: `self.inf_or_nan_tracker = torch.zeros(1, dtype=torch.bool,
+        // device=self.device)`, kept (`self.device` is the host with `offload_optimizer`).
+        if !self.z3_offload_optimizer() {
+            // the loss scaler's bookkeeping: neither optimizer state nor a gradient
+            self.kind_now = Kind::Other;
+            let tracker = self.alloc(
+                Layout::contiguous(&[1]),
+                DType::Bool,
+                ModuleId(0),
+                "aten.zeros",
+            );
+            self.retag(&tracker, "inf_or_nan_tracker".into());
+            self.zero3.tracker = Some(tracker);
+            self.kind_now = Kind::Param;
+        }
         // `_create_fp16_partitions_with_defragmentation(self.trainable_param_groups)` →
         // `defragment(_get_parameter_partitions())` (the trainable ones): the partitions go to
         // host memory and are freed, `empty_cache()`, then come back as one flat buffer. With
