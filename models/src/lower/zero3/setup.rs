@@ -98,15 +98,24 @@ impl<'g> Lowering<'g> {
         // (`_partition_param`: `device = self.local_device if param.ds_persist`).
         let off_param = self.z3_offload_params();
         let mut parts = Vec::new();
-        for p in 0..np {
+        // A quantized model is not a `zero.Init` one (`parallel::zero3_without_init`):
+        // `from_pretrained` leaves every parameter whole on each GPU, and `deepspeed.initialize`
+        // then partitions them one by one (`Init(module=...)` → `_convert_to_zero_parameters` →
+        // `_zero_init_param`: the partition made, the whole freed), the packed 4-bit codes in
+        // their storage dtype (`_partition_param`: `torch.empty(..., dtype=param.dtype)`).
+        let loaded: Vec<Option<Rt>> = if crate::parallel::zero3_without_init(self.r) {
+            (0..np)
+                .map(|p| Some(self.z3_whole(p, "from_pretrained")))
+                .collect()
+        } else {
+            vec![None; np]
+        };
+        for (p, loaded) in loaded.into_iter().enumerate() {
             let name = self.g.params[p].name.clone();
-            let whole = self.alloc(
-                Layout::contiguous(&[self.z3_numel(p)]),
-                self.z3_dtype(p),
-                ModuleId(0),
-                "aten.empty",
-            );
-            self.retag(&whole, format!("{name}:zero.Init"));
+            let whole = match loaded {
+                Some(w) => w,
+                None => self.z3_whole(p, "zero.Init"),
+            };
             if !off_param || self.zero3.persist[p] {
                 let part = self.alloc(
                     Layout::contiguous(&[self.zero3.partition[p]]),
@@ -239,5 +248,17 @@ impl<'g> Lowering<'g> {
             self.drop_rt(t);
         }
         self.kind_now = prev;
+    }
+
+    /// Parameter `p` whole, tagged `{name}:{how}`.
+    fn z3_whole(&mut self, p: usize, how: &str) -> Rt {
+        let whole = self.alloc(
+            Layout::contiguous(&[self.z3_numel(p)]),
+            self.z3_dtype(p),
+            ModuleId(0),
+            "aten.empty",
+        );
+        self.retag(&whole, format!("{}:{how}", self.g.params[p].name));
+        whole
     }
 }
