@@ -1557,7 +1557,8 @@ fn zero3_qlora_refusals_name_the_reason() {
             "{storage:?} {precision:?}: {e}"
         );
     }
-    // What runs: the storage the mode's dtype, uint8, and any storage in fp32 mode (no cast).
+    // What runs, and lowers: the storage the mode's dtype, uint8, and any storage in fp32 mode
+    // (no cast: PEFT's float32 adapters stay float32).
     for (storage, precision) in [
         (DType::BF16, Precision::Bf16),
         (DType::F16, Precision::Fp16),
@@ -1568,6 +1569,24 @@ fn zero3_qlora_refusals_name_the_reason() {
             with("fp4", storage, precision).is_ok(),
             "{storage:?} {precision:?}"
         );
+        let mut rc = zero3_recipe(1, 64, 2);
+        rc.precision = precision;
+        rc.quant = Some("fp4".parse().unwrap());
+        rc.lora = Some("r=8,targets=c_attn".parse().unwrap());
+        rc.quant_storage = storage;
+        let g = zoo::build("gpt2", &rc).unwrap();
+        let adapter = g.params.iter().find(|p| p.name.contains("lora_A")).unwrap();
+        let want = match precision {
+            Precision::Fp32 => "float32",
+            _ => "model",
+        };
+        let got = match g.values[adapter.value.0 as usize].dtype {
+            vramsim_models::graph::DTypeSpec::Fixed(DType::F32) => "float32",
+            vramsim_models::graph::DTypeSpec::Model => "model",
+            d => panic!("{d:?}"),
+        };
+        assert_eq!(got, want, "{storage:?} {precision:?}");
+        lower(&g, &rc).unwrap();
     }
 }
 
