@@ -1483,8 +1483,9 @@ fn zero3_qlora_partitions_the_packed_codes_and_keeps_the_quant_state_whole() {
             code_bytes(ff * h),
             "{storage:?}"
         );
-        // No `zero.Init`: `from_pretrained` leaves the whole model on every rank (the codes
-        // `(n + 1) // (2 · itemsize)` elements, the rest bf16) before the engine partitions it.
+        // No `zero.Init`: `from_pretrained` and `get_peft_model` leave the whole model on every
+        // rank (the codes `(n + 1) // (2 · itemsize)` elements, the base weights bf16, PEFT's
+        // adapters float32) before the engine casts the adapters to bf16 and partitions it.
         let whole_codes: u64 = layers
             * linears
                 .iter()
@@ -1492,8 +1493,13 @@ fn zero3_qlora_partitions_the_packed_codes_and_keeps_the_quant_state_whole() {
                 .sum::<u64>();
         let whole = whole_codes
             + 2 * (2 * vocab * h + (2 * layers + 1) * h)
-            + 2 * layers * adapters.iter().sum::<u64>();
+            + 4 * layers * adapters.iter().sum::<u64>();
         assert_eq!(max_tag_suffix(&t, ":from_pretrained"), whole, "{storage:?}");
+        assert_eq!(
+            max_tag_suffix(&t, ":_cast_module_mixed_precision"),
+            2 * layers * adapters.iter().sum::<u64>(),
+            "{storage:?}"
+        );
         assert_eq!(tagged_suffix_count(&t, ":zero.Init"), 0, "{storage:?}");
     }
 }

@@ -103,18 +103,34 @@ impl<'g> Lowering<'g> {
         // then partitions them one by one (`Init(module=...)` → `_convert_to_zero_parameters` →
         // `_zero_init_param`: the partition made, the whole freed), the packed 4-bit codes in
         // their storage dtype (`_partition_param`: `torch.empty(..., dtype=param.dtype)`).
-        let loaded: Vec<Option<Rt>> = if crate::parallel::zero3_without_init(self.r) {
-            (0..np)
-                .map(|p| Some(self.z3_whole(p, "from_pretrained")))
-                .collect()
-        } else {
-            vec![None; np]
-        };
+        // Before that the engine casts each floating parameter of another dtype to the training
+        // dtype (`_cast_module_mixed_precision`: `p.data = p.data.to(param_dtype)`, the new
+        // tensor made, the old freed): PEFT's float32 adapters, which `get_peft_model` made on
+        // the base layer's device, become the graph's bf16/fp16 ones.
+        let mut loaded: Vec<Option<Rt>> = vec![None; np];
+        if crate::parallel::zero3_without_init(self.r) {
+            let peft = self.r.lora.as_ref().and_then(|c| c.dtype);
+            let cast =
+                |p: usize| peft.filter(|&d| self.g.params[p].trainable && d != self.z3_dtype(p));
+            let casts: Vec<Option<DType>> = (0..np).map(cast).collect();
+            for (p, slot) in loaded.iter_mut().enumerate() {
+                let d = casts[p].unwrap_or(self.z3_dtype(p));
+                *slot = Some(self.z3_whole(p, d, "from_pretrained"));
+            }
+            for (p, slot) in loaded.iter_mut().enumerate() {
+                if casts[p].is_some() {
+                    let cast = self.z3_whole(p, self.z3_dtype(p), "_cast_module_mixed_precision");
+                    if let Some(old) = slot.replace(cast) {
+                        self.drop_rt(old);
+                    }
+                }
+            }
+        }
         for (p, loaded) in loaded.into_iter().enumerate() {
             let name = self.g.params[p].name.clone();
             let whole = match loaded {
                 Some(w) => w,
-                None => self.z3_whole(p, "zero.Init"),
+                None => self.z3_whole(p, self.z3_dtype(p), "zero.Init"),
             };
             if !off_param || self.zero3.persist[p] {
                 let part = self.alloc(
@@ -250,11 +266,11 @@ impl<'g> Lowering<'g> {
         self.kind_now = prev;
     }
 
-    /// Parameter `p` whole, tagged `{name}:{how}`.
-    fn z3_whole(&mut self, p: usize, how: &str) -> Rt {
+    /// Parameter `p` whole in `dtype`, tagged `{name}:{how}`.
+    fn z3_whole(&mut self, p: usize, dtype: DType, how: &str) -> Rt {
         let whole = self.alloc(
             Layout::contiguous(&[self.z3_numel(p)]),
-            self.z3_dtype(p),
+            dtype,
             ModuleId(0),
             "aten.empty",
         );
