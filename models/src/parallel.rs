@@ -726,6 +726,10 @@ impl Parallel {
         // for fsdp"). With the default uint8 storage, accelerate (PR #3987, v1.14) leaves the
         // frozen non-floating Params4bit out of `fully_shard` (`ignored_params`): whole on every
         // rank. Both lowered in `lower/fsdp.rs`.
+        // QLoRA under ZeRO-3 (PEFT's "DeepSpeed ZeRO-3 + QLoRA"): no `zero.Init` for a quantized
+        // model, the engine's cast of the floating parameters, then every parameter partitioned in
+        // its own dtype ([`zero3_without_init`], `lower/zero3/setup.rs`); `_all_gather_coalesced`
+        // gathers each dtype on its own (`dtype_params`), so uint8 codes run as well as bf16 ones.
         if let Some(q) = r.quant {
             let why = match self.shard {
                 Shard::None | Shard::Ddp => None,
