@@ -149,10 +149,9 @@ fn bad_layouts_fail_with_the_reason() {
         all.extend(["--lora", "r=8,targets=c_attn"]);
         fails(&all, fragments);
     }
-    // QLoRA with the data-parallel modes other than DDP and FSDP2: refused with the source's
-    // reason.
+    // QLoRA with the data-parallel modes other than DDP, FSDP2 and ZeRO-3: refused with the
+    // source's reason.
     for (shard, why) in [
-        ("zero3", "bnb_4bit_quant_storage"),
         ("zero2", "_configure_distributed_model"),
         ("zero1-torch", "ZeroRedundancyOptimizer"),
     ] {
@@ -1078,4 +1077,52 @@ fn fsdp_qlora_is_one_role_with_half_the_adapters_state() {
     assert_eq!(u["recipe"]["quant_storage"], "uint8");
     let params = |d: &Value| d["allocated_by_category_at_peak_bytes"]["parameter"].as_u64();
     assert!(params(&u) > params(&d), "{u}");
+}
+
+/// ZeRO-3 QLoRA (`--quant nf4 --quant-storage bf16 --lora r=8 --dp 2 --shard zero3`): one role;
+/// the engine casts PEFT's float32 adapters of the non-`zero.Init` quantized model to bf16, so the
+/// optimizer states are the stage-3 optimizer's fp32 master and Adam moments of the bf16 adapters'
+/// partitions, 12 bytes × Ψa/2 (Ψa = 22 × 8 × (2048 + 2048 + 2048 + 256) = 1,126,400, every
+/// adapter even-sized). LLM.int8 and codes stored in a float dtype other than the mode's are
+/// refused with the reason.
+#[test]
+fn zero3_qlora_is_one_role_with_the_bf16_adapters_master_and_moments() {
+    let base = [
+        "predict",
+        "--model",
+        "tinyllama-1.1b",
+        "--seq",
+        "512",
+        "--batch",
+        "4",
+        "--precision",
+        "bf16",
+        "--lora",
+        "r=8",
+        "--dp",
+        "2",
+        "--shard",
+        "zero3",
+    ];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        args
+    };
+    let d = json(&with(&["--quant", "nf4", "--quant-storage", "bf16"]));
+    let ranks = d["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 1, "{d}");
+    assert_eq!(ranks[0]["ranks"], serde_json::json!([0, 1]));
+    assert_eq!(
+        d["allocated_by_category_at_peak_bytes"]["optimizer_state"].as_u64(),
+        Some(12 * 1_126_400 / 2)
+    );
+    common::assert_fails(
+        &with(&["--quant", "int8"]),
+        &["--quant int8 with --shard zero3", "Int8Params", "self.CB"],
+    );
+    common::assert_fails(
+        &with(&["--quant", "nf4", "--quant-storage", "fp32"]),
+        &["_cast_module_mixed_precision", "give --quant-storage bf16"],
+    );
 }

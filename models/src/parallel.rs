@@ -366,6 +366,27 @@ pub const DS_MAX_REUSE_DISTANCE: u64 = 1_000_000_000;
 /// Field(pp_int(1e9), ge=0)`).
 pub const DS_SUB_GROUP_SIZE: u64 = 1_000_000_000;
 
+/// Whether ZeRO-3 gets a model that is not a `zero.Init` one: transformers' `from_pretrained`
+/// skips `deepspeed.zero.Init` for a quantized model (`needs_zero3_init = ... and not
+/// _is_quantized`, PR #29587), so every parameter is made whole on each GPU and
+/// `deepspeed.initialize` partitions them (`DeepSpeedZeRoOffload._convert_to_zero_parameters` →
+/// `Init(module=...)`), after its engine has cast the floating ones to [`ds_param_dtype`]
+/// (`engine.py` `_cast_module_mixed_precision`, skipped only for `is_zero_init_model`).
+pub fn zero3_without_init(r: &Recipe) -> bool {
+    r.parallel.shard == Shard::Zero3 && r.quant.is_some()
+}
+
+/// The dtype DeepSpeed's engine casts the floating parameters of a non-`zero.Init` model to
+/// (`engine.py` `_mixed_precision_dtypes`: half in fp16 mode, bfloat16 in bf16 mode, none in
+/// fp32 mode).
+pub fn ds_param_dtype(precision: Precision) -> Option<DType> {
+    match precision {
+        Precision::Bf16 => Some(DType::BF16),
+        Precision::Fp16 => Some(DType::F16),
+        _ => None,
+    }
+}
+
 impl Parallel {
     /// The number of ranks the layout needs: dp × tp × pp × cp (saturating; `validate` refuses a
     /// product above `u32::MAX`).
@@ -718,6 +739,10 @@ impl Parallel {
         // for fsdp"). With the default uint8 storage, accelerate (PR #3987, v1.14) leaves the
         // frozen non-floating Params4bit out of `fully_shard` (`ignored_params`): whole on every
         // rank. Both lowered in `lower/fsdp.rs`.
+        // QLoRA under ZeRO-3 (PEFT's "DeepSpeed ZeRO-3 + QLoRA"): no `zero.Init` for a quantized
+        // model, the engine's cast of the floating parameters, then every parameter partitioned in
+        // its own dtype ([`zero3_without_init`], `lower/zero3/setup.rs`); `_all_gather_coalesced`
+        // gathers each dtype on its own (`dtype_params`), so uint8 codes run as well as bf16 ones.
         if let Some(q) = r.quant {
             let why = match self.shard {
                 Shard::None | Shard::Ddp => None,
@@ -731,9 +756,20 @@ impl Parallel {
                 Shard::Zero1 | Shard::Zero2 => Some(
                     "DeepSpeed's engine casts the whole module to the training dtype (`_configure_distributed_model`: `module.half()`/`module.bfloat16()`), whose effect on bitsandbytes' Params4bit/Int8Params is not lowered".to_string(),
                 ),
-                Shard::Zero3 => Some(
-                    "ZeRO-3 QLoRA (PEFT's \"DeepSpeed ZeRO-3 + QLoRA\": `bnb_4bit_quant_storage` in the compute dtype, transformers turning `zero.Init` off for a quantized model, PR #29587, so that `deepspeed.initialize` partitions every parameter, the packed 4-bit codes included, while the quant state stays whole) needs ZeRO-3 with frozen parameters, which the ZeRO-3 lowering does not hold (it partitions the trainable ones)".to_string(),
+                Shard::Zero3 if q == crate::finetune::Quant::Int8 => Some(
+                    "LLM.int8's Int8Params keeps its int8 data aliased as the `CB` attribute (bitsandbytes `Int8Params._quantize`: `self.data = CB; self.CB = CB`), and `Linear8bitLt.forward` moves it into its matmul state and sets `self.weight.data = self.state.CB` again after each matmul, so ZeRO-3's partition of `param.data` would neither free the whole int8 weight nor be what the layer reads, which is not lowered; ZeRO-3 QLoRA is the 4-bit path (PEFT docs \"DeepSpeed ZeRO-3 + QLoRA\"): give --quant nf4, fp4, nf4-dq or fp4-dq".to_string(),
                 ),
+                Shard::Zero3 => match ds_param_dtype(r.precision) {
+                    // `_cast_module_mixed_precision` casts every floating parameter of a model
+                    // that is not a `zero.Init` one to the bf16/fp16 mode's dtype: packed codes
+                    // stored in another float dtype would be converted value by value.
+                    Some(d) if r.quant_storage.is_float() && r.quant_storage != d => Some(format!(
+                        "a quantized model is not a `zero.Init` model (transformers `from_pretrained`: `not _is_quantized`), so `deepspeed.initialize` casts every floating-point parameter to the training dtype (`engine.py` `_cast_module_mixed_precision`, `p.data.to(param_dtype)`), which would convert the 4-bit codes packed in --quant-storage {} value by value; give --quant-storage {} (the compute dtype, as PEFT's docs do) or uint8",
+                        crate::finetune::quant::quant_storage_name(r.quant_storage),
+                        crate::finetune::quant::quant_storage_name(d),
+                    )),
+                    _ => None,
+                },
                 Shard::ZeroRedundancy => Some(
                     "only DDP's and FSDP2's paths are lowered and tested with bitsandbytes' quantized weights, not ZeroRedundancyOptimizer's partition over them".to_string(),
                 ),
@@ -745,7 +781,7 @@ impl Parallel {
                 return Err(bad(
                     "shard",
                     format!(
-                        "--quant {q} with --shard {} is not modelled yet: {why}; QLoRA is modelled on one GPU, with --dp N --shard ddp, and with --dp N --shard fsdp2 (FSDP-QLoRA: --quant-storage bf16 shards the 4-bit weights)",
+                        "--quant {q} with --shard {} is not modelled yet: {why}; QLoRA is modelled on one GPU, with --dp N --shard ddp, with --dp N --shard fsdp2 (FSDP-QLoRA: --quant-storage bf16 shards the 4-bit weights) and with --dp N --shard zero3 (ZeRO-3 partitions the 4-bit weights in their storage dtype)",
                         self.shard
                     ),
                 ));

@@ -1514,12 +1514,186 @@ fn fsdp_qlora_refusals_name_the_reason() {
     rc.lora = Some("r=8".parse().unwrap());
     let e = rc.validate().unwrap_err().to_string();
     assert!(e.contains("_configure_distributed_model"), "{e}");
+    // ZeRO-3 QLoRA is lowered (`zero3_qlora_*`).
     rc.parallel.shard = Shard::Zero3;
-    let e = rc.validate().unwrap_err().to_string();
-    assert!(
-        e.contains("zero.Init") && e.contains("frozen parameters"),
-        "{e}"
-    );
+    assert!(rc.validate().is_ok());
+}
+
+/// ZeRO-3 QLoRA (`--quant nf4 --lora r=8 --dp 3 --shard zero3`, PEFT docs "DeepSpeed ZeRO-3 +
+/// QLoRA"), TinyLlama 1.1B in bf16 with AdamW, by hand from the rules, after the second backward
+/// (before the step):
+///
+/// * transformers skips `zero.Init` for a quantized model, so `deepspeed.initialize` first casts
+///   every floating parameter to bf16 (`_cast_module_mixed_precision`: PEFT's float32 adapters
+///   become bf16, bf16-stored codes are unchanged, uint8 ones are not floating) and then
+///   partitions every parameter in its own dtype, ⌈numel/N⌉ elements (`_partition_param`): the
+///   packed codes `(n + 1) // (2 · itemsize)` elements of their storage (bf16: 2⌈(n/4)/3⌉ bytes,
+///   uint8: ⌈(n/2)/3⌉ bytes), the embeddings and norms bf16;
+/// * the optimizer sees only the adapters (Ψa' = Σ⌈numel/3⌉ of lora_A [8, 2048] ×2, lora_B
+///   [2048, 8] and [256, 8] per layer): `lp_param_buffer` 2Ψa', `grad_partitions_flat_buffer`
+///   2Ψa', fp32 master 4Ψa' and Adam's moments 8Ψa', the IPG buffer 5e8 bf16 elements;
+/// * every parameter of at most 1e5 elements is persistent (the norms, every adapter; no packed
+///   code tensor: the smallest, k_proj's, holds 131,072 bf16 or 262,144 uint8 elements), whole
+///   on the rank (⌈numel/3⌉·3 elements) besides its partition;
+/// * the quant state (float32 absmax per 64-block, the 16-entry code) is no parameter: whole.
+#[test]
+fn zero3_qlora_partitions_the_packed_codes_and_keeps_the_quant_state_whole() {
+    let (h, kv, ff, layers, vocab, r) = (2048u64, 256u64, 5632u64, 22u64, 32000u64, 8u64);
+    let n = 3u64;
+    let linears = [h * h, h * kv, h * kv, h * h, h * ff, h * ff, ff * h];
+    let part = |numel: u64| numel.div_ceil(n);
+    let adapters = [r * h, h * r, r * h, kv * r];
+    let psi_a: u64 = layers * adapters.iter().map(|&x| part(x)).sum::<u64>();
+    let persistent: u64 = (2 * layers + 1) * 2 * part(h) * n
+        + layers * adapters.iter().map(|&x| 2 * part(x) * n).sum::<u64>();
+    let bf16_frozen = 2 * (2 * part(vocab * h) + (2 * layers + 1) * part(h));
+    let states: u64 =
+        layers * linears.iter().map(|x| 4 * x.div_ceil(64) + 64).sum::<u64>() + 32 * 4;
+    for (storage, code_bytes) in [
+        (
+            DType::BF16,
+            (|x: u64| 2 * ((x + 1) / 4).div_ceil(3)) as fn(u64) -> u64,
+        ),
+        (DType::U8, |x: u64| x.div_ceil(2).div_ceil(3)),
+    ] {
+        let mut rc = zero3_recipe(4, 512, n as u32);
+        rc.quant = Some("nf4".parse().unwrap());
+        rc.lora = Some("r=8".parse().unwrap());
+        rc.quant_storage = storage;
+        rc.validate().unwrap();
+        let g = zoo::build("tinyllama-1.1b", &rc).unwrap();
+        // The engine's cast: the adapters are bf16 parameters of the graph.
+        assert_eq!(g.param_count(), layers * r * (h + h + h + kv));
+        let codes: u64 = layers * linears.iter().map(|&x| code_bytes(x)).sum::<u64>();
+        let t = lower(&g, &rc).unwrap();
+        let live = live_at_phase(&t, "optimizer", 1);
+        let get = |c| live.get(&c).copied().unwrap_or(0);
+        assert_eq!(
+            get(Category::Parameter),
+            codes + bf16_frozen + 2 * psi_a + persistent,
+            "{storage:?}"
+        );
+        assert_eq!(get(Category::Gradient), 2 * psi_a, "{storage:?}");
+        assert_eq!(get(Category::OptimizerState), 12 * psi_a, "{storage:?}");
+        assert_eq!(get(Category::Communication), 1_000_000_000, "{storage:?}");
+        // the quant states, and the stage-3 optimizer's 1-byte `inf_or_nan_tracker`
+        assert_eq!(get(Category::Other), states + 1, "{storage:?}");
+        assert_eq!(
+            tagged_bytes(&t, "model.layers.0.mlp.down_proj.weight:ds_tensor"),
+            code_bytes(ff * h),
+            "{storage:?}"
+        );
+        // No `zero.Init`: `from_pretrained` and `get_peft_model` leave the whole model on every
+        // rank (the codes `(n + 1) // (2 · itemsize)` elements, the base weights bf16, PEFT's
+        // adapters float32) before the engine casts the adapters to bf16 and partitions it.
+        let whole_codes: u64 = layers
+            * linears
+                .iter()
+                .map(|&x| (x + 1) / (2 * storage.size()) * storage.size())
+                .sum::<u64>();
+        let whole = whole_codes
+            + 2 * (2 * vocab * h + (2 * layers + 1) * h)
+            + 4 * layers * adapters.iter().sum::<u64>();
+        assert_eq!(max_tag_suffix(&t, ":from_pretrained"), whole, "{storage:?}");
+        assert_eq!(
+            max_tag_suffix(&t, ":_cast_module_mixed_precision"),
+            2 * layers * adapters.iter().sum::<u64>(),
+            "{storage:?}"
+        );
+        assert_eq!(tagged_suffix_count(&t, ":zero.Init"), 0, "{storage:?}");
+    }
+}
+
+/// The most bytes of allocations whose tag ends with `suffix` live at once.
+fn max_tag_suffix(t: &Trace, suffix: &str) -> u64 {
+    let mut live: HashMap<String, u64> = HashMap::new();
+    let (mut now, mut max) = (0u64, 0u64);
+    for e in &t.events {
+        match e {
+            Event::Alloc {
+                id,
+                size,
+                tag: Some(x),
+                ..
+            } if x.ends_with(suffix) => {
+                live.insert(id.to_string(), *size);
+                now += size;
+                max = max.max(now);
+            }
+            Event::Free { id } => {
+                now -= live.remove(&id.to_string()).unwrap_or(0);
+            }
+            _ => {}
+        }
+    }
+    max
+}
+
+/// How many allocations have a tag ending with `suffix`.
+fn tagged_suffix_count(t: &Trace, suffix: &str) -> usize {
+    t.events
+        .iter()
+        .filter(|e| matches!(e, Event::Alloc { tag: Some(x), .. } if x.ends_with(suffix)))
+        .count()
+}
+
+/// What ZeRO-3 QLoRA does not run as modelled is refused with the reason: LLM.int8 (its `CB`
+/// aliases the data ZeRO-3 would partition), and codes stored in a float dtype other than the
+/// bf16/fp16 mode's (the engine would cast them).
+#[test]
+fn zero3_qlora_refusals_name_the_reason() {
+    let with = |quant: &str, storage: DType, precision: Precision| {
+        let mut rc = zero3_recipe(2, 128, 2);
+        rc.precision = precision;
+        rc.quant = Some(quant.parse().unwrap());
+        rc.lora = Some("r=8".parse().unwrap());
+        rc.quant_storage = storage;
+        rc.validate().map_err(|e| e.to_string())
+    };
+    let e = with("int8", DType::U8, Precision::Bf16).unwrap_err();
+    assert!(e.contains("Int8Params") && e.contains("--quant nf4"), "{e}");
+    for (storage, precision, want) in [
+        (DType::F32, Precision::Bf16, "give --quant-storage bf16"),
+        (DType::F16, Precision::Bf16, "give --quant-storage bf16"),
+        (DType::BF16, Precision::Fp16, "give --quant-storage fp16"),
+    ] {
+        let e = with("nf4-dq", storage, precision).unwrap_err();
+        assert!(
+            e.contains("_cast_module_mixed_precision") && e.contains(want),
+            "{storage:?} {precision:?}: {e}"
+        );
+    }
+    // What runs, and lowers: the storage the mode's dtype, uint8, and any storage in fp32 mode
+    // (no cast: PEFT's float32 adapters stay float32).
+    for (storage, precision) in [
+        (DType::BF16, Precision::Bf16),
+        (DType::F16, Precision::Fp16),
+        (DType::U8, Precision::Fp16),
+        (DType::BF16, Precision::Fp32),
+    ] {
+        assert!(
+            with("fp4", storage, precision).is_ok(),
+            "{storage:?} {precision:?}"
+        );
+        let mut rc = zero3_recipe(1, 64, 2);
+        rc.precision = precision;
+        rc.quant = Some("fp4".parse().unwrap());
+        rc.lora = Some("r=8,targets=c_attn".parse().unwrap());
+        rc.quant_storage = storage;
+        let g = zoo::build("gpt2", &rc).unwrap();
+        let adapter = g.params.iter().find(|p| p.name.contains("lora_A")).unwrap();
+        let want = match precision {
+            Precision::Fp32 => "float32",
+            _ => "model",
+        };
+        let got = match g.values[adapter.value.0 as usize].dtype {
+            vramsim_models::graph::DTypeSpec::Fixed(DType::F32) => "float32",
+            vramsim_models::graph::DTypeSpec::Model => "model",
+            d => panic!("{d:?}"),
+        };
+        assert_eq!(got, want, "{storage:?} {precision:?}");
+        lower(&g, &rc).unwrap();
+    }
 }
 
 /// FSDP-QLoRA's batch templates (what `max-batch` and sweeps instantiate) equal fresh lowerings,
@@ -1542,6 +1716,51 @@ fn fsdp_qlora_batch_templates_equal_fresh_lowerings() {
         for batch in [4, 7] {
             let inst = t.instantiate(batch).unwrap();
             assert!(inst.same_as(&lowered(batch)), "{storage:?} batch {batch}");
+        }
+    }
+}
+
+/// ZeRO-3 QLoRA's compact lowering of accumulated micro-batches expands to the full one, and its
+/// batch templates (what `max-batch` and sweeps instantiate) equal fresh lowerings, for bf16- and
+/// uint8-stored codes, with and without `--offload`.
+#[test]
+fn zero3_qlora_lowers_compactly_and_by_template() {
+    use vramsim_models::compact::lower_compact;
+    use vramsim_models::template::BatchTemplate;
+    use vramsim_models::Offload;
+    for (storage, offload) in [
+        (DType::BF16, Offload::None),
+        (DType::U8, Offload::None),
+        (DType::BF16, Offload::Optimizer),
+        (DType::U8, Offload::Params),
+    ] {
+        let with = |batch: u64, accum: u32| {
+            let mut rc = zero3_recipe(batch, 64, 2);
+            rc.accum = accum;
+            rc.parallel.offload = offload;
+            rc.quant = Some("nf4-dq".parse().unwrap());
+            rc.lora = Some("r=8,targets=c_attn".parse().unwrap());
+            rc.quant_storage = storage;
+            rc
+        };
+        let r6 = with(1, 6);
+        let g = zoo::build("gpt2", &r6).unwrap();
+        assert!(
+            lower_compact(&g, &r6).unwrap().expand() == lower(&g, &r6).unwrap(),
+            "{storage:?} {offload}"
+        );
+        let lowered = |batch: u64| {
+            let rc = with(batch, 1);
+            lower_compact(&zoo::build("gpt2", &rc).unwrap(), &rc).unwrap()
+        };
+        let t = BatchTemplate::fit(&lowered(2), 2, &lowered(3), 3)
+            .unwrap_or_else(|| panic!("{storage:?} {offload}: no template"));
+        for batch in [4, 7] {
+            let inst = t.instantiate(batch).unwrap();
+            assert!(
+                inst.same_as(&lowered(batch)),
+                "{storage:?} {offload} batch {batch}"
+            );
         }
     }
 }

@@ -74,7 +74,16 @@ pub fn apply(mut g: Graph, recipe: &Recipe) -> Result<Graph, FinetuneError> {
         g = apply_quant(g, q, recipe.quant_storage)?;
     }
     if let Some(cfg) = &recipe.lora {
-        g = apply_lora_tp(g, cfg, crate::zoo::tp::TpPlan::of(recipe))?;
+        // ZeRO-3 QLoRA: the engine casts PEFT's float32 adapters of the non-`zero.Init`
+        // quantized model to the bf16/fp16 mode's dtype (`_cast_module_mixed_precision`), so
+        // they train in the model's dtype.
+        let mut cfg = cfg.clone();
+        if crate::parallel::zero3_without_init(recipe)
+            && crate::parallel::ds_param_dtype(recipe.precision).is_some()
+        {
+            cfg.dtype = None;
+        }
+        g = apply_lora_tp(g, &cfg, crate::zoo::tp::TpPlan::of(recipe))?;
     }
     if !recipe.freeze.is_empty() {
         freeze(&mut g, &recipe.freeze)?;

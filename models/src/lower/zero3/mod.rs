@@ -76,6 +76,13 @@
 //!   `zero.Init` model: PEFT's float32 adapters stay float32, their flat group its own master,
 //!   `_create_fp32_partitions`), and `_all_gather_coalesced` gathers each dtype through its own
 //!   flat buffer.
+//! * **QLoRA** (`--quant`, [`crate::parallel::zero3_without_init`]): transformers builds a
+//!   quantized model outside `zero.Init`, so the whole model (PEFT's float32 adapters included)
+//!   is on the GPU first; the engine casts the floating parameters of another dtype to the
+//!   bf16/fp16 mode's (`_cast_module_mixed_precision`: the adapters, which then train as bf16/fp16
+//!   partitions) and `Init(module=...)` partitions each parameter in its own dtype, bitsandbytes'
+//!   packed codes in their `quant_storage` (uint8 or the compute dtype). The quant state is no
+//!   parameter: the graph's buffers, whole.
 //!
 //! Simplified (documented in `models/README.md`): module hooks are placed at module-path
 //! boundaries of the op sequence (two back-to-back calls of one module are one); a submodule

@@ -98,15 +98,40 @@ impl<'g> Lowering<'g> {
         // (`_partition_param`: `device = self.local_device if param.ds_persist`).
         let off_param = self.z3_offload_params();
         let mut parts = Vec::new();
-        for p in 0..np {
+        // A quantized model is not a `zero.Init` one (`parallel::zero3_without_init`):
+        // `from_pretrained` leaves every parameter whole on each GPU, and `deepspeed.initialize`
+        // then partitions them one by one (`Init(module=...)` → `_convert_to_zero_parameters` →
+        // `_zero_init_param`: the partition made, the whole freed), the packed 4-bit codes in
+        // their storage dtype (`_partition_param`: `torch.empty(..., dtype=param.dtype)`).
+        // Before that the engine casts each floating parameter of another dtype to the training
+        // dtype (`_cast_module_mixed_precision`: `p.data = p.data.to(param_dtype)`, the new
+        // tensor made, the old freed): PEFT's float32 adapters, which `get_peft_model` made on
+        // the base layer's device, become the graph's bf16/fp16 ones.
+        let mut loaded: Vec<Option<Rt>> = vec![None; np];
+        if crate::parallel::zero3_without_init(self.r) {
+            let peft = self.r.lora.as_ref().and_then(|c| c.dtype);
+            let cast =
+                |p: usize| peft.filter(|&d| self.g.params[p].trainable && d != self.z3_dtype(p));
+            let casts: Vec<Option<DType>> = (0..np).map(cast).collect();
+            for (p, slot) in loaded.iter_mut().enumerate() {
+                let d = casts[p].unwrap_or(self.z3_dtype(p));
+                *slot = Some(self.z3_whole(p, d, "from_pretrained"));
+            }
+            for (p, slot) in loaded.iter_mut().enumerate() {
+                if casts[p].is_some() {
+                    let cast = self.z3_whole(p, self.z3_dtype(p), "_cast_module_mixed_precision");
+                    if let Some(old) = slot.replace(cast) {
+                        self.drop_rt(old);
+                    }
+                }
+            }
+        }
+        for (p, loaded) in loaded.into_iter().enumerate() {
             let name = self.g.params[p].name.clone();
-            let whole = self.alloc(
-                Layout::contiguous(&[self.z3_numel(p)]),
-                self.z3_dtype(p),
-                ModuleId(0),
-                "aten.empty",
-            );
-            self.retag(&whole, format!("{name}:zero.Init"));
+            let whole = match loaded {
+                Some(w) => w,
+                None => self.z3_whole(p, self.z3_dtype(p), "zero.Init"),
+            };
             if !off_param || self.zero3.persist[p] {
                 let part = self.alloc(
                     Layout::contiguous(&[self.zero3.partition[p]]),
@@ -255,5 +280,17 @@ impl<'g> Lowering<'g> {
             self.drop_rt(t);
         }
         self.kind_now = prev;
+    }
+
+    /// Parameter `p` whole in `dtype`, tagged `{name}:{how}`.
+    fn z3_whole(&mut self, p: usize, dtype: DType, how: &str) -> Rt {
+        let whole = self.alloc(
+            Layout::contiguous(&[self.z3_numel(p)]),
+            dtype,
+            ModuleId(0),
+            "aten.empty",
+        );
+        self.retag(&whole, format!("{}:{how}", self.g.params[p].name));
+        whole
     }
 }
