@@ -162,6 +162,29 @@ impl<'g> Lowering<'g> {
         }
     }
 
+    /// A ZeRO step's flattened gradient partition of `elems` elements in fp32: the flatten
+    /// (`torch.cat`, in the model's dtype), then its `.to(fp32)` copy, the flat one freed — itself in
+    /// DeepSpeed's fp32 mode ([`Lowering::ds_upcasts`]).
+    pub(super) fn ds_fp32_flat_grad(&mut self, elems: u64) -> Rt {
+        let flat = self.alloc(
+            Layout::contiguous(&[elems]),
+            self.param_dtype,
+            ModuleId(0),
+            "aten.cat",
+        );
+        if !self.ds_upcasts() {
+            return flat;
+        }
+        let fp32 = self.alloc(
+            Layout::contiguous(&[elems]),
+            DType::F32,
+            ModuleId(0),
+            "aten._to_copy",
+        );
+        self.drop_rt(flat);
+        fp32
+    }
+
     pub(super) fn comm_alloc(&mut self, elems: u64, dtype: DType, tag: String) -> Rt {
         let prev = self.kind_now;
         self.kind_now = Kind::Comm;
@@ -901,25 +924,8 @@ impl<'g> Lowering<'g> {
         if self.ds_checks_grad_overflow() {
             self.zero_overflow_check();
         }
-        let flat = self.alloc(
-            Layout::contiguous(&[part]),
-            self.param_dtype,
-            ModuleId(0),
-            "aten.cat",
-        );
-        // `flat_grad_partition.to(single_partition_of_fp32_groups[i].dtype)`: itself in fp32 mode.
-        let fp32 = if self.ds_upcasts() {
-            let fp32 = self.alloc(
-                Layout::contiguous(&[part]),
-                DType::F32,
-                ModuleId(0),
-                "aten._to_copy",
-            );
-            self.drop_rt(flat);
-            fp32
-        } else {
-            flat
-        };
+        // `flat_grad_partition.to(single_partition_of_fp32_groups[i].dtype)`
+        let fp32 = self.ds_fp32_flat_grad(part);
         if let Some(g) = self.par.grads_partition.take() {
             self.drop_rt(g);
         }

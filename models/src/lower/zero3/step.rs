@@ -228,24 +228,7 @@ impl<'g> Lowering<'g> {
             let elems = self.zero3.sub_groups[i];
             // `_prepare_fp32_grad_for_sub_group`: `self.flatten(averaged_gradients).to(fp32)`.
             // In fp32 mode the `.to(fp32)` is the flattened gradient itself (`ds_upcasts`).
-            let flat = self.alloc(
-                Layout::contiguous(&[elems]),
-                self.param_dtype,
-                ModuleId(0),
-                "aten.cat",
-            );
-            let fp32 = if self.ds_upcasts() {
-                let fp32 = self.alloc(
-                    Layout::contiguous(&[elems]),
-                    DType::F32,
-                    ModuleId(0),
-                    "aten._to_copy",
-                );
-                self.drop_rt(flat);
-                fp32
-            } else {
-                flat
-            };
+            let fp32 = self.ds_fp32_flat_grad(elems);
             let first = self.zero3.state[i].is_empty();
             let st = self.ds_optimizer_step(elems, first);
             self.zero3.state[i].extend(st);
