@@ -79,7 +79,8 @@ fn hidden_bytes(seq: u64, hidden: u64) -> u64 {
 /// Besides the saved activations, a non-last stage holds the outputs whose sends are not waited
 /// for yet (`Schedule1F1B`: the previous warm-up forward's until after the next forward: two at
 /// the end of a warm-up forward; GPipe: every forward's until the last), and the last stage every
-/// earlier micro-batch's fp32 loss (`_internal_losses`).
+/// earlier micro-batch's fp32 loss (`_internal_losses`) and, through each loss's `grad_fn` chain
+/// (the input leaf's `AccumulateGrad` node), its received hidden state.
 #[test]
 fn in_flight_activations_follow_the_schedule() {
     let (pp, m, seq, hidden) = (4u32, 8u32, 128u64, 768u64);
@@ -98,7 +99,7 @@ fn in_flight_activations_follow_the_schedule() {
         );
         let peak = max_live(&t, Category::Activation);
         let (sends, losses) = if last {
-            (0, u64::from(m - 1) * 4)
+            (0, u64::from(m - 1) * (4 + out))
         } else {
             (w.min(2) * out, 0)
         };
@@ -164,8 +165,10 @@ fn stages_hold_their_layers() {
 }
 
 /// A non-first stage allocates one receive buffer per micro-batch in flight (`_RecvInfo.
-/// allocate_buffer` before each forward receive, kept as the stage input until its backward),
-/// and one buffer for each received output gradient; the first stage none.
+/// allocate_buffer` before each forward receive, kept as the stage input until its backward;
+/// on the last stage until the step ends, held by the micro-batch's loss through its leaf's
+/// `AccumulateGrad` node: all `m`), and one buffer for each received output gradient; the first
+/// stage none.
 #[test]
 fn receive_buffers_per_micro_batch() {
     let (pp, m, seq) = (4u32, 8u32, 64u64);
@@ -174,7 +177,7 @@ fn receive_buffers_per_micro_batch() {
         assert_eq!(r.iterations, 2);
         let t = lower_rank("gpt2", &r);
         let (n, bytes) = max_live_tagged(&t, "pp_recv_activation");
-        let w = m.min(pp - rank);
+        let w = if rank + 1 == pp { m } else { m.min(pp - rank) };
         if rank == 0 {
             assert_eq!(n, 0);
         } else {
@@ -373,14 +376,15 @@ fn tensor_parallel_stages() {
                 })
                 .sum();
             assert_eq!(numel, expect[rank as usize], "sp {sp} stage {rank}");
-            // One hidden state received per micro-batch in flight (1F1B: min(m, pp − stage)).
+            // One hidden state received per micro-batch in flight (1F1B: min(m, pp − stage)), on
+            // the last stage per micro-batch of the step (each loss keeps its input leaf).
             let t_rank = lower(&stage, &r).expect("lowers");
             let (n, bytes) = max_live_tagged(&t_rank, "pp_recv_activation");
             if rank == 0 {
                 assert_eq!(n, 0);
             } else {
                 let s_local = if sp { seq / t } else { seq };
-                let w = u64::from(m.min(pp - rank));
+                let w = u64::from(if rank + 1 == pp { m } else { m.min(pp - rank) });
                 assert_eq!(
                     (n as u64, bytes),
                     (w, w * hidden_bytes(s_local, h)),
@@ -394,7 +398,8 @@ fn tensor_parallel_stages() {
 /// With `--tp 2 --sp`, 1F1B still holds `min(m, pp − stage)` micro-batches of the stage's saved
 /// activations — now the tensor-parallel stage's, measured on the same TP stage running one
 /// micro-batch — plus the outputs waiting for their sends, each the sequence shard
-/// `s/t × h × 2` bytes by hand, and the last stage's fp32 losses.
+/// `s/t × h × 2` bytes by hand, and the last stage's fp32 losses with the received hidden state
+/// each keeps (its leaf's `AccumulateGrad` node).
 #[test]
 fn tensor_parallel_in_flight_activations() {
     let (pp, m, seq, hidden, t) = (4u32, 8u32, 128u64, 768u64, 2u32);
@@ -419,7 +424,7 @@ fn tensor_parallel_in_flight_activations() {
         );
         let peak = max_live(&tr, Category::Activation);
         let (sends, losses) = if last {
-            (0, u64::from(m - 1) * 4)
+            (0, u64::from(m - 1) * (4 + out))
         } else {
             (w.min(2) * out, 0)
         };

@@ -10,7 +10,10 @@ storage's life is its allocation's). The stage modules do what ``GPT2Model.forwa
 its blocks (``LlamaStage``: ``LlamaModel.forward``): the first stage embeds, every stage makes its
 own position ids, causal mask (and rotary tables), the last applies the final norm, the head and
 (through the schedule's ``loss_fn``) transformers' ``ForCausalLMLoss``.
-Stages are built in static mode (``input_args``/``output_args``): no metadata inference step.
+Stages are built in static mode (``input_args``/``output_args``): no metadata inference step; the
+static metadata is what inference gives a training run (``_create_act_recv_info``: a non-first
+stage's received activation requires grad, so ``_retrieve_recv_activations`` makes it a leaf whose
+``.grad`` is sent back).
 
     python3 models/tools/capture_pipeline.py OUT_DIR [--model gpt2|llama]
         [--schedule 1f1b|gpipe|interleaved:V] [--pp 2] [--m 4] [--checkpoint]
@@ -46,9 +49,7 @@ metadata inference gives such a split (``_forward_metadata_inference`` /
 ``_backward_metadata_inference``): a stage whose output does not require grad (every layer up to
 its last frozen) gets ``output_grads=None`` (derived as ``None``: no gradient receive buffer), and
 a stage whose input comes from such a stage ``input_grads=None`` (no gradient sent back), and a
-stage whose input does require grad gets it ``requires_grad`` (a leaf whose ``.grad`` is sent back;
-the full-training recordings were made with static inputs without ``requires_grad``, which PyTorch
-receives as plain tensors, sending zeros back).
+stage whose input does require grad gets it ``requires_grad`` (a leaf whose ``.grad`` is sent back).
 
 Without ``--dp`` every rank writes ``OUT_DIR/rank{R}.jsonl.gz``; the run also writes
 ``OUT_DIR/config.json`` (the model's config, for ``vramsim predict --hf-config``).
@@ -272,6 +273,12 @@ def run(grank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt
     vocab = cfg.vocab_size
     batch = m  # micro-batch size 1
     stages, mods = [], []
+
+    # With a frozen prefix: a stage's output requires grad once one of its layers up to the
+    # end (or the embeddings) trains; its input when the previous stage's output does.
+    def output_needs_grad(s_idx: int) -> bool:
+        return freeze_blocks is None or splits[s_idx][1] > freeze_blocks or s_idx == n_stages - 1
+
     # Stage s runs on rank s mod pp (torchtitan's "loop" style); each is its own copy of the model
     # (`_split_module` deep-copies it).
     for s_idx in range(rank, n_stages, world):
@@ -285,12 +292,11 @@ def run(grank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt
             for block in blocks:
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
             fully_shard(mod, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
-        # With --freeze-blocks the received activation requires grad when the previous stage's
-        # output does, as metadata inference records it (`_retrieve_recv_activations` then makes
-        # it a leaf that requires grad); the full-training recordings keep their inputs without
-        # requires_grad (as they were made).
-        recv_grad = (freeze_blocks is not None and not first
-                     and (splits[s_idx - 1][1] > freeze_blocks))
+        # A non-first stage's received activation requires grad when the previous stage's output
+        # does, as metadata inference records it (`_create_act_recv_info`: `requires_grad=
+        # has_backward and is_floating_point()`); `_retrieve_recv_activations` then makes the
+        # buffer a leaf that requires grad. In full training every received activation does.
+        recv_grad = not first and output_needs_grad(s_idx - 1)
         mb_in = (torch.empty(1, SEQ, dtype=torch.long, device="meta") if first
                  else torch.empty(1, SEQ, width, device="meta", dtype=act_dtype,
                                   requires_grad=recv_grad))
@@ -322,11 +328,6 @@ def run(grank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt
         with rec:
             subs = [DDP(mod, process_group=dp_group, gradient_as_bucket_view=bucket_view)
                     for mod in subs]
-    # With a frozen prefix: a stage's output requires grad once one of its layers up to the
-    # end (or the embeddings) trains; its input when the previous stage's output does.
-    def output_needs_grad(s_idx: int) -> bool:
-        return freeze_blocks is None or splits[s_idx][1] > freeze_blocks or s_idx == n_stages - 1
-
     stages = [PipelineStage(sub, s_idx, n_stages, torch.device("cpu"),
                             input_args=(mb_in,), output_args=(mb_out,),
                             output_grads=None if s_last or not output_needs_grad(s_idx) else (mb_out,),

@@ -10,7 +10,11 @@
 //!   allocates the activation's buffer immediately before each forward receive;
 //!   `_retrieve_recv_activations` takes it and `requires_grad_()` makes it a leaf of the stage's
 //!   graph; `_ForwardChunkState.input_values` keeps it until that micro-batch's backward returns
-//!   (one buffer per micro-batch in flight, nothing kept across steps in 2.15).
+//!   (one buffer per micro-batch in flight, nothing kept across steps in 2.15). On the last stage
+//!   the leaf lives until the step ends: the micro-batch's loss, kept in `_internal_losses` and
+//!   the caller's `losses`, reaches it through its `grad_fn` chain (the leaf's `AccumulateGrad`
+//!   node holds it; a backward frees saved tensors, not nodes), so the last stage ends its step
+//!   holding all `M` receive buffers.
 //! * **Forward** (`forward_one_chunk`): the stage's ops; a non-last stage's output is held by its
 //!   send until the schedule waits for it (`_wait_and_release_fwd_send` →
 //!   `release_fwd_send_outputs`; backward then starts from the output's gradient edge). GPipe
@@ -65,6 +69,9 @@ struct InFlight {
     root: Option<Edge>,
     /// The last stage's loss.
     loss: Option<Rt>,
+    /// The last stage's received activations that require grad: its loss's graph keeps them
+    /// (the input leaf's `AccumulateGrad` node holds its tensor).
+    loss_leaves: Vec<Rt>,
     /// The last stage's model outputs, alive until the backward.
     held: Vec<Rt>,
     /// A DDP stage's output, which its chunk state keeps until the backward returns
@@ -87,8 +94,8 @@ pub(crate) struct PpState {
     sends: Vec<Rt>,
     /// Input gradients whose send has not been released, with the backward that made them.
     grad_sends: Vec<(usize, Rt)>,
-    /// `_internal_losses`.
-    losses: Vec<Rt>,
+    /// `_internal_losses`, each with the received leaves its graph keeps (`InFlight::loss_leaves`).
+    losses: Vec<(Rt, Vec<Rt>)>,
     /// Values whose handles the running forward keeps (the last stage's model outputs).
     hold: Vec<ValueId>,
     held: Vec<Rt>,
@@ -145,9 +152,14 @@ impl<'g> Lowering<'g> {
         if let Some(t) = self.pp.recv_work.take() {
             self.drop_rt(t);
         }
-        // `_update_losses`; the loop's `losses` list dies after the step.
-        for t in std::mem::take(&mut self.pp.losses) {
+        // `_update_losses`; the loop's `losses` list dies after the step (CPython's list
+        // deallocation releases its items last first), and with each loss its graph: the
+        // received leaf's `AccumulateGrad` lets go of the receive buffer.
+        for (t, leaves) in std::mem::take(&mut self.pp.losses).into_iter().rev() {
             self.drop_rt(t);
+            for l in leaves {
+                self.drop_rt(l);
+            }
         }
         for (_, t) in std::mem::take(&mut self.pp.batch).into_iter().rev() {
             self.drop_rt(t);
@@ -380,11 +392,21 @@ impl<'g> Lowering<'g> {
             None => self.pp_recv_activation(stage),
         };
         let mut recv_slots = Vec::new();
+        let mut loss_leaves = Vec::new();
         for (k, (&v, mut rt)) in c.recv.iter().zip(received).enumerate() {
             if c.recv_grad.get(k).copied().unwrap_or(true) {
                 let (leaf, slot) = self.new_leaf(&rt);
                 rt.edge = Some(Edge { node: leaf, nr: 0 });
                 recv_slots.push(slot);
+                // On the last stage the leaf outlives its backward: the loss, which the schedule
+                // keeps until the step ends (`_internal_losses`, then the caller's `losses`),
+                // reaches through its `grad_fn` chain (not freed by a backward without
+                // `retain_graph`: only saved tensors are) the input's `AccumulateGrad` node,
+                // which holds the leaf (`stage.py` `_retrieve_recv_activations`:
+                // `buffer.requires_grad_(...)`; `stage_backward` only clears its `.grad`).
+                if last {
+                    loss_leaves.push(self.dup(&rt));
+                }
             }
             self.vals[v.0 as usize] = Some(rt);
         }
@@ -410,6 +432,7 @@ impl<'g> Lowering<'g> {
             recv_slots,
             root: None,
             loss: None,
+            loss_leaves,
             held,
             live_output: None,
             nodes: node0..self.nodes.len(),
@@ -499,7 +522,7 @@ impl<'g> Lowering<'g> {
             if let Some(u) = unscaled {
                 self.drop_rt(u);
             }
-            self.pp.losses.push(loss);
+            self.pp.losses.push((loss, st.loss_leaves));
         } else if let (Some(root), Some(g)) = (st.root, grad.as_ref()) {
             let into_engine = self.dup(g);
             self.run_backward(root, into_engine, None);
