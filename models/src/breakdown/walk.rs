@@ -52,7 +52,9 @@ pub(crate) struct Live<'a> {
 /// reached it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Peak {
+    /// Live requested bytes there.
     pub bytes: u64,
+    /// Index (in the whole step) of the allocation that reached them.
     pub at: usize,
 }
 
@@ -75,8 +77,11 @@ pub(crate) struct Walk<'a> {
 /// highest point after an allocation (bytes, index).
 #[derive(Clone, Copy, Debug)]
 struct RepetitionCurve {
+    /// Live requested bytes before the repetition.
     before: u64,
+    /// Live requested bytes after it.
     after: u64,
+    /// Its first highest point after an allocation: bytes and index in the whole step.
     top: Option<(u64, usize)>,
 }
 
