@@ -29,6 +29,12 @@
 //! [--pp N --m M]`): the embeddings and the first K blocks frozen, with the stage metadata
 //! `PipelineStage`'s inference gives such a split (a stage input requires grad only when the
 //! previous stage's output does).
+//!
+//! The `titan-*` recordings run torchtitan's loop around the schedule (`capture_pipeline.py OUT
+//! --loop torchtitan [--schedule ...] [--pp N --m M]`: `Trainer.train_step` keeps
+//! `torch.sum(torch.stack(losses))` until after the optimizer step) and are lowered with
+//! `--pp-loop torchtitan`; the others ran the plain loop (`pp_loop` in their metadata, or none) and
+//! are lowered with `--pp-loop plain`.
 
 use std::collections::HashMap;
 use std::path::Path;
