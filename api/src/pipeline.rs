@@ -255,6 +255,7 @@ pub fn to_json(recipe: &Recipe, roles: &[RankRole]) -> Value {
         "in_flight": (0..p.pp).map(|r| pipeline::max_in_flight(&rank_actions(p.pp_schedule, p.pp, r, m))).collect::<Vec<_>>(),
         "fits": roles.iter().all(|r| r.fits),
         "deciding_ranks": worst,
+        "loop": p.pp_loop.to_string(),
     })
 }
 

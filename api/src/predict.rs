@@ -15,6 +15,7 @@ use vramsim_models::compact::{lower_compact, CompactTrace, ReplayPiece};
 use vramsim_models::hf::{self, ImportOptions};
 use vramsim_models::template::BatchTemplate;
 use vramsim_models::zoo::{Arch, KernelChoice};
+use vramsim_models::PpLoop;
 use vramsim_models::{
     parse_image_size, Attention, Checkpointing, Graph, Head, Loss, OptimizerImpl, OptimizerKind,
     PeakBreakdown, Precision, Recipe, Target, ZeroGrad,
@@ -291,6 +292,12 @@ pub struct PredictArgs {
     /// floating-point storage, normally the model's dtype (bf16).
     #[arg(long, default_value = "uint8", value_parser = vramsim_models::finetune::quant::parse_quant_storage)]
     pub quant_storage: DType,
+    /// The training loop around a pipeline's schedule (with --pp): torchtitan (the default:
+    /// Trainer.train_step keeps torch.sum(torch.stack(losses)), and through its graph the last
+    /// stage's M received activations, until after the optimizer step) or plain (a loop that
+    /// drops the losses when schedule.step returns, as models/tools/capture_pipeline.py).
+    #[arg(long, default_value = "torchtitan", value_parser = named::<PpLoop>)]
+    pub pp_loop: PpLoop,
 }
 
 /// `--quant`'s value: a bitsandbytes format, or `none` (what no `--quant` gives; for `--vary
@@ -826,6 +833,7 @@ pub fn step_recipe(args: &PredictArgs) -> Result<(Arch, Recipe, Vec<String>)> {
             reshard_after_forward: args.reshard_after_forward,
             cp: args.cp,
             cp_rank: 0,
+            pp_loop: args.pp_loop,
         },
         quant_storage: args.quant_storage,
         ..Recipe::default()

@@ -70,6 +70,10 @@ fn each_rank_is_a_role_and_the_worst_decides() {
         serde_json::json!([4, 3, 2, 1])
     );
     assert_eq!(doc["pipeline"]["microbatches"], 8);
+    assert_eq!(
+        doc["pipeline"]["loop"], "torchtitan",
+        "torchtitan's loop by default"
+    );
     let worst = ranks
         .iter()
         .max_by_key(|r| r["peak_reserved_bytes"].as_u64().unwrap())
@@ -170,6 +174,14 @@ fn bad_pipelines_fail_with_the_reason() {
     fails(
         &["--batch", "8", "--pp", "2", "--precision", "amp-fp16"],
         &["GradScaler", "_maybe_compute_loss", "_scale is None"],
+    );
+    fails(
+        &["--batch", "8", "--pp", "2", "--pp-loop", "deepspeed"],
+        &["pp-loop", "torchtitan, plain"],
+    );
+    fails(
+        &["--batch", "8", "--pp-loop", "plain"],
+        &["--pp-loop is the loop around a pipeline's schedule: give --pp 2 or more"],
     );
 }
 

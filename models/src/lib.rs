@@ -57,7 +57,7 @@ pub use dtype::DType;
 pub use graph::{DTypeSpec, Graph, GraphBuilder, GraphError, RegionKind, ValueId, T};
 pub use lower::{checkpointed_ranges, lower, selective_op_saves, LowerError};
 pub use ops::{FusedSdpa, OpKind};
-pub use parallel::{Offload, Parallel, PpSchedule, ReshardAfterForward, Shard};
+pub use parallel::{Offload, Parallel, PpLoop, PpSchedule, ReshardAfterForward, Shard};
 pub use recipe::{parse_image_size, Head, Loss};
 pub use recipe::{
     Attention, Checkpointing, Fidelity, OptimizerImpl, OptimizerKind, Precision, Recipe,

@@ -157,6 +157,9 @@ pub struct Parallel {
     /// The context-parallel rank whose trace the lowering writes (each plays its own role: the
     /// load-balanced ring's steps differ by rank).
     pub cp_rank: u32,
+    /// The training loop around a pipeline's `schedule.step` (`--pp-loop`): what keeps the
+    /// last stage's losses after the schedule returns.
+    pub pp_loop: PpLoop,
 }
 
 /// FSDP2's `fully_shard(block, reshard_after_forward=...)` (`--reshard-after-forward`), passed to
@@ -257,6 +260,43 @@ impl FromStr for PpSchedule {
     }
 }
 
+/// The training loop that drives a pipeline's `schedule.step` (`--pp-loop`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PpLoop {
+    /// torchtitan's `Trainer.train_step` (`trainer.py`): `pp_forward_backward_step` returns
+    /// `torch.sum(torch.stack(losses))`, whose graph reaches every micro-batch's loss, and
+    /// `train_step` keeps it in `loss` until it returns, after `optimizers.step()`.
+    #[default]
+    Torchtitan,
+    /// A loop that drops the `losses` list when `schedule.step` returns (the recordings'
+    /// `models/tools/capture_pipeline.py`).
+    Plain,
+}
+
+impl fmt::Display for PpLoop {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PpLoop::Torchtitan => "torchtitan",
+            PpLoop::Plain => "plain",
+        })
+    }
+}
+
+impl FromStr for PpLoop {
+    type Err = RecipeError;
+    fn from_str(s: &str) -> Result<Self, RecipeError> {
+        match s {
+            "torchtitan" => Ok(PpLoop::Torchtitan),
+            "plain" => Ok(PpLoop::Plain),
+            _ => Err(RecipeError::Unknown {
+                field: "pp-loop",
+                value: s.to_string(),
+                valid: "torchtitan, plain",
+            }),
+        }
+    }
+}
+
 /// What CPU offload keeps in host memory (`--offload`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Offload {
@@ -331,6 +371,7 @@ impl Default for Parallel {
             reshard_after_forward: ReshardAfterForward::True,
             cp: 1,
             cp_rank: 0,
+            pp_loop: PpLoop::default(),
         }
     }
 }
@@ -834,6 +875,13 @@ impl Parallel {
             return Err(RecipeError::Invalid {
                 field: "pp-schedule",
                 msg: "--pp-schedule and --microbatches schedule a pipeline: give --pp 2 or more"
+                    .into(),
+            });
+        }
+        if self.pp < 2 && self.pp_loop != PpLoop::default() {
+            return Err(RecipeError::Invalid {
+                field: "pp-loop",
+                msg: "--pp-loop is the loop around a pipeline's schedule: give --pp 2 or more"
                     .into(),
             });
         }

@@ -10,7 +10,7 @@ use common::{live_at_phase, max_live};
 use std::collections::HashMap;
 
 use vramsim_models::pipeline::{self, rank_graph};
-use vramsim_models::{lower, zoo, Parallel, PpSchedule, Precision, Recipe};
+use vramsim_models::{lower, zoo, Parallel, PpLoop, PpSchedule, Precision, Recipe};
 use vramsim_traces::{Category, Event, Trace};
 
 fn recipe(batch: u64, seq: u64, pp: u32, schedule: PpSchedule, m: u32, rank: u32) -> Recipe {
@@ -808,5 +808,51 @@ fn ddp_stage_buckets_hold_the_stage_gradients() {
             }
             assert_eq!(max_live(&t, Category::Gradient), 2 * psi, "{label}");
         }
+    }
+}
+
+/// torchtitan's loop (`--pp-loop torchtitan`, the default) against the plain one, by hand
+/// (`torchtitan/trainer.py`): `pp_forward_backward_step` returns `torch.sum(torch.stack(losses))`
+/// on the last stage, whose graph reaches every micro-batch's received activation (a bf16
+/// `[1, seq, 768]` leaf per micro-batch: `M × seq × 768 × 2` B) and is itself a 0-dim fp32 (4 B);
+/// `train_step` keeps it in `loss` through the optimizer step, and with `--accum 2` until the next
+/// accumulation step's `loss = self.forward_backward_step(...)` rebinds it: the second schedule
+/// starts holding the first's, and the optimizer step holds only the second's. Every other rank
+/// keeps a one-element fp32 `torch.tensor([-1.0])` (4 B).
+#[test]
+fn torchtitan_loop_keeps_the_losses_through_the_optimizer_step() {
+    let (m, seq) = (4u32, 64u64);
+    for rank in 0..2 {
+        let mut r = recipe(4, seq, 2, PpSchedule::OneFOneB, m, rank);
+        r.accum = 2;
+        assert_eq!(r.parallel.pp_loop, PpLoop::Torchtitan, "the default loop");
+        let titan = lower_rank("gpt2", &r);
+        r.parallel.pp_loop = PpLoop::Plain;
+        let plain = lower_rank("gpt2", &r);
+        let total = |t: &Trace, phase: &str, nth: usize| -> u64 {
+            live_at_phase(t, phase, nth).values().sum()
+        };
+        let kept = if rank == 1 {
+            u64::from(m) * hidden_bytes(seq, 768) + 4
+        } else {
+            4
+        };
+        // The second accumulation step's first forward (the rank runs `m` per step).
+        let second = m as usize;
+        assert_eq!(
+            total(&titan, "forward", second) - total(&plain, "forward", second),
+            kept,
+            "rank {rank}: the first schedule's loss kept through the second"
+        );
+        assert_eq!(
+            total(&titan, "optimizer", 0) - total(&plain, "optimizer", 0),
+            kept,
+            "rank {rank}: the second schedule's loss kept through the optimizer step"
+        );
+        assert_eq!(
+            total(&titan, "zero_grad", 0),
+            total(&plain, "zero_grad", 0),
+            "rank {rank}: freed when train_step returns"
+        );
     }
 }

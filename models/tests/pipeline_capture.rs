@@ -29,6 +29,12 @@
 //! [--pp N --m M]`): the embeddings and the first K blocks frozen, with the stage metadata
 //! `PipelineStage`'s inference gives such a split (a stage input requires grad only when the
 //! previous stage's output does).
+//!
+//! The `titan-*` recordings run torchtitan's loop around the schedule (`capture_pipeline.py OUT
+//! --loop torchtitan [--schedule ...] [--pp N --m M]`: `Trainer.train_step` keeps
+//! `torch.sum(torch.stack(losses))` until after the optimizer step) and are lowered with
+//! `--pp-loop torchtitan`; the others ran the plain loop (`pp_loop` in their metadata, or none) and
+//! are lowered with `--pp-loop plain`.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -36,8 +42,8 @@ use std::path::Path;
 use vramsim_models::hf::{read, ImportOptions};
 use vramsim_models::pipeline::rank_graph;
 use vramsim_models::{
-    lower, Attention, CheckpointImpl, Checkpointing, DType, Fidelity, Parallel, PpSchedule, Recipe,
-    Shard,
+    lower, Attention, CheckpointImpl, Checkpointing, DType, Fidelity, Parallel, PpLoop, PpSchedule,
+    Recipe, Shard,
 };
 use vramsim_traces::{read_trace, Event, Trace};
 
@@ -206,6 +212,12 @@ fn traces(
             gradient_as_bucket_view: dp.bucket_view,
             fsdp_param_dtype: dp.mixed.map(|(param, _)| param),
             fsdp_reduce_dtype: dp.mixed.map(|(_, reduce)| reduce),
+            // The tool's loop (`--loop`, recorded in the metadata; plain before it had one).
+            pp_loop: captured
+                .meta
+                .get("pp_loop")
+                .and_then(|v| v.as_str())
+                .map_or(PpLoop::Plain, |s| s.parse().expect("a loop vramsim knows")),
             ..Parallel::default()
         };
         // `--freeze-blocks K`: the embeddings and blocks 0..K-1 frozen (GPT-2's tied head too).
@@ -568,4 +580,111 @@ fn zero1_torch_interleaved_pp2_v2_m4() {
         let worst = *theirs.iter().max().expect("two ranks");
         assert_eq!(ours, worst, "{dir} rank {rank}");
     }
+}
+
+/// Per `optimizer` phase of a trace (up to its `zero_grad`): the live requested bytes as it
+/// starts, the most within it, and as it ends.
+fn optimizer_phases(t: &Trace) -> Vec<(u64, u64, u64)> {
+    let mut live: HashMap<String, u64> = HashMap::new();
+    let mut now = 0u64;
+    let mut open: Option<(u64, u64)> = None;
+    let mut out = Vec::new();
+    for e in &t.events {
+        match e {
+            Event::Alloc { id, size, .. } => {
+                live.insert(id.to_string(), *size);
+                now += size;
+            }
+            Event::Free { id } => {
+                if let Some(s) = live.remove(&id.to_string()) {
+                    now -= s;
+                }
+            }
+            Event::Phase { name } if &**name == "optimizer" => open = Some((now, now)),
+            Event::Phase { name } if &**name == "zero_grad" => {
+                if let Some((start, max)) = open.take() {
+                    out.push((start, max, now));
+                }
+            }
+            _ => {}
+        }
+        if let Some((_, max)) = open.as_mut() {
+            *max = (*max).max(now);
+        }
+    }
+    out
+}
+
+/// torchtitan's loop (`capture_pipeline.py --loop torchtitan`: `Trainer.train_step` keeps
+/// `torch.sum(torch.stack(losses))` until after `optimizers.step()`) against the lowering's default
+/// `--pp-loop torchtitan`: every rank's peaks and every optimizer phase (live bytes at its start,
+/// its peak, at its end) to the byte; and the recordings against the plain loop's by hand: the
+/// last stage enters the optimizer step holding its `M` receive buffers (1 × seq 64 × 128 fp32 each,
+/// the losses' graph reaching their `AccumulateGrad` nodes) and the 4-byte summed loss, the other
+/// stages the 4-byte `torch.tensor([-1.0])`; both die before `zero_grad` (`train_step` returns).
+fn check_titan(dir: &str, plain: &str, schedule: PpSchedule, pp: u32, m: u32) {
+    check(dir, schedule, pp, m);
+    let titan = traces(dir, schedule, pp, m, Checkpointing::None, &Dp::none());
+    let base = traces(plain, schedule, pp, m, Checkpointing::None, &Dp::none());
+    for (rank, ((ours, theirs), (_, plain_theirs))) in titan.iter().zip(&base).enumerate() {
+        let (o, t, p) = (
+            optimizer_phases(ours),
+            optimizer_phases(theirs),
+            optimizer_phases(plain_theirs),
+        );
+        eprintln!("{dir} rank {rank}: vramsim {o:?}, PyTorch {t:?}, plain loop {p:?}");
+        assert_eq!(o, t, "{dir} rank {rank}: optimizer phases");
+        let kept = if rank as u32 + 1 == pp {
+            u64::from(m) * 64 * 128 * 4 + 4
+        } else {
+            4
+        };
+        assert_eq!(t.len(), p.len());
+        for ((ts, tm, te), (ps, pm, pe)) in t.iter().zip(&p) {
+            assert_eq!(
+                ts - ps,
+                kept,
+                "{dir} rank {rank}: kept at the optimizer step"
+            );
+            assert_eq!(
+                tm - pm,
+                kept,
+                "{dir} rank {rank}: kept through the optimizer step"
+            );
+            assert_eq!(te, pe, "{dir} rank {rank}: freed when train_step returns");
+        }
+    }
+}
+
+#[test]
+fn torchtitan_loop_one_f_one_b_pp2_m4() {
+    check_titan(
+        "titan-1f1b-pp2-m4",
+        "1f1b-pp2-m4",
+        PpSchedule::OneFOneB,
+        2,
+        4,
+    );
+}
+
+#[test]
+fn torchtitan_loop_interleaved_pp2_v2_m4() {
+    check_titan(
+        "titan-interleaved2-pp2-m4",
+        "interleaved2-pp2-m4",
+        PpSchedule::Interleaved(2),
+        2,
+        4,
+    );
+}
+
+#[test]
+fn torchtitan_loop_gpipe_pp4_m4() {
+    check_titan(
+        "titan-gpipe-pp4-m4",
+        "gpipe-pp4-m4",
+        PpSchedule::GPipe,
+        4,
+        4,
+    );
 }

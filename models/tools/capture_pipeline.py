@@ -19,7 +19,7 @@ stage's received activation requires grad, so ``_retrieve_recv_activations`` mak
         [--schedule 1f1b|gpipe|interleaved:V] [--pp 2] [--m 4] [--checkpoint]
         [--dp N --shard ddp|zero1-torch [--bucket-view]]
         [--dp N --shard fsdp2 [--fsdp-param-dtype bf16] [--fsdp-reduce-dtype fp32]] [--layers N]
-        [--freeze-blocks K]
+        [--freeze-blocks K] [--loop plain|torchtitan]
 
 With ``--dp N`` (N ≥ 2, with ``--shard``) the world is ``pp × N`` processes on torchtitan's mesh
 order (``pp`` outer, ``dp`` inner: global rank ``pp_rank · N + dp_rank``).
@@ -50,6 +50,12 @@ metadata inference gives such a split (``_forward_metadata_inference`` /
 its last frozen) gets ``output_grads=None`` (derived as ``None``: no gradient receive buffer), and
 a stage whose input comes from such a stage ``input_grads=None`` (no gradient sent back), and a
 stage whose input does require grad gets it ``requires_grad`` (a leaf whose ``.grad`` is sent back).
+
+``--loop torchtitan`` runs torchtitan's loop around ``schedule.step`` (``Trainer.train_step``,
+``pp_forward_backward_step``): the last stage keeps ``torch.sum(torch.stack(losses))``, and through
+its graph every micro-batch's received activation, the other stages a one-element tensor, until
+after the optimizer step. The default ``plain`` loop drops the losses when the schedule returns.
+The metadata records the loop as ``pp_loop``.
 
 Without ``--dp`` every rank writes ``OUT_DIR/rank{R}.jsonl.gz``; the run also writes
 ``OUT_DIR/config.json`` (the model's config, for ``vramsim predict --hf-config``).
@@ -219,7 +225,8 @@ def _record_fsdp_resizes(rec) -> None:
 def run(grank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt: bool,
         model: str = "gpt2", dp: int = 1, shard: str = "none", bucket_view: bool = False,
         param_dtype: str | None = None, reduce_dtype: str | None = None,
-        layers: int | None = None, freeze_blocks: int | None = None) -> None:
+        layers: int | None = None, freeze_blocks: int | None = None,
+        loop: str = "plain") -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=grank, world_size=world * dp)
@@ -365,9 +372,19 @@ def run(grank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt
                 sched.step(ids, attention_mask=mask, target=labels, losses=losses, return_outputs=False)
             else:
                 sched.step(attention_mask=mask, target=labels, losses=losses, return_outputs=False)
+            if loop == "torchtitan":
+                # torchtitan's `Trainer.pp_forward_backward_step` (`trainer.py`): the last stage
+                # returns `torch.sum(torch.stack(losses)).to(self.device)`, whose graph reaches
+                # every loss; the others `torch.tensor([-1.0], device=self.device)`, which on
+                # CUDA is a device copy the caching allocator makes (a dispatch mode does not see
+                # `torch.tensor`'s own allocation: `torch.full` makes the same one-element tensor).
+                loss = torch.sum(torch.stack(losses)) if last else torch.full((1,), -1.0)
             del ids, mask, labels, losses
             rec.mark_phase("optimizer")
             opt.step()
+            if loop == "torchtitan":
+                # `train_step` returns after `optimizers.step()`: its `loss` dies there.
+                del loss
             rec.mark_phase("zero_grad")
             opt.zero_grad(set_to_none=True)
         events = rec.close()
@@ -380,6 +397,7 @@ def run(grank: int, world: int, out: str, schedule: str, m: int, port: int, ckpt
                                         "fsdp_param_dtype": param_dtype,
                                         "fsdp_reduce_dtype": reduce_dtype,
                                         "freeze_blocks": freeze_blocks,
+                                        "pp_loop": loop,
                                         "torch": torch.__version__}, events=events)
     if shard == "fsdp2":
         # the first data-parallel rank holds the largest shards (torch.chunk)
@@ -416,6 +434,10 @@ def main() -> int:
     ap.add_argument("--layers", type=int, help="the model's number of blocks (6 by default)")
     ap.add_argument("--freeze-blocks", type=int,
                     help="freeze the embeddings and blocks 0..K-1 (fine-tuning)")
+    ap.add_argument("--loop", default="plain", choices=["plain", "torchtitan"],
+                    help="the loop around schedule.step: plain (drops the losses when it returns) "
+                         "or torchtitan (Trainer.train_step keeps their sum until after the "
+                         "optimizer step)")
     a = ap.parse_args()
     if a.freeze_blocks is not None and a.shard != "none":
         ap.error("--freeze-blocks is recorded without data parallelism (--shard none)")
@@ -432,7 +454,7 @@ def main() -> int:
         json.dump(cfg, f, indent=1)
     mp.spawn(run, args=(a.pp, a.out, a.schedule, a.m, a.port, a.checkpoint, a.model, a.dp, a.shard,
                          a.bucket_view, a.fsdp_param_dtype, a.fsdp_reduce_dtype, a.layers,
-                         a.freeze_blocks),
+                         a.freeze_blocks, a.loop),
              nprocs=a.pp * a.dp, join=True)
     return 0
 

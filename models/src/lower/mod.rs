@@ -928,6 +928,7 @@ impl<'g> Lowering<'g> {
                 self.optimizer_step();
                 self.zero_redundancy_sync();
             }
+            self.pp_end_train_step();
             self.phase("zero_grad");
             self.zero_grad();
             self.fsdp_after_step();

@@ -54,7 +54,7 @@
 use super::{Edge, Kind, LowerError, Lowering, Rt};
 use crate::graph::{ModuleId, ValueId};
 use crate::layout::Layout;
-use crate::parallel::PpSchedule;
+use crate::parallel::{PpLoop, PpSchedule};
 use crate::pipeline::{self, Action, Chunk};
 use rustc_hash::FxHashMap;
 use std::ops::Range;
@@ -96,6 +96,9 @@ pub(crate) struct PpState {
     grad_sends: Vec<(usize, Rt)>,
     /// `_internal_losses`, each with the received leaves its graph keeps (`InFlight::loss_leaves`).
     losses: Vec<(Rt, Vec<Rt>)>,
+    /// What the training loop keeps of the last `schedule.step` until its step ends
+    /// (`Lowering::pp_loop_loss`): torchtitan's `loss` and the receive buffers its graph reaches.
+    kept: Vec<Rt>,
     /// Values whose handles the running forward keeps (the last stage's model outputs).
     hold: Vec<ValueId>,
     held: Vec<Rt>,
@@ -152,14 +155,28 @@ impl<'g> Lowering<'g> {
         if let Some(t) = self.pp.recv_work.take() {
             self.drop_rt(t);
         }
+        let losses = std::mem::take(&mut self.pp.losses);
+        let mut kept = self.pp_loop_loss(&losses);
         // `_update_losses`; the loop's `losses` list dies after the step (CPython's list
         // deallocation releases its items last first), and with each loss its graph: the
-        // received leaf's `AccumulateGrad` lets go of the receive buffer.
-        for (t, leaves) in std::mem::take(&mut self.pp.losses).into_iter().rev() {
+        // received leaf's `AccumulateGrad` lets go of the receive buffer. Under torchtitan the
+        // summed loss's graph still reaches every loss's `grad_fn` chain, so the leaves stay.
+        let titan = self.r.parallel.pp_loop == PpLoop::Torchtitan;
+        for (t, leaves) in losses.into_iter().rev() {
             self.drop_rt(t);
             for l in leaves {
-                self.drop_rt(l);
+                if titan {
+                    kept.push(l);
+                } else {
+                    self.drop_rt(l);
+                }
             }
+        }
+        // torchtitan's `loss = self.forward_backward_step(...)`: the next accumulation step's
+        // rebinding frees the previous one (after its `losses` list died).
+        let old = std::mem::replace(&mut self.pp.kept, kept);
+        for t in old {
+            self.drop_rt(t);
         }
         for (_, t) in std::mem::take(&mut self.pp.batch).into_iter().rev() {
             self.drop_rt(t);
@@ -171,6 +188,51 @@ impl<'g> Lowering<'g> {
         self.leaf_grads.clear();
         self.frames.clear();
         Ok(())
+    }
+
+    /// What the training loop keeps of a `schedule.step` (`Parallel::pp_loop`). torchtitan's
+    /// `Trainer.pp_forward_backward_step` (`trainer.py`) returns, on the last stage,
+    /// `torch.sum(torch.stack(losses)).to(self.device)`: `stack` makes an `[M]` tensor, a
+    /// temporary that dies once `sum` returns (`StackBackward0` and `SumBackward0` save no tensor),
+    /// and the 0-dim sum is returned (`.to` of a tensor already there is itself); on the other
+    /// stages `torch.tensor([-1.0], device=self.device)`. `train_step` binds it to `loss` (and
+    /// `detached_loss`, a view) until it returns, after `optimizers.step()`. The plain loop
+    /// keeps nothing.
+    fn pp_loop_loss(&mut self, losses: &[(Rt, Vec<Rt>)]) -> Vec<Rt> {
+        if self.r.parallel.pp_loop != PpLoop::Torchtitan {
+            return Vec::new();
+        }
+        let kind = self.kind_now;
+        self.kind_now = Kind::Temporary;
+        let kept = match losses.first() {
+            Some((l, _)) => {
+                let dtype = l.dtype;
+                let m = losses.len() as u64;
+                let stacked =
+                    self.alloc(Layout::contiguous(&[m]), dtype, ModuleId(0), "aten.stack");
+                let sum = self.alloc(Layout::contiguous(&[]), dtype, ModuleId(0), "aten.sum");
+                self.drop_rt(stacked);
+                sum
+            }
+            None => self.alloc(
+                Layout::contiguous(&[1]),
+                crate::dtype::DType::F32,
+                ModuleId(0),
+                "aten.tensor",
+            ),
+        };
+        self.kind_now = kind;
+        self.retag(&kept, "pp_loop_loss".to_string());
+        vec![kept]
+    }
+
+    /// torchtitan's `train_step` returns after the optimizer step: its `loss` dies, and with it
+    /// the last stage's loss graph and the receive buffers it reaches (last first: the graph is
+    /// freed depth-first from the last edge, `deleteNode` in `torch/csrc/autograd/function.cpp`).
+    pub(super) fn pp_end_train_step(&mut self) {
+        for t in std::mem::take(&mut self.pp.kept) {
+            self.drop_rt(t);
+        }
     }
 
     /// `_PipelineScheduleRuntime._step_microbatches` (`ScheduleInterleaved1F1B`): each action as
