@@ -1764,3 +1764,67 @@ fn zero3_qlora_lowers_compactly_and_by_template() {
         }
     }
 }
+
+/// `DistributedDataParallel.__init__` → `_sync_module_states` → `dist._broadcast_coalesced` with
+/// `broadcast_bucket_size` = 250 MiB (`c10d/comm.cpp` `broadcast_coalesced`): each dtype bucket of
+/// several tensors flattened into one new tensor (`at::cat`), at most two in flight, all freed
+/// before the Reducer's bucket is made. The bucket sizes are PyTorch's own: 2.15's
+/// `dist._compute_bucket_assignment_by_size(states, [250 * 1024 * 1024])` over HF
+/// `GPT2LMHeadModel(GPT2Config(n_embd=1024, n_layer=24, n_head=16))`'s `named_parameters()`
+/// (292 fp32 tensors, no buffers, the tied `lm_head` once) gives buckets of 17, 66, 62, 64, 66 and
+/// 17 tensors; by hand the first is wte + wpe + block 0 + block 1's `ln_1` and `c_attn.weight`:
+/// 4 × (50257·1024 + 1024² + 12,596,224 + 2·1024 + 1024·3072) = 273,022,976 B.
+#[test]
+fn ddp_construction_broadcasts_the_module_states_in_250_mib_buckets() {
+    let r = Recipe {
+        precision: Precision::Fp32,
+        ..recipe(1, 64, 2, Shard::Ddp)
+    };
+    let g = zoo::build("gpt2-medium", &r).unwrap();
+    let t = lower(&g, &r).unwrap();
+    let flats: Vec<(vramsim_traces::AllocId, u64)> = t
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Alloc { id, size, tag, .. }
+                if tag
+                    .as_deref()
+                    .is_some_and(|t| t.starts_with("ddp_sync_flat")) =>
+            {
+                Some((id.clone(), *size))
+            }
+            _ => None,
+        })
+        .collect();
+    let sizes: Vec<u64> = flats.iter().map(|f| f.1).collect();
+    assert_eq!(
+        sizes,
+        [273022976, 272920576, 268718080, 264519680, 272920576, 67190784]
+    );
+    // Two in flight: bucket k + 2 is allocated after bucket k is freed, and every flat tensor
+    // is freed before the Reducer's first bucket is allocated.
+    let at = |pred: &dyn Fn(&Event) -> bool| t.events.iter().position(pred).unwrap();
+    let alloc_of =
+        |id: &vramsim_traces::AllocId| at(&|e| matches!(e, Event::Alloc { id: i, .. } if i == id));
+    let free_of =
+        |id: &vramsim_traces::AllocId| at(&|e| matches!(e, Event::Free { id: i } if i == id));
+    let first_bucket = at(
+        &|e| matches!(e, Event::Alloc { tag, .. } if tag.as_deref().is_some_and(|t| t.starts_with("ddp_bucket"))),
+    );
+    for (k, (id, _)) in flats.iter().enumerate() {
+        assert!(
+            free_of(id) < first_bucket,
+            "flat {k} outlives the construction"
+        );
+        if let Some((next, _)) = flats.get(k + 1) {
+            assert!(
+                alloc_of(next) < free_of(id),
+                "flat {k} and {} in flight",
+                k + 1
+            );
+        }
+        if let Some((later, _)) = flats.get(k + 2) {
+            assert!(free_of(id) < alloc_of(later), "three in flight at flat {k}");
+        }
+    }
+}
