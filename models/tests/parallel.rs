@@ -1343,7 +1343,7 @@ fn deepspeed_zero3_keeps_its_inf_or_nan_tracker() {
 }
 
 /// `--precision fp16` is DeepSpeed's mode only: without ZeRO, and autocast under ZeRO, are
-/// refused with the reason.
+/// refused with the reason; with ZeRO and an offload it is modelled.
 #[test]
 fn fp16_outside_deepspeed_and_autocast_under_zero_are_refused() {
     let mut r = recipe(1, 128, 2, Shard::Ddp);
@@ -1362,7 +1362,7 @@ fn fp16_outside_deepspeed_and_autocast_under_zero_are_refused() {
     let mut r = recipe(1, 128, 2, Shard::Zero2);
     r.precision = Precision::Fp16;
     r.parallel.offload = Offload::Optimizer;
-    assert!(r.validate().is_err());
+    r.validate().unwrap();
 }
 
 /// FSDP-QLoRA (`--quant nf4 --quant-storage bf16 --lora r=8 --dp 3 --shard fsdp2`), TinyLlama 1.1B
@@ -1825,6 +1825,80 @@ fn ddp_construction_broadcasts_the_module_states_in_250_mib_buckets() {
         }
         if let Some((later, _)) = flats.get(k + 2) {
             assert!(free_of(id) < alloc_of(later), "three in flight at flat {k}");
+        }
+    }
+}
+
+/// ZeRO-Offload in fp16 mode (stages 1/2): `has_overflow` reads `self.local_overflow`, set at the
+/// accumulation boundary by `update_offload_overflow_tracker_for_param_grad` →
+/// `_has_inf_or_nan` of each partition parameter's whole gradient on the GPU
+/// (`stage_1_and_2.py`), then all-reduces `ByteTensor([overflow])` (1 byte); the loss scaler
+/// unscales the host fp32 gradients. By hand, per iteration and per parameter overlapping rank 0's
+/// first Ψ'/N elements (n elements): `x.float()` and `.float()` (4n each), `isnan`, `isinf`,
+/// `logical_or` (n each), the 4-byte `max`; then the 1-byte flag. bf16 (whose default
+/// `check_grad_overflow` is True) runs the same.
+#[test]
+fn deepspeed_fp16_offload_checks_the_gradients_on_the_gpu() {
+    let (n, iters) = (4u64, 2u32);
+    for shard in [Shard::Zero1, Shard::Zero2] {
+        for precision in [Precision::Fp16, Precision::Bf16] {
+            let mut r = recipe(1, 128, n as u32, shard);
+            r.optimizer = OptimizerKind::AdamW;
+            r.precision = precision;
+            r.iterations = iters;
+            r.parallel.offload = Offload::Optimizer;
+            r.validate().unwrap();
+            let g = zoo::build("gpt2", &r).unwrap();
+            let t = lower(&g, &r).unwrap();
+            let sizes: Vec<u64> = g
+                .params
+                .iter()
+                .map(|p| p.shape.iter().product::<u64>())
+                .collect();
+            let psi: u64 = sizes.iter().sum();
+            let part = psi.div_ceil(2 * n) * 2 * n / n;
+            let mut want: HashMap<u64, i64> = HashMap::new();
+            let times = i64::from(iters);
+            let mut add = |size: u64, k: i64| *want.entry(size).or_insert(0) += k * times;
+            let mut start = 0;
+            for s in sizes {
+                if start < part {
+                    add(4 * s, 2);
+                    add(s, 3);
+                    add(4, 1);
+                }
+                start += s;
+            }
+            add(1, 1);
+            assert_eq!(overflow_check_sizes(&t), want, "{shard} {precision:?}");
+        }
+    }
+}
+
+/// ZeRO-3 with `offload_optimizer` in fp16 mode: `self.device` is the host (`stage3.py`), so
+/// `has_overflow`'s `isinf`/`isnan` of `grad_partitions_flat_buffer` and the tracker's clone run
+/// there; the GPU sees only `.to(device)` (1-byte bool) and `.to(torch.uint8)` (1-byte
+/// `overflow_gpu`), once per iteration. bf16 makes no check (`_overflow_check_and_loss_scale_update`:
+/// `if self.dtype == torch.float16`).
+#[test]
+fn deepspeed_zero3_fp16_offload_checks_overflow_on_the_host() {
+    let (n, iters) = (4u32, 2u32);
+    for offload in [Offload::Optimizer, Offload::Params] {
+        for (precision, want) in [
+            (
+                Precision::Fp16,
+                HashMap::from([(1u64, 2 * i64::from(iters))]),
+            ),
+            (Precision::Bf16, HashMap::new()),
+        ] {
+            let mut r = zero3_recipe(1, 128, n);
+            r.precision = precision;
+            r.iterations = iters;
+            r.parallel.offload = offload;
+            r.validate().unwrap();
+            let g = zoo::build("gpt2", &r).unwrap();
+            let t = lower(&g, &r).unwrap();
+            assert_eq!(overflow_check_sizes(&t), want, "{offload} {precision:?}");
         }
     }
 }
