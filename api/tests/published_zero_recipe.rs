@@ -19,17 +19,16 @@
 //! `_single_tensor_adam` still is: `exp_avg_sq.sqrt()` and its division by the bias correction live at
 //! once); `--torch-version 1.10` because cuBLAS kept its own workspace outside the caching allocator
 //! until PyTorch 1.13 (PR #83461), so no GEMM adds to `max_memory_allocated`. The checkpoints map onto vramsim's
-//! phases: after the model = the trace replayed up to DDP's first bucket; after DDP = the `setup`
-//! phase (`model.to`, DDP's buckets; `ZeroRedundancyOptimizer` allocates its state at the first step);
+//! phases: after the model = the trace replayed up to DDP's first allocation (its constructor's
+//! broadcast); after DDP = the `setup` phase (`model.to`, DDP's broadcast and buckets; `ZeroRedundancyOptimizer` allocates its state at the first step);
 //! before the step = the peak through `backward`; after it = the peak through `optimizer`.
 //!
 //! Tolerance: the recipe floors to whole decimal megabytes (`// 1e6`), so a printed P means
-//! P·10⁶ ≤ peak < (P + 1)·10⁶: vramsim's peak must floor to the printed figure. What the run differs
-//! in and vramsim does not model: PyTorch 1.8's DDP constructor broadcasts the module states through
-//! two flat temporaries (`broadcast_coalesced`, 250 MiB buckets) and buckets the first iteration at
-//! [1 MiB, 25 MiB] where 2.15 makes one bucket. Replayed by hand through vramsim's allocator, that
-//! sequence gives the same bytes after DDP as the single bucket (656,572,416 B: the buckets are split
-//! out of the cached broadcast segments); see `models/README.md`, "Published multi-GPU measurements".
+//! P·10⁶ ≤ peak < (P + 1)·10⁶: vramsim's peak must floor to the printed figure. PyTorch 1.8's DDP
+//! constructor, as `--torch-version 1.10` lowers it: the module states broadcast through two flat
+//! temporaries (`_sync_module_states`, `broadcast_coalesced`, 250 MiB buckets), then the first
+//! iteration bucketed at [1 MiB, 25 MiB] (one bucket only from PyTorch 1.12), the buckets split out
+//! of the cached broadcast segments; see `models/README.md`, "Published multi-GPU measurements".
 
 mod common;
 use common::json;
@@ -83,7 +82,7 @@ fn peak_through(doc: &Value, last: &str) -> u64 {
 }
 
 /// `max_memory_allocated` once the model is on the GPU: the lowered trace replayed up to DDP's
-/// first bucket allocation.
+/// first allocation (category `communication`: the constructor's broadcast, then its buckets).
 fn peak_after_model(shard: &str) -> u64 {
     let dir = std::env::temp_dir().join(format!(
         "vramsim-zero-recipe-{}-{shard}",

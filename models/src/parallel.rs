@@ -657,12 +657,11 @@ impl Parallel {
                     self.shard, r.precision
                 )));
             }
-            if r.precision == Precision::Fp16 && self.offload != Offload::None {
-                return Err(bad(format!(
-                    "--shard {} --precision fp16 with --offload {} is not modelled (the overflow check of the offloaded gradients runs on the host, `local_overflow`): give --precision bf16 or no --offload",
-                    self.shard, self.offload
-                )));
-            }
+            // fp16 with an offload is modelled: the overflow check's GPU work is the bf16 mode's
+            // (stages 1/2: `_has_inf_or_nan` of each gradient on the GPU into `local_overflow`,
+            // `lower/offload.rs`), or two 1-byte tensors (stage 3: the tracker and the flat
+            // gradient partitions are host tensors, `lower/zero3/step.rs`); the loss scaler holds
+            // Python floats and unscales the host fp32 gradients.
             // ZeRO-Offload steps with DeepSpeedCPUAdam: the engine raises for another client
             // optimizer unless `zero_force_ds_cpu_optimizer` is false (`engine.py`,
             // `_configure_basic_optimizer`).

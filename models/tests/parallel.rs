@@ -1343,7 +1343,7 @@ fn deepspeed_zero3_keeps_its_inf_or_nan_tracker() {
 }
 
 /// `--precision fp16` is DeepSpeed's mode only: without ZeRO, and autocast under ZeRO, are
-/// refused with the reason.
+/// refused with the reason; with ZeRO and an offload it is modelled.
 #[test]
 fn fp16_outside_deepspeed_and_autocast_under_zero_are_refused() {
     let mut r = recipe(1, 128, 2, Shard::Ddp);
@@ -1362,7 +1362,7 @@ fn fp16_outside_deepspeed_and_autocast_under_zero_are_refused() {
     let mut r = recipe(1, 128, 2, Shard::Zero2);
     r.precision = Precision::Fp16;
     r.parallel.offload = Offload::Optimizer;
-    assert!(r.validate().is_err());
+    r.validate().unwrap();
 }
 
 /// FSDP-QLoRA (`--quant nf4 --quant-storage bf16 --lora r=8 --dp 3 --shard fsdp2`), TinyLlama 1.1B
@@ -1761,6 +1761,144 @@ fn zero3_qlora_lowers_compactly_and_by_template() {
                 inst.same_as(&lowered(batch)),
                 "{storage:?} {offload} batch {batch}"
             );
+        }
+    }
+}
+
+/// `DistributedDataParallel.__init__` → `_sync_module_states` → `dist._broadcast_coalesced` with
+/// `broadcast_bucket_size` = 250 MiB (`c10d/comm.cpp` `broadcast_coalesced`): each dtype bucket of
+/// several tensors flattened into one new tensor (`at::cat`), at most two in flight, all freed
+/// before the Reducer's bucket is made. The bucket sizes are PyTorch's own: 2.15's
+/// `dist._compute_bucket_assignment_by_size(states, [250 * 1024 * 1024])` over HF
+/// `GPT2LMHeadModel(GPT2Config(n_embd=1024, n_layer=24, n_head=16))`'s `named_parameters()`
+/// (292 fp32 tensors, no buffers, the tied `lm_head` once) gives buckets of 17, 66, 62, 64, 66 and
+/// 17 tensors; by hand the first is wte + wpe + block 0 + block 1's `ln_1` and `c_attn.weight`:
+/// 4 × (50257·1024 + 1024² + 12,596,224 + 2·1024 + 1024·3072) = 273,022,976 B.
+#[test]
+fn ddp_construction_broadcasts_the_module_states_in_250_mib_buckets() {
+    let r = Recipe {
+        precision: Precision::Fp32,
+        ..recipe(1, 64, 2, Shard::Ddp)
+    };
+    let g = zoo::build("gpt2-medium", &r).unwrap();
+    let t = lower(&g, &r).unwrap();
+    let flats: Vec<(vramsim_traces::AllocId, u64)> = t
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Alloc { id, size, tag, .. }
+                if tag
+                    .as_deref()
+                    .is_some_and(|t| t.starts_with("ddp_sync_flat")) =>
+            {
+                Some((id.clone(), *size))
+            }
+            _ => None,
+        })
+        .collect();
+    let sizes: Vec<u64> = flats.iter().map(|f| f.1).collect();
+    assert_eq!(
+        sizes,
+        [273022976, 272920576, 268718080, 264519680, 272920576, 67190784]
+    );
+    // Two in flight: bucket k + 2 is allocated after bucket k is freed, and every flat tensor
+    // is freed before the Reducer's first bucket is allocated.
+    let at = |pred: &dyn Fn(&Event) -> bool| t.events.iter().position(pred).unwrap();
+    let alloc_of =
+        |id: &vramsim_traces::AllocId| at(&|e| matches!(e, Event::Alloc { id: i, .. } if i == id));
+    let free_of =
+        |id: &vramsim_traces::AllocId| at(&|e| matches!(e, Event::Free { id: i } if i == id));
+    let first_bucket = at(
+        &|e| matches!(e, Event::Alloc { tag, .. } if tag.as_deref().is_some_and(|t| t.starts_with("ddp_bucket"))),
+    );
+    for (k, (id, _)) in flats.iter().enumerate() {
+        assert!(
+            free_of(id) < first_bucket,
+            "flat {k} outlives the construction"
+        );
+        if let Some((next, _)) = flats.get(k + 1) {
+            assert!(
+                alloc_of(next) < free_of(id),
+                "flat {k} and {} in flight",
+                k + 1
+            );
+        }
+        if let Some((later, _)) = flats.get(k + 2) {
+            assert!(free_of(id) < alloc_of(later), "three in flight at flat {k}");
+        }
+    }
+}
+
+/// ZeRO-Offload in fp16 mode (stages 1/2): `has_overflow` reads `self.local_overflow`, set at the
+/// accumulation boundary by `update_offload_overflow_tracker_for_param_grad` →
+/// `_has_inf_or_nan` of each partition parameter's whole gradient on the GPU
+/// (`stage_1_and_2.py`), then all-reduces `ByteTensor([overflow])` (1 byte); the loss scaler
+/// unscales the host fp32 gradients. By hand, per iteration and per parameter overlapping rank 0's
+/// first Ψ'/N elements (n elements): `x.float()` and `.float()` (4n each), `isnan`, `isinf`,
+/// `logical_or` (n each), the 4-byte `max`; then the 1-byte flag. bf16 (whose default
+/// `check_grad_overflow` is True) runs the same.
+#[test]
+fn deepspeed_fp16_offload_checks_the_gradients_on_the_gpu() {
+    let (n, iters) = (4u64, 2u32);
+    for shard in [Shard::Zero1, Shard::Zero2] {
+        for precision in [Precision::Fp16, Precision::Bf16] {
+            let mut r = recipe(1, 128, n as u32, shard);
+            r.optimizer = OptimizerKind::AdamW;
+            r.precision = precision;
+            r.iterations = iters;
+            r.parallel.offload = Offload::Optimizer;
+            r.validate().unwrap();
+            let g = zoo::build("gpt2", &r).unwrap();
+            let t = lower(&g, &r).unwrap();
+            let sizes: Vec<u64> = g
+                .params
+                .iter()
+                .map(|p| p.shape.iter().product::<u64>())
+                .collect();
+            let psi: u64 = sizes.iter().sum();
+            let part = psi.div_ceil(2 * n) * 2 * n / n;
+            let mut want: HashMap<u64, i64> = HashMap::new();
+            let times = i64::from(iters);
+            let mut add = |size: u64, k: i64| *want.entry(size).or_insert(0) += k * times;
+            let mut start = 0;
+            for s in sizes {
+                if start < part {
+                    add(4 * s, 2);
+                    add(s, 3);
+                    add(4, 1);
+                }
+                start += s;
+            }
+            add(1, 1);
+            assert_eq!(overflow_check_sizes(&t), want, "{shard} {precision:?}");
+        }
+    }
+}
+
+/// ZeRO-3 with `offload_optimizer` in fp16 mode: `self.device` is the host (`stage3.py`), so
+/// `has_overflow`'s `isinf`/`isnan` of `grad_partitions_flat_buffer` and the tracker's clone run
+/// there; the GPU sees only `.to(device)` (1-byte bool) and `.to(torch.uint8)` (1-byte
+/// `overflow_gpu`), once per iteration. bf16 makes no check (`_overflow_check_and_loss_scale_update`:
+/// `if self.dtype == torch.float16`).
+#[test]
+fn deepspeed_zero3_fp16_offload_checks_overflow_on_the_host() {
+    let (n, iters) = (4u32, 2u32);
+    for offload in [Offload::Optimizer, Offload::Params] {
+        for (precision, want) in [
+            (
+                Precision::Fp16,
+                HashMap::from([(1u64, 2 * i64::from(iters))]),
+            ),
+            (Precision::Bf16, HashMap::new()),
+        ] {
+            let mut r = zero3_recipe(1, 128, n);
+            r.precision = precision;
+            r.iterations = iters;
+            r.parallel.offload = offload;
+            r.validate().unwrap();
+            let g = zoo::build("gpt2", &r).unwrap();
+            let t = lower(&g, &r).unwrap();
+            assert_eq!(overflow_check_sizes(&t), want, "{offload} {precision:?}");
         }
     }
 }

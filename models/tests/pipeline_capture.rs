@@ -688,3 +688,55 @@ fn torchtitan_loop_gpipe_pp4_m4() {
         4,
     );
 }
+
+/// `DistributedDataParallel.__init__`'s `_sync_module_states` on every stage module
+/// (`_broadcast_coalesced`, `c10d/comm.cpp` `broadcast_coalesced`): the recordings' only
+/// `aten.cat`s before the first forward are its flat buckets (each stage's fp32 parameters, under
+/// 250 MiB: one bucket per stage module), made in stage order, each before that stage's Reducer
+/// bucket. gloo frees the flat tensor once its worker thread drops the work: on the
+/// interleaved recordings at once (before the Reducer's bucket, as `ProcessGroupNCCL` does at
+/// `wait()`), on some others only in the first forward, which changes no recorded peak.
+#[test]
+fn ddp_constructor_broadcasts_each_stage_module_flat() {
+    for (dir, schedule, m, shard) in [
+        ("ddp2-1f1b-pp2-m4", PpSchedule::OneFOneB, 4, Shard::Ddp),
+        ("ddp2-gpipe-pp2-m2", PpSchedule::GPipe, 2, Shard::Ddp),
+        (
+            "ddp2-interleaved2-pp2-m4",
+            PpSchedule::Interleaved(2),
+            4,
+            Shard::Ddp,
+        ),
+        (
+            "zero1torch2-interleaved2-pp2-m4",
+            PpSchedule::Interleaved(2),
+            4,
+            Shard::ZeroRedundancy,
+        ),
+    ] {
+        for dp_rank in 0..2 {
+            let dp = Dp::ddp(shard, false, dp_rank);
+            let got = traces(dir, schedule, 2, m, Checkpointing::None, &dp);
+            for (rank, (ours, theirs)) in got.iter().enumerate() {
+                let before_forward = |t: &Trace, pick: &dyn Fn(&str) -> bool| -> Vec<u64> {
+                    t.events
+                        .iter()
+                        .take_while(|e| !matches!(e, Event::Phase { name } if &**name == "forward"))
+                        .filter_map(|e| match e {
+                            Event::Alloc { size, tag, .. }
+                                if pick(tag.as_deref().unwrap_or("")) =>
+                            {
+                                Some(*size)
+                            }
+                            _ => None,
+                        })
+                        .collect()
+                };
+                let a = before_forward(ours, &|tag| tag.starts_with("ddp_sync"));
+                let b = before_forward(theirs, &|tag| tag == "aten.cat");
+                assert_eq!(a, b, "{dir} rank {rank}.dp{dp_rank}: flat buckets");
+                assert!(!a.is_empty(), "{dir} rank {rank}.dp{dp_rank}");
+            }
+        }
+    }
+}

@@ -48,6 +48,7 @@ mod quant;
 mod sac;
 pub use sac::selective_op_saves;
 mod cp;
+mod ddp_sync;
 mod tp;
 mod zero3;
 

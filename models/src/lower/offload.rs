@@ -1,6 +1,7 @@
 //! DeepSpeed ZeRO-Offload on one rank (`--offload optimizer` with `--shard zero1|zero2`):
 //! `DeepSpeedZeroOptimizer` with `cpu_offload` (`deepspeed/runtime/zero/stage_1_and_2.py`, read at
-//! edaa722), the defaults `offload_optimizer.pin_memory=True` and `check_grad_overflow=True` (bf16),
+//! edaa722), the defaults `offload_optimizer.pin_memory=True` and `check_grad_overflow=True` (bf16; fp16
+//! always checks, with the same GPU work: its loss scaler unscales the host gradients),
 //! stepping with `DeepSpeedCPUAdam`. What stays on the GPU, and what the offload path adds there:
 //!
 //! * `bit16_groups_flat`, the flat bf16 parameters (2Ψ'), and the IPG buffer of each backward, as

@@ -29,6 +29,16 @@ struct Bucket {
     pending: usize,
 }
 
+/// One `DistributedDataParallel` module of the rank.
+struct DdpModule {
+    /// Its pipeline stage, under a pipeline.
+    stage: Option<u32>,
+    /// Its trainable parameters (what the Reducer buckets), in registration order.
+    params: Vec<usize>,
+    /// Its module states: every parameter, then every buffer (what `_sync_module_states` broadcasts).
+    states: Vec<Rt>,
+}
+
 /// One `DistributedDataParallel` module's `Reducer`: the whole model's, or under an interleaved
 /// pipeline each of the rank's stage modules' (torchtitan wraps every model part).
 #[derive(Default)]
@@ -227,12 +237,28 @@ impl<'g> Lowering<'g> {
                 // buckets reversed ("approximate the order in which their gradients are produced").
                 // One DDP module per stage of the rank, in stage order, under a pipeline.
                 self.par.reducer_of = vec![None; self.params.len()];
-                for (stage, ps) in self.ddp_modules() {
+                for DdpModule {
+                    stage,
+                    params: ps,
+                    states,
+                } in self.ddp_modules()
+                {
+                    // `DistributedDataParallel.__init__`: `_sync_module_states` before the
+                    // Reducer is built (`_ddp_init_helper`).
+                    self.ddp_sync_module_states(stage, &states);
                     let r = self.par.reducers.len();
                     for &p in &ps {
                         self.par.reducer_of[p] = Some(r);
                     }
-                    let buckets = self.assign(&ps, &[u64::MAX], true);
+                    // Before PyTorch 1.12 (PR #72843, "Disable DDP bucketing for the first
+                    // iteration") the constructor's limits were `[_DEFAULT_FIRST_BUCKET_BYTES,
+                    // bucket_bytes_cap]`, as the rebuild's are.
+                    let limits: &[u64] = if self.r.torch_version == TorchVersion::V1_10 {
+                        &[DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES]
+                    } else {
+                        &[u64::MAX]
+                    };
+                    let buckets = self.assign(&ps, limits, true);
                     self.par.reducers.push(Reducer {
                         stage,
                         params: ps,
@@ -245,13 +271,33 @@ impl<'g> Lowering<'g> {
         }
     }
 
-    /// The DDP modules of the rank and their trainable parameters: the whole model, or under a
-    /// pipeline each of the rank's stages (the parameters its ops read), in stage order.
-    fn ddp_modules(&self) -> Vec<(Option<u32>, Vec<usize>)> {
+    /// The DDP modules of the rank: the whole model, or under a pipeline each of the rank's stages
+    /// (the parameters and buffers its ops read), in stage order.
+    fn ddp_modules(&self) -> Vec<DdpModule> {
         let all = self.trainable();
         let chunks = crate::pipeline::chunks(self.g);
+        // `module.named_parameters()` then `module.named_buffers()`: frozen parameters too.
+        let states = |read: Option<&std::collections::HashSet<u32>>| -> Vec<Rt> {
+            let keep = |v: u32| read.is_none_or(|r| r.contains(&v));
+            let mut out: Vec<Rt> = (0..self.params.len())
+                .filter(|&p| keep(self.g.params[p].value.0))
+                .map(|p| self.params[p].clone())
+                .collect();
+            out.extend(
+                self.g
+                    .buffers
+                    .iter()
+                    .filter(|b| keep(b.value.0))
+                    .filter_map(|b| self.vals[b.value.0 as usize].clone()),
+            );
+            out
+        };
         if chunks.len() < 2 {
-            return vec![(chunks.first().map(|c| c.stage), all)];
+            return vec![DdpModule {
+                stage: chunks.first().map(|c| c.stage),
+                params: all,
+                states: states(None),
+            }];
         }
         chunks
             .iter()
@@ -260,12 +306,16 @@ impl<'g> Lowering<'g> {
                     .iter()
                     .flat_map(|op| op.inputs.iter().map(|v| v.0))
                     .collect();
-                let ps = all
+                let params = all
                     .iter()
                     .copied()
                     .filter(|&p| read.contains(&self.g.params[p].value.0))
                     .collect();
-                (Some(c.stage), ps)
+                DdpModule {
+                    stage: Some(c.stage),
+                    params,
+                    states: states(Some(&read)),
+                }
             })
             .collect()
     }

@@ -194,6 +194,22 @@ impl<'g> Lowering<'g> {
         self.drop_rt(byte);
     }
 
+    /// [`z3_fp16_overflow_check`](Self::z3_fp16_overflow_check) with `offload_optimizer`:
+    /// `self.device` is the host (`stage3.py` `__init__`), so `grad_partitions_flat_buffer`,
+    /// `inf_or_nan_tracker`, the `isinf`/`isnan` masks and the tracker's `clone()` are host
+    /// tensors; `.to(device)` makes the 1-byte bool on the GPU (on `reduce_and_partition_stream`)
+    /// and `.to(torch.uint8)` the 1-byte `overflow_gpu` (the bool dies with the statement),
+    /// all-reduced (MAX), freed at return.
+    fn z3_fp16_offload_overflow_check(&mut self) {
+        let on_gpu = self.z3_temp(1, DType::Bool, REDUCE_STREAM, "aten._to_copy");
+        self.retag(&on_gpu, "has_overflow:to_device".into());
+        let byte = self.z3_temp(1, DType::U8, REDUCE_STREAM, "aten._to_copy");
+        self.retag(&byte, "has_overflow:overflow_gpu".into());
+        self.drop_rt(on_gpu);
+        self.collective_uses(&byte);
+        self.drop_rt(byte);
+    }
+
     /// `DeepSpeedZeroOptimizer_Stage3.step` (bf16 or fp16, no offload).
     pub(in crate::lower) fn zero3_step(&mut self) {
         // `_partition_all_parameters` → `release_and_reset_all`.
@@ -211,7 +227,11 @@ impl<'g> Lowering<'g> {
         // `precision_config.py` `DeepSpeedBF16Config`) to the stage-1/2 optimizer only, not to
         // `DeepSpeedZeroOptimizer_Stage3`: bf16 and fp32 stage 3 make no overflow check.
         if self.r.precision == crate::recipe::Precision::Fp16 {
-            self.z3_fp16_overflow_check();
+            if self.z3_offload_optimizer() {
+                self.z3_fp16_offload_overflow_check();
+            } else {
+                self.z3_fp16_overflow_check();
+            }
         }
         if !self.z3_offload_optimizer() {
             self.z3_grad_norm();
