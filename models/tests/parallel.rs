@@ -11,7 +11,7 @@
 //!   partitioned terms and in the flat parameters.
 
 mod common;
-use common::{live_at, live_at_phase, max_live, phase_index};
+use common::{live_at, live_at_phase, max_live, phase_index, zero3_partition, zero3_persistent};
 use std::collections::HashMap;
 
 use vramsim_models::{
@@ -561,13 +561,6 @@ fn fsdp2_reshard_after_forward_to_a_smaller_world_keeps_a_slice() {
 
 /// ⌈numel/N⌉ elements of each parameter: its ZeRO-3 partition (`ds_tensor`), every parameter
 /// padded to a multiple of N (`partition_parameters.py` `_aligned_size`, `_partition_param`).
-fn zero3_partition(g: &vramsim_models::Graph, n: u64) -> Vec<u64> {
-    g.params
-        .iter()
-        .map(|p| p.shape.iter().product::<u64>().div_ceil(n))
-        .collect()
-}
-
 fn zero3_recipe(batch: u64, seq: u64, n: u32) -> Recipe {
     let mut r = recipe(batch, seq, n, Shard::Zero3);
     r.precision = Precision::Bf16;
@@ -605,13 +598,7 @@ fn zero3_model_states_per_rank_match_the_paper() {
         let psi = g.param_count();
         let part = zero3_partition(&g, n);
         let psi_p: u64 = part.iter().sum();
-        let persistent: u64 = g
-            .params
-            .iter()
-            .zip(&part)
-            .filter(|(p, _)| p.shape.iter().product::<u64>() <= 100_000)
-            .map(|(_, k)| k * n)
-            .sum();
+        let persistent = zero3_persistent(&g, &part, n);
         let t = lower(&g, &r).unwrap();
         let live = live_at_phase(&t, "optimizer", 1);
         let get = |c| live.get(&c).copied().unwrap_or(0);
@@ -860,13 +847,7 @@ fn zero3_offload_keeps_only_partitions_or_nothing_on_the_gpu() {
             let g = zoo::build(name, &r).unwrap();
             let part = zero3_partition(&g, n);
             let psi_p: u64 = part.iter().sum();
-            let persistent: u64 = g
-                .params
-                .iter()
-                .zip(&part)
-                .filter(|(p, _)| p.shape.iter().product::<u64>() <= 100_000)
-                .map(|(_, k)| k * n)
-                .sum();
+            let persistent = zero3_persistent(&g, &part, n);
             let t = lower(&g, &r).unwrap();
             let live = live_at_phase(&t, "optimizer", 1);
             let get = |c| live.get(&c).copied().unwrap_or(0);

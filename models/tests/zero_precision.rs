@@ -18,7 +18,7 @@
 //! * `check_grad_overflow` is False (`_configure_zero_optimizer`): no overflow check.
 
 mod common;
-use common::live_at_phase;
+use common::{live_at_phase, zero3_partition, zero3_persistent};
 
 use vramsim_models::{
     lower, zoo, Offload, OptimizerImpl, OptimizerKind, Parallel, Precision, Recipe, Shard,
@@ -103,19 +103,9 @@ fn zero3_fp32_model_states_follow_deepspeed() {
         let r = fp32_recipe(n, Shard::Zero3);
         r.validate().unwrap();
         let g = zoo::build(name, &r).unwrap();
-        let part: Vec<u64> = g
-            .params
-            .iter()
-            .map(|p| p.shape.iter().product::<u64>().div_ceil(n))
-            .collect();
+        let part = zero3_partition(&g, n);
         let psi_p: u64 = part.iter().sum();
-        let persistent: u64 = g
-            .params
-            .iter()
-            .zip(&part)
-            .filter(|(p, _)| p.shape.iter().product::<u64>() <= 100_000)
-            .map(|(_, k)| k * n)
-            .sum();
+        let persistent = zero3_persistent(&g, &part, n);
         let t = lower(&g, &r).unwrap();
         let live = live_at_phase(&t, "optimizer", 1);
         let get = |c| live.get(&c).copied().unwrap_or(0);

@@ -271,3 +271,24 @@ pub fn max_live(t: &Trace, category: Category) -> u64 {
     }
     max
 }
+
+/// ZeRO-3's partition of each parameter over `n` ranks: ⌈numel/N⌉ elements (`_partition_param`
+/// pads every parameter to a multiple of the world size).
+pub fn zero3_partition(g: &vramsim_models::Graph, n: u64) -> Vec<u64> {
+    g.params
+        .iter()
+        .map(|p| p.shape.iter().product::<u64>().div_ceil(n))
+        .collect()
+}
+
+/// Elements ZeRO-3 keeps whole on every rank: the persistent parameters
+/// (`stage3_param_persistence_threshold` 1e5: `ds_numel <= param_threshold`), each its padded
+/// partition × N, given `part` from [`zero3_partition`].
+pub fn zero3_persistent(g: &vramsim_models::Graph, part: &[u64], n: u64) -> u64 {
+    g.params
+        .iter()
+        .zip(part)
+        .filter(|(p, _)| p.shape.iter().product::<u64>() <= 100_000)
+        .map(|(_, k)| k * n)
+        .sum()
+}
