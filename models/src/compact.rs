@@ -298,31 +298,10 @@ pub fn rename_id(id: u64, renames: &[(u64, u64)], repeat: Option<(&RepeatSpan, u
 }
 
 fn rename_event(e: &Event, renames: &[(u64, u64)], repeat: Option<(&RepeatSpan, u64)>) -> Event {
-    let id = |id: &AllocId| match id {
+    e.with_id(|id| match id {
         AllocId::Int(i) => AllocId::Int(rename_id(*i, renames, repeat)),
         other => other.clone(),
-    };
-    match e {
-        Event::Alloc {
-            id: i,
-            size,
-            stream,
-            category,
-            tag,
-        } => Event::Alloc {
-            id: id(i),
-            size: *size,
-            stream: *stream,
-            category: *category,
-            tag: tag.clone(),
-        },
-        Event::Free { id: i } => Event::Free { id: id(i) },
-        Event::RecordStream { id: i, stream } => Event::RecordStream {
-            id: id(i),
-            stream: *stream,
-        },
-        other => other.clone(),
-    }
+    })
 }
 
 /// Lowers `recipe`'s step of `graph` with each optimizer step's third to last micro-batches written

@@ -398,32 +398,13 @@ fn a_billion_repetitions_are_carried_exactly() {
 
 /// `events` with every integer id in `ids` moved by `by` (wrapping: a negative `by`).
 fn moved_ids(events: &[Event], ids: std::ops::Range<u64>, by: u64) -> Vec<Event> {
-    let id = |id: &AllocId| match id {
-        AllocId::Int(i) if ids.contains(i) => AllocId::Int(i.wrapping_add(by)),
-        other => other.clone(),
-    };
     events
         .iter()
-        .map(|e| match e {
-            Event::Alloc {
-                id: i,
-                size,
-                stream,
-                category,
-                tag,
-            } => Event::Alloc {
-                id: id(i),
-                size: *size,
-                stream: *stream,
-                category: *category,
-                tag: tag.clone(),
-            },
-            Event::Free { id: i } => Event::Free { id: id(i) },
-            Event::RecordStream { id: i, stream } => Event::RecordStream {
-                id: id(i),
-                stream: *stream,
-            },
-            other => other.clone(),
+        .map(|e| {
+            e.with_id(|id| match id {
+                AllocId::Int(i) if ids.contains(i) => AllocId::Int(i.wrapping_add(by)),
+                other => other.clone(),
+            })
         })
         .collect()
 }

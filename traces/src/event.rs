@@ -271,6 +271,32 @@ impl Event {
         }
     }
 
+    /// This event with the id it names (an `alloc`'s, a `free`'s, a `record_stream`'s) replaced by
+    /// `rename` of it: the same event of a repetition whose ids are renamed.
+    pub fn with_id(&self, rename: impl Fn(&AllocId) -> AllocId) -> Event {
+        match self {
+            Event::Alloc {
+                id,
+                size,
+                stream,
+                category,
+                tag,
+            } => Event::Alloc {
+                id: rename(id),
+                size: *size,
+                stream: *stream,
+                category: *category,
+                tag: tag.clone(),
+            },
+            Event::Free { id } => Event::Free { id: rename(id) },
+            Event::RecordStream { id, stream } => Event::RecordStream {
+                id: rename(id),
+                stream: *stream,
+            },
+            other => other.clone(),
+        }
+    }
+
     /// The `op` string of this event in trace files.
     pub fn op(&self) -> &'static str {
         match self {

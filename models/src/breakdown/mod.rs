@@ -367,24 +367,11 @@ mod tests {
                     },
                 ];
                 // the expansion, written out: repetition k's ids from 10 on moved by 2k
-                let rename = |e: &Event, by: u64| match e {
-                    Event::Alloc {
-                        id: AllocId::Int(i),
-                        size,
-                        stream,
-                        category,
-                        tag,
-                    } if *i >= 10 => Event::Alloc {
-                        id: (i.wrapping_add(by)).into(),
-                        size: *size,
-                        stream: *stream,
-                        category: *category,
-                        tag: tag.clone(),
-                    },
-                    Event::Free {
-                        id: AllocId::Int(i),
-                    } if *i >= 10 => free(i.wrapping_add(by)),
-                    other => other.clone(),
+                let rename = |e: &Event, by: u64| {
+                    e.with_id(|id| match id {
+                        AllocId::Int(i) if *i >= 10 => i.wrapping_add(by).into(),
+                        other => other.clone(),
+                    })
                 };
                 let mut events = before.clone();
                 for k in 0..times {

@@ -56,27 +56,11 @@ impl Repeat<'_> {
     /// `event` as the `k`-th repetition has it, with `size` bytes if it is an allocation whose size
     /// the view replaces (without its tag, which a replay does not read).
     pub fn event(&self, event: &Event, size: Option<u64>, k: u64) -> Event {
-        match event {
-            Event::Alloc {
-                id,
-                size: written,
-                stream,
-                category,
-                ..
-            } => Event::Alloc {
-                id: self.id(id, k),
-                size: size.unwrap_or(*written),
-                stream: *stream,
-                category: *category,
-                tag: None,
-            },
-            Event::Free { id } => Event::Free { id: self.id(id, k) },
-            Event::RecordStream { id, stream } => Event::RecordStream {
-                id: self.id(id, k),
-                stream: *stream,
-            },
-            other => other.clone(),
+        let mut e = event.with_id(|id| self.id(id, k)).without_tag();
+        if let (Event::Alloc { size: written, .. }, Some(bytes)) = (&mut e, size) {
+            *written = bytes;
         }
+        e
     }
 
     /// Every event of every repetition, in order (what [`Replay::apply_repeated`] stands for).
