@@ -509,15 +509,8 @@ impl<'g> Lowering<'g> {
                     .collect();
                 at += group.len();
                 let elems: u64 = group.iter().map(|&p| self.zero3.partition[p] * n).sum();
-                self.kind_now = Kind::Comm;
-                let t = self.alloc(
-                    Layout::contiguous(&[elems]),
-                    dtype,
-                    ModuleId(0),
-                    "aten.empty",
-                );
+                let t = self.comm_alloc(elems, dtype, "allgather_coalesced_flat".into());
                 self.set_stream(&t, ALL_GATHER_STREAM);
-                self.retag(&t, "allgather_coalesced_flat".into());
                 // `torch.cat([p.ds_tensor.to(device) ...], out=own slice)`: the copies of the
                 // partitions in host memory die after the cat.
                 let host: Vec<usize> = group

@@ -185,13 +185,7 @@ impl<'g> Lowering<'g> {
             self.drop_rt(mask);
             self.drop_rt(any);
         }
-        let clone = self.z3_temp(1, DType::Bool, REDUCE_STREAM, "aten.clone");
-        self.retag(&clone, "has_overflow:clone".into());
-        let byte = self.z3_temp(1, DType::U8, REDUCE_STREAM, "aten._to_copy");
-        self.retag(&byte, "has_overflow:overflow_gpu".into());
-        self.drop_rt(clone);
-        self.collective_uses(&byte);
-        self.drop_rt(byte);
+        self.z3_overflow_flag("aten.clone", "has_overflow:clone");
     }
 
     /// [`z3_fp16_overflow_check`](Self::z3_fp16_overflow_check) with `offload_optimizer`:
@@ -201,11 +195,18 @@ impl<'g> Lowering<'g> {
     /// and `.to(torch.uint8)` the 1-byte `overflow_gpu` (the bool dies with the statement),
     /// all-reduced (MAX), freed at return.
     fn z3_fp16_offload_overflow_check(&mut self) {
-        let on_gpu = self.z3_temp(1, DType::Bool, REDUCE_STREAM, "aten._to_copy");
-        self.retag(&on_gpu, "has_overflow:to_device".into());
+        self.z3_overflow_flag("aten._to_copy", "has_overflow:to_device");
+    }
+
+    /// The end of `has_overflow`: the tracker's 1-byte bool on the GPU (made by `op`, tagged
+    /// `tag`), its `.to(torch.uint8)` `overflow_gpu` (the bool dying with the statement),
+    /// all-reduced (MAX) on `reduce_and_partition_stream`, freed at return.
+    fn z3_overflow_flag(&mut self, op: &str, tag: &str) {
+        let flag = self.z3_temp(1, DType::Bool, REDUCE_STREAM, op);
+        self.retag(&flag, tag.into());
         let byte = self.z3_temp(1, DType::U8, REDUCE_STREAM, "aten._to_copy");
         self.retag(&byte, "has_overflow:overflow_gpu".into());
-        self.drop_rt(on_gpu);
+        self.drop_rt(flag);
         self.collective_uses(&byte);
         self.drop_rt(byte);
     }
