@@ -9,6 +9,7 @@
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
 
 use vramsim_sim::calibration::Calibration;
 use vramsim_validate::driver::Gpu;
@@ -32,6 +33,16 @@ const TRACE: &str = r#"{"format":"vramsim-trace","version":1,"meta":{"note":"val
 {"op":"empty_cache"}
 "#;
 
+/// Every test reads device free memory around its own calls, so no two may run at once: cargo runs a
+/// file's tests on parallel threads, and on an H100 (2026-11-24) the raw and vmm tests then saw the
+/// probe's and the binary's contexts come and go. Each test holds this lock for its whole run.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn exclusive() -> MutexGuard<'static, ()> {
+    // A test that panicked while holding the lock poisons it; the device is still usable.
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The trace in a file of its own (tests run in parallel).
 fn trace_file(test: &str) -> PathBuf {
     let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("gpu-{test}.jsonl"));
@@ -52,6 +63,7 @@ fn options(backend: Backend) -> ReplayOptions {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn probe_measures_a_consistent_device() {
+    let _one = exclusive();
     let gpu = Gpu::open(0).expect("a GPU");
     let probe = run_probe(&gpu, None, 5).unwrap();
     println!("{}", vramsim_validate::probe::probe_text(&probe));
@@ -67,6 +79,7 @@ fn probe_measures_a_consistent_device() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn raw_replay_moves_free_memory_by_the_simulated_segments() {
+    let _one = exclusive();
     let gpu = Gpu::open(0).expect("a GPU");
     let report = replay(&gpu, &trace_file("raw"), &options(Backend::Raw)).unwrap();
     println!("{}", report_text(&report, true));
@@ -82,6 +95,7 @@ fn raw_replay_moves_free_memory_by_the_simulated_segments() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn vmm_replay_moves_free_memory_by_the_simulated_pages() {
+    let _one = exclusive();
     let gpu = Gpu::open(0).expect("a GPU");
     let report = replay(&gpu, &trace_file("vmm"), &options(Backend::Vmm)).unwrap();
     println!("{}", report_text(&report, true));
@@ -95,6 +109,7 @@ fn vmm_replay_moves_free_memory_by_the_simulated_pages() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn async_replay_reports_the_pool_high_water_marks() {
+    let _one = exclusive();
     let gpu = Gpu::open(0).expect("a GPU");
     for threshold in [u64::MAX, 0] {
         let options = ReplayOptions {
@@ -119,6 +134,7 @@ fn async_replay_reports_the_pool_high_water_marks() {
 #[test]
 #[ignore = "needs an NVIDIA GPU"]
 fn the_binary_calibrates_and_replays_every_backend() {
+    let _one = exclusive();
     let exe = env!("CARGO_BIN_EXE_vramsim-validate");
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("gpu-calibration.json");
     let status = Command::new(exe)
