@@ -19,16 +19,26 @@ else
     traces=(examples/*.jsonl models/tests/fixtures/capture/*.jsonl.gz)
 fi
 
-cargo build --release -p vramsim-api -p vramsim-validate
-validate=target/release/vramsim-validate
-vramsim=target/release/vramsim
+# VRAMSIM_BIN_DIR: binaries built elsewhere (a GPU machine without Rust): vramsim, vramsim-validate and the
+# GPU test binary (`cargo test --release -p vramsim-validate --test gpu --no-run`, copied as gpu-tests).
+bin=${VRAMSIM_BIN_DIR:-}
+if [ -z "$bin" ]; then
+    cargo build --release -p vramsim-api -p vramsim-validate
+    bin=target/release
+fi
+validate=$bin/vramsim-validate
+vramsim=$bin/vramsim
 
 echo "== probe"
 # Without an NVIDIA driver this prints one line and exits 2: nothing else can run.
 "$validate" calibrate --out "$out/calibration.json" --probe-out "$out/probe.json"
 
 echo "== GPU tests"
-cargo test --release -p vramsim-validate -- --ignored
+if [ -n "${VRAMSIM_BIN_DIR:-}" ]; then
+    "$bin/gpu-tests" --ignored
+else
+    cargo test --release -p vramsim-validate -- --ignored
+fi
 
 confs=("" "expandable_segments:True")
 for trace in "${traces[@]}"; do
@@ -53,6 +63,10 @@ PY
             --out "$dir/torch-$tag" --vramsim "$vramsim"
     done
 done
+
+echo "== training steps"
+# The capture zoo's steps run for real (validate/python/train_step_gpu.py): peaks, phases, snapshots.
+python3 validate/python/train_step_gpu.py run-all --out "$out/train-steps"
 
 echo "== results"
 python3 validate/python/replay_torch.py table "$out"/*/torch-*/ --readme validate/README.md
