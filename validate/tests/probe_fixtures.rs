@@ -112,3 +112,28 @@ fn bad_probe_reports_are_refused() {
     assert!(err.to_string().contains("`gpu.name` is empty"), "{err}");
     assert!(ProbeReport::from_json("{\"format\":\"vramsim-probe\"}").is_err());
 }
+
+/// `data/probe-h100-measured.json`: `vramsim-validate calibrate --probe-out` on a real H100 80GB HBM3
+/// (driver 580.159.04, CUDA 13.0; 2026-11-24, `testdata/h100-train-steps/README.md`).
+fn measured_h100() -> ProbeReport {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/probe-h100-measured.json");
+    ProbeReport::from_json(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[test]
+fn a_real_h100_probe_and_the_pool_model_agree() {
+    let probe = measured_h100();
+    assert!(!probe.synthetic);
+    // the CUDA context of cuInit + cuCtxCreate, as torch.cuda.mem_get_info() measured it in a fresh
+    // process on the same machine (552,402,944 B: sim's CONTEXT_MEASUREMENTS for h100-80gb, CUDA 13)
+    assert_eq!(probe.context_bytes(), 552_402_944);
+    assert_eq!(probe.cu_mem_alloc_granularity(), Some(2 * MIB));
+    assert_eq!(probe.async_alignment(), Some(512));
+    assert_eq!(probe.used_after_one_byte(), Some(1));
+    // every pool sample the driver gave is what the cuda-async model predicts
+    let comparisons = compare_async_model(&probe);
+    assert_eq!(comparisons.len(), 11);
+    for c in &comparisons {
+        assert!(c.agrees(), "{c:?}");
+    }
+}

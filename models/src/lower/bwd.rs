@@ -367,22 +367,20 @@ impl<'g> Lowering<'g> {
     }
 
     fn accumulate(&mut self, old: Rt, new: Rt, m: ModuleId) -> Rt {
-        if self.r.fidelity == Fidelity::Cuda {
-            // can_accumulate_inplace: dense, and the buffer holds the only reference.
-            if self.refs(&old) == 1
-                && old.layout.is_non_overlapping_and_dense()
-                && old.layout.shape == new.layout.shape
-            {
-                self.drop_rt(new);
-                return old;
-            }
-            if self.refs(&new) == 1
-                && new.layout.is_non_overlapping_and_dense()
-                && old.layout.shape == new.layout.shape
-            {
-                self.drop_rt(old);
-                return new;
-            }
+        // input_buffer.cpp, accumulate: `old_var.add_(var)` when can_accumulate_inplace(old_var) —
+        // dense, and the buffer holds the last reference to it and to its storage — else
+        // `old_var + var` (a dense `var` is never the one reused). A view gradient (`grad.t()`,
+        // `grad.view(...)`) keeps its base alive (`ViewInfo::base_`), a second holder of the storage,
+        // so it is summed out of place: measured on an H100 with PyTorch 2.11 (a tied embedding's
+        // two gradients, `validate/README.md`).
+        if self.r.fidelity == Fidelity::Cuda
+            && !old.view
+            && self.refs(&old) == 1
+            && old.layout.is_non_overlapping_and_dense()
+            && old.layout.shape == new.layout.shape
+        {
+            self.drop_rt(new);
+            return old;
         }
         let l = elementwise_layout(old.shape(), &[&old.layout, &new.layout]);
         let out = self.alloc(l, old.dtype.promote(new.dtype), m, "aten.add");
@@ -985,12 +983,20 @@ impl<'g> Lowering<'g> {
             // derivatives.yaml _softmax: _softmax_backward_data(grad, result, dim, self's dtype).
             Softmax { .. } => {
                 let x = meta(0);
-                out[0] = Some(self.alloc(
+                let grad_input = self.alloc(
                     Layout::contiguous(&x.layout.shape),
                     x.dtype,
                     m,
                     "aten._softmax_backward_data",
-                ));
+                );
+                if self.r.fidelity == Fidelity::Cuda {
+                    // SoftMax.cu, softmax_backward_cuda_out: `Tensor tmp = grad * output;` (grad's
+                    // dtype: the output's, float for half_to_float), made after the structured
+                    // grad_input and freed when the kernel returns. Meta runs only the meta function.
+                    let tmp = self.alloc(g.layout.empty_like(), g.dtype, m, "aten.mul");
+                    self.drop_rt(tmp);
+                }
+                out[0] = Some(grad_input);
             }
             // derivatives.yaml _log_softmax: _log_softmax_backward_data(grad, result, dim, self's dtype).
             LogSoftmax { .. } => {
@@ -1228,6 +1234,7 @@ impl<'g> Lowering<'g> {
                             dtype: g.dtype,
                             st: g.st,
                             edge: None,
+                            view: true,
                         });
                     }
                 }

@@ -1106,8 +1106,15 @@ impl<'g> Lowering<'g> {
                     return Fwd::Alias(self.dup(&x[0]));
                 }
                 let l = x[0].layout.empty_like();
-                let o = self.alloc(l.clone(), x[0].dtype, m, name);
-                let mask = self.alloc(l, DType::Bool, m, name);
+                let (o, mask) = if self.r.fidelity == Fidelity::Cuda {
+                    // Dropout.cu, dropout_cuda: `Tensor mask = at::empty_like(self, bool)` before
+                    // `Tensor ret = at::empty_like(self)`; the meta kernel makes the output first.
+                    let mask = self.alloc(l.clone(), DType::Bool, m, name);
+                    (self.alloc(l, x[0].dtype, m, name), mask)
+                } else {
+                    let o = self.alloc(l.clone(), x[0].dtype, m, name);
+                    (o, self.alloc(l, DType::Bool, m, name))
+                };
                 Fwd::New(vec![o, mask], op_kind, vec![Save::Out(1)])
             }
             // derivatives.yaml embedding: indices saved (and weight's size).

@@ -117,6 +117,9 @@ pub(crate) struct Rt {
     pub dtype: DType,
     pub st: u32,
     pub edge: Option<Edge>,
+    /// A view made by a view op (`Lowering::view`): PyTorch keeps its base alive
+    /// (`ViewInfo::base_`), so its storage has another holder while it lives.
+    pub view: bool,
 }
 
 impl Rt {
@@ -677,6 +680,7 @@ impl<'g> Lowering<'g> {
             dtype,
             st,
             edge: None,
+            view: false,
         }
     }
 
@@ -744,6 +748,7 @@ impl<'g> Lowering<'g> {
             dtype: t.dtype,
             st: t.st,
             edge: t.edge,
+            view: true,
         }
     }
 
@@ -963,6 +968,7 @@ impl<'g> Lowering<'g> {
                 dtype,
                 st,
                 edge: None,
+                view: false,
             };
             if p.trainable && self.grad_mode {
                 let node = self.new_node(NodeKind::Accumulate(i), u64::MAX, ModuleId(0));
@@ -1002,6 +1008,7 @@ impl<'g> Lowering<'g> {
             dtype,
             st,
             edge: None,
+            view: false,
         });
     }
 
@@ -1026,6 +1033,7 @@ impl<'g> Lowering<'g> {
                 dtype,
                 st,
                 edge: None,
+                view: false,
             });
             out.push(inp.value);
         }

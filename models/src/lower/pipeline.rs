@@ -389,6 +389,7 @@ impl<'g> Lowering<'g> {
                     dtype,
                     st,
                     edge: None,
+                    view: false,
                 },
             ));
         }
