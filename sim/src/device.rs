@@ -101,6 +101,15 @@ pub const CONTEXT_MEASUREMENTS: &[ContextMeasurement] = &[
                  context, on an RTX 3090, torch 2.7.1+cu128, driver 610.43.03",
     },
     ContextMeasurement {
+        gpu: "h100-80gb",
+        cuda: 13,
+        bytes: 552_402_944, // 526.81 MiB
+        source: "vramsim's own validation run (testdata/h100-train-steps/README.md, 2026-11-24): \
+                 total - free of torch.cuda.mem_get_info() as a process's first CUDA call on an H100 \
+                 80GB HBM3, driver 580.159.04, torch 2.11.0+cu130; the same bytes from cuInit + \
+                 cuCtxCreate in vramsim-validate's probe",
+    },
+    ContextMeasurement {
         gpu: "rtx6000-ada",
         cuda: 13,
         bytes: 426 * MIB,

@@ -111,12 +111,14 @@ fn every_preset_loads_as_a_device() {
         assert_eq!(device.total_memory, preset.total_memory);
         assert_eq!(device.name, preset.device_name);
         assert_eq!(device.index, 0);
-        // The default CUDA is 13: the one CUDA 13 measurement is 426 MiB on an RTX 6000 Ada
-        // (unsloth-zoo PR #1053), which the other sm 8.9 presets take by rule; 512 MiB elsewhere.
-        let context = if preset.compute_capability == (8, 9) {
-            426 * MIB
-        } else {
-            DEFAULT_CONTEXT_BYTES
+        // The default CUDA is 13: the CUDA 13 measurements are 426 MiB on an RTX 6000 Ada
+        // (unsloth-zoo PR #1053), which the other sm 8.9 presets take by rule, and 552,402,944 B on
+        // an H100 80GB (vramsim's own validation run, torch 2.11.0+cu130), which the other sm 9.0
+        // presets take by rule; 512 MiB elsewhere.
+        let context = match preset.compute_capability {
+            (8, 9) => 426 * MIB,
+            (9, 0) => 552_402_944,
+            _ => DEFAULT_CONTEXT_BYTES,
         };
         assert_eq!(device.context_bytes, context, "{}", preset.name);
         assert!(device.other_processes.is_empty());
@@ -144,7 +146,14 @@ fn context_by_cuda_version() {
     assert_eq!(ctx("a10", 12).bytes, 256 * MIB);
     // No CUDA 12 figure for sm 8.0 or 9.0: the 512 MiB assumption.
     assert_eq!(ctx("a100-80gb", 12).bytes, DEFAULT_CONTEXT_BYTES);
-    assert!(ctx("h100-80gb", 13).source.starts_with("assumption:"));
+    assert!(ctx("h100-80gb", 12).source.starts_with("assumption:"));
+    // CUDA 13 on the H100 80GB: total - free after torch.cuda.mem_get_info() as a process's first CUDA
+    // call, torch 2.11.0+cu130, driver 580.159.04 (testdata/h100-train-steps); the H200 is sm 9.0 too.
+    assert_eq!(ctx("h100-80gb", 13).bytes, 552_402_944);
+    assert!(ctx("h100-80gb", 13).source.starts_with("measured:"));
+    assert_eq!(ctx("h200", 13).bytes, 552_402_944);
+    assert!(ctx("h200", 13).source.starts_with("rule:"));
+    assert!(ctx("a100-80gb", 13).source.starts_with("assumption:"));
     // #55277: 1687 MB with one 1-element tensor (2 MiB segment) on an RTX 3090, torch 1.8.2+cu111.
     assert_eq!(ctx("rtx3090", 11).bytes, 1685 * MIB);
     assert_eq!(ctx("a6000", 11).bytes, 1685 * MIB);
