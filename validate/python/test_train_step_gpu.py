@@ -15,10 +15,17 @@ DATA = ROOT / "testdata" / "h100-train-steps"
 
 
 def test_every_recipe_has_a_measurement_named_after_it():
-    names = {ts.recipe_name(dict(zip(ts.FIELDS, row))) for row in ts.RECIPES}
+    names = {ts.recipe_name(r) for r in ts.all_recipes()}
     measured = {p.name[: -len(".json")] for p in DATA.glob("*.json")}
-    assert names == measured
-    assert len(names) == len(ts.RECIPES)  # no two recipes share a name
+    default = {n for n in measured if "__expandable_segments-true" not in n}
+    assert names == default
+    assert len(names) == len(ts.RECIPES) + len(ts.LORA_RECIPES)  # no two recipes share a name
+    # the expandable-segments runs: recipes of the list, named with their setting
+    expandable = {n.replace("__expandable_segments-true", "") for n in measured - default}
+    assert len(expandable) == 10 and expandable <= names
+    res = json.loads((DATA / "mlp__b64s128__fp32-adamw__expandable_segments-true.json").read_text())
+    assert res["alloc_conf"] == res["recipe"]["alloc_conf"] == "expandable_segments:True"
+    assert ts.recipe_name(res["recipe"]) == res["name"]
 
 
 def test_predict_options_follow_the_measured_run():
@@ -42,3 +49,9 @@ def test_the_table_shows_the_errors_against_the_measurement():
                      {"name": "broken", "error": "error: no such model\nUsage"}]).splitlines()
     assert "| +100.00% |" in rows[2] and "| +0.00% |" in rows[2]
     assert rows[3] == "| broken | vramsim failed: error: no such model | | | | |"
+
+
+def test_a_lora_recipe_predicts_with_its_adapters():
+    res = json.loads((DATA / "tinyllama-1.1b__b4s512__bf16-adamw-sdpa-lora16.json").read_text())
+    args = ts.predict_args(res)
+    assert args[args.index("--lora") + 1] == "r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj"

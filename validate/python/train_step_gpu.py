@@ -72,6 +72,18 @@ RECIPES = [
     ("mlp", 64, 128, "fp32", "adamw", "none", 1, "eager"),
 ]
 FIELDS = ("model", "batch", "seq", "dtype", "optimizer", "checkpoint", "accum", "attention")
+#: LoRA fine-tuning (PEFT's ``get_peft_model`` on the zoo model; ``lora`` as ``vramsim predict --lora`` takes it).
+LORA_RECIPES = [
+    ("tinyllama-1.1b", 4, 512, "bf16", "adamw", "none", 1, "sdpa", "r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj"),
+    ("tinyllama-1.1b", 2, 1024, "bf16", "adamw", "none", 1, "sdpa", "r=8,alpha=16,dropout=0.1,targets=all-linear"),
+    ("tinyllama-1.1b", 4, 512, "amp-bf16", "adamw", "none", 1, "sdpa", "r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj"),
+]
+
+
+def all_recipes() -> list[dict[str, Any]]:
+    """Every recipe ``run-all`` measures, as dicts."""
+    return ([dict(zip(FIELDS, row)) for row in RECIPES]
+            + [dict(zip(FIELDS + ("lora",), row)) for row in LORA_RECIPES])
 
 
 def recipe_name(r: dict[str, Any]) -> str:
@@ -83,6 +95,11 @@ def recipe_name(r: dict[str, Any]) -> str:
         s += f"-accum{r['accum']}"
     if r["attention"] != "eager":
         s += f"-{r['attention']}"
+    if r.get("lora"):
+        spec = dict(kv.split("=", 1) for kv in r["lora"].split(",") if "=" in kv)
+        s += f"-lora{spec.get('r', '8')}" + ("all" if spec.get("targets") == "all-linear" else "")
+    if r.get("alloc_conf"):
+        s += "__" + r["alloc_conf"].replace(":", "-").replace(",", "_").replace("True", "true")
     return s
 
 
@@ -113,6 +130,8 @@ def run_one(r: dict[str, Any], out_dir: str, iterations: int = 2) -> dict[str, A
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = model_fn()
+        if r.get("lora"):
+            model = peft_model(model, r["lora"])
     model.train()
 
     torch.cuda.memory._record_memory_history(enabled="all", context=None, max_entries=2_000_000)
@@ -196,10 +215,31 @@ def run_one(r: dict[str, Any], out_dir: str, iterations: int = 2) -> dict[str, A
         "skipped_steps": skipped,
         "step_seconds": round(seconds, 3),
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
     }
     with open(os.path.join(out_dir, name + ".json"), "w") as f:
         json.dump(result, f, indent=1)
     return result
+
+
+def peft_model(model: Any, spec: str) -> Any:
+    """``peft.get_peft_model`` with the LoRA of a ``--lora`` spec (``r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj``;
+    PEFT's defaults otherwise: r 8, alpha 8, dropout 0)."""
+    import peft
+
+    opts: dict[str, str] = {}
+    key = None
+    for part in spec.split(","):
+        if "=" in part:
+            key, value = part.split("=", 1)
+            opts[key] = value
+        elif key == "targets":  # targets=q_proj,v_proj: the list goes on
+            opts[key] += "," + part
+    targets = opts.get("targets", "q_proj,v_proj")
+    config = peft.LoraConfig(r=int(opts.get("r", 8)), lora_alpha=int(opts.get("alpha", 8)),
+                             lora_dropout=float(opts.get("dropout", 0.0)),
+                             target_modules="all-linear" if targets == "all-linear" else targets.split(","))
+    return peft.get_peft_model(model, config)
 
 
 def sdpa_context(attention: str) -> Any:
@@ -237,17 +277,20 @@ def sdpa_choice(r: dict[str, Any], amp_dtype: Any) -> str | None:
         return str(choice)
 
 
-def run_all(out_dir: str, only: str | None) -> int:
-    """Each recipe in a process of its own; prints a line per recipe."""
+def run_all(out_dir: str, only: str | None, alloc_conf: str = "") -> int:
+    """Each recipe in a process of its own (with ``PYTORCH_CUDA_ALLOC_CONF=alloc_conf``, recorded in the
+    result and appended to its name); prints a line per recipe."""
     os.makedirs(out_dir, exist_ok=True)
     failed = 0
-    for row in RECIPES:
-        r = dict(zip(FIELDS, row))
-        if only and only not in recipe_name(r):
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=alloc_conf)
+    for r in all_recipes():
+        if alloc_conf:
+            r["alloc_conf"] = alloc_conf
+        if only and not any(o in recipe_name(r) for o in only.split(",")):
             continue
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "one", json.dumps(r), "--out", out_dir],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env=env)
         dt = time.perf_counter() - t0
         if proc.returncode != 0:
             failed += 1
@@ -274,6 +317,10 @@ def predict_args(res: dict[str, Any]) -> list[str]:
             "--iterations", str(res["iterations"]),
             "--context", str(res["context_bytes"])]
     major_minor = tuple(int(x) for x in res["versions"]["torch"].split("+")[0].split(".")[:2])
+    if r.get("alloc_conf"):
+        args += ["--alloc-conf", r["alloc_conf"]]
+    if r.get("lora"):
+        args += ["--lora", r["lora"]]
     if major_minor < (2, 15):
         # PyTorch <= 2.14 keeps one cuBLAS workspace per (handle, stream) (CublasHandlePool.cpp)
         args += ["--cublas-workspace-cache"]
@@ -327,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("run-all")
     a.add_argument("--out", required=True)
-    a.add_argument("--only", help="run the recipes whose name contains this")
+    a.add_argument("--only", help="run the recipes whose name contains one of these (comma-separated)")
+    a.add_argument("--alloc-conf", default="", help="PYTORCH_CUDA_ALLOC_CONF for every recipe")
     o = sub.add_parser("one")
     o.add_argument("recipe")
     o.add_argument("--out", required=True)
@@ -340,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(compare(args.dir, args.vramsim, args.gpu)))
         return 0
     if args.cmd == "run-all":
-        return run_all(args.out, args.only)
+        return run_all(args.out, args.only, args.alloc_conf)
     if args.cmd == "one":
         res = run_one(json.loads(args.recipe), args.out)
         print(json.dumps({k: res[k] for k in ("name", "peak_allocated", "peak_reserved",
