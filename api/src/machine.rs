@@ -159,6 +159,17 @@ impl MachineArgs {
         }
     }
 
+    /// The device memory a training step's kernels add to the context (lazy module loading) on
+    /// the preset these options name, and where the figure comes from; `None` for a device given by
+    /// --capacity or --calibration, and where no figure was measured (`GpuPreset::step_modules`).
+    pub fn step_modules_choice(&self) -> Option<ContextChoice> {
+        if self.calibration.is_some() || self.capacity.is_some() {
+            return None;
+        }
+        find_preset(self.gpu.as_deref().unwrap_or(DEFAULT_GPU))?
+            .step_modules(self.cuda.unwrap_or(DEFAULT_CUDA))
+    }
+
     /// The CUDA context these options give the device, and where the figure comes from.
     pub fn context_choice(&self) -> ContextChoice {
         let cuda = self.cuda.unwrap_or(DEFAULT_CUDA);

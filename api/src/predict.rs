@@ -504,6 +504,9 @@ pub struct Prediction {
     pub trainable_params: u64,
     /// NCCL's own device memory on the rank (none on one GPU), counted with the context.
     pub nccl: crate::nccl::NcclMemory,
+    /// The kernels the step loads into the context at first use (lazy module loading), counted
+    /// with it, and where the figure comes from; `None` where not measured.
+    pub step_modules: Option<ContextChoice>,
 }
 
 /// A finished `predict`: the lowered step, the replay's report and what `predict` adds to it.
@@ -1054,21 +1057,39 @@ pub fn to_table(report: &Report, p: &Prediction) -> String {
     );
     let _ = writeln!(out, "recipe     {}", recipe_line(p));
     let _ = writeln!(out, "kernels    {}", workspace_line(&p.recipe));
+    let mut with = Vec::new();
+    if let Some(m) = &p.step_modules {
+        with.push(format!(
+            "{} of kernels: see the modules line",
+            format_size(m.bytes)
+        ));
+    }
+    if p.nccl.bytes > 0 {
+        with.push(format!(
+            "NCCL's {}: see the nccl line",
+            format_size(p.nccl.bytes)
+        ));
+    }
     let _ = writeln!(
         out,
         "context    {}, CUDA {}: {}{}",
         format_size(report.device.context_bytes),
         p.context.cuda,
         p.context.source,
-        if p.nccl.bytes > 0 {
-            format!(
-                " (with NCCL's {}: see the nccl line)",
-                format_size(p.nccl.bytes)
-            )
-        } else {
+        if with.is_empty() {
             String::new()
+        } else {
+            format!(" (with {})", with.join("; "))
         }
     );
+    if let Some(m) = &p.step_modules {
+        let _ = writeln!(
+            out,
+            "modules    {} of kernels and cuBLAS handles the step loads at their first call (lazy module loading), outside the allocator: {}",
+            format_size(m.bytes),
+            m.source
+        );
+    }
     if let Some(k) = &p.attention {
         let _ = writeln!(out, "attention  {}", k.reason);
     }
@@ -1249,6 +1270,8 @@ pub fn to_json(report: &Report, p: &Prediction, meta: &Map<String, Value>) -> Va
         "bytes": report.device.context_bytes,
         "cuda": p.context.cuda,
         "source": p.context.source,
+        "step_modules_bytes": p.step_modules.as_ref().map(|m| m.bytes),
+        "step_modules_source": p.step_modules.as_ref().map(|m| m.source.as_str()),
     });
     j["attention"] = match &p.attention {
         Some(k) => json!({

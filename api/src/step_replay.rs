@@ -182,7 +182,8 @@ pub fn replay_step_variants(
 }
 
 /// The machine a lowered step replays on: `machine` with the device memory the step's libraries
-/// hold outside the allocator (cuBLAS's own pools, NCCL's buffers), and its allocator built.
+/// hold outside the allocator (cuBLAS's own pools, NCCL's buffers, the kernels loaded at first use),
+/// and its allocator built.
 fn step_machine(
     lowered: &Lowered,
     machine: &MachineArgs,
@@ -198,6 +199,10 @@ fn step_machine(
     // NCCL's buffers are device memory outside the allocator too.
     let nccl = machine.nccl(&lowered.recipe.parallel)?;
     machine.library_bytes = machine.library_bytes.saturating_add(nccl.bytes);
+    // So are the kernels the step loads at their first call (lazy module loading).
+    if let Some(modules) = machine.step_modules_choice() {
+        machine.library_bytes = machine.library_bytes.saturating_add(modules.bytes);
+    }
     let built = machine.build()?;
     Ok((machine, nccl, built))
 }
@@ -331,6 +336,7 @@ impl StepMachine<'_> {
             context: self.machine.context_choice(),
             attention: lowered.attention.clone(),
             nccl: self.nccl.clone(),
+            step_modules: self.machine.step_modules_choice(),
         };
         (report, prediction)
     }

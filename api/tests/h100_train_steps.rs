@@ -241,3 +241,59 @@ fn the_allocator_model_replays_every_measured_step_segment_for_segment() {
         assert!(r["first_divergence"].is_null(), "{name}");
     }
 }
+
+/// The "this process has X GiB memory in use" figure of an out-of-memory message, and the message
+/// without it.
+fn split_in_use(message: &str) -> (String, f64) {
+    let (head, tail) = message
+        .split_once("this process has ")
+        .expect("the message names the memory in use");
+    let (figure, rest) = tail.split_once(" GiB memory in use").unwrap();
+    (format!("{head}{rest}"), figure.parse().unwrap())
+}
+
+#[test]
+fn the_largest_batch_and_the_out_of_memory_message_are_the_h100s() {
+    // Measured: GPT-2 at 1024 tokens, fp32, AdamW, eager attention: batch 25 ran (its peaks are one of
+    // the measurements above), batch 26 ran out of memory with this message.
+    let real =
+        std::fs::read_to_string(Path::new(DIR).join("gpt2__b26s1024__fp32-adamw.oom.txt")).unwrap();
+    let args: Vec<String> = [
+        "max-batch",
+        "--model",
+        "gpt2",
+        "--seq",
+        "1024",
+        "--precision",
+        "fp32",
+        "--optimizer",
+        "adamw",
+        "--attention",
+        "eager",
+        "--use-cache",
+        "false",
+        "--gpu",
+        "h100",
+        "--cublas-workspace-cache",
+        "--iterations",
+        "2",
+        "--json",
+    ]
+    .map(String::from)
+    .into();
+    let r = vramsim(&args);
+    assert_eq!(r["max_batch"], 25);
+    assert_eq!(r["first_failure"]["batch"], 26);
+    let predicted = r["first_failure"]["message"].as_str().unwrap();
+    // Everything the allocator decides (the request, the total, what is free, what PyTorch holds) is
+    // the same text; the memory in use outside it may differ by 0.01 GiB: the out-of-memory error comes
+    // in the first iteration, before the optimizer's kernels are loaded, and vramsim counts the kernels
+    // a whole step loads (sim's MODULE_MEASUREMENTS).
+    let (real_rest, real_in_use) = split_in_use(real.trim());
+    let (predicted_rest, predicted_in_use) = split_in_use(predicted);
+    assert_eq!(predicted_rest, real_rest);
+    assert!(
+        (predicted_in_use - real_in_use).abs() <= 0.011,
+        "{predicted_in_use} vs {real_in_use}"
+    );
+}

@@ -118,6 +118,35 @@ pub const CONTEXT_MEASUREMENTS: &[ContextMeasurement] = &[
     },
 ];
 
+/// Device memory a training step adds outside the caching allocator as it runs: under lazy module
+/// loading (CUDA ≥ 12, `CUDA_MODULE_LOADING=LAZY`) the kernels and the cuBLAS handles a step uses are
+/// loaded into the context at their first call, so the process holds this much more than its bare
+/// context from the first step on (what `nvidia-smi` shows, and what an out-of-memory message's
+/// "this process has ... in use" counts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModuleMeasurement {
+    /// The preset it was measured on.
+    pub gpu: &'static str,
+    /// The CUDA major version.
+    pub cuda: u32,
+    /// Bytes beyond the bare context.
+    pub bytes: u64,
+    /// Where it comes from.
+    pub source: &'static str,
+}
+
+/// Every figure of [`ModuleMeasurement`] vramsim uses.
+pub const MODULE_MEASUREMENTS: &[ModuleMeasurement] = &[ModuleMeasurement {
+    gpu: "h100-80gb",
+    cuda: 13,
+    bytes: 234_881_024, // 224 MiB
+    source: "vramsim's own validation run (testdata/h100-train-steps/README.md, 2026-11-24): \
+             total - free of torch.cuda.mem_get_info() less memory_reserved() after two training steps \
+             (787,283,968 B) less the bare context (552,402,944 B), the same in every step of GPT-2, BERT \
+             and an MLP that ran cuBLAS and elementwise kernels on an H100 80GB, torch 2.11.0+cu130; \
+             16 MiB more where cuDNN ran (convolutions, cuDNN attention), not counted",
+}];
+
 /// The CUDA context a preset gets under a CUDA major version, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ContextChoice {
@@ -300,6 +329,41 @@ impl GpuPreset {
                 "assumption: no measurement with CUDA {cuda} on this architecture; 512 MiB, inside the 300-600 MiB range of lazily loaded contexts (PyTorch PR #86509: 287,047,680 B; issue #109888: about 400 MB)"
             ),
         )
+    }
+
+    /// The device memory a training step's kernels add to the context on this preset under CUDA
+    /// `cuda` ([`ModuleMeasurement`]): measured on it, or (rule) on a preset of the same compute
+    /// capability with that CUDA; `None` where nothing was measured, and under CUDA 11, whose eager
+    /// module loading puts every kernel in the bare context already.
+    pub fn step_modules(&self, cuda: u32) -> Option<ContextChoice> {
+        let choice = |bytes, source: String| ContextChoice {
+            bytes,
+            cuda,
+            source,
+        };
+        if let Some(m) = MODULE_MEASUREMENTS
+            .iter()
+            .find(|m| m.gpu == self.name && m.cuda == cuda)
+        {
+            return Some(choice(m.bytes, format!("measured: {}", m.source)));
+        }
+        MODULE_MEASUREMENTS
+            .iter()
+            .find(|m| {
+                m.cuda == cuda
+                    && find_preset(m.gpu)
+                        .is_some_and(|p| p.compute_capability == self.compute_capability)
+            })
+            .map(|m| {
+                let (major, minor) = self.compute_capability;
+                choice(
+                    m.bytes,
+                    format!(
+                        "rule: no measurement on this GPU; the {} (same compute capability {major}.{minor}) with CUDA {cuda}, measured: {}",
+                        m.gpu, m.source
+                    ),
+                )
+            })
     }
 }
 

@@ -180,6 +180,24 @@ fn context_by_cuda_version() {
 }
 
 #[test]
+fn kernels_loaded_during_a_step_by_preset_and_cuda() {
+    let modules = |gpu: &str, cuda: u32| find_preset(gpu).unwrap().step_modules(cuda);
+    // Measured on an H100 80GB with torch 2.11.0+cu130: 787,283,968 B outside the allocator after
+    // two training steps, of which 552,402,944 B were the bare context (testdata/h100-train-steps).
+    let h100 = modules("h100-80gb", 13).unwrap();
+    assert_eq!(h100.bytes, 787_283_968 - 552_402_944);
+    assert!(h100.source.starts_with("measured:"));
+    // The same chip generation loads the same kernel images: the H200 by rule.
+    let h200 = modules("h200", 13).unwrap();
+    assert_eq!(h200.bytes, h100.bytes);
+    assert!(h200.source.starts_with("rule:"));
+    // Nothing measured elsewhere; CUDA 11 loads every module eagerly, into the context.
+    assert!(modules("a100-80gb", 13).is_none());
+    assert!(modules("h100-80gb", 12).is_none());
+    assert!(modules("h100-80gb", 11).is_none());
+}
+
+#[test]
 fn the_default_is_the_80gb_h100() {
     assert_eq!(DEFAULT_GPU, "h100-80gb");
     let device = Device::preset(DEFAULT_GPU).unwrap();

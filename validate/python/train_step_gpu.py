@@ -70,6 +70,9 @@ RECIPES = [
     ("resnet18", 32, 128, "fp32", "sgd-momentum", "none", 1, "eager"),
     ("resnet18", 32, 128, "amp-fp16", "sgd-momentum", "none", 1, "eager"),
     ("mlp", 64, 128, "fp32", "adamw", "none", 1, "eager"),
+    # the largest batch `vramsim max-batch` finds on an H100 80GB; batch 26 runs out of memory, and its
+    # message is kept next to the measurements (gpt2__b26s1024__fp32-adamw.oom.txt)
+    ("gpt2", 25, 1024, "fp32", "adamw", "none", 1, "eager"),
 ]
 FIELDS = ("model", "batch", "seq", "dtype", "optimizer", "checkpoint", "accum", "attention")
 #: LoRA fine-tuning (PEFT's ``get_peft_model`` on the zoo model; ``lora`` as ``vramsim predict --lora`` takes it).
