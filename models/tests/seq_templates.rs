@@ -1,0 +1,116 @@
+//! Lowering once per structure over the batch and the sequence length
+//! (`seq_template::SeqBatchTemplate`): a template fitted through the lowerings at batch 2 and 3 × three
+//! sequence lengths of one residue modulo 128 writes, at other batches and lengths of that residue,
+//! the step a fresh lowering writes, byte for byte (events, repeats and `meta`), for every zoo language
+//! model (the image models take no sequence length: `batch_templates` covers them), under float32
+//! (the memory-efficient kernel, whose logsumexp pads the length to 32) and bfloat16
+//! (FlashAttention, whose backward pads it to 128), at lengths that are multiples of 128 and at lengths
+//! that are not.
+
+use vramsim_models::compact::{lower_compact, CompactTrace};
+use vramsim_models::seq_template::SeqBatchTemplate;
+use vramsim_models::zoo::{self, NAMES};
+use vramsim_models::{Precision, Recipe};
+
+fn lowered(name: &str, r: &Recipe) -> CompactTrace {
+    let g = zoo::build(name, r).unwrap_or_else(|e| panic!("{name}: {e}"));
+    lower_compact(&g, r).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// (precision, the three lengths of the fit, the (batch, length) points checked): lengths of residue
+/// 0 (every rounding exact) and of residues 40 and 100 (FlashAttention's `round(S, 128)` adds 88 and
+/// 28, the logsumexp's `ceil(S, 32)` adds 24 and 28), all within BERT's 512 positions.
+type Case = (Precision, [u64; 3], [(u64, u64); 2]);
+const CASES: [Case; 3] = [
+    (Precision::Fp32, [128, 256, 384], [(4, 512), (7, 256)]),
+    (Precision::Bf16, [40, 168, 296], [(4, 424), (6, 168)]),
+    (Precision::Fp32, [100, 228, 356], [(5, 484), (9, 100)]),
+];
+
+fn check(name: &str, precision: Precision, seqs: [u64; 3], points: &[(u64, u64)]) {
+    let at = |batch: u64, seq: u64| {
+        let mut r = Recipe::new(batch, seq);
+        r.precision = precision;
+        lowered(name, &r)
+    };
+    let fit: Vec<Vec<CompactTrace>> = [2, 3]
+        .iter()
+        .map(|&b| seqs.iter().map(|&s| at(b, s)).collect())
+        .collect();
+    let template = SeqBatchTemplate::fit(
+        [
+            [&fit[0][0], &fit[0][1], &fit[0][2]],
+            [&fit[1][0], &fit[1][1], &fit[1][2]],
+        ],
+        [2, 3],
+        seqs,
+    )
+    .unwrap_or_else(|why| panic!("{name} {precision:?} {seqs:?}: no template: {why}"));
+    for &(batch, seq) in points {
+        let fresh = at(batch, seq);
+        let made = template
+            .instantiate(batch, seq)
+            .unwrap_or_else(|| panic!("{name} {precision:?} batch {batch} seq {seq}: no instance"));
+        assert!(
+            made.same_as(&fresh),
+            "{name} {precision:?} batch {batch} seq {seq}: the instance differs from a fresh lowering"
+        );
+        let json = |t: &CompactTrace| {
+            let mut out = Vec::new();
+            vramsim_traces::write_json(&mut out, &t.expand()).unwrap();
+            out
+        };
+        assert!(
+            json(&made) == json(&fresh),
+            "{name} batch {batch} seq {seq}: JSON"
+        );
+    }
+}
+
+fn language(name: &str) -> bool {
+    zoo::Arch::from_name(name)
+        .unwrap()
+        .max_positions()
+        .is_some()
+}
+
+#[test]
+fn every_zoo_language_model_instantiates_its_fresh_lowering() {
+    let names: Vec<&str> = NAMES.into_iter().filter(|n| language(n)).collect();
+    assert!(names.len() >= 20, "{names:?}");
+    for name in names {
+        for (precision, seqs, points) in CASES {
+            check(name, precision, seqs, &points);
+        }
+    }
+}
+
+#[test]
+fn lengths_that_round_otherwise_are_no_family() {
+    let at = |seq: u64| {
+        lowered("gpt2", &{
+            let mut r = Recipe::new(2, seq);
+            r.precision = Precision::Bf16;
+            r
+        })
+    };
+    let (a, b, c) = (at(128), at(256), at(300));
+    let at3 = |seq: u64| {
+        lowered("gpt2", &{
+            let mut r = Recipe::new(3, seq);
+            r.precision = Precision::Bf16;
+            r
+        })
+    };
+    let (d, e, f) = (at3(128), at3(256), at3(300));
+    let why =
+        SeqBatchTemplate::fit([[&a, &b, &c], [&d, &e, &f]], [2, 3], [128, 256, 300]).unwrap_err();
+    assert!(why.contains("residues"), "{why}");
+    // a template of residue 0 does not reach 424 (residue 40): FlashAttention's backward pads 424
+    // to 512, which no polynomial through 128, 256 and 384 gives
+    let (g, h) = (at(384), at3(384));
+    let template =
+        SeqBatchTemplate::fit([[&a, &b, &g], [&d, &e, &h]], [2, 3], [128, 256, 384]).unwrap();
+    assert!(template.instantiate(4, 424).is_none());
+    assert!(template.instantiate(4, 512).is_some());
+}
