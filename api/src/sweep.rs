@@ -575,8 +575,9 @@ fn lower_family<'a>(
 }
 
 /// One lowering per group of `families` (families of one structure that differ only in a sequence
-/// length of one residue modulo [`vramsim_models::seq_template::SEQ_CLASS`], each a list of groups that differ only in the batch),
-/// by group. Where it saves lowerings, the groups of batch 2 and more are written by one
+/// length of one residue modulo [`vramsim_models::seq_template::SEQ_CLASS`], each a list of groups
+/// that differ only in the batch), by group. Where it saves lowerings, the groups of batch 2 and more
+/// (and lengths within the model's positions) are written by one
 /// [`SeqBatchTemplate`] fitted through fresh lowerings at the family's two smallest batches of at least
 /// 2 × its three shortest lengths (configurations of the grid where it has them, else made for the
 /// fit) and trusted only when it reproduces, byte for byte, a fresh lowering at the fourth length
@@ -597,12 +598,23 @@ fn lower_seq_family<'a>(
     };
     let first = |g: usize| args_of(groups[g][0]);
     let fresh = |args: &PredictArgs| predict::lower_step(args).map_err(|e| format!("{e:#}"));
-    // (batch, length, group) of the groups of batch 2 and more, which a template serves
+    // (batch, length, group) of the groups of batch 2 and more within the model's positions, which
+    // a template serves (a longer length is an error, lowered afresh to give it)
+    let positions = |g: usize| {
+        predict::step_recipe(first(g))
+            .ok()
+            .and_then(|(arch, _, _)| arch.max_positions())
+            .unwrap_or(u64::MAX)
+    };
+    let Some(&any) = families.first().and_then(|f| f.first()) else {
+        return Vec::new();
+    };
+    let max_seq = positions(any);
     let points: Vec<(u64, u64, usize)> = families
         .iter()
         .flat_map(|f| f.iter())
         .map(|&g| (first(g).batch, first(g).seq.unwrap_or(0), g))
-        .filter(|&(batch, _, _)| batch >= 2)
+        .filter(|&(batch, seq, _)| batch >= 2 && seq <= max_seq)
         .collect();
     let distinct = |of: fn(&(u64, u64, usize)) -> u64| {
         let mut v: Vec<u64> = points.iter().map(of).collect();
@@ -611,12 +623,15 @@ fn lower_seq_family<'a>(
         v
     };
     let (batches, seqs) = (distinct(|p| p.0), distinct(|p| p.1));
-    // what lowering each family by the batch costs: three lowerings for a family of a batch
-    // template, one per batch otherwise
+    // what lowering each family's points by the batch costs: three lowerings for a family of a
+    // batch template, one per batch otherwise
     let by_batch_cost: usize = families
         .iter()
         .map(|f| {
-            let n = f.iter().filter(|&&g| first(g).batch >= 2).count();
+            let n = f
+                .iter()
+                .filter(|&&g| points.iter().any(|p| p.2 == g))
+                .count();
             if n >= TEMPLATE_FROM_BATCHES {
                 3
             } else {
@@ -632,9 +647,7 @@ fn lower_seq_family<'a>(
     }
     let fit_batches = [batches[0], batches[1]];
     let fit_seqs = [seqs[0], seqs[1], seqs[2]];
-    // the check: the largest batch at the fourth length (not the longest: a length beyond the
-    // model's positions is an error, at the check as at every instance, which `predict`'s own
-    // checks give as a fresh lowering gives them)
+    // the check: the largest batch at the fourth length
     let check = points
         .iter()
         .filter(|p| p.1 == seqs[3])
@@ -699,9 +712,10 @@ fn lower_seq_family<'a>(
         .filter(|g| !lowered_groups.contains(g))
         .collect();
     out.par_extend(rest.into_par_iter().map(|g| {
-        let lowered = match first(g).batch {
-            1 => fresh(first(g)),
-            _ => predict::lower_step_instance(first(g), &template).map_err(|e| format!("{e:#}")),
+        let lowered = if points.iter().any(|p| p.2 == g) {
+            predict::lower_step_instance(first(g), &template).map_err(|e| format!("{e:#}"))
+        } else {
+            fresh(first(g))
         };
         (g, lowered)
     }));
