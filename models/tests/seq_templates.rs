@@ -5,12 +5,15 @@
 //! model (the image models take no sequence length: `batch_templates` covers them), under float32
 //! (the memory-efficient kernel, whose logsumexp pads the length to 32) and bfloat16
 //! (FlashAttention, whose backward pads it to 128), at lengths that are multiples of 128 and at lengths
-//! that are not.
+//! that are not; and under the recipe options that change which tensors a step holds and how they
+//! are sized by the length (eager attention's `B·H·S·S` scores, AMP, checkpointing, accumulation,
+//! kept outputs, LoRA, tensor and sequence parallelism) on four models.
 
 use vramsim_models::compact::{lower_compact, CompactTrace};
+use vramsim_models::recipe::Attention;
 use vramsim_models::seq_template::SeqBatchTemplate;
 use vramsim_models::zoo::{self, NAMES};
-use vramsim_models::{Precision, Recipe};
+use vramsim_models::{Checkpointing, Precision, Recipe};
 
 fn lowered(name: &str, r: &Recipe) -> CompactTrace {
     let g = zoo::build(name, r).unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -52,10 +55,16 @@ const CASES: [Case; 4] = [
 ];
 
 fn check(name: &str, (precision, cc, seqs, points): Case) {
+    check_with(name, (precision, cc, seqs, points), |_| {});
+}
+
+/// [`check`] with `change` applied to every recipe.
+fn check_with(name: &str, (precision, cc, seqs, points): Case, change: impl Fn(&mut Recipe)) {
     let at = |batch: u64, seq: u64| {
         let mut r = Recipe::new(batch, seq);
         r.precision = precision;
         r.target.compute_capability = cc;
+        change(&mut r);
         lowered(name, &r)
     };
     let fit: Vec<Vec<CompactTrace>> = [2, 3]
@@ -138,4 +147,39 @@ fn lengths_that_round_otherwise_are_no_family() {
         SeqBatchTemplate::fit([[&a, &b, &g], [&d, &e, &h]], [2, 3], [128, 256, 384]).unwrap();
     assert!(template.instantiate(4, 424).is_none());
     assert!(template.instantiate(4, 512).is_some());
+}
+
+#[test]
+fn recipe_options_instantiate_their_fresh_lowering() {
+    type Change = fn(&mut Recipe);
+    let changes: [(&str, Change); 9] = [
+        ("eager attention", |r| r.attention = Attention::Eager),
+        ("amp-bf16", |r| r.precision = Precision::AmpBf16),
+        ("full checkpointing", |r| {
+            r.checkpointing = Checkpointing::Full
+        }),
+        ("selective checkpointing", |r| {
+            r.checkpointing = Checkpointing::Selective
+        }),
+        ("accumulation 6", |r| r.accum = 6),
+        ("kept outputs", |r| r.keep_outputs = true),
+        ("LoRA", |r| {
+            r.lora = Some("r=16,alpha=32,targets=all-linear".parse().unwrap())
+        }),
+        ("tensor parallel 2", |r| r.parallel.tp = 2),
+        ("tensor and sequence parallel 2", |r| {
+            r.parallel.tp = 2;
+            r.parallel.sp = true;
+        }),
+    ];
+    for name in ["gpt2", "llama2-7b", "bert-base", "nanogpt"] {
+        for (what, change) in changes {
+            if name == "nanogpt" && what.starts_with("tensor") {
+                continue; // no tensor-parallel split modelled for nanoGPT
+            }
+            eprintln!("{name}: {what}");
+            // residue 40: both roundings add to the length
+            check_with(name, CASES[1], |r| change(r));
+        }
+    }
 }
