@@ -179,7 +179,7 @@ fn recipe_options_instantiate_their_fresh_lowering() {
             }
             eprintln!("{name}: {what}");
             // residue 40: both roundings add to the length
-            check_with(name, CASES[1], |r| change(r));
+            check_with(name, CASES[1], change);
         }
     }
 }
