@@ -643,10 +643,10 @@ pub fn lower_step_device(args: &PredictArgs, device: u32) -> Result<Lowered> {
     })
 }
 
-/// [`lower_step`] without lowering: the step written by `template` at this configuration's batch
-/// (and sequence length, for a [`vramsim_models::seq_template::SeqBatchTemplate`]) (lowering once per
-/// structure, [`vramsim_models::template::BatchTemplate`]), or lowered afresh where the template does
-/// not reach (a size that would leave the range of bytes, a length of another residue). The caller
+/// [`lower_step`] without lowering (lowering once per structure): the step written by `template` at
+/// this configuration's batch ([`vramsim_models::template::BatchTemplate`]) or batch and sequence
+/// length ([`vramsim_models::seq_template::SeqBatchTemplate`]), or lowered afresh where the template
+/// does not reach (a size that would leave the range of bytes, a length of another residue). The caller
 /// checked that the template is this configuration's structure (the same options but the batch and
 /// length, and a fresh lowering it reproduced).
 pub fn lower_step_instance(args: &PredictArgs, template: &dyn StepTemplate) -> Result<Lowered> {
