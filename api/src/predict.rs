@@ -13,7 +13,7 @@ use clap::{ArgGroup, Args};
 use serde_json::{json, Map, Value};
 use vramsim_models::compact::{lower_compact, CompactTrace, ReplayPiece};
 use vramsim_models::hf::{self, ImportOptions};
-use vramsim_models::template::BatchTemplate;
+use vramsim_models::template::StepTemplate;
 use vramsim_models::zoo::{Arch, KernelChoice};
 use vramsim_models::PpLoop;
 use vramsim_models::{
@@ -646,16 +646,24 @@ pub fn lower_step_device(args: &PredictArgs, device: u32) -> Result<Lowered> {
     })
 }
 
-/// [`lower_step`] without lowering: the step written by `template` at this configuration's batch
-/// (lowering once per structure, [`BatchTemplate`]). The caller checked that the template is this
-/// configuration's structure (the same options but the batch, and a fresh lowering it reproduced).
-pub fn lower_step_instance(args: &PredictArgs, template: &BatchTemplate) -> Result<Lowered> {
-    let mut lowered = assemble(args, 0, |_, recipe| {
-        template
-            .instantiate(recipe.batch)
-            .with_context(|| format!("batch {} leaves the range of sizes", recipe.batch))
+/// [`lower_step`] without lowering (lowering once per structure): the step written by `template` at
+/// this configuration's batch ([`vramsim_models::template::BatchTemplate`]) or batch and sequence
+/// length ([`vramsim_models::seq_template::SeqBatchTemplate`]), or lowered afresh where the template
+/// does not reach (a size that would leave the range of bytes, a length of another residue). The caller
+/// checked that the template is this configuration's structure (the same options but the batch and
+/// length, and a fresh lowering it reproduced).
+pub fn lower_step_instance(args: &PredictArgs, template: &dyn StepTemplate) -> Result<Lowered> {
+    let mut instantiated = false;
+    let mut lowered = assemble(args, 0, |graph, recipe| {
+        Ok(match template.instantiate_for(recipe) {
+            Some(compact) => {
+                instantiated = true;
+                compact
+            }
+            None => lower_compact(graph, recipe)?,
+        })
     })?;
-    lowered.from_template = true;
+    lowered.from_template = instantiated;
     Ok(lowered)
 }
 

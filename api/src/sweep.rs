@@ -22,6 +22,7 @@ use clap::{ArgAction, Args, Command, FromArgMatches};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rayon::prelude::*;
 use serde_json::Value;
+use vramsim_models::seq_template::{seq_class, SeqBatchTemplate};
 use vramsim_models::template::BatchTemplate;
 use vramsim_models::zoo::{Arch, TargetChoices};
 use vramsim_sim::engine::TimelinePoint;
@@ -376,20 +377,8 @@ pub fn evaluate(
     for (i, args) in configs.iter().enumerate() {
         let Ok(p) = &parsed[i] else { continue };
         let cc = target_keys[i];
-        let options: Vec<&str> = args
-            .iter()
-            .map(String::as_str)
-            .filter(|a| {
-                let long = a.trim_start_matches("--").split('=').next().unwrap_or("");
-                long != "accum" && long != "batch" && !set.find(long).is_some_and(|o| o.machine)
-            })
-            .collect();
-        let accum = if p.accum >= SHARED_ACCUM_FROM {
-            0
-        } else {
-            p.accum
-        };
-        let key = (options, cc, accum);
+        let options = lowering_options(args, &["accum", "batch"]);
+        let key = (options, cc, accum_key(p));
         let family = *by_family.entry(key.clone()).or_insert_with(|| {
             families.push(Vec::new());
             families.len() - 1
@@ -464,10 +453,36 @@ pub fn evaluate(
             .collect();
         out
     };
-    let mut results: Vec<(usize, Result<Evaluated, String>)> = families
+    // the families that differ only in a sequence length of one residue form a family over both,
+    // lowered once per structure where that saves lowerings (`lower_seq_family`)
+    let mut seq_families: Vec<Vec<usize>> = Vec::new();
+    let mut by_seq_family: HashMap<(Key, u64), usize> = HashMap::new();
+    for (f, family) in families.iter().enumerate() {
+        let i = groups[family[0]][0];
+        let p = args_of(i);
+        let key = match p.seq {
+            Some(seq) if p.graph.is_none() => {
+                let options = lowering_options(&configs[i], &["accum", "batch", "seq"]);
+                Some(((options, target_keys[i], accum_key(p)), seq_class(seq)))
+            }
+            _ => None,
+        };
+        match key {
+            Some(key) => {
+                let s = *by_seq_family.entry(key).or_insert_with(|| {
+                    seq_families.push(Vec::new());
+                    seq_families.len() - 1
+                });
+                seq_families[s].push(f);
+            }
+            None => seq_families.push(vec![f]),
+        }
+    }
+    let mut results: Vec<(usize, Result<Evaluated, String>)> = seq_families
         .par_iter()
-        .flat_map_iter(|family| {
-            lower_family(family, &groups, &args_of)
+        .flat_map_iter(|seq_family| {
+            let members: Vec<&[usize]> = seq_family.iter().map(|&f| &families[f][..]).collect();
+            lower_seq_family(&members, &groups, configs, &args_of)
                 .into_par_iter()
                 .flat_map_iter(|(g, lowered)| evaluate_group(&groups[g], lowered))
                 .collect::<Vec<_>>()
@@ -557,6 +572,190 @@ fn lower_family<'a>(
         (g, made)
     }));
     out
+}
+
+/// One lowering per group of `families` (families of one structure that differ only in a sequence
+/// length of one residue modulo [`vramsim_models::seq_template::SEQ_CLASS`], each a list of groups
+/// that differ only in the batch), by group. Where it saves lowerings, the groups of batch 2 and more
+/// (and lengths within the model's positions) are written by one
+/// [`SeqBatchTemplate`] fitted through fresh lowerings at the family's two smallest batches of at least
+/// 2 × its three shortest lengths (configurations of the grid where it has them, else made for the
+/// fit) and trusted only when it reproduces, byte for byte, a fresh lowering at the fourth length
+/// (the grid's largest batch there); a point the template does not reach is lowered afresh, and so is
+/// everything when the fit or the check fails, or for DataParallel and rank-by-rank layouts.
+/// Otherwise each family is lowered as [`lower_family`] lowers it.
+fn lower_seq_family<'a>(
+    families: &[&[usize]],
+    groups: &[Vec<usize>],
+    configs: &[Vec<String>],
+    args_of: &(dyn Fn(usize) -> &'a PredictArgs + Sync),
+) -> Vec<(usize, Result<Lowered, String>)> {
+    let by_batch = || -> Vec<(usize, Result<Lowered, String>)> {
+        families
+            .par_iter()
+            .flat_map_iter(|f| lower_family(f, groups, args_of))
+            .collect()
+    };
+    let first = |g: usize| args_of(groups[g][0]);
+    let fresh = |args: &PredictArgs| predict::lower_step(args).map_err(|e| format!("{e:#}"));
+    // (batch, length, group) of the groups of batch 2 and more within the model's positions, which
+    // a template serves (a longer length is an error, lowered afresh to give it)
+    let positions = |g: usize| {
+        predict::step_recipe(first(g))
+            .ok()
+            .and_then(|(arch, _, _)| arch.max_positions())
+            .unwrap_or(u64::MAX)
+    };
+    let Some(&any) = families.first().and_then(|f| f.first()) else {
+        return Vec::new();
+    };
+    let max_seq = positions(any);
+    let points: Vec<(u64, u64, usize)> = families
+        .iter()
+        .flat_map(|f| f.iter())
+        .map(|&g| (first(g).batch, first(g).seq.unwrap_or(0), g))
+        .filter(|&(batch, seq, _)| batch >= 2 && seq <= max_seq)
+        .collect();
+    let distinct = |of: fn(&(u64, u64, usize)) -> u64| {
+        let mut v: Vec<u64> = points.iter().map(of).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    let (batches, seqs) = (distinct(|p| p.0), distinct(|p| p.1));
+    // what lowering each family's points by the batch costs: three lowerings for a family of a
+    // batch template, one per batch otherwise
+    let by_batch_cost: usize = families
+        .iter()
+        .map(|f| {
+            let n = f
+                .iter()
+                .filter(|&&g| points.iter().any(|p| p.2 == g))
+                .count();
+            if n >= TEMPLATE_FROM_BATCHES {
+                3
+            } else {
+                n
+            }
+        })
+        .sum();
+    let one_accum = points
+        .iter()
+        .all(|p| first(p.2).accum == first(points[0].2).accum);
+    if seqs.len() < 4 || batches.len() < 2 || !one_accum || by_batch_cost <= SEQ_TEMPLATE_COST {
+        return by_batch();
+    }
+    let fit_batches = [batches[0], batches[1]];
+    let fit_seqs = [seqs[0], seqs[1], seqs[2]];
+    // the check: the largest batch at the fourth length
+    let check = points
+        .iter()
+        .filter(|p| p.1 == seqs[3])
+        .max_by_key(|p| p.0)
+        .map(|p| (p.0, p.1))
+        .expect("a fourth length");
+    let wanted: Vec<(u64, u64)> = fit_batches
+        .iter()
+        .flat_map(|&b| fit_seqs.iter().map(move |&s| (b, s)))
+        .chain([check])
+        .collect();
+    // each lowering of the fit and the check: the grid's own configuration there, or one made
+    let made: Vec<(Option<usize>, Result<Lowered, String>)> = wanted
+        .par_iter()
+        .map(
+            |&(b, s)| match points.iter().find(|p| (p.0, p.1) == (b, s)) {
+                Some(&(_, _, g)) => (Some(g), fresh(first(g))),
+                None => {
+                    let lowered = OptionSet::predict()
+                        .parse(&with_batch_and_seq(&configs[groups[points[0].2][0]], b, s))
+                        .map_err(|e| format!("{e:#}"))
+                        .and_then(|args| fresh(&args));
+                    (None, lowered)
+                }
+            },
+        )
+        .collect();
+    let compact = |k: usize| made[k].1.as_ref().ok().map(|l| &l.compact);
+    let layout_ok = made[0].1.as_ref().is_ok_and(|l| {
+        !crate::dataparallel::is_multi(&l.recipe) && !crate::pipeline::is_rank_by_rank(&l.recipe)
+    });
+    let template = (0..7)
+        .map(compact)
+        .collect::<Option<Vec<_>>>()
+        .filter(|_| layout_ok)
+        .and_then(|c| {
+            SeqBatchTemplate::fit(
+                [[c[0], c[1], c[2]], [c[3], c[4], c[5]]],
+                fit_batches,
+                fit_seqs,
+            )
+            .ok()
+            .filter(|t| {
+                t.instantiate(check.0, check.1)
+                    .is_some_and(|instance| instance.same_as(c[6]))
+            })
+        });
+    let Some(template) = template else {
+        return by_batch();
+    };
+    let mut out: Vec<(usize, Result<Lowered, String>)> = Vec::new();
+    let mut lowered_groups = Vec::new();
+    for (g, lowered) in made {
+        if let Some(g) = g {
+            lowered_groups.push(g);
+            out.push((g, lowered));
+        }
+    }
+    let rest: Vec<usize> = families
+        .iter()
+        .flat_map(|f| f.iter().copied())
+        .filter(|g| !lowered_groups.contains(g))
+        .collect();
+    out.par_extend(rest.into_par_iter().map(|g| {
+        let lowered = if points.iter().any(|p| p.2 == g) {
+            predict::lower_step_instance(first(g), &template).map_err(|e| format!("{e:#}"))
+        } else {
+            fresh(first(g))
+        };
+        (g, lowered)
+    }));
+    out
+}
+
+/// Fresh lowerings a [`SeqBatchTemplate`] costs: six to fit it (two batches × three lengths), one to
+/// check it.
+const SEQ_TEMPLATE_COST: usize = 7;
+
+/// `args` (a configuration) at `batch` and `seq`.
+fn with_batch_and_seq(args: &[String], batch: u64, seq: u64) -> Vec<String> {
+    args.iter()
+        .filter(|a| !a.starts_with("--batch=") && !a.starts_with("--seq="))
+        .cloned()
+        .chain([format!("--batch={batch}"), format!("--seq={seq}")])
+        .collect()
+}
+
+/// The options of `args` (a configuration) that shape its lowering, but `without` and the
+/// machine's.
+fn lowering_options<'a>(args: &'a [String], without: &[&str]) -> Vec<&'a str> {
+    let set = OptionSet::predict();
+    args.iter()
+        .map(String::as_str)
+        .filter(|a| {
+            let long = a.trim_start_matches("--").split('=').next().unwrap_or("");
+            !without.contains(&long) && !set.find(long).is_some_and(|o| o.machine)
+        })
+        .collect()
+}
+
+/// The accumulation count that keys a lowering: the count, or 0 for every count a compact lowering
+/// serves ([`SHARED_ACCUM_FROM`]).
+fn accum_key(args: &PredictArgs) -> u32 {
+    if args.accum >= SHARED_ACCUM_FROM {
+        0
+    } else {
+        args.accum
+    }
 }
 
 /// Accumulation counts from this on share one lowering ([`vramsim_models::compact`]: three

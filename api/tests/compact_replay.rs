@@ -186,3 +186,44 @@ fn templated_sweeps_equal_fresh_predictions() {
     // batches 4, 5 and 6 of each family are instances (2 and 3 fit the template, 7 checks it)
     assert_eq!(instances, 9);
 }
+
+#[test]
+fn seq_templated_sweeps_equal_fresh_predictions() {
+    use vramsim_api::sweep::{evaluate, Progress, Wants};
+    let mut configs = Vec::new();
+    // lengths of residue 0 modulo 128 form one family over the batch and the length; 168 (residue
+    // 40: FlashAttention's backward pads it to 256) is lowered on its own; a capacity that the
+    // larger points exceed
+    for seq in [128, 256, 384, 512, 168] {
+        for batch in 1..=4 {
+            configs.push(args(&[
+                "--model=gpt2",
+                "--precision=bf16",
+                "--capacity=2300MiB",
+                &format!("--seq={seq}"),
+                &format!("--batch={batch}"),
+            ]));
+        }
+    }
+    let wants = Wants {
+        json: true,
+        timeline_points: 0,
+    };
+    let swept = evaluate(&configs, wants, &Progress::hidden());
+    let (mut ooms, mut instances) = (0, 0);
+    for (a, point) in configs.iter().zip(swept) {
+        let point = point.unwrap_or_else(|e| panic!("{a:?}: {e}"));
+        ooms += usize::from(!point.fits());
+        instances += usize::from(point.prediction.from_template);
+        let fresh = vramsim_api::predict::predict(&OptionSet::predict().parse(a).unwrap()).unwrap();
+        assert_eq!(
+            without_timing(point.json.expect("asked for")),
+            without_timing(fresh.to_json()),
+            "{a:?}"
+        );
+    }
+    assert!(ooms > 0, "the grid should reach the capacity");
+    // batches 2 and 3 at 128, 256 and 384 fit the template, batch 4 at 512 checks it; batch 4 at
+    // 128, 256 and 384 and batches 2 and 3 at 512 are instances
+    assert_eq!(instances, 5);
+}

@@ -49,6 +49,7 @@ pub mod parallel;
 pub mod pipeline;
 pub mod recipe;
 pub mod sdpa;
+pub mod seq_template;
 pub mod template;
 pub mod zoo;
 

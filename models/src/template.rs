@@ -23,10 +23,74 @@ use vramsim_traces::Event;
 use crate::compact::{sized_event, CompactTrace};
 
 /// One step of a path into a JSON tree.
-#[derive(Clone, Debug, PartialEq)]
-enum PathStep {
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum PathStep {
     Key(String),
     Index(usize),
+}
+
+/// Where two lowerings of one structure part: the allocations whose sizes differ and the unsigned
+/// numbers of `meta` that differ, everything else (events, ids, streams, categories, tags, repeats,
+/// phases, the rest of `meta`) being equal.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Apart {
+    /// (event index, requested bytes in the first, in the second), by index.
+    pub(crate) sizes: Vec<(usize, u64, u64)>,
+    /// (path into `meta`, the number in the first, in the second).
+    pub(crate) meta: Vec<(Vec<PathStep>, u64, u64)>,
+}
+
+impl Apart {
+    /// Where `a` and `b` part, or why they are not one structure.
+    pub(crate) fn of(a: &CompactTrace, b: &CompactTrace) -> Result<Apart, String> {
+        if a.repeats != b.repeats || a.events != b.events {
+            return Err("other repeated micro-batches".into());
+        }
+        let (na, nb) = (a.lowered_events().len(), b.lowered_events().len());
+        if a.lowered_phases() != b.lowered_phases() || na != nb {
+            return Err(format!("other events ({na} and {nb})"));
+        }
+        let mut sizes = Vec::new();
+        for (i, ((ea, sa), (eb, sb))) in a.sized_events().zip(b.sized_events()).enumerate() {
+            match (ea, eb) {
+                (
+                    Event::Alloc {
+                        id,
+                        size,
+                        stream,
+                        category,
+                        tag,
+                    },
+                    Event::Alloc {
+                        id: id_b,
+                        size: size_b,
+                        stream: stream_b,
+                        category: category_b,
+                        tag: tag_b,
+                    },
+                ) => {
+                    if id != id_b || stream != stream_b || category != category_b || tag != tag_b {
+                        return Err(format!("event {i}: {ea:?} and {eb:?}"));
+                    }
+                    let (size, size_b) = (sa.unwrap_or(*size), sb.unwrap_or(*size_b));
+                    if size != size_b {
+                        sizes.push((i, size, size_b));
+                    }
+                }
+                _ if ea == eb => {}
+                _ => return Err(format!("event {i}: {ea:?} and {eb:?}")),
+            }
+        }
+        let mut meta = Vec::new();
+        let (ma, mb) = (Value::Object(a.meta.clone()), Value::Object(b.meta.clone()));
+        if !numbers_apart(&ma, &mb, &mut Vec::new(), &mut |path, x, y| {
+            meta.push((path, x, y));
+            Some(())
+        }) {
+            return Err("other meta".into());
+        }
+        Ok(Apart { sizes, meta })
+    }
 }
 
 /// A number in `meta` that varies with the batch: where it is and how much per sample.
@@ -66,63 +130,29 @@ impl BatchTemplate {
         if batch_a == batch_b {
             return Err("one batch twice".into());
         }
-        if a.repeats != b.repeats || a.events != b.events {
-            return Err("other repeated micro-batches".into());
-        }
-        let (na, nb) = (a.lowered_events().len(), b.lowered_events().len());
-        if a.lowered_phases() != b.lowered_phases() || na != nb {
-            return Err(format!("other events ({na} and {nb})"));
-        }
+        let apart = Apart::of(a, b)?;
         let run = i128::from(batch_b) - i128::from(batch_a);
         let slope = |sa: u64, sb: u64| -> Option<i128> {
             let rise = i128::from(sb) - i128::from(sa);
             (rise % run == 0).then_some(rise / run)
         };
-        let mut sizes = Vec::new();
-        for (i, ((ea, sa), (eb, sb))) in a.sized_events().zip(b.sized_events()).enumerate() {
-            match (ea, eb) {
-                (
-                    Event::Alloc {
-                        id,
-                        size,
-                        stream,
-                        category,
-                        tag,
-                    },
-                    Event::Alloc {
-                        id: id_b,
-                        size: size_b,
-                        stream: stream_b,
-                        category: category_b,
-                        tag: tag_b,
-                    },
-                ) => {
-                    if id != id_b || stream != stream_b || category != category_b || tag != tag_b {
-                        return Err(format!("event {i}: {ea:?} and {eb:?}"));
-                    }
-                    let (size, size_b) = (sa.unwrap_or(*size), sb.unwrap_or(*size_b));
-                    if size != size_b {
-                        let per_sample = slope(size, size_b).ok_or_else(|| {
-                            format!("event {i}: {size} and {size_b} bytes, not a whole number of bytes per sample")
-                        })?;
-                        sizes.push((i, size, per_sample));
-                    }
-                }
-                _ if ea == eb => {}
-                _ => return Err(format!("event {i}: {ea:?} and {eb:?}")),
-            }
+        let mut sizes = Vec::with_capacity(apart.sizes.len());
+        for (i, size, size_b) in apart.sizes {
+            let per_sample = slope(size, size_b).ok_or_else(|| {
+                format!(
+                    "event {i}: {size} and {size_b} bytes, not a whole number of bytes per sample"
+                )
+            })?;
+            sizes.push((i, size, per_sample));
         }
-        let mut meta = Vec::new();
-        let (ma, mb) = (Value::Object(a.meta.clone()), Value::Object(b.meta.clone()));
-        if !numbers_apart(&ma, &mb, &mut Vec::new(), &mut |path, x, y| {
+        let mut meta = Vec::with_capacity(apart.meta.len());
+        for (path, x, y) in apart.meta {
+            let per_sample = slope(x, y).ok_or("other meta")?;
             meta.push(MetaSlope {
                 path,
                 base: x,
-                per_sample: slope(x, y)?,
+                per_sample,
             });
-            Some(())
-        }) {
-            return Err("other meta".into());
         }
         Ok(BatchTemplate {
             base: a.clone(),
@@ -168,6 +198,21 @@ impl BatchTemplate {
             unreachable!("an object stays one")
         };
         Some(self.base.with_sizes(sizes, meta))
+    }
+}
+
+/// A lowered step that writes the step of another recipe of its structure without lowering:
+/// [`BatchTemplate`] (another batch), [`crate::seq_template::SeqBatchTemplate`] (another batch and
+/// sequence length).
+pub trait StepTemplate: Sync {
+    /// The step of `recipe` (of the template's structure), or `None` when a size would leave the
+    /// range of bytes or the template does not reach it.
+    fn instantiate_for(&self, recipe: &crate::Recipe) -> Option<CompactTrace>;
+}
+
+impl StepTemplate for BatchTemplate {
+    fn instantiate_for(&self, recipe: &crate::Recipe) -> Option<CompactTrace> {
+        self.instantiate(recipe.batch)
     }
 }
 
@@ -280,7 +325,7 @@ fn numbers_apart(
     }
 }
 
-fn slot<'a>(value: &'a mut Value, path: &[PathStep]) -> Option<&'a mut Value> {
+pub(crate) fn slot<'a>(value: &'a mut Value, path: &[PathStep]) -> Option<&'a mut Value> {
     path.iter().try_fold(value, |v, step| match step {
         PathStep::Key(k) => v.get_mut(k.as_str()),
         PathStep::Index(i) => v.get_mut(*i),

@@ -1,0 +1,243 @@
+//! Lowering once per structure over the batch and the sequence length: a lowered step whose sizes
+//! are polynomials of both.
+//!
+//! A transformer step's tensors carry the batch `B` as one factor of their leading dimension or not
+//! at all ([`crate::template`]), and the sequence length `S` as one or two factors: activations and
+//! their gradients `B·S·h`, the attention scores and probabilities of eager attention `B·H·S·S`, a
+//! causal mask `S·S`, position ids `S`, parameters and optimizer state not at all. Every requested
+//! size is so a polynomial `Σ c_ij · B^i · S^j` with `i ≤ 1` and `j ≤ 2`, as long as the step keeps its
+//! structure. Kernels round some lengths: FlashAttention's backward pads `softmax_d` and `dq_accum` to
+//! `round(S, 128)` (`mha_bwd`, the lowering's `lower/bwd.rs`), the memory-efficient forward's
+//! logsumexp to `ceil(S, 32)` (`_efficient_attention_forward`, `lower/fwd.rs`). Both are `S` plus a
+//! constant among the lengths of one residue modulo [`SEQ_CLASS`], so a family of lengths of one
+//! residue keeps every size a polynomial of that degree; a caller keys its families by
+//! [`seq_class`]. Choices that change the events (a kernel picked by length, such as cuDNN refusing
+//! a key of length 1) change the structure, which [`SeqBatchTemplate::fit`] refuses and a
+//! verification against one more fresh lowering catches.
+//!
+//! [`SeqBatchTemplate::fit`] takes six lowerings, at two batches × three lengths, that agree on
+//! everything but allocation sizes and numbers in `meta`, and keeps each varying quantity's six
+//! values: [`SeqBatchTemplate::instantiate`] evaluates the polynomial through them (Lagrange
+//! interpolation, of degree one in the batch and two in the length, in exact rational arithmetic) and
+//! refuses a point where a size is not a whole number of bytes. A caller trusts the template only once
+//! it writes a seventh fresh lowering byte for byte (the sweep's `lower_seq_family`), and the test
+//! `seq_templates` proves instances equal to fresh lowerings for every zoo model over a grid of batches
+//! and lengths of several residues.
+
+use rustc_hash::FxHashMap;
+use serde_json::Value;
+
+use crate::compact::CompactTrace;
+use crate::template::{slot, Apart, PathStep, StepTemplate};
+use crate::Recipe;
+
+/// The modulus of the sequence lengths' residues that key a family: the largest rounding of a length
+/// in the lowering (FlashAttention's backward, `round(S, 128)`), a multiple of every other (the
+/// memory-efficient logsumexp's 32).
+pub const SEQ_CLASS: u64 = 128;
+
+/// The residue of `seq` that keys its family: lengths of one residue round alike.
+pub fn seq_class(seq: u64) -> u64 {
+    seq % SEQ_CLASS
+}
+
+/// A lowered step with the polynomial, in the batch and the sequence length, of every size and
+/// number of `meta` that depends on them.
+#[derive(Clone, Debug)]
+pub struct SeqBatchTemplate {
+    base: CompactTrace,
+    batches: [u64; 2],
+    seqs: [u64; 3],
+    /// (event index, requested bytes at each (batch, length) of the fit: `[k * 3 + j]` at
+    /// `batches[k]`, `seqs[j]`) of every allocation whose size varies, by index.
+    sizes: Vec<(usize, [u64; 6])>,
+    meta: Vec<(Vec<PathStep>, [u64; 6])>,
+}
+
+impl SeqBatchTemplate {
+    /// The template through `points[k][j]`, lowered at batch `batches[k]` and length `seqs[j]`, or
+    /// why they are not one structure (different events, repeats or `meta` beyond sizes and
+    /// numbers) or cannot fit one (a batch or a length twice, lengths of different residues).
+    pub fn fit(
+        points: [[&CompactTrace; 3]; 2],
+        batches: [u64; 2],
+        seqs: [u64; 3],
+    ) -> Result<Self, String> {
+        if batches[0] == batches[1] {
+            return Err("one batch twice".into());
+        }
+        if seqs[0] == seqs[1] || seqs[0] == seqs[2] || seqs[1] == seqs[2] {
+            return Err("one sequence length twice".into());
+        }
+        if seqs.iter().any(|&s| seq_class(s) != seq_class(seqs[0])) {
+            return Err(format!(
+                "sequence lengths {seqs:?} round differently (residues modulo {SEQ_CLASS})"
+            ));
+        }
+        let base = points[0][0];
+        let mut sizes: FxHashMap<usize, [Option<u64>; 6]> = FxHashMap::default();
+        let mut meta: FxHashMap<Vec<PathStep>, [Option<u64>; 6]> = FxHashMap::default();
+        for (p, point) in points.iter().flatten().enumerate().skip(1) {
+            let apart = Apart::of(base, point)
+                .map_err(|why| format!("batch {} × seq {}: {why}", batches[p / 3], seqs[p % 3]))?;
+            for (i, at_base, here) in apart.sizes {
+                let values = sizes.entry(i).or_default();
+                values[0] = Some(at_base);
+                values[p] = Some(here);
+            }
+            for (path, at_base, here) in apart.meta {
+                let values = meta.entry(path).or_default();
+                values[0] = Some(at_base);
+                values[p] = Some(here);
+            }
+        }
+        // a quantity not listed at a point is the base's there
+        let filled = |v: [Option<u64>; 6]| v.map(|x| x.or(v[0]).expect("the base's is listed"));
+        let mut sizes: Vec<(usize, [u64; 6])> =
+            sizes.into_iter().map(|(i, v)| (i, filled(v))).collect();
+        sizes.sort_unstable_by_key(|&(i, _)| i);
+        let mut meta: Vec<(Vec<PathStep>, [u64; 6])> =
+            meta.into_iter().map(|(p, v)| (p, filled(v))).collect();
+        meta.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        Ok(SeqBatchTemplate {
+            base: base.clone(),
+            batches,
+            seqs,
+            sizes,
+            meta,
+        })
+    }
+
+    /// The batches and sequence lengths the template was fitted at.
+    pub fn fitted_at(&self) -> ([u64; 2], [u64; 3]) {
+        (self.batches, self.seqs)
+    }
+
+    /// The step at `batch` and `seq`, as a lowering there writes it when the structure holds there;
+    /// `None` when `seq` rounds otherwise than the fit's lengths (another residue), a size is not a
+    /// whole number of bytes or leaves the range of bytes, or the arithmetic overflows.
+    pub fn instantiate(&self, batch: u64, seq: u64) -> Option<CompactTrace> {
+        if seq_class(seq) != seq_class(self.seqs[0]) {
+            return None;
+        }
+        let weights = Weights::at(self.batches, self.seqs, batch, seq)?;
+        let mut sizes = Vec::with_capacity(self.sizes.len() + self.base.sizes().len());
+        let mut fixed = self.base.sizes().iter().peekable();
+        for (i, values) in &self.sizes {
+            while let Some(&&(j, bytes)) = fixed.peek() {
+                if j > *i {
+                    break;
+                }
+                if j < *i {
+                    sizes.push((j, bytes));
+                }
+                fixed.next();
+            }
+            sizes.push((*i, weights.value(values)?));
+        }
+        sizes.extend(fixed.copied());
+        let mut meta = Value::Object(self.base.meta.clone());
+        for (path, values) in &self.meta {
+            *slot(&mut meta, path)? = Value::from(weights.value(values)?);
+        }
+        let Value::Object(meta) = meta else {
+            unreachable!("an object stays one")
+        };
+        Some(self.base.with_sizes(sizes, meta))
+    }
+}
+
+impl StepTemplate for SeqBatchTemplate {
+    fn instantiate_for(&self, recipe: &Recipe) -> Option<CompactTrace> {
+        self.instantiate(recipe.batch, recipe.seq)
+    }
+}
+
+/// The Lagrange basis of the fit's six points evaluated at one (batch, length), over one common
+/// denominator: a quantity there is `Σ values[p] · numerators[p] / denominator`.
+struct Weights {
+    numerators: [i128; 6],
+    denominator: i128,
+}
+
+impl Weights {
+    fn at(batches: [u64; 2], seqs: [u64; 3], batch: u64, seq: u64) -> Option<Weights> {
+        let (b, s) = (i128::from(batch), i128::from(seq));
+        let [b0, b1] = batches.map(i128::from);
+        let ss = seqs.map(i128::from);
+        // degree one in the batch: (b1 - B) / (b1 - b0) and (B - b0) / (b1 - b0)
+        let run = b1 - b0;
+        let lb = [b1 - b, b - b0];
+        // degree two in the length: Π_{m≠j} (S - s_m) / Π_{m≠j} (s_j - s_m), each over the lcm of
+        // the denominators' magnitudes
+        let others = |j: usize| (0..3).filter(move |&m| m != j);
+        let num: [i128; 3] = std::array::from_fn(|j| others(j).map(|m| s - ss[m]).product());
+        let den: [i128; 3] = std::array::from_fn(|j| others(j).map(|m| ss[j] - ss[m]).product());
+        let lcm = den
+            .iter()
+            .try_fold(1i128, |l, &d| lcm(l, d.checked_abs()?))?;
+        let mut numerators = [0i128; 6];
+        for k in 0..2 {
+            for j in 0..3 {
+                numerators[k * 3 + j] = lb[k].checked_mul(num[j])?.checked_mul(lcm / den[j])?;
+            }
+        }
+        Some(Weights {
+            numerators,
+            denominator: run.checked_mul(lcm)?,
+        })
+    }
+
+    /// The quantity through `values`, when it is a whole number from 0 to 2^64 - 1.
+    fn value(&self, values: &[u64; 6]) -> Option<u64> {
+        let mut sum = 0i128;
+        for (&v, &n) in values.iter().zip(&self.numerators) {
+            sum = sum.checked_add(i128::from(v).checked_mul(n)?)?;
+        }
+        if sum % self.denominator != 0 {
+            return None;
+        }
+        u64::try_from(sum / self.denominator).ok()
+    }
+}
+
+fn gcd(a: i128, b: i128) -> i128 {
+    if b == 0 {
+        a.abs()
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn lcm(a: i128, b: i128) -> Option<i128> {
+    if a == 0 || b == 0 {
+        return Some(0);
+    }
+    (a / gcd(a, b)).checked_mul(b).map(i128::abs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_basis_reproduces_quadratics_in_the_length_and_lines_in_the_batch() {
+        // 3 + 5·B + 7·S + 11·B·S + 13·S² + 17·B·S², by hand at each point
+        let f = |b: u64, s: u64| 3 + 5 * b + 7 * s + 11 * b * s + 13 * s * s + 17 * b * s * s;
+        let (batches, seqs) = ([2, 3], [128, 256, 512]);
+        let values: [u64; 6] = std::array::from_fn(|p| f(batches[p / 3], seqs[p % 3]));
+        for (b, s) in [(2, 128), (4, 1024), (9, 640), (1, 384), (13, 4096)] {
+            let w = Weights::at(batches, seqs, b, s).unwrap();
+            assert_eq!(w.value(&values), Some(f(b, s)), "{b} {s}");
+        }
+        // a size that is no whole number of bytes there is refused, not rounded
+        let w = Weights::at([2, 4], seqs, 3, 128).unwrap();
+        assert_eq!(w.value(&[1, 0, 0, 2, 0, 0]), None);
+    }
+
+    #[test]
+    fn lengths_of_another_residue_are_another_family() {
+        assert_eq!(seq_class(1000), seq_class(1128));
+        assert_ne!(seq_class(1000), seq_class(1024));
+    }
+}
