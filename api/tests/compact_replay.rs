@@ -43,7 +43,11 @@ fn the_optimised_replay_equals_the_plain_one() {
                         let graph = zoo::build(model, &lowered.recipe).unwrap();
                         let full = lower(&graph, &lowered.recipe).unwrap();
                         assert!(full == *lowered.trace(), "{a:?}: expanded trace");
-                        let allocator = parsed.machine.build().unwrap().allocator;
+                        // the machine the step replays on: with the kernels it loads (lazy loading)
+                        let mut machine = parsed.machine.clone();
+                        machine.library_bytes +=
+                            machine.step_modules_choice().map_or(0, |m| m.bytes);
+                        let allocator = machine.build().unwrap().allocator;
                         let plain = Replay::new(allocator, &ReplayOptions::default())
                             .run(full.events.iter().cloned().map(Ok))
                             .unwrap();
