@@ -110,6 +110,14 @@ pub const CONTEXT_MEASUREMENTS: &[ContextMeasurement] = &[
                  cuCtxCreate in vramsim-validate's probe",
     },
     ContextMeasurement {
+        gpu: "h200",
+        cuda: 13,
+        bytes: 552_402_944, // 526.81 MiB
+        source: "vramsim's own validation run (validate/README.md, 2026-11-24): total - free of \
+                 torch.cuda.mem_get_info() as a process's first CUDA call on an H200 (total_memory \
+                 150,109,880,320 B), driver 580.159.04, torch 2.11.0+cu130: the H100's bytes",
+    },
+    ContextMeasurement {
         gpu: "rtx6000-ada",
         cuda: 13,
         bytes: 426 * MIB,
@@ -136,7 +144,8 @@ pub struct ModuleMeasurement {
 }
 
 /// Every figure of [`ModuleMeasurement`] vramsim uses.
-pub const MODULE_MEASUREMENTS: &[ModuleMeasurement] = &[ModuleMeasurement {
+pub const MODULE_MEASUREMENTS: &[ModuleMeasurement] = &[
+    ModuleMeasurement {
     gpu: "h100-80gb",
     cuda: 13,
     bytes: 234_881_024, // 224 MiB
@@ -145,7 +154,16 @@ pub const MODULE_MEASUREMENTS: &[ModuleMeasurement] = &[ModuleMeasurement {
              (787,283,968 B) less the bare context (552,402,944 B), the same in every step of GPT-2, BERT \
              and an MLP that ran cuBLAS and elementwise kernels on an H100 80GB, torch 2.11.0+cu130; \
              16 MiB more where cuDNN ran (convolutions, cuDNN attention), not counted",
-}];
+    },
+    ModuleMeasurement {
+        gpu: "h200",
+        cuda: 13,
+        bytes: 234_881_024, // 224 MiB
+        source: "vramsim's own validation run (validate/README.md, 2026-11-24): the same steps (GPT-2, \
+                 an MLP) on an H200, torch 2.11.0+cu130: 787,283,968 B outside the allocator after two \
+                 steps less the 552,402,944 B bare context, as on the H100",
+    },
+];
 
 /// The CUDA context a preset gets under a CUDA major version, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]

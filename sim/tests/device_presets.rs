@@ -113,8 +113,8 @@ fn every_preset_loads_as_a_device() {
         assert_eq!(device.index, 0);
         // The default CUDA is 13: the CUDA 13 measurements are 426 MiB on an RTX 6000 Ada
         // (unsloth-zoo PR #1053), which the other sm 8.9 presets take by rule, and 552,402,944 B on
-        // an H100 80GB (vramsim's own validation run, torch 2.11.0+cu130), which the other sm 9.0
-        // presets take by rule; 512 MiB elsewhere.
+        // an H100 80GB and an H200 (vramsim's own validation run, torch 2.11.0+cu130), which the other
+        // sm 9.0 presets take by rule; 512 MiB elsewhere.
         let context = match preset.compute_capability {
             (8, 9) => 426 * MIB,
             (9, 0) => 552_402_944,
@@ -152,7 +152,10 @@ fn context_by_cuda_version() {
     assert_eq!(ctx("h100-80gb", 13).bytes, 552_402_944);
     assert!(ctx("h100-80gb", 13).source.starts_with("measured:"));
     assert_eq!(ctx("h200", 13).bytes, 552_402_944);
-    assert!(ctx("h200", 13).source.starts_with("rule:"));
+    assert!(ctx("h200", 13).source.starts_with("measured:"));
+    // sm 9.0 presets without a measurement of their own take the H100's by rule
+    assert_eq!(ctx("h100-nvl", 13).bytes, 552_402_944);
+    assert!(ctx("h100-nvl", 13).source.starts_with("rule:"));
     assert!(ctx("a100-80gb", 13).source.starts_with("assumption:"));
     // #55277: 1687 MB with one 1-element tensor (2 MiB segment) on an RTX 3090, torch 1.8.2+cu111.
     assert_eq!(ctx("rtx3090", 11).bytes, 1685 * MIB);
@@ -187,10 +190,14 @@ fn kernels_loaded_during_a_step_by_preset_and_cuda() {
     let h100 = modules("h100-80gb", 13).unwrap();
     assert_eq!(h100.bytes, 787_283_968 - 552_402_944);
     assert!(h100.source.starts_with("measured:"));
-    // The same chip generation loads the same kernel images: the H200 by rule.
+    // Measured on an H200 too: the same bytes (the same kernel images for sm 9.0).
     let h200 = modules("h200", 13).unwrap();
     assert_eq!(h200.bytes, h100.bytes);
-    assert!(h200.source.starts_with("rule:"));
+    assert!(h200.source.starts_with("measured:"));
+    // Other sm 9.0 presets by rule.
+    let nvl = modules("h100-nvl", 13).unwrap();
+    assert_eq!(nvl.bytes, h100.bytes);
+    assert!(nvl.source.starts_with("rule:"));
     // Nothing measured elsewhere; CUDA 11 loads every module eagerly, into the context.
     assert!(modules("a100-80gb", 13).is_none());
     assert!(modules("h100-80gb", 12).is_none());
