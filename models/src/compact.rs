@@ -17,8 +17,8 @@
 //! option that touches the loop), not this module's check.
 //!
 
+use rustc_hash::FxHashMap;
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
@@ -381,7 +381,7 @@ fn repeats_itself(second: &[Event], third: &[Event], from: [u64; 3]) -> bool {
         return false;
     }
     let shift = from[2] - from[1];
-    let mut taken: HashMap<u64, u64> = HashMap::new();
+    let mut taken: FxHashMap<u64, u64> = FxHashMap::default();
     for (a, b) in second.iter().zip(third) {
         let (Some(ia), Some(ib)) = (int_ids(a), int_ids(b)) else {
             return false;

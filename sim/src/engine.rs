@@ -18,6 +18,7 @@ mod repeat;
 mod view;
 
 use std::borrow::Cow;
+use std::collections::hash_map::Entry;
 use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
@@ -393,13 +394,17 @@ impl<A: Allocator> Replay<A> {
         stream: u64,
         category: Category,
     ) -> Result<Flow, ReplayError> {
-        if let Some(live) = self.live.get(id) {
-            return Err(ReplayError::DuplicateId {
-                index,
-                id: id.clone(),
-                live_since: live.since,
-            });
-        }
+        // one lookup: the slot found free is filled once the allocator has answered
+        let slot = match self.live.entry(id.clone()) {
+            Entry::Occupied(live) => {
+                return Err(ReplayError::DuplicateId {
+                    index,
+                    id: id.clone(),
+                    live_since: live.get().since,
+                })
+            }
+            Entry::Vacant(slot) => slot,
+        };
         self.allocs += 1;
         // PyTorch returns a null pointer for 0 bytes without involving the allocator (§3).
         let block = if size == 0 {
@@ -419,16 +424,13 @@ impl<A: Allocator> Replay<A> {
                 }
             }
         };
+        slot.insert(Live {
+            block,
+            size,
+            category,
+            since: index,
+        });
         self.categories[category.index()] += size;
-        self.live.insert(
-            id.clone(),
-            Live {
-                block,
-                size,
-                category,
-                since: index,
-            },
-        );
         self.observe(index);
         Ok(Flow::Continue)
     }

@@ -166,7 +166,8 @@ impl<A: Allocator> Replay<A> {
                 rest = &rest[1..];
             }
             let (&last, others) = rest.split_last().expect("the largest count is left");
-            if let Some(now) = self.boundary(repeat, k) {
+            let capacity = previous.as_ref().map_or(0, |p| p.key.len());
+            if let Some(now) = self.boundary(repeat, k, capacity) {
                 if previous.as_ref().is_some_and(|p| p.key == now.key) {
                     let before = previous.expect("checked");
                     for &count in others {
@@ -274,24 +275,22 @@ impl<A: Allocator> Replay<A> {
         })
     }
 
-    /// The state before repetition `k`, or `None` where it cannot be described.
-    fn boundary(&self, repeat: &Repeat, k: u64) -> Option<Boundary> {
+    /// The state before repetition `k`, or `None` where it cannot be described (`capacity`: the
+    /// words the key is expected to take, the previous boundary's).
+    fn boundary(&self, repeat: &Repeat, k: u64, capacity: usize) -> Option<Boundary> {
         if self.sampler.capacity > 0 {
             return None;
         }
-        let mut key = Vec::new();
-        if !self.allocator.steady_state_key(&mut key) {
-            return None;
-        }
-        self.timeline.steady_state_key(&mut key);
-        key.push(self.current_phase.map_or(u64::MAX, |p| p as u64));
         // the live allocations, ids named as repetition k + 1 would name those of repetition k
         let first_renamed = repeat.renamed_from + k * repeat.shift;
         let mut live = Vec::with_capacity(self.live.len());
+        // (name, entry's index): the renamed flag, the id and the index in 1 + 64 + 32 bits, sorted
+        // as one integer
+        let mut order: Vec<u128> = Vec::with_capacity(self.live.len());
         for (id, l) in &self.live {
             let AllocId::Int(i) = id else { return None };
-            let name = if *i >= first_renamed {
-                (1, i - k * repeat.shift)
+            let (renamed, name) = if *i >= first_renamed {
+                (1u128, i - k * repeat.shift)
             } else {
                 (0, *i)
             };
@@ -299,12 +298,31 @@ impl<A: Allocator> Replay<A> {
                 Some(b) => self.allocator.block_address(b)?,
                 None => u64::MAX,
             };
-            live.push((name, l.size, l.category.index() as u64, addr));
+            let index = u32::try_from(live.len()).ok()?;
+            order.push(renamed << 96 | u128::from(name) << 32 | u128::from(index));
+            live.push([
+                renamed as u64,
+                name,
+                l.size,
+                l.category.index() as u64,
+                addr,
+            ]);
         }
-        live.sort_unstable();
+        // the names are distinct (ids are, and a renamed id keeps its flag): sorting by them gives
+        // the order of a sort by the whole entry
+        order.sort_unstable();
+        // the live allocations first (counted, so that the parts cannot run into each other), then
+        // the clocks, the phase and the allocator's state, which reserves its own room (the
+        // previous boundary's length, `capacity`, leaves nothing to grow)
+        let mut key = Vec::with_capacity(capacity.max(64 + 5 * live.len()));
         key.push(live.len() as u64);
-        for ((renamed, id), size, category, addr) in live {
-            key.extend([renamed, id, size, category, addr]);
+        for o in order {
+            key.extend(live[(o as u32) as usize]);
+        }
+        self.timeline.steady_state_key(&mut key);
+        key.push(self.current_phase.map_or(u64::MAX, |p| p as u64));
+        if !self.allocator.steady_state_key(&mut key) {
+            return None;
         }
         Some(Boundary {
             key,

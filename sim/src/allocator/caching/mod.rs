@@ -889,8 +889,8 @@ mod tests {
     fn pool_search_is_per_stream() {
         let mut pool = BlockPool::new();
         pool.insert(3, 5 << 20, 0x1000, 7);
-        let ((size, addr), idx) = pool.at_least(3, 1).unwrap().next().unwrap();
-        assert_eq!((size, addr, idx), (5 << 20, 0x1000, 7));
+        let (key, idx) = pool.at_least(3, 1).unwrap().next().unwrap();
+        assert_eq!((key, idx), (pool::key(5 << 20, 0x1000), 7));
         assert!(pool.at_least(2, 1).is_none());
     }
 }

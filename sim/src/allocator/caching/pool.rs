@@ -3,7 +3,7 @@
 //! PyTorch keeps one `std::set<Block*>` per pool ordered by **(stream, size, ptr)** — stream first — and
 //! searches it with `lower_bound((stream, size, 0))`. Because the stream comes first, the set is a
 //! concatenation of one sub-set per stream in stream order; this module stores exactly that: per stream, in
-//! ascending stream order, a [`SortedSet`] keyed by `(size, addr)` whose value is the block's arena
+//! ascending stream order, a [`SortedSet`] keyed by `(size, addr)` (one integer: [`key`]) whose value is the block's arena
 //! index. Iterating the streams in order and each map in order visits
 //! blocks in PyTorch's set order, which GC and `release_blocks` depend on. Stream handles are ordered by their
 //! `StreamId`, as PyTorch orders `cudaStream_t` pointer values (the default stream, 0, first).
@@ -20,8 +20,21 @@ use vramsim_traces::StreamId;
 
 use super::sorted::{Ascending, Descending, Pos, SortedSet};
 
-/// `(size, addr)`: PyTorch's size-then-address order within a stream.
-pub(crate) type Key = (u64, u64);
+/// `(size, addr)` as one integer, `size << 64 | addr`: PyTorch's size-then-address order within a
+/// stream (one comparison instead of two in the block search).
+pub(crate) type Key = u128;
+
+/// The key of a block of `size` bytes at `addr`.
+#[inline]
+pub(crate) fn key(size: u64, addr: u64) -> Key {
+    u128::from(size) << 64 | u128::from(addr)
+}
+
+/// The size a key orders by.
+#[inline]
+pub(crate) fn key_size(key: Key) -> u64 {
+    (key >> 64) as u64
+}
 
 /// The free blocks of one stream, best fit first.
 #[derive(Clone, Debug)]
@@ -93,23 +106,23 @@ impl BlockPool {
     /// Inserts a free block (the caller sets its `gc_count_base`: `insert_into_blocks`).
     #[inline]
     pub fn insert(&mut self, stream: StreamId, size: u64, addr: u64, idx: u32) {
-        let inserted = self.stream_blocks_mut(stream).insert((size, addr), idx);
+        let inserted = self.stream_blocks_mut(stream).insert(key(size, addr), idx);
         debug_assert!(inserted, "block inserted twice");
     }
 
     /// Removes the free block with this key.
     #[inline]
     pub fn remove(&mut self, stream: StreamId, size: u64, addr: u64) {
-        let removed = self.stream_blocks_mut(stream).remove((size, addr));
+        let removed = self.stream_blocks_mut(stream).remove(key(size, addr));
         debug_assert!(removed.is_some(), "block not in its pool");
     }
 
     /// `lower_bound((stream, size, 0))`: this stream's free blocks of at least `size` bytes, smallest
-    /// first, ties by lowest address, as `((size, addr), index)`.
+    /// first, ties by lowest address, as `(key, index)` ([`key`]).
     #[inline]
     pub fn at_least(&self, stream: StreamId, size: u64) -> Option<Ascending<'_, Key>> {
         self.stream_blocks(stream)
-            .map(|blocks| blocks.from((size, 0)))
+            .map(|blocks| blocks.from(key(size, 0)))
     }
 
     /// Removes the block `at_least(stream, ..)` last returned (see `Ascending::last_position`).
@@ -122,7 +135,7 @@ impl BlockPool {
     /// block below a key).
     pub fn below_descending(&self, stream: StreamId, size: u64) -> Option<Descending<'_, Key>> {
         self.stream_blocks(stream)
-            .map(|blocks| blocks.below_descending((size, 0)))
+            .map(|blocks| blocks.below_descending(key(size, 0)))
     }
 
     /// Every free block in PyTorch's set order (stream, size, addr), appended to `out`.

@@ -11,6 +11,7 @@ use crate::allocator::Action;
 use crate::rounding::PoolKind;
 use crate::timeline::Timeline;
 
+use super::pool::key_size;
 use super::{pool_index, CachingAllocator};
 
 impl CachingAllocator {
@@ -74,7 +75,8 @@ impl CachingAllocator {
         victims.clear();
         let mut released = 0u64;
         if let Some(below) = pool.below_descending(stream, key) {
-            for ((block_size, _), idx) in below {
+            for (block_key, idx) in below {
+                let block_size = key_size(block_key);
                 if released >= key || block_size < max_split {
                     break;
                 }

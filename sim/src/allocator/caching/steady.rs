@@ -17,6 +17,9 @@ use super::{pool_index, CachingAllocator};
 use crate::allocator::Counters;
 use crate::rounding::PoolKind;
 
+/// Words per block in the steady-state key.
+const BLOCK_WORDS: usize = 9;
+
 impl CachingAllocator {
     /// See [`crate::allocator::Allocator::steady_state_key`].
     pub(crate) fn write_steady_state_key(&self, key: &mut Vec<u64>) -> bool {
@@ -29,36 +32,52 @@ impl CachingAllocator {
         key.push(self.total_allocated_memory);
         self.segments.steady_state_key(key);
         let start = key.len();
-        for (_, b) in self.blocks.iter() {
+        // every block checked, and the segments' first blocks (`prev` is NIL) gathered to walk them
+        let mut heads: Vec<(u64, u32)> = Vec::new();
+        let mut count = 0usize;
+        for (idx, b) in self.blocks.iter() {
             if b.uses != NIL || b.event_count > 0 {
                 key.truncate(start);
                 return false;
             }
+            count += 1;
+            if b.prev == NIL {
+                heads.push((b.addr, idx));
+            }
         }
-        // blocks in address order (one per address: a segment's blocks do not overlap)
-        let mut order: Vec<(u64, u32)> = self.blocks.iter().map(|(i, b)| (b.addr, i)).collect();
-        order.sort_unstable();
-        key.push(order.len() as u64);
-        for (_, idx) in order {
-            let b = &self.blocks[idx];
-            let free = !b.allocated && b.mapped;
-            let age = if free {
-                // §5.4: the collector reads ages, not the counter itself
-                (self.pools[pool_index(b.pool)].get_free_blocks_call_count - b.gc_count_base) as u64
-            } else {
-                0
-            };
-            key.extend([
-                b.addr,
-                b.size,
-                b.requested_size,
-                b.stream,
-                u64::from(b.pool == PoolKind::Large),
-                u64::from(b.allocated) | u64::from(b.mapped) << 1,
-                u64::from(b.prev != NIL) | u64::from(b.next != NIL) << 1,
-                u64::from(b.segment),
-                age,
-            ]);
+        // blocks in address order (one per address: a segment's blocks do not overlap): each
+        // segment's chain from its first block, segments by address, which is the order of a sort
+        // of every block by address when the walk meets every block at rising addresses (checked;
+        // otherwise sorted)
+        heads.sort_unstable();
+        key.reserve(1 + BLOCK_WORDS * count + 3 * self.stats.arrays().len() + 2);
+        key.push(count as u64);
+        let blocks_start = key.len();
+        let (mut walked, mut last) = (0usize, None::<u64>);
+        for &(_, head) in &heads {
+            let mut idx = head;
+            while idx != NIL {
+                let b = &self.blocks[idx];
+                if last.is_some_and(|l| l >= b.addr) || walked == count {
+                    walked = usize::MAX;
+                    break;
+                }
+                last = Some(b.addr);
+                walked += 1;
+                self.push_block_key(idx, key);
+                idx = b.next;
+            }
+            if walked == usize::MAX {
+                break;
+            }
+        }
+        if walked != count {
+            key.truncate(blocks_start);
+            let mut order: Vec<(u64, u32)> = self.blocks.iter().map(|(i, b)| (b.addr, i)).collect();
+            order.sort_unstable();
+            for (_, idx) in order {
+                self.push_block_key(idx, key);
+            }
         }
         key.extend(self.stats.arrays().iter().flat_map(|(_, a)| {
             [a.all.current, a.small_pool.current, a.large_pool.current].map(|c| c as u64)
@@ -68,6 +87,30 @@ impl CachingAllocator {
             self.stats.oversize_segments.current as u64,
         ]);
         true
+    }
+
+    /// The words of block `idx` in the steady-state key ([`BLOCK_WORDS`] of them).
+    #[inline]
+    fn push_block_key(&self, idx: u32, key: &mut Vec<u64>) {
+        let b = &self.blocks[idx];
+        let free = !b.allocated && b.mapped;
+        let age = if free {
+            // §5.4: the collector reads ages, not the counter itself
+            (self.pools[pool_index(b.pool)].get_free_blocks_call_count - b.gc_count_base) as u64
+        } else {
+            0
+        };
+        key.extend([
+            b.addr,
+            b.size,
+            b.requested_size,
+            b.stream,
+            u64::from(b.pool == PoolKind::Large),
+            u64::from(b.allocated) | u64::from(b.mapped) << 1,
+            u64::from(b.prev != NIL) | u64::from(b.next != NIL) << 1,
+            u64::from(b.segment),
+            age,
+        ]);
     }
 
     /// See [`crate::allocator::Allocator::counters`].
