@@ -126,36 +126,25 @@ pub const CONTEXT_MEASUREMENTS: &[ContextMeasurement] = &[
     },
 ];
 
-/// Device memory a training step adds outside the caching allocator as it runs: under lazy module
+/// The device memory a training step adds outside the caching allocator as it runs: under lazy module
 /// loading (CUDA ≥ 12, `CUDA_MODULE_LOADING=LAZY`) the kernels and the cuBLAS handles a step uses are
 /// loaded into the context at their first call, so the process holds this much more than its bare
 /// context from the first step on (what `nvidia-smi` shows, and what an out-of-memory message's
 /// "this process has ... in use" counts).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ModuleMeasurement {
-    /// The preset it was measured on.
-    pub gpu: &'static str,
-    /// The CUDA major version.
-    pub cuda: u32,
-    /// Bytes beyond the bare context.
-    pub bytes: u64,
-    /// Where it comes from.
-    pub source: &'static str,
-}
-
-/// Every figure of [`ModuleMeasurement`] vramsim uses.
-pub const MODULE_MEASUREMENTS: &[ModuleMeasurement] = &[
-    ModuleMeasurement {
-    gpu: "h100-80gb",
-    cuda: 13,
-    bytes: 234_881_024, // 224 MiB
-    source: "vramsim's own validation run (testdata/h100-train-steps/README.md, 2026-11-24): \
-             total - free of torch.cuda.mem_get_info() less memory_reserved() after two training steps \
-             (787,283,968 B) less the bare context (552,402,944 B), the same in every step of GPT-2, BERT \
-             and an MLP that ran cuBLAS and elementwise kernels on an H100 80GB, torch 2.11.0+cu130; \
-             16 MiB more where cuDNN ran (convolutions, cuDNN attention), not counted",
+///
+/// Every such figure vramsim uses, as [`ContextMeasurement`]s whose bytes are beyond the bare context.
+pub const MODULE_MEASUREMENTS: &[ContextMeasurement] = &[
+    ContextMeasurement {
+        gpu: "h100-80gb",
+        cuda: 13,
+        bytes: 234_881_024, // 224 MiB
+        source: "vramsim's own validation run (testdata/h100-train-steps/README.md, 2026-11-24): \
+                 total - free of torch.cuda.mem_get_info() less memory_reserved() after two training steps \
+                 (787,283,968 B) less the bare context (552,402,944 B), the same in every step of GPT-2, BERT \
+                 and an MLP that ran cuBLAS and elementwise kernels on an H100 80GB, torch 2.11.0+cu130; \
+                 16 MiB more where cuDNN ran (convolutions, cuDNN attention), not counted",
     },
-    ModuleMeasurement {
+    ContextMeasurement {
         gpu: "h200",
         cuda: 13,
         bytes: 234_881_024, // 224 MiB
@@ -305,26 +294,8 @@ impl GpuPreset {
             cuda,
             source,
         };
-        if let Some(m) = CONTEXT_MEASUREMENTS
-            .iter()
-            .find(|m| m.gpu == self.name && m.cuda == cuda)
-        {
-            return choice(m.bytes, format!("measured: {}", m.source));
-        }
-        let same_arch = CONTEXT_MEASUREMENTS.iter().find(|m| {
-            m.cuda == cuda
-                && find_preset(m.gpu)
-                    .is_some_and(|p| p.compute_capability == self.compute_capability)
-        });
-        if let Some(m) = same_arch {
-            let (major, minor) = self.compute_capability;
-            return choice(
-                m.bytes,
-                format!(
-                    "rule: no measurement on this GPU; the {} (same compute capability {major}.{minor}) with CUDA {cuda}, measured: {}",
-                    m.gpu, m.source
-                ),
-            );
+        if let Some(found) = self.measured_or_same_arch(CONTEXT_MEASUREMENTS, cuda) {
+            return found;
         }
         let cc = |(major, minor): (u32, u32)| i64::from(major * 10 + minor);
         let nearest = CONTEXT_MEASUREMENTS
@@ -350,22 +321,29 @@ impl GpuPreset {
     }
 
     /// The device memory a training step's kernels add to the context on this preset under CUDA
-    /// `cuda` ([`ModuleMeasurement`]): measured on it, or (rule) on a preset of the same compute
+    /// `cuda` ([`MODULE_MEASUREMENTS`]): measured on it, or (rule) on a preset of the same compute
     /// capability with that CUDA; `None` where nothing was measured, and under CUDA 11, whose eager
     /// module loading puts every kernel in the bare context already.
     pub fn step_modules(&self, cuda: u32) -> Option<ContextChoice> {
+        self.measured_or_same_arch(MODULE_MEASUREMENTS, cuda)
+    }
+
+    /// The first two rungs of [`GpuPreset::context`] over `table`: a measurement on this preset
+    /// with CUDA `cuda`, else (rule) one on a preset of the same compute capability with it.
+    fn measured_or_same_arch(
+        &self,
+        table: &[ContextMeasurement],
+        cuda: u32,
+    ) -> Option<ContextChoice> {
         let choice = |bytes, source: String| ContextChoice {
             bytes,
             cuda,
             source,
         };
-        if let Some(m) = MODULE_MEASUREMENTS
-            .iter()
-            .find(|m| m.gpu == self.name && m.cuda == cuda)
-        {
+        if let Some(m) = table.iter().find(|m| m.gpu == self.name && m.cuda == cuda) {
             return Some(choice(m.bytes, format!("measured: {}", m.source)));
         }
-        MODULE_MEASUREMENTS
+        table
             .iter()
             .find(|m| {
                 m.cuda == cuda
