@@ -343,7 +343,8 @@ impl<'g> Lowering<'g> {
     }
 
     /// `InputBuffer::add`: the first gradient is stored, later ones are summed
-    /// (`InputBuffer::accumulate`, in place on CUDA when the engine holds the last reference).
+    /// (`InputBuffer::accumulate`, in place on CUDA when the engine holds the last reference to a
+    /// gradient that is not a view).
     fn buffer_add(&mut self, buffers: &mut Vec<Option<Vec<Option<Rt>>>>, e: Edge, g: Rt) {
         let n_in = self.nodes[e.node as usize]
             .outs
