@@ -431,7 +431,17 @@ impl<'g> Lowering<'g> {
         };
         // A buffer reused from op to op (a nested `exec`, an autocast cast, makes its own).
         let mut casted = std::mem::take(&mut self.scratch_casted);
-        for x in ins {
+        // autocast_mode.h: the casts are the arguments of the redispatch (`cached_cast(...)...`), an
+        // order C++ leaves open; GCC, which builds PyTorch's Linux wheels, evaluates them last to
+        // first (measured on an H100: addmm's weight copy before its input's). Meta captures cast
+        // first to last (their autocast is Python's).
+        let last_first = self.r.fidelity == Fidelity::Cuda && pol != Policy::None;
+        let order: &mut dyn Iterator<Item = &Rt> = if last_first {
+            &mut ins.iter().rev()
+        } else {
+            &mut ins.iter()
+        };
+        for x in order {
             let target = match pol {
                 Policy::Lower => autocast.filter(|&d| x.dtype.is_float() && x.dtype != d),
                 Policy::Fp32 => {
@@ -445,6 +455,9 @@ impl<'g> Lowering<'g> {
                 None => self.dup(x),
             };
             casted.push(c);
+        }
+        if last_first {
+            casted.reverse();
         }
         let g = self.g;
         let mut out_specs = std::mem::take(&mut self.scratch_specs);
