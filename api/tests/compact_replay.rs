@@ -147,7 +147,6 @@ fn without_timing(mut doc: serde_json::Value) -> serde_json::Value {
 /// (a fresh lowering and replay of that configuration), out-of-memory points included.
 #[test]
 fn templated_sweeps_equal_fresh_predictions() {
-    use vramsim_api::sweep::{evaluate, Progress, Wants};
     let mut configs = Vec::new();
     // capacities that the larger batches of the language models exceed
     for (model, extra, capacity) in [
@@ -169,23 +168,7 @@ fn templated_sweeps_equal_fresh_predictions() {
             ]));
         }
     }
-    let wants = Wants {
-        json: true,
-        timeline_points: 0,
-    };
-    let swept = evaluate(&configs, wants, &Progress::hidden());
-    let (mut ooms, mut instances) = (0, 0);
-    for (a, point) in configs.iter().zip(swept) {
-        let point = point.unwrap_or_else(|e| panic!("{a:?}: {e}"));
-        ooms += usize::from(!point.fits());
-        instances += usize::from(point.prediction.from_template);
-        let fresh = vramsim_api::predict::predict(&OptionSet::predict().parse(a).unwrap()).unwrap();
-        assert_eq!(
-            without_timing(point.json.expect("asked for")),
-            without_timing(fresh.to_json()),
-            "{a:?}"
-        );
-    }
+    let (ooms, instances) = sweep_equals_fresh_predictions(&configs);
     assert!(ooms > 0, "the grid should reach the capacity");
     // batches 4, 5 and 6 of each family are instances (2 and 3 fit the template, 7 checks it)
     assert_eq!(instances, 9);
@@ -193,7 +176,6 @@ fn templated_sweeps_equal_fresh_predictions() {
 
 #[test]
 fn seq_templated_sweeps_equal_fresh_predictions() {
-    use vramsim_api::sweep::{evaluate, Progress, Wants};
     let mut configs = Vec::new();
     // lengths of residue 0 modulo 128 form one family over the batch and the length; 168 (residue
     // 40: FlashAttention's backward pads it to 256) is lowered on its own; a capacity that the
@@ -209,11 +191,22 @@ fn seq_templated_sweeps_equal_fresh_predictions() {
             ]));
         }
     }
+    let (ooms, instances) = sweep_equals_fresh_predictions(&configs);
+    assert!(ooms > 0, "the grid should reach the capacity");
+    // batches 2 and 3 at 128, 256 and 384 fit the template, batch 4 at 512 checks it; batch 4 at
+    // 128, 256 and 384 and batches 2 and 3 at 512 are instances
+    assert_eq!(instances, 5);
+}
+
+/// Evaluates `configs` as a sweep and checks each point's `--json` against a fresh `predict` of it
+/// (timings aside); returns how many ran out of memory and how many were template instances.
+fn sweep_equals_fresh_predictions(configs: &[Vec<String>]) -> (usize, usize) {
+    use vramsim_api::sweep::{evaluate, Progress, Wants};
     let wants = Wants {
         json: true,
         timeline_points: 0,
     };
-    let swept = evaluate(&configs, wants, &Progress::hidden());
+    let swept = evaluate(configs, wants, &Progress::hidden());
     let (mut ooms, mut instances) = (0, 0);
     for (a, point) in configs.iter().zip(swept) {
         let point = point.unwrap_or_else(|e| panic!("{a:?}: {e}"));
@@ -226,8 +219,5 @@ fn seq_templated_sweeps_equal_fresh_predictions() {
             "{a:?}"
         );
     }
-    assert!(ooms > 0, "the grid should reach the capacity");
-    // batches 2 and 3 at 128, 256 and 384 fit the template, batch 4 at 512 checks it; batch 4 at
-    // 128, 256 and 384 and batches 2 and 3 at 512 are instances
-    assert_eq!(instances, 5);
+    (ooms, instances)
 }
