@@ -408,6 +408,13 @@ pub fn list_gpus(sources: bool) -> Result<()> {
                         ""
                     }
                 );
+                if let Some(m) = preset.step_modules(cuda) {
+                    println!(
+                        "    step kernels, CUDA {cuda}: {} more once a training step has run ({})",
+                        format_size(m.bytes),
+                        m.source
+                    );
+                }
             }
         }
     }
@@ -418,7 +425,8 @@ pub fn list_gpus(sources: bool) -> Result<()> {
 }
 
 /// The GPU presets as JSON, as `vramsim gpus` lists them: name, device, total memory, whether it is the
-/// default, its source, and the CUDA context per CUDA major version with its source.
+/// default, its source, and the CUDA context per CUDA major version with its source (and the kernels a
+/// training step adds to it, where measured).
 pub fn gpus_json() -> serde_json::Value {
     PRESETS
         .iter()
@@ -434,7 +442,9 @@ pub fn gpus_json() -> serde_json::Value {
                     .iter()
                     .map(|&cuda| {
                         let c = preset.context(cuda);
-                        serde_json::json!({"cuda": cuda, "bytes": c.bytes, "source": c.source, "default": cuda == DEFAULT_CUDA})
+                        let m = preset.step_modules(cuda);
+                        serde_json::json!({"cuda": cuda, "bytes": c.bytes, "source": c.source, "default": cuda == DEFAULT_CUDA,
+                            "step_modules_bytes": m.as_ref().map(|m| m.bytes), "step_modules_source": m.map(|m| m.source)})
                     })
                     .collect::<Vec<_>>(),
             })
