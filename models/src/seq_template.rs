@@ -25,10 +25,9 @@
 //! and lengths of several residues.
 
 use rustc_hash::FxHashMap;
-use serde_json::Value;
 
 use crate::compact::CompactTrace;
-use crate::template::{slot, Apart, PathStep, StepTemplate};
+use crate::template::{write_instance, Apart, PathStep, StepTemplate};
 use crate::Recipe;
 
 /// The modulus of the sequence lengths' residues that key a family: the largest rounding of a length
@@ -121,29 +120,13 @@ impl SeqBatchTemplate {
             return None;
         }
         let weights = Weights::at(self.batches, self.seqs, batch, seq)?;
-        let mut sizes = Vec::with_capacity(self.sizes.len() + self.base.sizes().len());
-        let mut fixed = self.base.sizes().iter().peekable();
-        for (i, values) in &self.sizes {
-            while let Some(&&(j, bytes)) = fixed.peek() {
-                if j > *i {
-                    break;
-                }
-                if j < *i {
-                    sizes.push((j, bytes));
-                }
-                fixed.next();
-            }
-            sizes.push((*i, weights.value(values)?));
-        }
-        sizes.extend(fixed.copied());
-        let mut meta = Value::Object(self.base.meta.clone());
-        for (path, values) in &self.meta {
-            *slot(&mut meta, path)? = Value::from(weights.value(values)?);
-        }
-        let Value::Object(meta) = meta else {
-            unreachable!("an object stays one")
-        };
-        Some(self.base.with_sizes(sizes, meta))
+        write_instance(
+            &self.base,
+            self.sizes.iter().map(|(i, v)| (*i, weights.value(v))),
+            self.meta
+                .iter()
+                .map(|(p, v)| (p.as_slice(), weights.value(v))),
+        )
     }
 }
 

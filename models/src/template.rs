@@ -174,31 +174,49 @@ impl BatchTemplate {
         let at = |base: u64, per_sample: i128| -> Option<u64> {
             u64::try_from(i128::from(base).checked_add(per_sample.checked_mul(delta)?)?).ok()
         };
-        // the varying sizes at `batch`, beside the base's own sizes that do not vary, by index
-        let mut sizes = Vec::with_capacity(self.sizes.len() + self.base.sizes().len());
-        let mut fixed = self.base.sizes().iter().peekable();
-        for &(i, base, per_sample) in &self.sizes {
-            while let Some(&&(j, bytes)) = fixed.peek() {
-                if j > i {
-                    break;
-                }
-                if j < i {
-                    sizes.push((j, bytes));
-                }
-                fixed.next();
-            }
-            sizes.push((i, at(base, per_sample)?));
-        }
-        sizes.extend(fixed.copied());
-        let mut meta = Value::Object(self.base.meta.clone());
-        for m in &self.meta {
-            *slot(&mut meta, &m.path)? = Value::from(at(m.base, m.per_sample)?);
-        }
-        let Value::Object(meta) = meta else {
-            unreachable!("an object stays one")
-        };
-        Some(self.base.with_sizes(sizes, meta))
+        write_instance(
+            &self.base,
+            self.sizes
+                .iter()
+                .map(|&(i, base, per_sample)| (i, at(base, per_sample))),
+            self.meta
+                .iter()
+                .map(|m| (m.path.as_slice(), at(m.base, m.per_sample))),
+        )
     }
+}
+
+/// The step a template writes: `base` with the allocations of `varying` ((event index, its size
+/// there), by index) resized beside the base's own sizes that do not vary, and the numbers of its
+/// `meta` at the paths of `numbers` replaced; `None` when a size or number is `None` (out of reach).
+pub(crate) fn write_instance<'p>(
+    base: &CompactTrace,
+    varying: impl ExactSizeIterator<Item = (usize, Option<u64>)>,
+    numbers: impl Iterator<Item = (&'p [PathStep], Option<u64>)>,
+) -> Option<CompactTrace> {
+    let mut sizes = Vec::with_capacity(varying.len() + base.sizes().len());
+    let mut fixed = base.sizes().iter().peekable();
+    for (i, bytes_here) in varying {
+        while let Some(&&(j, bytes)) = fixed.peek() {
+            if j > i {
+                break;
+            }
+            if j < i {
+                sizes.push((j, bytes));
+            }
+            fixed.next();
+        }
+        sizes.push((i, bytes_here?));
+    }
+    sizes.extend(fixed.copied());
+    let mut meta = Value::Object(base.meta.clone());
+    for (path, number) in numbers {
+        *slot(&mut meta, path)? = Value::from(number?);
+    }
+    let Value::Object(meta) = meta else {
+        unreachable!("an object stays one")
+    };
+    Some(base.with_sizes(sizes, meta))
 }
 
 /// A lowered step that writes the step of another recipe of its structure without lowering:
@@ -325,7 +343,7 @@ fn numbers_apart(
     }
 }
 
-pub(crate) fn slot<'a>(value: &'a mut Value, path: &[PathStep]) -> Option<&'a mut Value> {
+fn slot<'a>(value: &'a mut Value, path: &[PathStep]) -> Option<&'a mut Value> {
     path.iter().try_fold(value, |v, step| match step {
         PathStep::Key(k) => v.get_mut(k.as_str()),
         PathStep::Index(i) => v.get_mut(*i),
