@@ -337,7 +337,7 @@ def compare(dir_: str, vramsim: str, gpu: str) -> list[dict[str, Any]]:
     """``vramsim predict --json`` for every result in ``dir_``, next to the measured peaks."""
     rows = []
     for fn in sorted(os.listdir(dir_)):
-        if not fn.endswith(".json") or fn.endswith(".snapshot.json"):
+        if not fn.endswith(".json"):
             continue
         res = json.load(open(os.path.join(dir_, fn)))
         args = predict_args(res) + ["--gpu", gpu, "--json"]

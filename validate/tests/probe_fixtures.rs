@@ -12,9 +12,16 @@ use vramsim_validate::probe::{compare_async_model, parse_nvidia_smi_used, ProbeR
 
 const MIB: u64 = 1 << 20;
 
-fn fixture() -> ProbeReport {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/probe-synthetic-h100.json");
+/// A committed probe report of `tests/data/`.
+fn probe(file: &str) -> ProbeReport {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(file);
     ProbeReport::from_json(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn fixture() -> ProbeReport {
+    probe("probe-synthetic-h100.json")
 }
 
 #[test]
@@ -116,8 +123,7 @@ fn bad_probe_reports_are_refused() {
 /// `data/probe-h100-measured.json`: `vramsim-validate calibrate --probe-out` on a real H100 80GB HBM3
 /// (driver 580.159.04, CUDA 13.0; 2026-11-24, `testdata/h100-train-steps/README.md`).
 fn measured_h100() -> ProbeReport {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/probe-h100-measured.json");
-    ProbeReport::from_json(&std::fs::read_to_string(path).unwrap()).unwrap()
+    probe("probe-h100-measured.json")
 }
 
 #[test]
