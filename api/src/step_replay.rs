@@ -48,8 +48,9 @@ pub fn replay_step(
 /// share, the replay copied where they part (`Replay::apply_repeated_each`: where a count's
 /// repetitions end, and at the steady state). The counts that reached the steady state are one run
 /// with more or fewer repetitions: the smallest replays its rest, and tells the larger ones' outcomes
-/// (`Replay::outcome_with_more`, where every later repeat reaches its steady state too); the others
-/// replay their own rest. The same reports as a [`replay_step`] of each (test `compact_replay`).
+/// (`Replay::outcome_with_more`, where every later repeat reaches its steady state too), and a
+/// smaller one's where it ended one repetition before the steady state showed and that repetition
+/// raised no statistic's peak; the others replay their own rest. The same reports as a [`replay_step`] of each (test `compact_replay`).
 /// Replays each alone where the variants do not share their lowering or the allocator model cannot
 /// be copied.
 pub fn replay_step_variants(
@@ -108,8 +109,9 @@ pub fn replay_step_variants(
         .collect();
     // The counts whose replays carried the repeat's steady state are one run with more or fewer
     // repetitions: the smallest replays its rest, and tells the others' outcomes
-    // (`Replay::outcome_with_more`, exact where every later repeat is carried too); the counts that
-    // ended before the steady state replay their own rest.
+    // (`Replay::outcome_with_more`, exact where every later repeat is carried too), and those of the
+    // counts that ended one repetition before the steady state showed where that repetition raised
+    // no statistic's peak; the other counts replay their own rest.
     let carried: Vec<usize> = (0..counts.len())
         .filter(|&slot| {
             forks[slot]
@@ -118,7 +120,7 @@ pub fn replay_step_variants(
         })
         .collect();
     let mut shared: Option<(u64, StepReplay)> = None;
-    if carried.len() >= 2 {
+    if !carried.is_empty() {
         let slot = carried[0];
         let count = counts[slot];
         let l = variants
@@ -137,12 +139,12 @@ pub fn replay_step_variants(
             if count == *from {
                 continue;
             }
-            if count > *from {
-                if let Some(outcome) = r.outcome_with_more(count - from, repeats) {
-                    let device = r.allocator().device().clone();
-                    out[i] = Some(step.report_outcome(l, outcome, device, breakdown, t1));
-                    continue;
-                }
+            // fewer repetitions too, where the steady state held from the last one replayed
+            let more = count as i64 - *from as i64;
+            if let Some(outcome) = r.outcome_with_more(more, repeats) {
+                let device = r.allocator().device().clone();
+                out[i] = Some(step.report_outcome(l, outcome, device, breakdown, t1));
+                continue;
             }
         }
         let slot = counts.binary_search(&count).expect("every count");

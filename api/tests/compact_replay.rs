@@ -134,6 +134,40 @@ fn accumulation_counts_sharing_a_lowering_get_their_own_reports() {
     }
 }
 
+/// Accumulation 2 told from a larger count's replay (its repeated micro-batch done no time, where the
+/// steady state holds from it on): the same report as its own replay, over precisions and
+/// checkpointing policies whose micro-batches raise the phases' peaks differently.
+#[test]
+fn fewer_repetitions_told_from_a_sweep_equal_their_own_replay() {
+    use vramsim_api::sweep::{evaluate, evaluate_one, Progress, Wants};
+    let mut configs: Vec<Vec<String>> = Vec::new();
+    for precision in ["fp32", "bf16", "amp-fp16"] {
+        for checkpoint in ["none", "full", "selective"] {
+            for accum in ["2", "4", "16"] {
+                configs.push(args(&[
+                    "--model=gpt2",
+                    "--batch=2",
+                    "--seq=128",
+                    &format!("--precision={precision}"),
+                    &format!("--checkpoint={checkpoint}"),
+                    &format!("--accum={accum}"),
+                ]));
+            }
+        }
+    }
+    let swept = evaluate(&configs, Wants::default(), &Progress::hidden());
+    for (config, swept) in configs.iter().zip(swept) {
+        let swept = swept.unwrap();
+        let alone = evaluate_one(config, Wants::default()).unwrap();
+        assert_eq!(
+            format!("{:?}", swept.report.outcome),
+            format!("{:?}", alone.report.outcome),
+            "{config:?}"
+        );
+        assert_eq!(swept.prediction.events, alone.prediction.events);
+    }
+}
+
 /// `predict --json`'s document without its timings (which differ from run to run).
 fn without_timing(mut doc: serde_json::Value) -> serde_json::Value {
     if let Some(map) = doc.as_object_mut() {

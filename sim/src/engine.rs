@@ -14,6 +14,7 @@
 //! segments it already holds ([`Allocator::adopt_segment`]), and their blocks become live allocations
 //! under the ids the events give them.
 
+mod peaks;
 mod repeat;
 mod view;
 
@@ -27,6 +28,7 @@ use vramsim_traces::{AllocId, Category, Event, TraceError};
 use crate::allocator::{AdoptError, Allocator, BlockRef};
 use crate::stats::MemoryStats;
 use crate::timeline::Timeline;
+use peaks::Peaks;
 
 pub use repeat::Repeat;
 pub use vramsim_traces::{renamed_id, EventView};
@@ -120,6 +122,30 @@ pub struct PhasePeak {
     pub peak_reserved: u64,
 }
 
+/// A phase's name and how many times it started (its peaks are kept with the others: [`Peaks`]).
+#[derive(Clone, Debug)]
+struct PhaseCount {
+    name: String,
+    occurrences: u64,
+}
+
+/// Each phase's peaks, in order of first appearance: `phases` with their peaks in `peaks`.
+fn phase_peaks(phases: &[PhaseCount], peaks: &Peaks) -> Vec<PhasePeak> {
+    phases
+        .iter()
+        .enumerate()
+        .map(|(slot, p)| {
+            let (peak_allocated, peak_reserved) = peaks.phases.get(slot).copied().unwrap_or((0, 0));
+            PhasePeak {
+                name: p.name.clone(),
+                occurrences: p.occurrences,
+                peak_allocated,
+                peak_reserved,
+            }
+        })
+        .collect()
+}
+
 /// One point of the memory timeline: the maxima over a run of events starting at `event_index`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TimelinePoint {
@@ -185,13 +211,12 @@ pub struct Replay<A: Allocator> {
     allocs: u64,
     frees: u64,
     categories: [u64; Category::ALL.len()],
-    categories_at_peak: [u64; Category::ALL.len()],
-    peak_allocated: u64,
-    peak_allocated_event: u64,
-    peak_reserved: u64,
-    allocated_at_reserved_peak: u64,
-    peak_device_used: u64,
-    phases: Vec<PhasePeak>,
+    /// The whole replay's peaks.
+    peaks: Peaks,
+    /// The peaks since the last carried steady state (`None` before the first: the whole replay's).
+    window: Option<Peaks>,
+    /// Each phase's name and starts, by phase slot.
+    phases: Vec<PhaseCount>,
     phase_index: BTreeMap<String, usize>,
     current_phase: Option<usize>,
     phase_marks: Vec<(u64, String)>,
@@ -214,12 +239,8 @@ impl<A: Allocator> Replay<A> {
             allocs: 0,
             frees: 0,
             categories: [0; Category::ALL.len()],
-            categories_at_peak: [0; Category::ALL.len()],
-            peak_allocated: 0,
-            peak_allocated_event: 0,
-            peak_reserved: 0,
-            allocated_at_reserved_peak: 0,
-            peak_device_used: 0,
+            peaks: Peaks::default(),
+            window: None,
             phases: Vec::new(),
             phase_index: BTreeMap::new(),
             current_phase: None,
@@ -242,12 +263,8 @@ impl<A: Allocator> Replay<A> {
             allocs: self.allocs,
             frees: self.frees,
             categories: self.categories,
-            categories_at_peak: self.categories_at_peak,
-            peak_allocated: self.peak_allocated,
-            peak_allocated_event: self.peak_allocated_event,
-            peak_reserved: self.peak_reserved,
-            allocated_at_reserved_peak: self.allocated_at_reserved_peak,
-            peak_device_used: self.peak_device_used,
+            peaks: self.peaks.clone(),
+            window: self.window.clone(),
             phases: self.phases.clone(),
             phase_index: self.phase_index.clone(),
             current_phase: self.current_phase,
@@ -486,11 +503,9 @@ impl<A: Allocator> Replay<A> {
         let slot = match self.phase_index.get(name) {
             Some(&slot) => slot,
             None => {
-                self.phases.push(PhasePeak {
+                self.phases.push(PhaseCount {
                     name: name.to_string(),
                     occurrences: 0,
-                    peak_allocated: 0,
-                    peak_reserved: 0,
                 });
                 self.phase_index
                     .insert(name.to_string(), self.phases.len() - 1);
@@ -511,22 +526,25 @@ impl<A: Allocator> Replay<A> {
         let stats = self.allocator.stats();
         let allocated = stats.allocated_bytes.all.current as u64;
         let reserved = stats.reserved_bytes.all.current as u64;
-        if allocated > self.peak_allocated {
-            self.peak_allocated = allocated;
-            self.peak_allocated_event = index;
-            self.categories_at_peak = self.categories;
-        }
-        if reserved > self.peak_reserved {
-            self.peak_reserved = reserved;
-            self.allocated_at_reserved_peak = allocated;
-        } else if reserved == self.peak_reserved {
-            self.allocated_at_reserved_peak = self.allocated_at_reserved_peak.max(allocated);
-        }
-        self.peak_device_used = self.peak_device_used.max(self.allocator.device_used());
-        if let Some(slot) = self.current_phase {
-            let phase = &mut self.phases[slot];
-            phase.peak_allocated = phase.peak_allocated.max(allocated);
-            phase.peak_reserved = phase.peak_reserved.max(reserved);
+        let device_used = self.allocator.device_used();
+        let phase = self.current_phase;
+        self.peaks.observe(
+            index,
+            allocated,
+            reserved,
+            device_used,
+            &self.categories,
+            phase,
+        );
+        if let Some(window) = &mut self.window {
+            window.observe(
+                index,
+                allocated,
+                reserved,
+                device_used,
+                &self.categories,
+                phase,
+            );
         }
         self.sampler
             .push(index, allocated, reserved, &self.categories);
@@ -567,11 +585,11 @@ impl<A: Allocator> Replay<A> {
             events: self.next_index,
             allocs: self.allocs,
             frees: self.frees,
-            peak_device_used: self.peak_device_used,
-            categories_at_peak: self.categories_at_peak,
-            peak_allocated_event: self.peak_allocated_event,
-            allocated_at_reserved_peak: self.allocated_at_reserved_peak,
-            phases: self.phases,
+            peak_device_used: self.peaks.device_used,
+            categories_at_peak: self.peaks.categories,
+            peak_allocated_event: self.peaks.allocated_event,
+            allocated_at_reserved_peak: self.peaks.allocated_at_reserved,
+            phases: phase_peaks(&self.phases, &self.peaks),
             phase_marks: self.phase_marks,
             timeline: self.sampler.finish(),
             oom: self.oom,

@@ -202,14 +202,24 @@ impl MemoryStats {
     /// reach what the last one reached.
     pub fn carry_repetitions(&mut self, before: &MemoryStats, n: u64) {
         let now = self.clone();
-        self.add_repetitions(before, &now, n);
+        self.add_repetitions(before, &now, n as i64);
+    }
+
+    /// Whether every statistic's peak equals `other`'s.
+    pub fn same_peaks(&self, other: &MemoryStats) -> bool {
+        fn peaks(s: &MemoryStats) -> impl Iterator<Item = i64> + '_ {
+            s.arrays()
+                .into_iter()
+                .flat_map(|(_, a)| a.named().map(|(_, stat)| stat.peak))
+                .chain([s.oversize_allocations.peak, s.oversize_segments.peak])
+        }
+        peaks(self).eq(peaks(other))
     }
 
     /// Adds `n` repetitions of the growth from `before` to `after` (two states with the same blocks)
     /// to each running total (`allocated`, `freed`, the `num_*` counters); peaks and current values
-    /// stay.
-    pub fn add_repetitions(&mut self, before: &MemoryStats, after: &MemoryStats, n: u64) {
-        let n = n as i64;
+    /// stay. A negative `n` takes repetitions away.
+    pub fn add_repetitions(&mut self, before: &MemoryStats, after: &MemoryStats, n: i64) {
         let carry = |now: &mut Stat, after: &Stat, then: &Stat| {
             now.allocated += (after.allocated - then.allocated) * n;
             now.freed += (after.freed - then.freed) * n;

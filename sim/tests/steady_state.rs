@@ -99,6 +99,8 @@ struct Program {
     prefix: Vec<Event>,
     warmup: Vec<Event>,
     body: Vec<Event>,
+    /// The lowest id renamed from one repetition to the next.
+    renamed_from: u64,
     shift: u64,
     times: u64,
     suffix: Vec<Event>,
@@ -157,10 +159,10 @@ fn program(prefix_sizes: &[u64], ops: &[Op], times: u64, last: u64) -> Program {
     // what the body allocates for itself dies in it; the previous repetition's kept ones too
     body.extend(own_live.into_iter().map(free));
     body.extend(kept_left.into_iter().map(free));
-    let renamed_last = (times - 1) * shift;
+    // the last repetition's kept allocations (the warmup's with no repetition)
     let mut suffix: Vec<Event> = kept
         .iter()
-        .map(|&j| free(FROM + shift + j as u64 + renamed_last))
+        .map(|&j| free(FROM + j as u64 + times * shift))
         .collect();
     suffix.push(Event::Phase {
         name: "optimizer".into(),
@@ -182,10 +184,23 @@ fn program(prefix_sizes: &[u64], ops: &[Op], times: u64, last: u64) -> Program {
         prefix,
         warmup,
         body,
+        renamed_from: FROM,
         shift,
         times,
         suffix,
     }
+}
+
+/// [`program`] whose warmup also holds one repetition, as a compact lowering's does (the first
+/// micro-batch's kept outputs, then the second micro-batch, which the repeated third equals): the
+/// body repeated `times` times after it.
+fn warm_program(prefix_sizes: &[u64], ops: &[Op], times: u64, last: u64) -> Program {
+    let mut p = program(prefix_sizes, ops, times + 1, last);
+    p.warmup.extend(p.body.iter().cloned());
+    p.body = moved_ids(&p.body, FROM..u64::MAX / 2, p.shift);
+    p.renamed_from = FROM + p.shift;
+    p.times = times;
+    p
 }
 
 fn allocator(settings: &str, capacity: u64) -> CachingAllocator {
@@ -203,7 +218,7 @@ fn replay(p: &Program, settings: &str, capacity: u64, skip: bool) -> String {
             ..Default::default()
         },
         times: p.times,
-        renamed_from: FROM,
+        renamed_from: p.renamed_from,
         shift: p.shift,
     };
     let run = |r: &mut Replay<CachingAllocator>| -> Result<Flow, String> {
@@ -267,7 +282,7 @@ fn replay_each(programs: &[Program], settings: &str, capacity: u64) -> Vec<Strin
             ..Default::default()
         },
         times: 0,
-        renamed_from: FROM,
+        renamed_from: p.renamed_from,
         shift: p.shift,
     };
     let each = r
@@ -461,10 +476,10 @@ fn two_iterations(
     };
     let _ = plain(&mut r, &p.prefix) == Flow::Continue
         && plain(&mut r, &p.warmup) == Flow::Continue
-        && repeated(&mut r, &p.body, FROM) == Flow::Continue
+        && repeated(&mut r, &p.body, p.renamed_from) == Flow::Continue
         && plain(&mut r, &p.suffix) == Flow::Continue
         && plain(&mut r, &warmup2) == Flow::Continue
-        && repeated(&mut r, &body2, FROM + SECOND) == Flow::Continue
+        && repeated(&mut r, &body2, p.renamed_from + SECOND) == Flow::Continue
         && plain(&mut r, &suffix2) == Flow::Continue;
     r
 }
@@ -487,8 +502,33 @@ proptest! {
         let few = program(&prefix, &ops, times, last);
         let many = program(&prefix, &ops, times + more, last);
         let carried = two_iterations(&few, &settings, capacity, true);
-        if let Some(derived) = carried.outcome_with_more(more, 2) {
+        if let Some(derived) = carried.outcome_with_more(more as i64, 2) {
             let full = two_iterations(&many, &settings, capacity, false).finish();
+            prop_assert_eq!(format!("{derived:#?}"), format!("{full:#?}"));
+        }
+    }
+
+    /// ... and with fewer repetitions, down to none, where it tells them (the repetitions replayed
+    /// before the steady state showed, or one fewer where the last raised no peak), exactly as a
+    /// replay of that run ends.
+    #[test]
+    fn fewer_repetitions_follow_from_the_carried_ones(
+        settings in settings(),
+        capacity in prop_oneof![Just(256 * MIB), Just(1024 * MIB), Just(16384 * MIB)],
+        prefix in prop::collection::vec(1u64..(64 * MIB), 0..6),
+        ops in prop::collection::vec(op(), 1..40),
+        times in 1u64..10,
+        fewer in 1u64..10,
+        last in prop_oneof![Just(1u64), Just(30 * MIB), Just(90 * MIB), Just(4096 * MIB)],
+        warm in any::<bool>(),
+    ) {
+        let fewer = fewer.min(times);
+        let make = if warm { warm_program } else { program };
+        let many = make(&prefix, &ops, times, last);
+        let few = make(&prefix, &ops, times - fewer, last);
+        let carried = two_iterations(&many, &settings, capacity, true);
+        if let Some(derived) = carried.outcome_with_more(-(fewer as i64), 2) {
+            let full = two_iterations(&few, &settings, capacity, false).finish();
             prop_assert_eq!(format!("{derived:#?}"), format!("{full:#?}"));
         }
     }
@@ -525,5 +565,38 @@ fn a_steady_run_tells_the_outcome_of_a_longer_one() {
             .expect("both repeats carried");
         let full = two_iterations(&many, settings, 16384 * MIB, false).finish();
         assert_eq!(format!("{derived:#?}"), format!("{full:#?}"), "{settings}");
+        // and with fewer, down to none where the warmup holds a repetition: the repetition
+        // replayed in each iteration raised no peak (the warmup's reached the same)
+        let few = warm_program(&[5 * MIB], &ops, 4, 30 * MIB);
+        for times in [0, 1, 3] {
+            let shorter = warm_program(&[5 * MIB], &ops, times, 30 * MIB);
+            let derived = two_iterations(&few, settings, 16384 * MIB, true)
+                .outcome_with_more(times as i64 - 4, 2)
+                .expect("the steady state holds from the first repetition on");
+            let full = two_iterations(&shorter, settings, 16384 * MIB, false).finish();
+            assert_eq!(
+                format!("{derived:#?}"),
+                format!("{full:#?}"),
+                "{settings}, {times}"
+            );
+        }
     }
+}
+
+/// A repetition that reaches a peak the run before it did not: a run without it is not told.
+#[test]
+fn a_run_without_a_repetition_that_raised_a_peak_is_not_told() {
+    // the warmup keeps nothing, so the first repetition holds more than anything before it
+    let ops = [
+        Op::Alloc {
+            size: 40 * MIB,
+            stream: 0,
+            kept: Some(false),
+        },
+        Op::FreeOwn,
+    ];
+    let few = program(&[], &ops, 4, 1);
+    let carried = two_iterations(&few, "", 16384 * MIB, true);
+    assert!(carried.outcome_with_more(-3, 2).is_some(), "down to one");
+    assert!(carried.outcome_with_more(-4, 2).is_none(), "none at all");
 }

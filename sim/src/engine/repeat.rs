@@ -15,7 +15,8 @@
 use rustc_hash::FxHashMap;
 use vramsim_traces::{AllocId, Event};
 
-use super::{Flow, Live, Replay, ReplayError, ReplayOutcome, MAX_PHASE_MARKS};
+use super::peaks::Peaks;
+use super::{phase_peaks, Flow, Live, Replay, ReplayError, ReplayOutcome, MAX_PHASE_MARKS};
 use crate::allocator::{Allocator, Counters};
 use crate::stats::MemoryStats;
 use vramsim_traces::{renamed_id, EventView};
@@ -99,6 +100,19 @@ pub(super) struct Carried {
     occurrences: Vec<u64>,
     /// The phase starts of one repetition: (offset in it, name).
     marks: Vec<(u64, String)>,
+    /// Repetitions in this run, and how many of them were replayed.
+    times: u64,
+    replayed: u64,
+    /// The fewest repetitions a run of the same events can have for this replay to tell its outcome:
+    /// the repetitions replayed (the state after the last equalled the state before it, so the run
+    /// could end there or go on), or one fewer where the last of them raised no statistic's peak
+    /// and started no new phase (the run could end before it: its state was already the steady
+    /// one, and the peaks it leaves out are told by [`Carried::before_last`]).
+    fewest: u64,
+    /// The peaks of the stretch that ends with these repetitions (since the previous carried steady
+    /// state, or the start), without the last repetition replayed and with it.
+    before_last: Peaks,
+    through_last: Peaks,
 }
 
 /// The state and counters at a repetition boundary.
@@ -108,6 +122,8 @@ struct Boundary {
     allocs: u64,
     frees: u64,
     occurrences: Vec<u64>,
+    /// The peaks since the previous carried steady state (or the start).
+    window: Peaks,
 }
 
 impl<A: Allocator> Replay<A> {
@@ -172,10 +188,10 @@ impl<A: Allocator> Replay<A> {
                     let before = previous.expect("checked");
                     for &count in others {
                         let mut r = split(self);
-                        r.skip(&repeat.times(count), k, start, &before);
+                        r.skip(&repeat.times(count), k, start, &before, &now);
                         out.push((r, Flow::Continue));
                     }
-                    self.skip(&repeat.times(last), k, start, &before);
+                    self.skip(&repeat.times(last), k, start, &before, &now);
                     return Ok((out, Flow::Continue));
                 }
                 previous = Some(now);
@@ -199,75 +215,116 @@ impl<A: Allocator> Replay<A> {
     }
 
     /// The outcome this replay would reach, its remaining events applied as they were, if each
-    /// repeat it carried had had `more` more repetitions — where that follows exactly from what the
-    /// carried steady states did: every one of the run's `repeats` repeats carried (reached its
-    /// steady state and skipped: more repetitions of a steady state do what the last one did, so
-    /// each running total grows by `more` repetitions' growth and the events after it move on by
-    /// `more` repetitions' length, peaks staying), no out-of-memory error, no timeline, phase marks
-    /// below their cap. `None` otherwise. What [`Replay::finish`] would report for a run of the
-    /// same events with every repeat `more` repetitions longer (proptest `steady_state`).
-    pub fn outcome_with_more(&self, more: u64, repeats: usize) -> Option<ReplayOutcome> {
+    /// repeat it carried had had `more` more repetitions (`more` < 0: fewer) — where that follows
+    /// exactly from what the carried steady states did: every one of the run's `repeats` repeats
+    /// carried (reached its steady state and skipped: more repetitions of a steady state do what
+    /// the last one did, so each running total grows by `more` repetitions' growth and the events
+    /// after it move on by `more` repetitions' length, peaks staying), no out-of-memory error, no
+    /// timeline, phase marks below their cap. Fewer repetitions follow as exactly down to the
+    /// repetitions replayed before the steady state showed, or one fewer where the last of them
+    /// raised no statistic's peak and started no new phase (a run that stops at a steady state's
+    /// boundary goes on as one that passes it): each running total then falls by their growth, their
+    /// events and phase marks go, and the other peaks are those of the stretches the run keeps
+    /// (before the repetitions it leaves out, and after them), one after the other. `None`
+    /// otherwise. What
+    /// [`Replay::finish`] would report for a run of the same events with every repeat `more`
+    /// repetitions longer (proptest `steady_state`).
+    pub fn outcome_with_more(&self, more: i64, repeats: usize) -> Option<ReplayOutcome> {
         if self.carried.len() != repeats
             || self.oom.is_some()
             || self.sampler.capacity > 0
             || self.phase_marks.len() >= MAX_PHASE_MARKS
+            || self.carried.iter().any(|c| {
+                c.times
+                    .checked_add_signed(more)
+                    .is_none_or(|n| n < c.fewest)
+            })
         {
             return None;
         }
         let mut stats = self.allocator.stats().clone();
         let (mut allocs, mut frees, mut events) = (self.allocs, self.frees, self.next_index);
         let mut phases = self.phases.clone();
+        // `x` grown by `more` repetitions of `per` (within range: a run's totals are)
+        let grown = |x: u64, per: u64| x.wrapping_add_signed((per as i64).wrapping_mul(more));
         for c in &self.carried {
             stats.add_repetitions(&c.before, &c.after, more);
-            allocs += c.allocs * more;
-            frees += c.frees * more;
-            events += c.len * more;
-            for (phase, grown) in phases.iter_mut().zip(&c.occurrences) {
-                phase.occurrences += grown * more;
+            allocs = grown(allocs, c.allocs);
+            frees = grown(frees, c.frees);
+            events = grown(events, c.len);
+            for (phase, per) in phases.iter_mut().zip(&c.occurrences) {
+                phase.occurrences = grown(phase.occurrences, *per);
             }
         }
         // the event indices after each carried repeat move on by the repetitions added before them
+        // (or back by those left out)
         let moved = |index: u64| -> u64 {
-            let before: u64 = self
-                .carried
+            self.carried
                 .iter()
                 .filter(|c| index >= c.at)
-                .map(|c| c.len * more)
-                .sum();
-            index + before
+                .fold(index, |i, c| grown(i, c.len))
         };
+        // the repetitions left out: the last ones before each carried repeat's end
+        let left_out = |index: u64| -> bool {
+            more < 0
+                && self
+                    .carried
+                    .iter()
+                    .any(|c| index < c.at && index >= c.at - c.len * more.unsigned_abs())
+        };
+        let added = more.max(0) as u64;
         let mut marks: Vec<(u64, String)> = Vec::with_capacity(self.phase_marks.len());
         let mut carried = self.carried.iter().peekable();
         for (index, name) in &self.phase_marks {
             while let Some(c) = carried.next_if(|c| c.at <= *index) {
-                let start = moved(c.at) - c.len * more;
-                for j in 0..more {
+                let start = moved(c.at) - c.len * added;
+                for j in 0..added {
                     for (offset, name) in &c.marks {
                         marks.push((start + j * c.len + offset, name.clone()));
                     }
                 }
             }
-            marks.push((moved(*index), name.clone()));
+            if !left_out(*index) {
+                marks.push((moved(*index), name.clone()));
+            }
         }
         for c in carried {
-            let start = moved(c.at) - c.len * more;
-            for j in 0..more {
+            let start = moved(c.at) - c.len * added;
+            for j in 0..added {
                 for (offset, name) in &c.marks {
                     marks.push((start + j * c.len + offset, name.clone()));
                 }
             }
         }
         marks.truncate(MAX_PHASE_MARKS);
+        // the peaks: the whole replay's where every repetition replayed stays in the run (those
+        // carried raise none), else those of the stretches the run keeps, one after the other
+        let leaves_out = |c: &Carried| c.times.wrapping_add_signed(more) < c.replayed;
+        let peaks = if self.carried.iter().any(leaves_out) {
+            let kept = self.carried.iter().map(|c| match leaves_out(c) {
+                true => &c.before_last,
+                false => &c.through_last,
+            });
+            let last = self
+                .window
+                .as_ref()
+                .expect("a carried repeat starts a stretch");
+            kept.chain([last]).fold(Peaks::default(), |earlier, later| {
+                earlier.then(later, moved)
+            })
+        } else {
+            Peaks::default().then(&self.peaks, moved)
+        };
         Some(ReplayOutcome {
             stats,
             events,
             allocs,
             frees,
-            peak_device_used: self.peak_device_used,
-            categories_at_peak: self.categories_at_peak,
-            peak_allocated_event: moved(self.peak_allocated_event),
-            allocated_at_reserved_peak: self.allocated_at_reserved_peak,
-            phases,
+            peak_device_used: peaks.device_used,
+            categories_at_peak: peaks.categories,
+            peak_allocated_event: peaks.allocated_event,
+            allocated_at_reserved_peak: peaks.allocated_at_reserved,
+            phases: phase_peaks(&phases, &peaks),
             phase_marks: marks,
             timeline: Vec::new(),
             oom: None,
@@ -330,15 +387,24 @@ impl<A: Allocator> Replay<A> {
             allocs: self.allocs,
             frees: self.frees,
             occurrences: self.phases.iter().map(|p| p.occurrences).collect(),
+            window: self.window.as_ref().unwrap_or(&self.peaks).clone(),
         })
     }
 
     /// Repetitions `k..times` start from the state repetition `k − 1` started from (`before`): they
     /// would do what it did. Carries their effect instead of replaying them.
-    fn skip(&mut self, repeat: &Repeat, k: u64, start: u64, before: &Boundary) {
+    fn skip(&mut self, repeat: &Repeat, k: u64, start: u64, before: &Boundary, now: &Boundary) {
         let n = repeat.times - k;
         let len = repeat.view.events.len() as u64;
+        // the last repetition replayed (k − 1) raised no statistic's peak and started no new phase
+        let quiet = before.counters.stats.same_peaks(&now.counters.stats)
+            && before.occurrences.len() == now.occurrences.len();
         self.carried.push(Carried {
+            times: repeat.times,
+            replayed: k,
+            fewest: k - u64::from(quiet),
+            before_last: before.window.clone(),
+            through_last: now.window.clone(),
             at: self.next_index + n * len,
             len,
             allocs: self.allocs - before.allocs,
@@ -394,6 +460,8 @@ impl<A: Allocator> Replay<A> {
             }
         }
         self.next_index += n * len;
+        // the next stretch's peaks start here
+        self.window = Some(Peaks::default());
         // the live allocations of the last repetitions take the ids the last one gives them
         let first_renamed = repeat.renamed_from + k * repeat.shift;
         let live = std::mem::take(&mut self.live);
