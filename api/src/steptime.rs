@@ -419,6 +419,17 @@ pub struct StepTime {
 }
 
 impl StepWork {
+    /// The work of the same step with `recipe`'s accumulation count (`recipe` differing from the one
+    /// this was read under in nothing else): the ops as read, the communication read again (a layout
+    /// reduces gradients once per micro-batch or once per step).
+    pub fn with_accum(&self, graph: &Graph, recipe: &Recipe) -> StepWork {
+        StepWork {
+            accum: recipe.accum,
+            comm: CommWork::of(graph, recipe),
+            ..self.clone()
+        }
+    }
+
     /// Reads the work of `graph` under `recipe`.
     pub fn of(graph: &Graph, recipe: &Recipe) -> StepWork {
         let width = |spec: DTypeSpec, f32_op: bool| -> f64 {

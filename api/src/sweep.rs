@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
@@ -422,10 +422,20 @@ pub fn evaluate(
                 (a, l)
             })
             .collect();
-        let prepare = |l: &Result<Lowered, String>| Some(prepare(l.as_ref().ok()?));
-        let work = prepare(&lowered);
-        let variant_work: Vec<Option<StepWork>> =
-            variants.iter().map(|(_, l)| prepare(l)).collect();
+        let work = lowered.as_ref().ok().map(prepare);
+        // a variant made from the group's lowering prices the same ops
+        let variant_work: Vec<Option<StepWork>> = variants
+            .iter()
+            .map(|(_, l)| {
+                let l = l.as_ref().ok()?;
+                Some(match (&lowered, &work) {
+                    (Ok(own), Some(w)) if Arc::ptr_eq(&own.graph, &l.graph) => {
+                        w.with_accum(&l.graph, &l.recipe)
+                    }
+                    _ => prepare(l),
+                })
+            })
+            .collect();
         let chosen = |i: usize| -> (&Result<Lowered, String>, &Option<StepWork>) {
             match variants.iter().position(|(a, _)| *a == args_of(i).accum) {
                 Some(v) => (&variants[v].1, &variant_work[v]),
