@@ -213,8 +213,10 @@ pub struct Replay<A: Allocator> {
     categories: [u64; Category::ALL.len()],
     /// The whole replay's peaks.
     peaks: Peaks,
-    /// The peaks since the last carried steady state (`None` before the first: the whole replay's).
+    /// The peaks since the last carried steady state (`None` before the first: the whole replay's),
+    /// kept where [`Replay::keep_stretch_peaks`] asked for them.
     window: Option<Peaks>,
+    stretch_peaks: bool,
     /// Each phase's name and starts, by phase slot.
     phases: Vec<PhaseCount>,
     phase_index: BTreeMap<String, usize>,
@@ -241,6 +243,7 @@ impl<A: Allocator> Replay<A> {
             categories: [0; Category::ALL.len()],
             peaks: Peaks::default(),
             window: None,
+            stretch_peaks: false,
             phases: Vec::new(),
             phase_index: BTreeMap::new(),
             current_phase: None,
@@ -265,6 +268,7 @@ impl<A: Allocator> Replay<A> {
             categories: self.categories,
             peaks: self.peaks.clone(),
             window: self.window.clone(),
+            stretch_peaks: self.stretch_peaks,
             phases: self.phases.clone(),
             phase_index: self.phase_index.clone(),
             current_phase: self.current_phase,

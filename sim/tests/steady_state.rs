@@ -449,6 +449,7 @@ fn two_iterations(
         (u64::MAX - 100).wrapping_sub(big),
     );
     let mut r = Replay::new(allocator(settings, capacity), &ReplayOptions::default());
+    r.keep_stretch_peaks();
     let plain = |r: &mut Replay<CachingAllocator>, events: &[Event]| -> Flow {
         for e in events {
             if r.apply(e.clone()).unwrap() == Flow::Stopped {

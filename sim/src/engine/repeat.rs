@@ -209,6 +209,13 @@ impl<A: Allocator> Replay<A> {
         Ok((out, Flow::Continue))
     }
 
+    /// Keeps, from here on, the peaks of each stretch between carried steady states (a little work
+    /// per event after the first), so that [`Replay::outcome_with_more`] can tell runs that leave
+    /// out a repetition that was replayed. Call it before the repetitions.
+    pub fn keep_stretch_peaks(&mut self) {
+        self.stretch_peaks = true;
+    }
+
     /// How many repeats this replay carried (skipped from a steady state) so far.
     pub fn carried_repeats(&self) -> usize {
         self.carried.len()
@@ -225,8 +232,8 @@ impl<A: Allocator> Replay<A> {
     /// raised no statistic's peak and started no new phase (a run that stops at a steady state's
     /// boundary goes on as one that passes it): each running total then falls by their growth, their
     /// events and phase marks go, and the other peaks are those of the stretches the run keeps
-    /// (before the repetitions it leaves out, and after them), one after the other. `None`
-    /// otherwise. What
+    /// (before the repetitions it leaves out, and after them), one after the other, where the
+    /// replay kept them ([`Replay::keep_stretch_peaks`]). `None` otherwise. What
     /// [`Replay::finish`] would report for a run of the same events with every repeat `more`
     /// repetitions longer (proptest `steady_state`).
     pub fn outcome_with_more(&self, more: i64, repeats: usize) -> Option<ReplayOutcome> {
@@ -301,6 +308,9 @@ impl<A: Allocator> Replay<A> {
         // carried raise none), else those of the stretches the run keeps, one after the other
         let leaves_out = |c: &Carried| c.times.wrapping_add_signed(more) < c.replayed;
         let peaks = if self.carried.iter().any(leaves_out) {
+            if !self.stretch_peaks {
+                return None;
+            }
             let kept = self.carried.iter().map(|c| match leaves_out(c) {
                 true => &c.before_last,
                 false => &c.through_last,
@@ -387,7 +397,10 @@ impl<A: Allocator> Replay<A> {
             allocs: self.allocs,
             frees: self.frees,
             occurrences: self.phases.iter().map(|p| p.occurrences).collect(),
-            window: self.window.as_ref().unwrap_or(&self.peaks).clone(),
+            window: match self.stretch_peaks {
+                true => self.window.as_ref().unwrap_or(&self.peaks).clone(),
+                false => Peaks::default(),
+            },
         })
     }
 
@@ -461,7 +474,9 @@ impl<A: Allocator> Replay<A> {
         }
         self.next_index += n * len;
         // the next stretch's peaks start here
-        self.window = Some(Peaks::default());
+        if self.stretch_peaks {
+            self.window = Some(Peaks::default());
+        }
         // the live allocations of the last repetitions take the ids the last one gives them
         let first_renamed = repeat.renamed_from + k * repeat.shift;
         let live = std::mem::take(&mut self.live);
