@@ -21,7 +21,7 @@ use vramsim_sim::plot::{
     SizePoint,
 };
 
-use vramsim_models::compact::CompactTrace;
+use vramsim_models::graph_template::GraphTemplate;
 use vramsim_models::template::BatchTemplate;
 
 use crate::predict::{self, Lowered};
@@ -121,9 +121,10 @@ struct Prober<'a> {
     extra: &'a [Setting],
     headroom: Option<Headroom>,
     /// Fresh lowerings of batches of at least 2, by batch, until the template is trusted.
-    fresh: Vec<(u64, CompactTrace)>,
-    /// A template fitted through the last two fresh lowerings, not yet checked.
-    candidate: Option<BatchTemplate>,
+    fresh: Vec<(u64, Lowered)>,
+    /// A template fitted through the last two fresh lowerings, not yet checked (with the model
+    /// graphs' template, where they fit one).
+    candidate: Option<(BatchTemplate, Option<GraphTemplate>)>,
     template: Option<BatchTemplate>,
     /// The batches the search walks, `min + (size − 1)·step` for search size `size`: the
     /// multiples of a pipeline's `--microbatches` (`vramsim_models::pipeline::batch_grid`);
@@ -217,7 +218,7 @@ impl<'a> Prober<'a> {
         let room = total.saturating_sub(self.headroom.map_or(0, |h| h.bytes(total)));
         self.template
             .as_ref()
-            .or(self.candidate.as_ref())?
+            .or(self.candidate.as_ref().map(|(t, _)| t))?
             .largest_batch_within(room)
     }
 
@@ -233,23 +234,29 @@ impl<'a> Prober<'a> {
         {
             return;
         }
-        if let Some(candidate) = self.candidate.take() {
+        if let Some((candidate, graph)) = self.candidate.take() {
             if candidate
                 .instantiate(size)
                 .is_some_and(|made| made.same_as(&lowered.compact))
             {
-                self.template = Some(candidate);
+                // the graphs' template is checked against this fresh graph too
+                let graph = graph.filter(|g| {
+                    g.instantiate(lowered.graph.batch)
+                        .is_some_and(|made| made == *lowered.graph)
+                });
+                self.template = Some(candidate.with_graph(graph));
                 self.fresh.clear();
                 return;
             }
         }
         // no candidate yet, or a structure that changed: fit again from the last two
-        self.fresh.push((size, lowered.compact));
+        self.fresh.push((size, lowered));
         if self.fresh.len() > 2 {
             self.fresh.remove(0);
         }
-        if let [(b0, t0), (b1, t1)] = &self.fresh[..] {
-            self.candidate = BatchTemplate::fit(t0, *b0, t1, *b1);
+        if let [(b0, l0), (b1, l1)] = &self.fresh[..] {
+            self.candidate = BatchTemplate::fit(&l0.compact, *b0, &l1.compact, *b1)
+                .map(|t| (t, GraphTemplate::fit(&l0.graph, &l1.graph)));
         }
     }
 }

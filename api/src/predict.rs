@@ -641,8 +641,10 @@ pub fn lower_step(args: &PredictArgs) -> Result<Lowered> {
 /// [`lower_step`] for one device of a DataParallel layout, or one rank of a pipeline (`device`
 /// 0 otherwise): the graph is built for the device's chunk of the batch, or the rank's stages.
 pub fn lower_step_device(args: &PredictArgs, device: u32) -> Result<Lowered> {
-    assemble(args, device, |graph, recipe| {
-        Ok(lower_compact(graph, recipe)?)
+    assemble(args, device, |arch, recipe| {
+        let graph = step_graph(arch, recipe)?;
+        let compact = lower_compact(&graph, recipe)?;
+        Ok((graph, compact))
     })
 }
 
@@ -654,25 +656,45 @@ pub fn lower_step_device(args: &PredictArgs, device: u32) -> Result<Lowered> {
 /// length, and a fresh lowering it reproduced).
 pub fn lower_step_instance(args: &PredictArgs, template: &dyn StepTemplate) -> Result<Lowered> {
     let mut instantiated = false;
-    let mut lowered = assemble(args, 0, |graph, recipe| {
-        Ok(match template.instantiate_for(recipe) {
-            Some(compact) => {
-                instantiated = true;
-                compact
+    let mut lowered = assemble(args, 0, |arch, recipe| {
+        let Some(compact) = template.instantiate_for(recipe) else {
+            let graph = step_graph(arch, recipe)?;
+            let compact = lower_compact(&graph, recipe)?;
+            return Ok((graph, compact));
+        };
+        instantiated = true;
+        // the template's graph too, where it writes one (of a plain layout)
+        let graph = match template.graph_for(recipe) {
+            Some(graph)
+                if !crate::pipeline::is_pipeline(recipe)
+                    && !crate::dataparallel::is_multi(recipe) =>
+            {
+                graph
             }
-            None => lower_compact(graph, recipe)?,
-        })
+            _ => step_graph(arch, recipe)?,
+        };
+        Ok((graph, compact))
     })?;
     lowered.from_template = instantiated;
     Ok(lowered)
 }
 
-/// Builds the graph of `args`' step (for `device` of a DataParallel layout) and its lowering by
-/// `lower`, with what `predict` reports beside them.
+/// The model graph of `recipe`'s step: the replica's chunk of the batch for a DataParallel device,
+/// the stages of a pipeline rank.
+fn step_graph(arch: &Arch, recipe: &Recipe) -> Result<Graph> {
+    if crate::pipeline::is_pipeline(recipe) {
+        crate::pipeline::rank_graph(arch, recipe)
+    } else {
+        crate::dataparallel::device_graph(arch, recipe)
+    }
+}
+
+/// The step of `args` (for `device` of a DataParallel layout or a pipeline) as `step` makes its graph
+/// and lowering, with what `predict` reports beside them.
 fn assemble(
     args: &PredictArgs,
     device: u32,
-    lower: impl FnOnce(&Graph, &Recipe) -> Result<CompactTrace>,
+    step: impl FnOnce(&Arch, &Recipe) -> Result<(Graph, CompactTrace)>,
 ) -> Result<Lowered> {
     let (arch, mut recipe, warnings) = step_recipe(args)?;
     if recipe.parallel.pp > 1 && recipe.parallel.cp > 1 {
@@ -689,12 +711,7 @@ fn assemble(
     }
     let t0 = Instant::now();
     let attention = arch.attention_kernel(&recipe)?;
-    let graph = if crate::pipeline::is_pipeline(&recipe) {
-        crate::pipeline::rank_graph(&arch, &recipe)?
-    } else {
-        crate::dataparallel::device_graph(&arch, &recipe)?
-    };
-    let compact = lower(&graph, &recipe)?;
+    let (graph, compact) = step(&arch, &recipe)?;
     let lower_ms = t0.elapsed().as_secs_f64() * 1e3;
     let reference = graph
         .meta

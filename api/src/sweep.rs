@@ -22,6 +22,7 @@ use clap::{ArgAction, Args, Command, FromArgMatches};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rayon::prelude::*;
 use serde_json::Value;
+use vramsim_models::graph_template::GraphTemplate;
 use vramsim_models::seq_template::{seq_class, SeqBatchTemplate};
 use vramsim_models::template::BatchTemplate;
 use vramsim_models::zoo::{Arch, TargetChoices};
@@ -560,10 +561,12 @@ fn lower_family<'a>(
             if !crate::dataparallel::is_multi(&a.recipe)
                 && !crate::pipeline::is_rank_by_rank(&a.recipe) =>
         {
-            BatchTemplate::fit(&a.compact, ends[0].0, &b.compact, ends[1].0).filter(|t| {
-                t.instantiate(ends[2].0)
-                    .is_some_and(|made| made.same_as(&last.compact))
-            })
+            BatchTemplate::fit(&a.compact, ends[0].0, &b.compact, ends[1].0)
+                .filter(|t| {
+                    t.instantiate(ends[2].0)
+                        .is_some_and(|made| made.same_as(&last.compact))
+                })
+                .map(|t| t.with_graph(checked_graph_template(a, b, last)))
         }
         _ => None,
     };
@@ -582,6 +585,16 @@ fn lower_family<'a>(
         (g, made)
     }));
     out
+}
+
+/// The template of the model graphs of `a` and `b` (lowerings of one recipe at two batches), where it
+/// writes `last`'s graph (a third batch's, built afresh) exactly: instances then take their graph
+/// from it instead of building one.
+fn checked_graph_template(a: &Lowered, b: &Lowered, last: &Lowered) -> Option<GraphTemplate> {
+    GraphTemplate::fit(&a.graph, &b.graph).filter(|t| {
+        t.instantiate(last.graph.batch)
+            .is_some_and(|made| made == *last.graph)
+    })
 }
 
 /// One lowering per group of `families` (families of one structure that differ only in a sequence

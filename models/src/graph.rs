@@ -147,7 +147,7 @@ pub struct Region {
 }
 
 /// A model graph for one batch size and sequence length.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Graph {
     /// Model name (`gpt2`).
     pub name: String,

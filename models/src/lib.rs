@@ -40,6 +40,7 @@ pub mod dataparallel;
 pub mod dtype;
 pub mod finetune;
 pub mod graph;
+pub mod graph_template;
 pub mod hf;
 pub mod imported;
 pub mod layout;

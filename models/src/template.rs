@@ -21,6 +21,8 @@ use serde_json::Value;
 use vramsim_traces::Event;
 
 use crate::compact::{sized_event, CompactTrace};
+use crate::graph::Graph;
+use crate::graph_template::GraphTemplate;
 
 /// One step of a path into a JSON tree.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -110,6 +112,9 @@ pub struct BatchTemplate {
     /// size varies, by index.
     sizes: Vec<(usize, u64, i128)>,
     meta: Vec<MetaSlope>,
+    /// The model graph's template, where the caller fitted and checked one
+    /// ([`BatchTemplate::with_graph`]).
+    graph: Option<GraphTemplate>,
 }
 
 impl BatchTemplate {
@@ -159,7 +164,14 @@ impl BatchTemplate {
             batch: batch_a,
             sizes,
             meta,
+            graph: None,
         })
+    }
+
+    /// The same template, writing the model graph too with `graph` (a [`GraphTemplate`] of the same
+    /// recipe that its caller checked, as it checked this one, against a graph built afresh).
+    pub fn with_graph(self, graph: Option<GraphTemplate>) -> Self {
+        BatchTemplate { graph, ..self }
     }
 
     /// The batch the template's own events were lowered at.
@@ -226,11 +238,20 @@ pub trait StepTemplate: Sync {
     /// The step of `recipe` (of the template's structure), or `None` when a size would leave the
     /// range of bytes or the template does not reach it.
     fn instantiate_for(&self, recipe: &crate::Recipe) -> Option<CompactTrace>;
+
+    /// The model graph of `recipe`, where the template writes it (else it is built).
+    fn graph_for(&self, _recipe: &crate::Recipe) -> Option<Graph> {
+        None
+    }
 }
 
 impl StepTemplate for BatchTemplate {
     fn instantiate_for(&self, recipe: &crate::Recipe) -> Option<CompactTrace> {
         self.instantiate(recipe.batch)
+    }
+
+    fn graph_for(&self, recipe: &crate::Recipe) -> Option<Graph> {
+        self.graph.as_ref()?.instantiate(recipe.batch)
     }
 }
 
