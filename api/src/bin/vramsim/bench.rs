@@ -34,10 +34,10 @@ pub struct BenchArgs {
     /// Internal: stream-replay this file and print the process's peak RSS in bytes.
     #[arg(long, hide = true)]
     pub rss_of: Option<PathBuf>,
-    /// Time what-if sweeps instead: three grids of 1,000 gpt2-medium configurations through `predict`,
-    /// with rayon's default pool and on one thread (target: under 5 s on 2 cores; issue 11's grid with
-    /// accumulation 1-16, under 1 s), accumulation 64 against 2 (target ≤ 1.5×), and max-batch of
-    /// Llama-2-70B at seq 4096 (target < 100 ms).
+    /// Time what-if sweeps instead: four grids of 1,000 gpt2-medium configurations through `predict`,
+    /// with rayon's default pool and on one thread, best of 3 (target: under 5 s on 2 cores; issue 11's
+    /// grid with accumulation 1-16, under 1 s), accumulation 64 against 2 (target ≤ 1.5×), and
+    /// max-batch of Llama-2-70B at seq 4096 (target < 100 ms), best of 15.
     #[arg(long)]
     pub sweep: bool,
     /// Time the import of this PyTorch memory snapshot instead (`vramsim import`'s work: gunzip, unpickle,
