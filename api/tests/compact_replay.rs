@@ -93,20 +93,7 @@ fn accumulation_counts_sharing_a_lowering_get_their_own_reports() {
             })
         })
         .collect();
-    let swept = evaluate(&configs, Wants::default(), &Progress::hidden());
-    for (config, swept) in configs.iter().zip(swept) {
-        let swept = swept.unwrap();
-        let alone = evaluate_one(config, Wants::default()).unwrap();
-        assert_eq!(
-            format!("{:?}", swept.report.outcome),
-            format!("{:?}", alone.report.outcome),
-            "{config:?}"
-        );
-        assert_eq!(swept.prediction.recipe, alone.prediction.recipe);
-        assert_eq!(swept.prediction.events, alone.prediction.events);
-        assert_eq!(swept.step.step_ms, alone.step.step_ms);
-        assert_eq!(swept.last_iteration_start, alone.last_iteration_start);
-    }
+    sweep_equals_each_alone(&configs);
     let fits: usize = configs
         .iter()
         .map(|c| usize::from(evaluate_one(c, Wants::default()).unwrap().fits()))
@@ -139,7 +126,6 @@ fn accumulation_counts_sharing_a_lowering_get_their_own_reports() {
 /// checkpointing policies whose micro-batches raise the phases' peaks differently.
 #[test]
 fn fewer_repetitions_told_from_a_sweep_equal_their_own_replay() {
-    use vramsim_api::sweep::{evaluate, evaluate_one, Progress, Wants};
     let mut configs: Vec<Vec<String>> = Vec::new();
     for precision in ["fp32", "bf16", "amp-fp16"] {
         for checkpoint in ["none", "full", "selective"] {
@@ -155,7 +141,13 @@ fn fewer_repetitions_told_from_a_sweep_equal_their_own_replay() {
             }
         }
     }
-    let swept = evaluate(&configs, Wants::default(), &Progress::hidden());
+    sweep_equals_each_alone(&configs);
+}
+
+/// Evaluates `configs` as one sweep and each alone: the same outcomes, recipes, events, step times.
+fn sweep_equals_each_alone(configs: &[Vec<String>]) {
+    use vramsim_api::sweep::{evaluate, evaluate_one, Progress, Wants};
+    let swept = evaluate(configs, Wants::default(), &Progress::hidden());
     for (config, swept) in configs.iter().zip(swept) {
         let swept = swept.unwrap();
         let alone = evaluate_one(config, Wants::default()).unwrap();
@@ -164,7 +156,10 @@ fn fewer_repetitions_told_from_a_sweep_equal_their_own_replay() {
             format!("{:?}", alone.report.outcome),
             "{config:?}"
         );
+        assert_eq!(swept.prediction.recipe, alone.prediction.recipe);
         assert_eq!(swept.prediction.events, alone.prediction.events);
+        assert_eq!(swept.step.step_ms, alone.step.step_ms);
+        assert_eq!(swept.last_iteration_start, alone.last_iteration_start);
     }
 }
 

@@ -4,41 +4,17 @@
 //! image sizes for the convolutional ones, under the recipe options that change which tensors a step
 //! holds (precision, checkpointing, accumulation, optimizers, kept outputs).
 
+mod common;
+
+use common::{template_recipes as recipes, TEMPLATE_BATCHES as BATCHES};
 use vramsim_models::compact::{lower_compact, CompactTrace};
 use vramsim_models::template::BatchTemplate;
 use vramsim_models::zoo::{self, NAMES};
 use vramsim_models::{Checkpointing, OptimizerKind, Precision, Recipe};
 
-/// Batches checked against fresh lowerings (2 and 3 fit the template; batch 1 is a structure of its
-/// own: dimensions of 1 change kernels and copies, e.g. cuBLASLt's `addmm` needs every dimension
-/// above 1).
-const BATCHES: [u64; 4] = [4, 5, 8, 13];
-
 fn lowered(name: &str, r: &Recipe) -> CompactTrace {
     let g = zoo::build(name, r).unwrap_or_else(|e| panic!("{name}: {e}"));
     lower_compact(&g, r).unwrap_or_else(|e| panic!("{name}: {e}"))
-}
-
-fn recipes(name: &str) -> Vec<Recipe> {
-    let language = zoo::Arch::from_name(name)
-        .unwrap()
-        .max_positions()
-        .is_some();
-    let convolutional = ["resnet", "vgg", "efficientnet", "convnext"]
-        .iter()
-        .any(|family| name.contains(family));
-    let mut out = Vec::new();
-    for shape in [0usize, 1] {
-        let mut r = Recipe::new(1, [32, 80][shape]);
-        if !language {
-            r.seq = 0;
-            if convolutional {
-                r.image_size = Some([(64, 64), (96, 80)][shape]);
-            }
-        }
-        out.push(r);
-    }
-    out
 }
 
 /// Fits the template at batch 2 and 3 and compares its instances with fresh lowerings.

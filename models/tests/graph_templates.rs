@@ -4,41 +4,18 @@
 //! (convolutional ones), and with recipe options that change the graph (mixed precision, LoRA,
 //! checkpointing's `use_cache`).
 
+mod common;
+
+use common::{template_recipes as recipes, TEMPLATE_BATCHES as BATCHES};
 use vramsim_models::graph::Graph;
 use vramsim_models::graph_template::GraphTemplate;
 use vramsim_models::zoo::{self, NAMES};
 use vramsim_models::{Checkpointing, Precision, Recipe};
 
-/// Batches checked against fresh builds.
-const BATCHES: [u64; 4] = [4, 5, 8, 13];
-
 fn built(name: &str, r: &Recipe, batch: u64) -> Graph {
     let mut r = r.clone();
     r.batch = batch;
     zoo::build(name, &r).unwrap_or_else(|e| panic!("{name}: {e}"))
-}
-
-fn recipes(name: &str) -> Vec<Recipe> {
-    let language = zoo::Arch::from_name(name)
-        .unwrap()
-        .max_positions()
-        .is_some();
-    let convolutional = ["resnet", "vgg", "efficientnet", "convnext"]
-        .iter()
-        .any(|family| name.contains(family));
-    [0usize, 1]
-        .into_iter()
-        .map(|shape| {
-            let mut r = Recipe::new(1, [32, 80][shape]);
-            if !language {
-                r.seq = 0;
-                if convolutional {
-                    r.image_size = Some([(64, 64), (96, 80)][shape]);
-                }
-            }
-            r
-        })
-        .collect()
 }
 
 /// Fits the template at batch 2 and 3 and compares its instances with fresh builds.

@@ -532,16 +532,9 @@ impl<A: Allocator> Replay<A> {
         let reserved = stats.reserved_bytes.all.current as u64;
         let device_used = self.allocator.device_used();
         let phase = self.current_phase;
-        self.peaks.observe(
-            index,
-            allocated,
-            reserved,
-            device_used,
-            &self.categories,
-            phase,
-        );
-        if let Some(window) = &mut self.window {
-            window.observe(
+        // the whole replay's peaks, and the current stretch's where they are kept
+        for peaks in std::iter::once(&mut self.peaks).chain(self.window.as_mut()) {
+            peaks.observe(
                 index,
                 allocated,
                 reserved,

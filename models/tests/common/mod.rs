@@ -292,3 +292,33 @@ pub fn zero3_persistent(g: &vramsim_models::Graph, part: &[u64], n: u64) -> u64 
         .map(|(_, k)| k * n)
         .sum()
 }
+
+/// Batches at which templates fitted at batch 2 and 3 are checked against fresh lowerings or builds
+/// (batch 1 is a structure of its own: dimensions of 1 change kernels and copies, e.g. cuBLASLt's
+/// `addmm` needs every dimension above 1).
+pub const TEMPLATE_BATCHES: [u64; 4] = [4, 5, 8, 13];
+
+/// The recipes a zoo model's templates are checked under: batch 1 at two shapes (sequence 32 and 80
+/// for language models, two image sizes for convolutional ones).
+pub fn template_recipes(name: &str) -> Vec<Recipe> {
+    let language = zoo::Arch::from_name(name)
+        .unwrap()
+        .max_positions()
+        .is_some();
+    let convolutional = ["resnet", "vgg", "efficientnet", "convnext"]
+        .iter()
+        .any(|family| name.contains(family));
+    [0usize, 1]
+        .into_iter()
+        .map(|shape| {
+            let mut r = Recipe::new(1, [32, 80][shape]);
+            if !language {
+                r.seq = 0;
+                if convolutional {
+                    r.image_size = Some([(64, 64), (96, 80)][shape]);
+                }
+            }
+            r
+        })
+        .collect()
+}
