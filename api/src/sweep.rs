@@ -23,7 +23,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rayon::prelude::*;
 use serde_json::Value;
 use vramsim_models::graph_template::GraphTemplate;
-use vramsim_models::seq_template::{seq_class, SeqBatchTemplate};
+use vramsim_models::seq_template::{seq_class, SeqBatchTemplate, SeqGraphTemplate};
 use vramsim_models::template::BatchTemplate;
 use vramsim_models::zoo::{Arch, TargetChoices};
 use vramsim_sim::engine::TimelinePoint;
@@ -717,6 +717,23 @@ fn lower_seq_family<'a>(
                 t.instantiate(check.0, check.1)
                     .is_some_and(|instance| instance.same_as(c[6]))
             })
+        })
+        .map(|t| {
+            // the model graphs' template too, trusted where it writes the check's graph
+            let graph = |k: usize| made[k].1.as_ref().ok().map(|l| &*l.graph);
+            let graphs = (0..7).map(graph).collect::<Option<Vec<_>>>();
+            let template = graphs.and_then(|g| {
+                SeqGraphTemplate::fit(
+                    [[g[0], g[1], g[2]], [g[3], g[4], g[5]]],
+                    fit_batches,
+                    fit_seqs,
+                )
+                .filter(|t| {
+                    t.instantiate(check.0, check.1)
+                        .is_some_and(|made| made == *g[6])
+                })
+            });
+            t.with_graph(template)
         });
     let Some(template) = template else {
         return by_batch();

@@ -27,6 +27,8 @@
 use rustc_hash::FxHashMap;
 
 use crate::compact::CompactTrace;
+use crate::graph::Graph;
+use crate::graph_template::{changed_dims, one_structure, Dim};
 use crate::template::{write_instance, Apart, PathStep, StepTemplate};
 use crate::Recipe;
 
@@ -51,6 +53,9 @@ pub struct SeqBatchTemplate {
     /// `batches[k]`, `seqs[j]`) of every allocation whose size varies, by index.
     sizes: Vec<(usize, [u64; 6])>,
     meta: Vec<(Vec<PathStep>, [u64; 6])>,
+    /// The model graph's template, where the caller fitted and checked one
+    /// ([`SeqBatchTemplate::with_graph`]).
+    graph: Option<SeqGraphTemplate>,
 }
 
 impl SeqBatchTemplate {
@@ -104,7 +109,14 @@ impl SeqBatchTemplate {
             seqs,
             sizes,
             meta,
+            graph: None,
         })
+    }
+
+    /// The same template, writing the model graph too with `graph` (a [`SeqGraphTemplate`] of the
+    /// same recipe that its caller checked, as it checked this one, against a graph built afresh).
+    pub fn with_graph(self, graph: Option<SeqGraphTemplate>) -> Self {
+        SeqBatchTemplate { graph, ..self }
     }
 
     /// The batches and sequence lengths the template was fitted at.
@@ -133,6 +145,102 @@ impl SeqBatchTemplate {
 impl StepTemplate for SeqBatchTemplate {
     fn instantiate_for(&self, recipe: &Recipe) -> Option<CompactTrace> {
         self.instantiate(recipe.batch, recipe.seq)
+    }
+
+    fn graph_for(&self, recipe: &Recipe) -> Option<Graph> {
+        self.graph.as_ref()?.instantiate(recipe.batch, recipe.seq)
+    }
+}
+
+/// A model graph at any batch and sequence length from six: each tensor dimension's six sizes at two
+/// batches × three lengths of one residue, a polynomial of degree one in the batch and two in the
+/// length through them (a dimension is `S`, `B·S`, `S·S`, ... where the zoo builds the same ops at
+/// every point: [`crate::graph_template`]).
+#[derive(Clone, Debug)]
+pub struct SeqGraphTemplate {
+    base: Graph,
+    batches: [u64; 2],
+    seqs: [u64; 3],
+    /// The distinct series of sizes at the fit's points (as [`SeqBatchTemplate`] orders them) that
+    /// the varying sizes take: a graph has thousands of those, and a few series (`S`, `B·S`, ...).
+    series: Vec<[u64; 6]>,
+    /// (where, its series) of every size that varies, in graph order.
+    dims: Vec<(Dim, u32)>,
+}
+
+impl SeqGraphTemplate {
+    /// The template through `points[k][j]`, the graph at batch `batches[k]` and length `seqs[j]`
+    /// (as their own batch and length say), or `None` when they are not one structure or cannot fit
+    /// one (a batch or a length twice, lengths of different residues).
+    pub fn fit(points: [[&Graph; 3]; 2], batches: [u64; 2], seqs: [u64; 3]) -> Option<Self> {
+        let distinct = batches[0] != batches[1]
+            && seqs[0] != seqs[1]
+            && seqs[0] != seqs[2]
+            && seqs[1] != seqs[2]
+            && seqs.iter().all(|&s| seq_class(s) == seq_class(seqs[0]));
+        let base = points[0][0];
+        let at_points = points.iter().enumerate().all(|(k, row)| {
+            row.iter()
+                .enumerate()
+                .all(|(j, g)| g.batch == batches[k] && g.seq == seqs[j] && one_structure(base, g))
+        });
+        if !distinct || !at_points {
+            return None;
+        }
+        let mut dims: FxHashMap<Dim, [Option<u64>; 6]> = FxHashMap::default();
+        for (p, point) in points.iter().flatten().enumerate().skip(1) {
+            for (at, at_base, here) in changed_dims(base, point) {
+                let sizes = dims.entry(at).or_default();
+                sizes[0] = Some(at_base);
+                sizes[p] = Some(here);
+            }
+        }
+        // a size not listed at a point is the base's there
+        let mut listed: Vec<(Dim, [u64; 6])> = dims
+            .into_iter()
+            .map(|(at, v)| (at, v.map(|x| x.or(v[0]).expect("listed"))))
+            .collect();
+        listed.sort_unstable_by_key(|&(at, _)| at);
+        let mut series: Vec<[u64; 6]> = Vec::new();
+        let mut index: FxHashMap<[u64; 6], u32> = FxHashMap::default();
+        let dims = listed
+            .into_iter()
+            .map(|(at, sizes)| {
+                let i = *index.entry(sizes).or_insert_with(|| {
+                    series.push(sizes);
+                    (series.len() - 1) as u32
+                });
+                (at, i)
+            })
+            .collect();
+        Some(SeqGraphTemplate {
+            base: base.clone(),
+            batches,
+            seqs,
+            series,
+            dims,
+        })
+    }
+
+    /// The graph at `batch` and `seq`, or `None` where `seq` rounds otherwise than the fit's lengths
+    /// or a dimension is not a whole number (or leaves the range of sizes).
+    pub fn instantiate(&self, batch: u64, seq: u64) -> Option<Graph> {
+        if seq_class(seq) != seq_class(self.seqs[0]) {
+            return None;
+        }
+        let weights = Weights::at(self.batches, self.seqs, batch, seq)?;
+        let mut graph = self.base.clone();
+        graph.batch = batch;
+        graph.seq = seq;
+        let sizes: Vec<u64> = self
+            .series
+            .iter()
+            .map(|s| weights.value(s))
+            .collect::<Option<_>>()?;
+        for &(at, series) in &self.dims {
+            at.set(&mut graph, sizes[series as usize]);
+        }
+        Some(graph)
     }
 }
 

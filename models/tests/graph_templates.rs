@@ -9,6 +9,7 @@ mod common;
 use common::{template_recipes as recipes, TEMPLATE_BATCHES as BATCHES};
 use vramsim_models::graph::Graph;
 use vramsim_models::graph_template::GraphTemplate;
+use vramsim_models::seq_template::SeqGraphTemplate;
 use vramsim_models::zoo::{self, NAMES};
 use vramsim_models::{Checkpointing, Precision, Recipe};
 
@@ -78,4 +79,44 @@ fn graphs_of_other_structures_are_no_template() {
     let a = built("gpt2", &r, 2);
     let b = built("gpt2", &longer, 3);
     assert!(GraphTemplate::fit(&a, &b).is_none());
+}
+
+/// Over the batch and the sequence length (`seq_template::SeqGraphTemplate`): fitted through the
+/// graphs at batches 2 and 3 × three lengths of one residue, it writes the zoo's graph at other
+/// batches and lengths of that residue, for every zoo language model.
+#[test]
+fn every_language_model_instantiates_its_fresh_graph_over_the_length() {
+    for name in NAMES {
+        let arch = zoo::Arch::from_name(name).unwrap();
+        let Some(positions) = arch.max_positions() else {
+            continue;
+        };
+        for residue in [0u64, 40, 100] {
+            let seqs = [residue + 128, residue + 256, residue + 384];
+            if seqs[2] + 128 > positions {
+                continue;
+            }
+            let r = Recipe::new(1, seqs[0]);
+            let at = |batch: u64, seq: u64| {
+                let mut r = r.clone();
+                r.seq = seq;
+                built(name, &r, batch)
+            };
+            let points = [2u64, 3].map(|b| seqs.map(|s| at(b, s)));
+            let fit = [0, 1].map(|k| [0, 1, 2].map(|j| &points[k][j]));
+            let template = SeqGraphTemplate::fit(fit, [2, 3], seqs)
+                .unwrap_or_else(|| panic!("{name} residue {residue}: no template"));
+            for (batch, seq) in [(5, seqs[2] + 128), (4, seqs[0]), (2, seqs[1])] {
+                let made = template
+                    .instantiate(batch, seq)
+                    .unwrap_or_else(|| panic!("{name} batch {batch} seq {seq}: no instance"));
+                assert!(
+                    made == at(batch, seq),
+                    "{name} batch {batch} seq {seq}: the instance differs from a fresh build"
+                );
+            }
+            // a length of another residue is not the template's
+            assert!(template.instantiate(2, seqs[0] + 1).is_none());
+        }
+    }
 }
