@@ -9,7 +9,7 @@ mod common;
 use common::{template_recipes as recipes, TEMPLATE_BATCHES as BATCHES};
 use vramsim_models::compact::{lower_compact, CompactTrace};
 use vramsim_models::template::BatchTemplate;
-use vramsim_models::zoo::{self, NAMES};
+use vramsim_models::zoo;
 use vramsim_models::{Checkpointing, OptimizerKind, Precision, Recipe};
 
 fn lowered(name: &str, r: &Recipe) -> CompactTrace {
@@ -47,11 +47,7 @@ fn check(name: &str, base: &Recipe) {
 
 #[test]
 fn every_zoo_model_instantiates_its_fresh_lowering() {
-    for name in NAMES {
-        for r in recipes(name) {
-            check(name, &r);
-        }
-    }
+    common::for_every_template_recipe(check);
 }
 
 #[test]

@@ -37,11 +37,7 @@ fn check(name: &str, r: &Recipe) {
 
 #[test]
 fn every_zoo_model_instantiates_its_fresh_graph() {
-    for name in NAMES {
-        for r in recipes(name) {
-            check(name, &r);
-        }
-    }
+    common::for_every_template_recipe(check);
 }
 
 #[test]

@@ -322,3 +322,12 @@ pub fn template_recipes(name: &str) -> Vec<Recipe> {
         })
         .collect()
 }
+
+/// Calls `check` with every zoo model and each of its [`template_recipes`].
+pub fn for_every_template_recipe(check: impl Fn(&str, &Recipe)) {
+    for name in zoo::NAMES {
+        for r in template_recipes(name) {
+            check(name, &r);
+        }
+    }
+}
