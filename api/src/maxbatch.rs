@@ -240,10 +240,7 @@ impl<'a> Prober<'a> {
                 .is_some_and(|made| made.same_as(&lowered.compact))
             {
                 // the graphs' template is checked against this fresh graph too
-                let graph = graph.filter(|g| {
-                    g.instantiate(lowered.graph.batch)
-                        .is_some_and(|made| made == *lowered.graph)
-                });
+                let graph = graph.filter(|g| g.writes(&lowered.graph));
                 self.template = Some(candidate.with_graph(graph));
                 self.fresh.clear();
                 return;

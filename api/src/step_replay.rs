@@ -50,8 +50,8 @@ pub fn replay_step(
 /// with more or fewer repetitions: the smallest replays its rest, and tells the larger ones' outcomes
 /// (`Replay::outcome_with_more`, where every later repeat reaches its steady state too), and a
 /// smaller one's where it ended one repetition before the steady state showed and that repetition
-/// raised no statistic's peak; the others replay their own rest. The same reports as a [`replay_step`] of each (test `compact_replay`).
-/// Replays each alone where the variants do not share their lowering or the allocator model cannot
+/// raised no statistic's peak; the others replay their own rest. The same reports as a
+/// [`replay_step`] of each (test `compact_replay`). Replays each alone where the variants do not share their lowering or the allocator model cannot
 /// be copied.
 pub fn replay_step_variants(
     variants: &[&Lowered],

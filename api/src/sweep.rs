@@ -566,7 +566,12 @@ fn lower_family<'a>(
                     t.instantiate(ends[2].0)
                         .is_some_and(|made| made.same_as(&last.compact))
                 })
-                .map(|t| t.with_graph(checked_graph_template(a, b, last)))
+                .map(|t| {
+                    // the model graphs' template too, trusted where it writes the largest's graph
+                    let graph =
+                        GraphTemplate::fit(&a.graph, &b.graph).filter(|g| g.writes(&last.graph));
+                    t.with_graph(graph)
+                })
         }
         _ => None,
     };
@@ -585,16 +590,6 @@ fn lower_family<'a>(
         (g, made)
     }));
     out
-}
-
-/// The template of the model graphs of `a` and `b` (lowerings of one recipe at two batches), where it
-/// writes `last`'s graph (a third batch's, built afresh) exactly: instances then take their graph
-/// from it instead of building one.
-fn checked_graph_template(a: &Lowered, b: &Lowered, last: &Lowered) -> Option<GraphTemplate> {
-    GraphTemplate::fit(&a.graph, &b.graph).filter(|t| {
-        t.instantiate(last.graph.batch)
-            .is_some_and(|made| made == *last.graph)
-    })
 }
 
 /// One lowering per group of `families` (families of one structure that differ only in a sequence
@@ -728,10 +723,7 @@ fn lower_seq_family<'a>(
                     fit_batches,
                     fit_seqs,
                 )
-                .filter(|t| {
-                    t.instantiate(check.0, check.1)
-                        .is_some_and(|made| made == *g[6])
-                })
+                .filter(|t| t.writes(g[6]))
             });
             t.with_graph(template)
         });

@@ -735,6 +735,21 @@ pub const BENCH_GRIDS: &[(&str, &[&str])] = &[
     ),
 ];
 
+/// The fastest of `runs` runs of `run` (seconds) and what that run returned: the run the machine's
+/// other work disturbed least.
+fn fastest<T>(runs: usize, mut run: impl FnMut() -> Result<T>) -> Result<(f64, T)> {
+    let mut best: Option<(f64, T)> = None;
+    for _ in 0..runs {
+        let t0 = Instant::now();
+        let out = run()?;
+        let seconds = t0.elapsed().as_secs_f64();
+        if best.as_ref().is_none_or(|(b, _)| seconds < *b) {
+            best = Some((seconds, out));
+        }
+    }
+    best.ok_or_else(|| anyhow::anyhow!("no run timed"))
+}
+
 /// Runs of each grid of [`bench_sweeps`] (on both threads, and on one), the best kept.
 const GRID_BEST_OF: usize = 3;
 
@@ -807,14 +822,9 @@ pub fn bench_accumulation() -> Result<AccumBench> {
         .map(|(k, v)| (k.to_string(), Some(v.to_string())))
         .collect(),
     };
-    let mut max_batch = f64::INFINITY;
-    let mut search = None;
-    for _ in 0..BEST_OF {
-        let t0 = Instant::now();
-        search = Some(crate::maxbatch::search(&fixed, "batch", &[], None, None)?);
-        max_batch = max_batch.min(t0.elapsed().as_secs_f64());
-    }
-    let search = search.expect("searched at least once");
+    let (max_batch, search) = fastest(BEST_OF, || {
+        crate::maxbatch::search(&fixed, "batch", &[], None, None)
+    })?;
     Ok(AccumBench {
         accum2,
         accum64,
@@ -825,7 +835,8 @@ pub fn bench_accumulation() -> Result<AccumBench> {
     })
 }
 
-/// Times each of [`BENCH_GRIDS`] with rayon's default pool, then on one thread (best of [`GRID_BEST_OF`] each).
+/// Times each of [`BENCH_GRIDS`] with rayon's default pool, then on one thread (best of
+/// [`GRID_BEST_OF`] each).
 pub fn bench_sweeps() -> Result<Vec<SweepBench>> {
     let fixed = FixedOptions {
         given: vec![
@@ -845,26 +856,20 @@ pub fn bench_sweeps() -> Result<Vec<SweepBench>> {
             .filter(|a| !set.find(&a.key).is_some_and(|o| o.machine))
             .map(|a| a.values.len())
             .product();
-        let run = || -> (f64, usize) {
-            let t0 = Instant::now();
-            let results = sweep::evaluate(&configs, Wants::default(), &Progress::hidden());
-            let seconds = t0.elapsed().as_secs_f64();
-            let fits = results
-                .iter()
-                .filter(|r| r.as_ref().is_ok_and(Evaluated::fits))
-                .count();
-            (seconds, fits)
+        let run = || {
+            Ok(sweep::evaluate(
+                &configs,
+                Wants::default(),
+                &Progress::hidden(),
+            ))
         };
-        // the best of a few runs, as for single configurations (`BEST_OF`)
-        let best = |run: &dyn Fn() -> (f64, usize)| {
-            (0..GRID_BEST_OF)
-                .map(|_| run())
-                .min_by(|a, b| a.0.total_cmp(&b.0))
-                .expect("runs")
-        };
-        let (seconds, fits) = best(&run);
+        let (seconds, results) = fastest(GRID_BEST_OF, run)?;
+        let fits = results
+            .iter()
+            .filter(|r| r.as_ref().is_ok_and(Evaluated::fits))
+            .count();
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
-        let (seconds_one_thread, _) = pool.install(|| best(&run));
+        let (seconds_one_thread, _) = pool.install(|| fastest(GRID_BEST_OF, run))?;
         out.push(SweepBench {
             name,
             configurations: configs.len(),

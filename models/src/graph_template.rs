@@ -69,6 +69,13 @@ impl GraphTemplate {
         })
     }
 
+    /// Whether the template writes `graph` (of its structure, built afresh at another batch) exactly:
+    /// the check a caller makes before trusting it.
+    pub fn writes(&self, graph: &Graph) -> bool {
+        self.instantiate(graph.batch)
+            .is_some_and(|made| made == *graph)
+    }
+
     /// The graph at `batch`, or `None` where a dimension would leave the range of sizes.
     pub fn instantiate(&self, batch: u64) -> Option<Graph> {
         let from_base = i64::try_from(batch).ok()? - i64::try_from(self.base.batch).ok()?;

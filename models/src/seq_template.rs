@@ -67,17 +67,7 @@ impl SeqBatchTemplate {
         batches: [u64; 2],
         seqs: [u64; 3],
     ) -> Result<Self, String> {
-        if batches[0] == batches[1] {
-            return Err("one batch twice".into());
-        }
-        if seqs[0] == seqs[1] || seqs[0] == seqs[2] || seqs[1] == seqs[2] {
-            return Err("one sequence length twice".into());
-        }
-        if seqs.iter().any(|&s| seq_class(s) != seq_class(seqs[0])) {
-            return Err(format!(
-                "sequence lengths {seqs:?} round differently (residues modulo {SEQ_CLASS})"
-            ));
-        }
+        fit_points(batches, seqs)?;
         let base = points[0][0];
         let mut sizes: FxHashMap<usize, [Option<u64>; 6]> = FxHashMap::default();
         let mut meta: FxHashMap<Vec<PathStep>, [Option<u64>; 6]> = FxHashMap::default();
@@ -95,8 +85,6 @@ impl SeqBatchTemplate {
                 values[p] = Some(here);
             }
         }
-        // a quantity not listed at a point is the base's there
-        let filled = |v: [Option<u64>; 6]| v.map(|x| x.or(v[0]).expect("the base's is listed"));
         let mut sizes: Vec<(usize, [u64; 6])> =
             sizes.into_iter().map(|(i, v)| (i, filled(v))).collect();
         sizes.sort_unstable_by_key(|&(i, _)| i);
@@ -173,18 +161,14 @@ impl SeqGraphTemplate {
     /// (as their own batch and length say), or `None` when they are not one structure or cannot fit
     /// one (a batch or a length twice, lengths of different residues).
     pub fn fit(points: [[&Graph; 3]; 2], batches: [u64; 2], seqs: [u64; 3]) -> Option<Self> {
-        let distinct = batches[0] != batches[1]
-            && seqs[0] != seqs[1]
-            && seqs[0] != seqs[2]
-            && seqs[1] != seqs[2]
-            && seqs.iter().all(|&s| seq_class(s) == seq_class(seqs[0]));
+        fit_points(batches, seqs).ok()?;
         let base = points[0][0];
         let at_points = points.iter().enumerate().all(|(k, row)| {
             row.iter()
                 .enumerate()
                 .all(|(j, g)| g.batch == batches[k] && g.seq == seqs[j] && one_structure(base, g))
         });
-        if !distinct || !at_points {
+        if !at_points {
             return None;
         }
         let mut dims: FxHashMap<Dim, [Option<u64>; 6]> = FxHashMap::default();
@@ -195,11 +179,8 @@ impl SeqGraphTemplate {
                 sizes[p] = Some(here);
             }
         }
-        // a size not listed at a point is the base's there
-        let mut listed: Vec<(Dim, [u64; 6])> = dims
-            .into_iter()
-            .map(|(at, v)| (at, v.map(|x| x.or(v[0]).expect("listed"))))
-            .collect();
+        let mut listed: Vec<(Dim, [u64; 6])> =
+            dims.into_iter().map(|(at, v)| (at, filled(v))).collect();
         listed.sort_unstable_by_key(|&(at, _)| at);
         let mut series: Vec<[u64; 6]> = Vec::new();
         let mut index: FxHashMap<[u64; 6], u32> = FxHashMap::default();
@@ -222,6 +203,13 @@ impl SeqGraphTemplate {
         })
     }
 
+    /// Whether the template writes `graph` (of its structure, built afresh at another batch and
+    /// length) exactly: the check a caller makes before trusting it.
+    pub fn writes(&self, graph: &Graph) -> bool {
+        self.instantiate(graph.batch, graph.seq)
+            .is_some_and(|made| made == *graph)
+    }
+
     /// The graph at `batch` and `seq`, or `None` where `seq` rounds otherwise than the fit's lengths
     /// or a dimension is not a whole number (or leaves the range of sizes).
     pub fn instantiate(&self, batch: u64, seq: u64) -> Option<Graph> {
@@ -242,6 +230,29 @@ impl SeqGraphTemplate {
         }
         Some(graph)
     }
+}
+
+/// Why two batches × three lengths cannot fit a template, if they cannot: a batch or a length twice,
+/// or lengths of different residues (which kernels round otherwise).
+fn fit_points(batches: [u64; 2], seqs: [u64; 3]) -> Result<(), String> {
+    if batches[0] == batches[1] {
+        return Err("one batch twice".into());
+    }
+    if seqs[0] == seqs[1] || seqs[0] == seqs[2] || seqs[1] == seqs[2] {
+        return Err("one sequence length twice".into());
+    }
+    if seqs.iter().any(|&s| seq_class(s) != seq_class(seqs[0])) {
+        return Err(format!(
+            "sequence lengths {seqs:?} round differently (residues modulo {SEQ_CLASS})"
+        ));
+    }
+    Ok(())
+}
+
+/// A quantity's values at the fit's six points, from those listed where it differs from the base's
+/// (the first, always listed): one not listed at a point is the base's there.
+fn filled(values: [Option<u64>; 6]) -> [u64; 6] {
+    values.map(|x| x.or(values[0]).expect("the base's is listed"))
 }
 
 /// The Lagrange basis of the fit's six points evaluated at one (batch, length), over one common
